@@ -1,0 +1,93 @@
+# moeserve build.
+#   make            build build/moeserve (CPU path always; CUDA objects too where nvcc is found)
+#   make CUDA=0     skip the CUDA path even when nvcc is there
+#   make test       build and run every test; the last line is "N passed, M failed"
+#   make run        install what is missing, build, and run the embedded default model
+#   make bench      CPU decode benchmarks (see docs/benchmarks.md)
+#   make asan       build and test with AddressSanitizer + UBSan in build-asan/
+#   make format     clang-format every C source
+#   make clean      remove build outputs
+
+BUILD    ?= build
+CC       ?= cc
+MARCH    ?= native
+OPT      ?= -O3 -march=$(MARCH)
+CFLAGS   ?= $(OPT) -g
+CFLAGS   += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -I. -MMD -MP
+LDLIBS   += -fopenmp -lcjson -lpcre2-8 -lutf8proc -lm -lpthread
+
+# ---- what we found ----
+NVCC     ?= $(shell command -v nvcc 2>/dev/null)
+ifeq ($(CUDA),0)
+  NVCC :=
+endif
+CU_SRCS  := $(wildcard kernels/cuda/*.cu)
+ifneq ($(NVCC),)
+  ifneq ($(CU_SRCS),)
+    CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+    NVCCFLAGS ?= -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I.
+    CFLAGS    += -DMOESERVE_CUDA=1
+    LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt
+    CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
+  endif
+endif
+$(info moeserve: cc=$(CC) nvcc=$(if $(NVCC),$(NVCC),none) cuda objects=$(words $(CU_OBJS)))
+
+LIB_SRCS  := $(wildcard common/*.c config/*.c kernels/cpu/*.c runner/*.c runner/models/*.c server/*.c)
+LIB_SRCS  := $(filter-out server/main.c,$(LIB_SRCS))
+LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(CU_OBJS)
+TEST_SRCS := $(wildcard tests/test_*.c)
+TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+
+.PHONY: all test run bench asan format clean deps
+all: $(BUILD)/moeserve $(TEST_BINS)
+
+$(BUILD)/moeserve: $(BUILD)/server/main.o $(LIB_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
+
+# Debian packages the build and the tests need; installed only when one is missing.
+DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev
+deps:
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+test: all
+	@tests/run.sh
+
+DEFAULT_MODEL ?= models/tiny-qwen3-moe
+PROMPT ?= Question: Natalia sold 48 clips in April. How many clips did she sell?\nAnswer:
+run: deps
+	@$(MAKE) --no-print-directory $(BUILD)/moeserve
+	$(BUILD)/moeserve generate --model-path $(DEFAULT_MODEL) --prompt "$(PROMPT)" --max-new-tokens 32
+
+bench: all
+	scripts/bench_cpu.sh
+
+asan:
+	$(MAKE) BUILD=build-asan OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
+	  LDLIBS="-fsanitize=address,undefined -fopenmp -lcjson -lpcre2-8 -lutf8proc -lm -lpthread" CUDA=0 all
+	BUILD=build-asan tests/run.sh
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
+
+clean:
+	rm -rf $(BUILD) build-asan
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

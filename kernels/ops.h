@@ -1,0 +1,94 @@
+/* The backend op table: the only interface between the model code and the kernels.
+ *
+ * Shape letters, written once:
+ *   T  tokens in the batch          D   hidden size           V  vocabulary
+ *   H  query heads                  Hkv key/value heads       Dh head dim
+ *   E  experts                      K   experts per token     F  FFN width (expert or dense)
+ *   P  KV pages                     S   tokens per KV page    N, Kin  linear out / in features
+ *
+ * Activations are float32 buffers on the backend's device; weights are tensors (BF16 or F32
+ * today; FP8 and NVFP4 come with the CUDA backend). Arguments go outputs, inputs, sizes.
+ * Every op of every backend has the CPU version in kernels/cpu/ as its reference. */
+#ifndef MOESERVE_OPS_H
+#define MOESERVE_OPS_H
+
+#include "common/tensor.h"
+
+/* Where each token of a batch sits in the paged KV cache. Token t belongs to sequence seq[t]
+ * and has absolute position pos[t]; the KV of position p of sequence s lives in page
+ * page_table[s * max_pages + p / S], slot p % S. A token attends to positions 0..pos[t] of its
+ * own sequence (causal), which must already be stored (kv_store runs first). */
+typedef struct {
+    int T;
+    const int32_t *pos;        /* [T] */
+    const int32_t *seq;        /* [T] */
+    const int32_t *page_table; /* [n_seq, max_pages] */
+    int max_pages;
+    int page_size; /* S */
+} attn_batch;
+
+/* One paged KV cache layer: k and v are [P, S, Hkv, Dh] float32. */
+typedef struct {
+    float *k;
+    float *v;
+} kv_layer;
+
+/* The weights of one MoE layer's experts, hub layout: per expert gate/up [F, D], down [D, F]. */
+typedef struct {
+    int E;
+    const tensor *gate; /* [E] tensors of [F, D] */
+    const tensor *up;   /* [E] tensors of [F, D] */
+    const tensor *down; /* [E] tensors of [D, F] */
+} moe_experts;
+
+typedef struct ops {
+    const char *name;
+
+    /* out[T, D] = table[ids[t], :] (table [V, D]). */
+    void (*embedding)(float *out, const tensor *table, const int32_t *ids, int T, int D);
+
+    /* out[R, C] = x / sqrt(mean(x^2) + eps) * w, each of R rows; w [C]. out may equal x. */
+    void (*rmsnorm)(float *out, const float *x, const tensor *w, int R, int C, float eps);
+
+    /* out[T, N] = x[T, Kin] w[N, Kin]^T, fp32 accumulation; w read in its own dtype. */
+    void (*linear)(float *out, const float *x, const tensor *w, int T, int N, int Kin);
+
+    /* In place rotate-half RoPE on q[T, H, Dh] and k[T, Hkv, Dh] at positions pos[T]:
+     * element j pairs with j + Dh/2, angle pos * theta^(-2j/Dh). */
+    void (*rope)(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
+                 double theta);
+
+    /* Store k, v [T, Hkv, Dh] of every token into the cache at (seq[t], pos[t]). */
+    void (*kv_store)(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
+                     int Dh);
+
+    /* out[T, H, Dh] = softmax(q k^T * scale, causal) v per head; head h reads kv head
+     * h / (H / Hkv). Accumulates in fp32 over positions 0..pos[t] in order. */
+    void (*attention)(float *out, const float *q, kv_layer kv, const attn_batch *b, int H,
+                      int Hkv, int Dh, float scale);
+
+    /* Router: probs = softmax(logits[T, E]) in fp32; topk_ids/topk_w [T, K] the K largest in
+     * descending order (ties: lower expert id first); if norm, weights divided by their sum. */
+    void (*router_topk)(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E,
+                        int K, bool norm);
+
+    /* out[T, K, D]: slot k of token t = down(silu(gate(x_t)) * up(x_t)) of expert
+     * topk_ids[t, k]. Tokens are grouped by expert so each expert's weights are read once. */
+    void (*moe_experts)(float *out, const float *x, const int32_t *topk_ids,
+                        const moe_experts *w, int T, int K, int D, int F);
+
+    /* out[T, D] = sum over k = 0..K-1, in that order, of topk_w[t, k] * expert_out[t, k, :]. */
+    void (*moe_finalize)(float *out, const float *expert_out, const float *topk_w, int T, int K,
+                         int D);
+
+    /* out[T, F] = silu(gate[T, F]) * up[T, F]. */
+    void (*silu_mul)(float *out, const float *gate, const float *up, int T, int F);
+
+    /* out[n] = a[n] + b[n]; out may equal a. */
+    void (*add)(float *out, const float *a, const float *b, int64_t n);
+} ops;
+
+/* The CPU backend (kernels/cpu/). Threads: OpenMP, omp_get_max_threads(). */
+const ops *ops_cpu(void);
+
+#endif
