@@ -1,0 +1,243 @@
+/* Qwen3-MoE (Qwen3MoeForCausalLM), as transformers defines it:
+ *   x = embed(ids)
+ *   per layer: x += o_proj(attn(rope(qk_norm(q, k)), v)) of rmsnorm(x)
+ *              x += moe(rmsnorm(x))   or a dense SwiGLU MLP on mlp_only / non-sparse layers
+ *   logits = lm_head(rmsnorm(x))      (lm_head = embed_tokens when tied)
+ * Only the rows that need logits go through the final norm and lm_head. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/log.h"
+#include "runner/model.h"
+
+typedef struct {
+    const tensor *input_norm;    /* [D] */
+    const tensor *post_norm;     /* [D] */
+    const tensor *q_proj;        /* [H*Dh, D] */
+    const tensor *k_proj;        /* [Hkv*Dh, D] */
+    const tensor *v_proj;        /* [Hkv*Dh, D] */
+    const tensor *o_proj;        /* [D, H*Dh] */
+    const tensor *q_norm;        /* [Dh] */
+    const tensor *k_norm;        /* [Dh] */
+    bool is_moe;
+    const tensor *router;        /* [E, D] (MoE) */
+    tensor *expert_gate;         /* [E] tensors of [F, D] (MoE) */
+    tensor *expert_up;           /* [E] tensors of [F, D] */
+    tensor *expert_down;         /* [E] tensors of [D, F] */
+    const tensor *mlp_gate;      /* [F, D] (dense) */
+    const tensor *mlp_up;        /* [F, D] */
+    const tensor *mlp_down;      /* [D, F] */
+} qwen3_moe_layer;
+
+typedef struct {
+    const tensor *embed;   /* [V, D] */
+    const tensor *norm;    /* [D] */
+    const tensor *lm_head; /* [V, D], = embed when tied */
+    qwen3_moe_layer *layers; /* [L] */
+} qwen3_moe_weights;
+
+/* Activation buffers, grown to the largest T seen. */
+typedef struct {
+    int cap_T;
+    float *x;       /* [T, D] residual stream */
+    float *h;       /* [T, D] normed */
+    float *q;       /* [T, H*Dh] */
+    float *k;       /* [T, Hkv*Dh] */
+    float *v;       /* [T, Hkv*Dh] */
+    float *att;     /* [T, H*Dh] */
+    float *o;       /* [T, D] */
+    float *router;  /* [T, E] */
+    int32_t *topk_ids; /* [T, K] */
+    float *topk_w;  /* [T, K] */
+    float *expert_out; /* [T, K, D] */
+    float *gate;    /* [T, F] dense */
+    float *up;      /* [T, F] */
+} qwen3_moe_workspace;
+
+static int weight2(model *m, const char *name, int64_t d0, int64_t d1, const tensor **out,
+                   char *err, size_t errlen) {
+    int64_t shape[2] = {d0, d1};
+    return model_weight(m, name, 2, shape, out, err, errlen);
+}
+
+static int weight1(model *m, const char *name, int64_t d0, const tensor **out, char *err,
+                   size_t errlen) {
+    return model_weight(m, name, 1, &d0, out, err, errlen);
+}
+
+static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
+    const model_config *c = &m->cfg;
+    int64_t D = c->hidden_size, H = c->num_attention_heads, Hkv = c->num_key_value_heads;
+    int64_t Dh = c->head_dim;
+    char name[256];
+#define W1(field, suffix, d0)                                                                      \
+    snprintf(name, sizeof name, "model.layers.%d.%s", i, suffix);                                 \
+    if (weight1(m, name, d0, &l->field, err, errlen)) return -1
+#define W2(field, suffix, d0, d1)                                                                  \
+    snprintf(name, sizeof name, "model.layers.%d.%s", i, suffix);                                 \
+    if (weight2(m, name, d0, d1, &l->field, err, errlen)) return -1
+    W1(input_norm, "input_layernorm.weight", D);
+    W1(post_norm, "post_attention_layernorm.weight", D);
+    W2(q_proj, "self_attn.q_proj.weight", H * Dh, D);
+    W2(k_proj, "self_attn.k_proj.weight", Hkv * Dh, D);
+    W2(v_proj, "self_attn.v_proj.weight", Hkv * Dh, D);
+    W2(o_proj, "self_attn.o_proj.weight", D, H * Dh);
+    W1(q_norm, "self_attn.q_norm.weight", Dh);
+    W1(k_norm, "self_attn.k_norm.weight", Dh);
+    l->is_moe = c->layer_is_moe[i];
+    if (!l->is_moe) {
+        int64_t F = c->intermediate_size;
+        W2(mlp_gate, "mlp.gate_proj.weight", F, D);
+        W2(mlp_up, "mlp.up_proj.weight", F, D);
+        W2(mlp_down, "mlp.down_proj.weight", D, F);
+        return 0;
+    }
+    int E = c->num_experts;
+    int64_t F = c->moe_intermediate_size;
+    W2(router, "mlp.gate.weight", E, D);
+    l->expert_gate = xcalloc(E, sizeof(tensor));
+    l->expert_up = xcalloc(E, sizeof(tensor));
+    l->expert_down = xcalloc(E, sizeof(tensor));
+    for (int e = 0; e < E; e++) {
+        const tensor *t;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.gate_proj.weight", i, e);
+        if (weight2(m, name, F, D, &t, err, errlen)) return -1;
+        l->expert_gate[e] = *t;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.up_proj.weight", i, e);
+        if (weight2(m, name, F, D, &t, err, errlen)) return -1;
+        l->expert_up[e] = *t;
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj.weight", i, e);
+        if (weight2(m, name, D, F, &t, err, errlen)) return -1;
+        l->expert_down[e] = *t;
+    }
+#undef W1
+#undef W2
+    return 0;
+}
+
+static int qwen3_moe_load(model *m, char *err, size_t errlen) {
+    const model_config *c = &m->cfg;
+    qwen3_moe_weights *w = xcalloc(1, sizeof *w);
+    m->weights = w;
+    m->workspace = xcalloc(1, sizeof(qwen3_moe_workspace));
+    if (weight2(m, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->embed, err,
+                errlen))
+        return -1;
+    if (weight1(m, "model.norm.weight", c->hidden_size, &w->norm, err, errlen)) return -1;
+    if (c->tie_word_embeddings) {
+        w->lm_head = w->embed;
+    } else if (weight2(m, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head, err,
+                       errlen)) {
+        return -1;
+    }
+    w->layers = xcalloc(c->num_hidden_layers, sizeof(qwen3_moe_layer));
+    for (int i = 0; i < c->num_hidden_layers; i++)
+        if (qwen3_moe_load_layer(m, i, &w->layers[i], err, errlen)) return -1;
+    return 0;
+}
+
+static void qwen3_moe_workspace_reserve(const model_config *c, qwen3_moe_workspace *ws, int T) {
+    if (T <= ws->cap_T) return;
+    size_t D = c->hidden_size, QD = (size_t)c->num_attention_heads * c->head_dim;
+    size_t KVD = (size_t)c->num_key_value_heads * c->head_dim;
+    size_t E = c->num_experts, K = c->num_experts_per_tok;
+    size_t F = c->intermediate_size > 0 ? c->intermediate_size : 1;
+    ws->x = xrealloc(ws->x, T * D * sizeof(float));
+    ws->h = xrealloc(ws->h, T * D * sizeof(float));
+    ws->q = xrealloc(ws->q, T * QD * sizeof(float));
+    ws->k = xrealloc(ws->k, T * KVD * sizeof(float));
+    ws->v = xrealloc(ws->v, T * KVD * sizeof(float));
+    ws->att = xrealloc(ws->att, T * QD * sizeof(float));
+    ws->o = xrealloc(ws->o, T * D * sizeof(float));
+    ws->router = xrealloc(ws->router, T * (E ? E : 1) * sizeof(float));
+    ws->topk_ids = xrealloc(ws->topk_ids, T * (K ? K : 1) * sizeof(int32_t));
+    ws->topk_w = xrealloc(ws->topk_w, T * (K ? K : 1) * sizeof(float));
+    ws->expert_out = xrealloc(ws->expert_out, T * (K ? K : 1) * D * sizeof(float));
+    ws->gate = xrealloc(ws->gate, T * F * sizeof(float));
+    ws->up = xrealloc(ws->up, T * F * sizeof(float));
+    ws->cap_T = T;
+}
+
+static void qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, float *logits) {
+    const model_config *c = &m->cfg;
+    const ops *op = m->ops;
+    const qwen3_moe_weights *w = m->weights;
+    qwen3_moe_workspace *ws = m->workspace;
+    int T = b->T, D = c->hidden_size, H = c->num_attention_heads, Hkv = c->num_key_value_heads;
+    int Dh = c->head_dim, E = c->num_experts, K = c->num_experts_per_tok;
+    float eps = c->rms_norm_eps, scale = 1.0f / sqrtf((float)Dh);
+    qwen3_moe_workspace_reserve(c, ws, T > b->n_logits ? T : b->n_logits);
+
+    op->embedding(ws->x, w->embed, b->ids, T, D);
+    for (int i = 0; i < c->num_hidden_layers; i++) {
+        const qwen3_moe_layer *l = &w->layers[i];
+        kv_layer kvl = kv_cache_layer(kv, i);
+        /* attention block */
+        op->rmsnorm(ws->h, ws->x, l->input_norm, T, D, eps);
+        op->linear(ws->q, ws->h, l->q_proj, T, H * Dh, D);
+        op->linear(ws->k, ws->h, l->k_proj, T, Hkv * Dh, D);
+        op->linear(ws->v, ws->h, l->v_proj, T, Hkv * Dh, D);
+        op->rmsnorm(ws->q, ws->q, l->q_norm, T * H, Dh, eps);
+        op->rmsnorm(ws->k, ws->k, l->k_norm, T * Hkv, Dh, eps);
+        op->rope(ws->q, ws->k, b->attn.pos, T, H, Hkv, Dh, c->rope_theta);
+        op->kv_store(kvl, ws->k, ws->v, &b->attn, Hkv, Dh);
+        op->attention(ws->att, ws->q, kvl, &b->attn, H, Hkv, Dh, scale);
+        op->linear(ws->o, ws->att, l->o_proj, T, D, H * Dh);
+        op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
+        /* MLP block */
+        op->rmsnorm(ws->h, ws->x, l->post_norm, T, D, eps);
+        if (l->is_moe) {
+            int F = c->moe_intermediate_size;
+            moe_experts experts = {.E = E, .gate = l->expert_gate, .up = l->expert_up,
+                                   .down = l->expert_down};
+            op->linear(ws->router, ws->h, l->router, T, E, D);
+            op->router_topk(ws->topk_ids, ws->topk_w, ws->router, T, E, K, c->norm_topk_prob);
+            op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &experts, T, K, D, F);
+            op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
+        } else {
+            int F = c->intermediate_size;
+            op->linear(ws->gate, ws->h, l->mlp_gate, T, F, D);
+            op->linear(ws->up, ws->h, l->mlp_up, T, F, D);
+            op->silu_mul(ws->gate, ws->gate, ws->up, T, F);
+            op->linear(ws->o, ws->gate, l->mlp_down, T, D, F);
+        }
+        op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
+    }
+    if (b->n_logits == 0) return;
+    /* Only the rows that sample or score go through the final norm and lm_head. */
+    for (int r = 0; r < b->n_logits; r++)
+        memcpy(ws->h + (size_t)r * D, ws->x + (size_t)b->logit_rows[r] * D, D * sizeof(float));
+    op->rmsnorm(ws->h, ws->h, w->norm, b->n_logits, D, eps);
+    op->linear(logits, ws->h, w->lm_head, b->n_logits, c->vocab_size, D);
+}
+
+static void qwen3_moe_free(model *m) {
+    qwen3_moe_weights *w = m->weights;
+    if (w) {
+        for (int i = 0; w->layers && i < m->cfg.num_hidden_layers; i++) {
+            free(w->layers[i].expert_gate);
+            free(w->layers[i].expert_up);
+            free(w->layers[i].expert_down);
+        }
+        free(w->layers);
+        free(w);
+    }
+    qwen3_moe_workspace *ws = m->workspace;
+    if (ws) {
+        float *bufs[] = {ws->x,     ws->h,      ws->q,          ws->k,    ws->v,
+                         ws->att,   ws->o,      ws->router,     ws->topk_w, ws->expert_out,
+                         ws->gate,  ws->up};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+        free(ws->topk_ids);
+        free(ws);
+    }
+    m->weights = m->workspace = NULL;
+}
+
+const model_arch qwen3_moe_arch = {
+    .model_type = "qwen3_moe",
+    .load = qwen3_moe_load,
+    .forward = qwen3_moe_forward,
+    .free = qwen3_moe_free,
+};

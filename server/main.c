@@ -1,0 +1,345 @@
+/* moeserve command line: generate, tokenize, detokenize.
+ *
+ * Every flag is parsed and validated here, once; a bad one stops the program with a message that
+ * names it. Text <-> ids conversion happens here, at the edge; the engine sees ids. */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "kernels/ops.h"
+#include "runner/engine.h"
+#include "runner/model.h"
+#include "server/generate_json.h"
+#include "server/tokenizer.h"
+
+#define MAX_STOP_STRINGS 16
+
+static const char usage_main[] =
+    "usage: moeserve <command> [flags]\n"
+    "\n"
+    "commands:\n"
+    "  generate     run one prompt through the model and print an SGLang /generate answer (JSON)\n"
+    "  tokenize     read text on stdin, print its token ids as a JSON array\n"
+    "  detokenize   read a JSON array of ids on stdin, print the text\n"
+    "\n"
+    "`moeserve <command> --help` explains the flags of a command.\n";
+
+static const char usage_generate[] =
+    "usage: moeserve generate --model-path DIR (--prompt TEXT | --input-ids 1,2,3) [flags]\n"
+    "\n"
+    "  --model-path DIR         Hugging Face model folder (config.json, *.safetensors, tokenizer.json)\n"
+    "  --prompt TEXT            prompt text, tokenized with DIR/tokenizer.json (no special tokens added\n"
+    "                           unless the tokenizer's post-processor adds them)\n"
+    "  --input-ids LIST         prompt as comma-separated token ids\n"
+    "  --max-new-tokens N       tokens to generate (default 128; 0 scores the prompt only)\n"
+    "  --min-new-tokens N       ignore eos and stop ids before N tokens (default 0)\n"
+    "  --temperature T          sampling temperature, >= 0 (default 1; below 1e-6 is greedy)\n"
+    "  --top-p P                nucleus mass in (0, 1] (default 1)\n"
+    "  --top-k K                keep the K most likely tokens, -1 = all (default -1)\n"
+    "  --min-p P                drop tokens below P x the top probability, in [0, 1] (default 0)\n"
+    "  --repetition-penalty R   in (0, 2] over prompt and output (default 1)\n"
+    "  --frequency-penalty F    in [-2, 2] over output (default 0)\n"
+    "  --presence-penalty F     in [-2, 2] over output (default 0)\n"
+    "  --seed S                 sampling seed; the same seed gives the same output (default 0)\n"
+    "  --stop TEXT              stop when the text contains TEXT (repeatable, trimmed from text)\n"
+    "  --stop-token-ids LIST    stop on any of these ids (comma-separated)\n"
+    "  --ignore-eos             do not stop on the model's eos ids\n"
+    "  --no-skip-special-tokens keep special tokens in the output text\n"
+    "  --return-logprob         add input_token_logprobs and output_token_logprobs to meta_info\n"
+    "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
+    "  --threads N              CPU threads (default: all cores)\n"
+    "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
+
+static const char usage_tokenize[] =
+    "usage: moeserve tokenize --model-path DIR [--add-special-tokens]\n"
+    "  reads UTF-8 text on stdin and prints its ids as a JSON array\n"
+    "usage: moeserve detokenize --model-path DIR [--skip-special-tokens]\n"
+    "  reads a JSON array of ids on stdin and prints the text\n";
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("moeserve: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(1);
+}
+
+static long parse_long(const char *flag, const char *s, long lo, long hi) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        die("%s: '%s' is not an integer in [%ld, %ld]", flag, s, lo, hi);
+    return v;
+}
+
+static float parse_float(const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) die("%s: '%s' is not a number", flag, s);
+    return v;
+}
+
+/* "1,2,3" -> ids; each in [0, INT32_MAX]. */
+static int32_t *parse_ids(const char *flag, const char *s, int *n) {
+    int cap = 16;
+    int32_t *ids = xmalloc(cap * sizeof(int32_t));
+    *n = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ','))
+            die("%s: '%s' is not a comma-separated list of token ids", flag, s);
+        if (*n == cap) ids = xrealloc(ids, (cap *= 2) * sizeof(int32_t));
+        ids[(*n)++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+        if (*end && !*p) die("%s: '%s' ends with a comma", flag, s);
+    }
+    return ids;
+}
+
+static char *read_stdin(size_t *len) {
+    size_t cap = 1 << 16, n = 0;
+    char *buf = xmalloc(cap);
+    size_t got;
+    while ((got = fread(buf + n, 1, cap - n - 1, stdin)) > 0) {
+        n += got;
+        if (cap - n - 1 == 0) buf = xrealloc(buf, cap *= 2);
+    }
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}
+
+static tokenizer *load_tokenizer(const char *dir, bool required) {
+    char path[4096], err[1024];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f && !required) return NULL;
+    if (f) fclose(f);
+    tokenizer *tok = tokenizer_load(path, err, sizeof err);
+    if (!tok) die("%s", err);
+    return tok;
+}
+
+/* Stop strings: the decoded output is kept up to date token by token and searched near its end. */
+typedef struct {
+    const tokenizer *tok;
+    detok_stream ds;
+    char *text;
+    size_t len, cap;
+    const char *stops[MAX_STOP_STRINGS];
+    int n_stops;
+    const char *matched;
+} stop_watch;
+
+static bool stop_watch_on_token(void *ctx, int32_t token) {
+    stop_watch *w = ctx;
+    size_t before = w->len;
+    size_t added = detok_stream_push(&w->ds, token, &w->text, &w->len, &w->cap);
+    if (added == 0) return false;
+    for (int i = 0; i < w->n_stops; i++) {
+        size_t sl = strlen(w->stops[i]);
+        size_t from = before >= sl ? before - sl + 1 : 0; /* a match must end in the new bytes */
+        if (sl && memmem(w->text + from, w->len - from, w->stops[i], sl)) {
+            w->matched = w->stops[i];
+            return true;
+        }
+    }
+    return false;
+}
+
+static int cmd_generate(int argc, char **argv) {
+    const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
+    gen_request q = {.sampling = sampling_params_default(), .max_new_tokens = 128,
+                     .logprob_start_len = -1};
+    bool skip_special = true;
+    int threads = 0;
+    stop_watch sw = {0};
+    log_threshold = LOG_LEVEL_WARN;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            fputs(usage_generate, stdout);
+            return 0;
+        }
+        /* flags without a value */
+        if (!strcmp(a, "--return-logprob")) { q.return_logprob = true; continue; }
+        if (!strcmp(a, "--ignore-eos")) { q.ignore_eos = true; continue; }
+        if (!strcmp(a, "--no-skip-special-tokens")) { skip_special = false; continue; }
+        if (i + 1 >= argc) die("generate: %s needs a value (see moeserve generate --help)", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--model-path")) model_path = v;
+        else if (!strcmp(a, "--prompt")) prompt = v;
+        else if (!strcmp(a, "--input-ids")) input_ids = v;
+        else if (!strcmp(a, "--max-new-tokens")) q.max_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
+        else if (!strcmp(a, "--min-new-tokens")) q.min_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
+        else if (!strcmp(a, "--temperature")) q.sampling.temperature = parse_float(a, v);
+        else if (!strcmp(a, "--top-p")) q.sampling.top_p = parse_float(a, v);
+        else if (!strcmp(a, "--top-k")) q.sampling.top_k = (int)parse_long(a, v, INT_MIN, INT_MAX);
+        else if (!strcmp(a, "--min-p")) q.sampling.min_p = parse_float(a, v);
+        else if (!strcmp(a, "--repetition-penalty")) q.sampling.repetition_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--frequency-penalty")) q.sampling.frequency_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--presence-penalty")) q.sampling.presence_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--seed")) q.sampling.seed = (uint64_t)parse_long(a, v, 0, LONG_MAX);
+        else if (!strcmp(a, "--logprob-start-len")) q.logprob_start_len = (int)parse_long(a, v, -1, INT_MAX);
+        else if (!strcmp(a, "--stop-token-ids")) stop_ids_arg = v;
+        else if (!strcmp(a, "--threads")) threads = (int)parse_long(a, v, 1, 4096);
+        else if (!strcmp(a, "--stop")) {
+            if (sw.n_stops == MAX_STOP_STRINGS) die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
+            if (!*v) die("--stop: a stop string cannot be empty");
+            sw.stops[sw.n_stops++] = v;
+        } else if (!strcmp(a, "--log-level")) {
+            static const char *const names[] = {"debug", "info", "warn", "error"};
+            int lv = -1;
+            for (int k = 0; k < 4; k++)
+                if (!strcmp(v, names[k])) lv = k;
+            if (lv < 0) die("--log-level: '%s' is not one of debug, info, warn, error", v);
+            log_threshold = (log_level)lv;
+        } else die("generate: unknown flag '%s' (see moeserve generate --help)", a);
+    }
+    if (!model_path) die("generate: --model-path is required");
+    if (!!prompt == !!input_ids) die("generate: give exactly one of --prompt and --input-ids");
+    const char *bad = sampling_params_check(&q.sampling);
+    if (bad) die("generate: %s", bad);
+    if (threads) omp_set_num_threads(threads);
+
+    char err[2048];
+    model *m = model_load(model_path, ops_cpu(), err, sizeof err);
+    if (!m) die("%s", err);
+    tokenizer *tok = load_tokenizer(model_path, prompt != NULL || sw.n_stops > 0);
+    int32_t *ids;
+    int n_ids;
+    if (prompt) {
+        if (tokenizer_encode(tok, prompt, strlen(prompt), true, &ids, &n_ids))
+            die("--prompt: the text is not valid UTF-8");
+    } else {
+        ids = parse_ids("--input-ids", input_ids, &n_ids);
+    }
+    if (n_ids == 0) die("generate: the prompt is empty");
+    for (int i = 0; i < n_ids; i++)
+        if (ids[i] >= m->cfg.vocab_size)
+            die("--input-ids: id %d at position %d is outside the vocabulary [0, %d) of %s/config.json",
+                ids[i], i, m->cfg.vocab_size, model_path);
+    int32_t *stop_ids = NULL;
+    if (stop_ids_arg) stop_ids = parse_ids("--stop-token-ids", stop_ids_arg, &q.n_stop_token_ids);
+    q.stop_token_ids = stop_ids;
+    if (q.logprob_start_len >= n_ids)
+        die("--logprob-start-len: %d must be below the prompt length %d", q.logprob_start_len, n_ids);
+    q.prompt = ids;
+    q.n_prompt = n_ids;
+    if (sw.n_stops) {
+        sw.tok = tok;
+        detok_stream_init(&sw.ds, tok, skip_special);
+        q.on_token = stop_watch_on_token;
+        q.ctx = &sw;
+    }
+
+    const int page_size = 16;
+    int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
+    engine e;
+    if (engine_init(&e, m, n_pages, page_size, 512, err, sizeof err)) die("%s", err);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    gen_result res;
+    if (engine_generate(&e, &q, &res, 1, err, sizeof err)) die("generate: %s", err);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+
+    generate_answer ans = {.id = "generate-0", .req = &q, .res = &res, .tok = tok,
+                           .skip_special_tokens = skip_special, .matched_stop = sw.matched,
+                           .e2e_latency = secs};
+    cJSON *json = generate_json_answer(&ans);
+    char *out = cJSON_PrintUnformatted(json);
+    puts(out);
+    free(out);
+    cJSON_Delete(json);
+    LOG_INFO("generate", "%d prompt + %d new tokens in %.3f s", n_ids, res.n_output, secs);
+
+    gen_result_free(&res);
+    engine_free(&e);
+    free(sw.text);
+    free(stop_ids);
+    free(ids);
+    tokenizer_free(tok);
+    model_free(m);
+    return 0;
+}
+
+static int cmd_tokenize(int argc, char **argv, bool reverse) {
+    const char *model_path = NULL;
+    bool flag = false; /* --add-special-tokens / --skip-special-tokens */
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(usage_tokenize, stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--model-path") && i + 1 < argc) {
+            model_path = argv[++i];
+        } else if (!strcmp(argv[i], reverse ? "--skip-special-tokens" : "--add-special-tokens")) {
+            flag = true;
+        } else {
+            die("%s: unknown flag '%s'", reverse ? "detokenize" : "tokenize", argv[i]);
+        }
+    }
+    if (!model_path) die("%s: --model-path is required", reverse ? "detokenize" : "tokenize");
+    tokenizer *tok = load_tokenizer(model_path, true);
+    size_t len;
+    char *in = read_stdin(&len);
+    if (!reverse) {
+        int32_t *ids;
+        int n;
+        if (tokenizer_encode(tok, in, len, flag, &ids, &n)) die("tokenize: stdin is not valid UTF-8");
+        cJSON *arr = cJSON_CreateIntArray((const int *)ids, n);
+        char *s = cJSON_PrintUnformatted(arr);
+        puts(s);
+        free(s);
+        cJSON_Delete(arr);
+        free(ids);
+    } else {
+        cJSON *arr = cJSON_Parse(in);
+        if (!cJSON_IsArray(arr)) die("detokenize: stdin must be a JSON array of token ids");
+        int n = cJSON_GetArraySize(arr), V = tokenizer_vocab_size(tok);
+        int32_t *ids = xmalloc((n ? n : 1) * sizeof(int32_t));
+        for (int i = 0; i < n; i++) {
+            cJSON *it = cJSON_GetArrayItem(arr, i);
+            if (!cJSON_IsNumber(it) || it->valuedouble != (int)it->valuedouble ||
+                it->valueint < 0 || it->valueint >= V)
+                die("detokenize: item %d is not a token id in [0, %d)", i, V);
+            ids[i] = it->valueint;
+        }
+        size_t out_len;
+        char *text = tokenizer_decode(tok, ids, n, flag, &out_len);
+        fwrite(text, 1, out_len, stdout);
+        free(text);
+        free(ids);
+        cJSON_Delete(arr);
+    }
+    free(in);
+    tokenizer_free(tok);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
+        !strcmp(argv[1], "help")) {
+        fputs(usage_main, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 1 : 0;
+    }
+    if (!strcmp(argv[1], "generate")) return cmd_generate(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc - 2, argv + 2, false);
+    if (!strcmp(argv[1], "detokenize")) return cmd_tokenize(argc - 2, argv + 2, true);
+    die("unknown command '%s' (see moeserve --help)", argv[1]);
+}

@@ -1,0 +1,384 @@
+/* End-to-end tests of the real binary: build/moeserve generate / tokenize / detokenize.
+ *
+ * Whole-model results are compared with Hugging Face transformers (float32) on the same
+ * checkpoints (tests/data/reference-*.json, made by scripts/make_reference.py):
+ *   teacher-forced logprobs within 1e-3 at every position;
+ *   greedy tokens equal up to the first step whose reference top-2 margin is <= 1e-2 (past a
+ *   near-tie the two continuations may rightly differ).
+ * Bad checkpoints and flags must give a clear message naming the file and field (or the flag) and
+ * a non-zero exit, never a crash. Run from the repository root. */
+#include <cjson/cJSON.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/check.h"
+
+#define BIN "build/moeserve"
+#define LOGPROB_ATOL 1e-3
+#define MARGIN_MIN 1e-2
+
+static char tmpdir[] = "/tmp/moeserve-cli-XXXXXX";
+
+typedef struct {
+    char *out;
+    char *err;
+    int status; /* exit code, or 128 + signal */
+} run_result;
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return strdup("");
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc(n + 1);
+    size_t got = fread(buf, 1, n, f);
+    buf[got] = '\0';
+    fclose(f);
+    return buf;
+}
+
+/* Run a shell command line, capturing stdout and stderr. */
+static run_result run(const char *fmt, ...) {
+    char cmd[1 << 16], line[(1 << 16) + 512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    snprintf(line, sizeof line, "(%s) >%s/out 2>%s/err", cmd, tmpdir, tmpdir);
+    int st = system(line);
+    run_result r;
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    char path[256];
+    snprintf(path, sizeof path, "%s/out", tmpdir);
+    r.out = slurp(path);
+    snprintf(path, sizeof path, "%s/err", tmpdir);
+    r.err = slurp(path);
+    return r;
+}
+
+static void run_free(run_result *r) {
+    free(r->out);
+    free(r->err);
+}
+
+static char *ids_csv(const cJSON *arr) {
+    size_t cap = 16 * (cJSON_GetArraySize(arr) + 1), n = 0;
+    char *s = malloc(cap);
+    s[0] = '\0';
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) n += snprintf(s + n, cap - n, "%s%d", n ? "," : "", it->valueint);
+    return s;
+}
+
+static void test_teacher_forced(const char *dir, const cJSON *cases) {
+    const cJSON *c;
+    int idx = 0;
+    cJSON_ArrayForEach(c, cases) {
+        const cJSON *ids = cJSON_GetObjectItem(c, "input_ids");
+        const cJSON *want = cJSON_GetObjectItem(c, "logprobs");
+        char *csv = ids_csv(ids);
+        run_result r = run(BIN " generate --model-path %s --input-ids %s --max-new-tokens 0 "
+                               "--return-logprob --logprob-start-len 0",
+                           dir, csv);
+        CHECK(r.status == 0, "%s teacher-forced case %d: exit %d: %s", dir, idx, r.status, r.err);
+        cJSON *got = cJSON_Parse(r.out);
+        const cJSON *lp = cJSON_GetObjectItem(cJSON_GetObjectItem(got, "meta_info"),
+                                              "input_token_logprobs");
+        int n = cJSON_GetArraySize(ids);
+        CHECK(cJSON_GetArraySize(lp) == n, "case %d: %d logprobs for %d ids", idx,
+              cJSON_GetArraySize(lp), n);
+        double max_err = 0;
+        int bad = 0;
+        for (int i = 0; lp && i < n && i < cJSON_GetArraySize(lp); i++) {
+            const cJSON *e = cJSON_GetArrayItem(lp, i);
+            const cJSON *g = cJSON_GetArrayItem(e, 0), *w = cJSON_GetArrayItem(want, i);
+            if (cJSON_GetArrayItem(e, 1)->valueint != cJSON_GetArrayItem(ids, i)->valueint) bad++;
+            if (i == 0) {
+                if (!cJSON_IsNull(g)) bad++;
+                continue;
+            }
+            double err = fabs(g->valuedouble - w->valuedouble);
+            if (err > max_err) max_err = err;
+            if (err > LOGPROB_ATOL && bad++ < 3)
+                fprintf(stderr, "  case %d position %d: got %.6f want %.6f\n", idx, i,
+                        g->valuedouble, w->valuedouble);
+        }
+        CHECK(bad == 0 && max_err <= LOGPROB_ATOL,
+              "%s teacher-forced case %d (%d tokens): %d bad, max |err| %.2e", dir, idx, n, bad,
+              max_err);
+        printf("teacher-forced %s case %d: %d tokens, max |logprob err| %.2e\n", dir, idx, n,
+               max_err);
+        cJSON_Delete(got);
+        run_free(&r);
+        free(csv);
+        idx++;
+    }
+}
+
+static void test_greedy(const char *dir, const cJSON *cases) {
+    const cJSON *c;
+    int idx = 0;
+    cJSON_ArrayForEach(c, cases) {
+        const cJSON *ids = cJSON_GetObjectItem(c, "input_ids");
+        const cJSON *want = cJSON_GetObjectItem(c, "output_ids");
+        const cJSON *margins = cJSON_GetObjectItem(c, "margins");
+        int n_new = cJSON_GetArraySize(want);
+        char *csv = ids_csv(ids);
+        run_result r = run(BIN " generate --model-path %s --input-ids %s --max-new-tokens %d "
+                               "--temperature 0 --ignore-eos",
+                           dir, csv, n_new);
+        CHECK(r.status == 0, "%s greedy case %d: exit %d: %s", dir, idx, r.status, r.err);
+        cJSON *got = cJSON_Parse(r.out);
+        const cJSON *out = cJSON_GetObjectItem(got, "output_ids");
+        int compared = 0, mismatch = -1;
+        for (int i = 0; i < n_new; i++) {
+            int w = cJSON_GetArrayItem(want, i)->valueint;
+            const cJSON *g = cJSON_GetArrayItem(out, i);
+            if (!g || g->valueint != w) {
+                mismatch = i;
+                break;
+            }
+            compared++;
+            if (cJSON_GetArrayItem(margins, i)->valuedouble <= MARGIN_MIN) break;
+        }
+        bool ok = mismatch < 0 || cJSON_GetArrayItem(margins, mismatch)->valuedouble <= MARGIN_MIN;
+        CHECK(ok, "%s greedy case %d: token %d differs (margin %.3g)", dir, idx, mismatch,
+              mismatch >= 0 ? cJSON_GetArrayItem(margins, mismatch)->valuedouble : 0);
+        printf("greedy %s case %d: %d of %d tokens compared and equal\n", dir, idx, compared,
+               n_new);
+        cJSON_Delete(got);
+        run_free(&r);
+        free(csv);
+        idx++;
+    }
+}
+
+static void test_reference(const char *path) {
+    char *text = slurp(path);
+    cJSON *ref = cJSON_Parse(text);
+    CHECK(ref != NULL, "%s: cannot parse", path);
+    if (!ref) {
+        free(text);
+        return;
+    }
+    const char *dir = cJSON_GetObjectItem(ref, "model_dir")->valuestring;
+    test_teacher_forced(dir, cJSON_GetObjectItem(ref, "teacher_forced"));
+    test_greedy(dir, cJSON_GetObjectItem(ref, "greedy"));
+    cJSON_Delete(ref);
+    free(text);
+}
+
+/* A failing run: non-zero exit, no signal, stderr names every string in needles. */
+static void expect_error(const char *what, run_result r, ...) {
+    CHECK(r.status != 0 && r.status < 128, "%s: exit %d (want a clean non-zero exit)", what,
+          r.status);
+    va_list ap;
+    va_start(ap, r);
+    const char *needle;
+    while ((needle = va_arg(ap, const char *)))
+        CHECK(strstr(r.err, needle) != NULL, "%s: message lacks '%s': %s", what, needle, r.err);
+    va_end(ap);
+    printf("%s -> %s", what, r.err);
+    run_free(&r);
+}
+
+/* A copy of the default model in tmpdir/name, to be broken by the caller. */
+static void copy_model(const char *name) {
+    run_result r = run("rm -rf %s/%s && cp -r models/tiny-qwen3-moe %s/%s", tmpdir, name, tmpdir,
+                       name);
+    run_free(&r);
+}
+
+#define GEN_ARGS " generate --input-ids 1,2,3 --max-new-tokens 2 --model-path "
+
+static void test_bad_inputs(void) {
+    char d[512];
+    copy_model("trunc");
+    snprintf(d, sizeof d, "%s/trunc", tmpdir);
+    run_result r = run("truncate -s -100 %s/model.safetensors", d);
+    run_free(&r);
+    expect_error("truncated safetensors", run(BIN GEN_ARGS "%s", d), "model.safetensors",
+                 "data_offsets", NULL);
+
+    copy_model("corrupt");
+    snprintf(d, sizeof d, "%s/corrupt", tmpdir);
+    r = run("printf '{\"oops' | dd of=%s/model.safetensors bs=1 seek=8 conv=notrunc status=none", d);
+    run_free(&r);
+    expect_error("corrupt safetensors header", run(BIN GEN_ARGS "%s", d), "model.safetensors",
+                 "header", NULL);
+
+    copy_model("missing");
+    snprintf(d, sizeof d, "%s/missing", tmpdir);
+    r = run("LC_ALL=C sed -i 's/\"model.norm.weight\"/\"model.norm.weighX\"/' %s/model.safetensors",
+            d);
+    run_free(&r);
+    expect_error("missing tensor", run(BIN GEN_ARGS "%s", d), "model.norm.weight", "missing",
+                 NULL);
+
+    copy_model("shape");
+    snprintf(d, sizeof d, "%s/shape", tmpdir);
+    r = run("sed -i 's/\"moe_intermediate_size\": *[0-9]*/\"moe_intermediate_size\": 48/' "
+            "%s/config.json",
+            d);
+    run_free(&r);
+    expect_error("wrong shape", run(BIN GEN_ARGS "%s", d), "experts.0.gate_proj.weight", "shape",
+                 NULL);
+
+    copy_model("mtype");
+    snprintf(d, sizeof d, "%s/mtype", tmpdir);
+    r = run("sed -i 's/\"qwen3_moe\"/\"llama4\"/' %s/config.json", d);
+    run_free(&r);
+    expect_error("unknown model_type", run(BIN GEN_ARGS "%s", d), "config.json", "model_type",
+                 "llama4", NULL);
+
+    copy_model("tok");
+    snprintf(d, sizeof d, "%s/tok", tmpdir);
+    r = run("sed -i 's/\"type\": *\"BPE\"/\"type\": \"Unigram\"/' %s/tokenizer.json", d);
+    run_free(&r);
+    expect_error("unsupported tokenizer type",
+                 run(BIN " generate --prompt hi --max-new-tokens 1 --model-path %s", d),
+                 "tokenizer.json", "model.type", NULL);
+
+    expect_error("input id outside the vocabulary",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5,99999999"),
+                 "--input-ids", "99999999", "vocabulary", NULL);
+    expect_error("malformed --input-ids",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5,x"),
+                 "--input-ids", NULL);
+    expect_error("bad --top-p",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 --top-p 0"),
+                 "top_p", NULL);
+    expect_error("unknown flag", run(BIN " generate --model-path models/tiny-qwen3-moe --bogus 1"),
+                 "--bogus", NULL);
+    expect_error("missing model folder", run(BIN GEN_ARGS "%s/nowhere", tmpdir), "nowhere", NULL);
+    expect_error("prompt over the context length",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
+                         "--max-new-tokens 100000"),
+                 "context length", NULL);
+}
+
+static void test_generate_features(void) {
+    const char *m = "models/tiny-qwen3-moe";
+    /* The same seed gives the same sampled output; a different one (almost surely) not. */
+    run_result a = run(BIN " generate --model-path %s --prompt 'Question: how many' "
+                           "--max-new-tokens 16 --temperature 1 --seed 7 --ignore-eos", m);
+    run_result b = run(BIN " generate --model-path %s --prompt 'Question: how many' "
+                           "--max-new-tokens 16 --temperature 1 --seed 7 --ignore-eos", m);
+    run_result c = run(BIN " generate --model-path %s --prompt 'Question: how many' "
+                           "--max-new-tokens 16 --temperature 1 --seed 8 --ignore-eos", m);
+    cJSON *ja = cJSON_Parse(a.out), *jb = cJSON_Parse(b.out), *jc = cJSON_Parse(c.out);
+    const cJSON *oa = cJSON_GetObjectItem(ja, "output_ids"), *ob = cJSON_GetObjectItem(jb, "output_ids");
+    const cJSON *oc = cJSON_GetObjectItem(jc, "output_ids");
+    CHECK(oa && cJSON_GetArraySize(oa) == 16, "seeded run gave %d tokens", cJSON_GetArraySize(oa));
+    CHECK(cJSON_Compare(oa, ob, true), "same seed, different output");
+    CHECK(!cJSON_Compare(oa, oc, true), "different seeds, same output");
+    const cJSON *fr = cJSON_GetObjectItem(cJSON_GetObjectItem(ja, "meta_info"), "finish_reason");
+    CHECK(fr && !strcmp(cJSON_GetObjectItem(fr, "type")->valuestring, "length") &&
+              cJSON_GetObjectItem(fr, "length")->valueint == 16,
+          "finish_reason of a length stop: %s", a.out);
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    cJSON_Delete(jc);
+    run_free(&a);
+    run_free(&b);
+    run_free(&c);
+
+    /* A stop string ends generation and is trimmed from the text. Take a piece of the greedy
+     * output as the stop string. */
+    a = run(BIN " generate --model-path %s --prompt 'Question: Tom has' --max-new-tokens 24 "
+                "--temperature 0 --ignore-eos", m);
+    ja = cJSON_Parse(a.out);
+    const char *text = cJSON_GetObjectItem(ja, "text")->valuestring;
+    CHECK(strlen(text) > 8, "greedy text too short to cut a stop string from: '%s'", text);
+    if (strlen(text) > 8) {
+        char stop[5];
+        memcpy(stop, text + strlen(text) / 2, 4);
+        stop[4] = '\0';
+        const char *first = strstr(text, stop);
+        b = run(BIN " generate --model-path %s --prompt 'Question: Tom has' --max-new-tokens 24 "
+                    "--temperature 0 --ignore-eos --stop '%s'", m, stop);
+        jb = cJSON_Parse(b.out);
+        const char *cut = cJSON_GetObjectItem(jb, "text")->valuestring;
+        CHECK(strlen(cut) == (size_t)(first - text) && !strncmp(cut, text, first - text),
+              "stop '%s': got '%s' from '%s'", stop, cut, text);
+        fr = cJSON_GetObjectItem(cJSON_GetObjectItem(jb, "meta_info"), "finish_reason");
+        CHECK(fr && !strcmp(cJSON_GetObjectItem(fr, "matched")->valuestring, stop),
+              "finish_reason of a stop string: %s", b.out);
+        cJSON_Delete(jb);
+        run_free(&b);
+    }
+    /* stop_token_ids: stop on the third greedy token, which is kept in output_ids */
+    const cJSON *out = cJSON_GetObjectItem(ja, "output_ids");
+    int third = cJSON_GetArrayItem(out, 2)->valueint;
+    int first_at = 0;
+    while (cJSON_GetArrayItem(out, first_at)->valueint != third) first_at++;
+    b = run(BIN " generate --model-path %s --prompt 'Question: Tom has' --max-new-tokens 24 "
+                "--temperature 0 --ignore-eos --stop-token-ids %d", m, third);
+    jb = cJSON_Parse(b.out);
+    CHECK(cJSON_GetArraySize(cJSON_GetObjectItem(jb, "output_ids")) == first_at + 1,
+          "stop-token-ids %d: %s", third, b.out);
+    cJSON_Delete(jb);
+    run_free(&b);
+    cJSON_Delete(ja);
+    run_free(&a);
+
+    /* output logprobs of a greedy run equal the teacher-forced input logprobs of prompt+output */
+    a = run(BIN " generate --model-path %s --input-ids 11,12,13,14 --max-new-tokens 8 "
+                "--temperature 0 --ignore-eos --return-logprob", m);
+    ja = cJSON_Parse(a.out);
+    out = cJSON_GetObjectItem(ja, "output_ids");
+    const cJSON *olp = cJSON_GetObjectItem(cJSON_GetObjectItem(ja, "meta_info"),
+                                           "output_token_logprobs");
+    char *csv = ids_csv(out);
+    b = run(BIN " generate --model-path %s --input-ids 11,12,13,14,%s --max-new-tokens 0 "
+                "--return-logprob --logprob-start-len 4", m, csv);
+    jb = cJSON_Parse(b.out);
+    const cJSON *ilp = cJSON_GetObjectItem(cJSON_GetObjectItem(jb, "meta_info"),
+                                           "input_token_logprobs");
+    CHECK(cJSON_GetArraySize(ilp) == 9 && cJSON_GetArraySize(olp) == 8,
+          "logprob counts %d %d", cJSON_GetArraySize(ilp), cJSON_GetArraySize(olp));
+    for (int i = 0; i < 7 && cJSON_GetArraySize(ilp) == 9; i++) {
+        double o = cJSON_GetArrayItem(cJSON_GetArrayItem(olp, i), 0)->valuedouble;
+        double p = cJSON_GetArrayItem(cJSON_GetArrayItem(ilp, i + 1), 0)->valuedouble;
+        CHECK_CLOSE(p, o, 1e-5, 0, "prefill vs decode logprob");
+    }
+    free(csv);
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    run_free(&a);
+    run_free(&b);
+
+    /* tokenize -> detokenize round trip through the CLI */
+    a = run("printf 'Natalia sold 48 clips. \\xc3\\xa9 \\xf0\\x9f\\x98\\x80' | " BIN
+            " tokenize --model-path %s | " BIN " detokenize --model-path %s", m, m);
+    CHECK(a.status == 0 && !strcmp(a.out, "Natalia sold 48 clips. \xc3\xa9 \xf0\x9f\x98\x80"),
+          "round trip gave '%s' (%s)", a.out, a.err);
+    run_free(&a);
+    a = run(BIN " --help");
+    CHECK(a.status == 0 && strstr(a.out, "generate"), "--help: %s", a.out);
+    run_free(&a);
+    a = run(BIN " generate --help");
+    CHECK(a.status == 0 && strstr(a.out, "--logprob-start-len"), "generate --help: %s", a.out);
+    run_free(&a);
+}
+
+int main(void) {
+    if (!mkdtemp(tmpdir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    test_reference("tests/data/reference-tiny-qwen3-moe.json");
+    test_reference("tests/data/reference-default.json");
+    test_bad_inputs();
+    test_generate_features();
+    run_result r = run("rm -rf %s", tmpdir);
+    run_free(&r);
+    CHECK_SUMMARY();
+}
