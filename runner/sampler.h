@@ -42,4 +42,8 @@ int sampler_sample(const sampling_params *p, float *logits, int V, const int32_t
  * normalizer). Safe when logprobs == logits. */
 void sampler_log_softmax(float *logprobs, const float *logits, int V);
 
+/* Frees the calling thread's sampling scratch (kept between calls so that no call allocates
+ * V-sized buffers). Call it before a thread that sampled exits; a later call reallocates. */
+void sampler_scratch_free(void);
+
 #endif
