@@ -10,6 +10,8 @@ Writes into tests/data/ (or --out):
                          ignore_merges (as Llama-3's file has), merges written as "a b" strings,
                          <|begin_of_text|> <|end_of_text|>, and a TemplateProcessing
                          post-processor that prepends <|begin_of_text|>.
+  tokenizer_flags.json   tokenizer.json plus added tokens that use lstrip, rstrip, single_word
+                         and normalized, to check how added tokens are matched.
   tokenizer_cases.json   [{"tokenizer", "text", "ids", "decoded"}]: ids from
                          encode(text, add_special_tokens=True), decoded from
                          decode(ids, skip_special_tokens=False); "decoded_skip_special" adds the
@@ -249,6 +251,19 @@ def corpus(gsm8k_texts, rng):
         "\u0080\u0081\u009f C1 controls",
         "\ufffd replacement char",
         "\U0010ffff last code point",
+        # Where regex engines and Unicode versions can disagree: U+180E is not White_Space
+        # (PCRE2's \s takes it, so "x  \u180eabc" splits differently unless \s is rewritten),
+        # long s and Kelvin sign fold to s and k under (?i), letters and emoji newer than some
+        # Unicode tables, NEL, and stacked combining marks that NFC reorders.
+        "a\u180e b",
+        "x  \u180eabc",
+        "  \u180e1",
+        "IT'\u017f it'S I'M he'\u212a",
+        "\U00011f04\U00011f05 kawi \U0001fae8 shaking",
+        "x\u0085y \u0085 z\u0085",
+        "\u1e9e\u00df \u0149 \u0344 \u0f73\u0f75",
+        "a\u0301\u0323 vs a\u0323\u0301",
+        "\u2066\u2069 isolates \U000e0001\U000e0067 tags",
         "A" * 300,
         "ab" * 150,
         " " * 64,
@@ -256,6 +271,27 @@ def corpus(gsm8k_texts, rng):
     ]
     cases += random_strings(rng, 16)
     return cases
+
+
+FLAG_TEXTS = [
+    "a <mask> b",
+    "a   \t<mask>b",
+    "<mask> at start",
+    "x[SEP]   y",
+    "x [SEP]\n\n  y [SEP]",
+    "hello world",
+    "say hello",
+    "hellohello",
+    "ahello hello!",
+    "\u00e9hello hello\u00e9",
+    "hello_there (hello)",
+    "caf\u00e9 caf\u00e9s",
+    "cafe\u0301 and CAF\u00c9",
+    "<ab><abc><abcd>",
+    "<a<ab>>",
+    "  <mask>  [SEP]  hello  ",
+    "<|im_start|>hello<|im_end|>",
+]
 
 
 def decode_id_cases(tok, rng, name, n_random=24):
@@ -333,13 +369,24 @@ def main(argv=None):
     save(toks["tokenizer.json"], os.path.join(args.out, "tokenizer.json"), True, False)
     save(toks["tokenizer_llama3.json"], os.path.join(args.out, "tokenizer_llama3.json"), False, True)
 
+    # A copy of the Qwen-style file with added tokens that use every matching flag.
+    flags = Tokenizer.from_str(toks["tokenizer.json"].to_str())
+    flags.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True, normalized=False)])
+    flags.add_special_tokens([AddedToken("[SEP]", rstrip=True, special=True, normalized=False)])
+    flags.add_tokens([AddedToken("hello", single_word=True, normalized=False)])
+    flags.add_tokens([AddedToken("caf\u00e9", normalized=True)])
+    flags.add_tokens([AddedToken("<ab>", normalized=False)])
+    flags.add_tokens([AddedToken("<abc>", normalized=False)])
+    save(flags, os.path.join(args.out, "tokenizer_flags.json"), True, False)
+
     cases = []
     decode_cases = []
-    for name in toks:
+    for name in list(toks) + ["tokenizer_flags.json"]:
         # Reload from the written file so the cases come from exactly what the C side reads.
         tok = Tokenizer.from_file(os.path.join(args.out, name))
         rng = random.Random(1234)
-        for text in corpus(texts, rng):
+        texts_for = corpus(texts, rng) if name in toks else FLAG_TEXTS
+        for text in texts_for:
             ids = tok.encode(text, add_special_tokens=True).ids
             cases.append(
                 {
@@ -350,7 +397,8 @@ def main(argv=None):
                     "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
                 }
             )
-        decode_cases += decode_id_cases(tok, random.Random(99), name)
+        if name in toks:
+            decode_cases += decode_id_cases(tok, random.Random(99), name)
     with open(os.path.join(args.out, "tokenizer_cases.json"), "w", encoding="utf-8") as f:
         json.dump(cases, f, ensure_ascii=True, indent=0)
         f.write("\n")
