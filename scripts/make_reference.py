@@ -43,7 +43,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import torch
 
