@@ -71,10 +71,10 @@ test: all
 	@tests/run.sh
 
 DEFAULT_MODEL ?= models/tiny-qwen3-moe
-PROMPT ?= Question: Natalia sold 48 clips in April. How many clips did she sell?\nAnswer:
+PROMPT ?= Question: Natalia sold 48 clips in April and half as many in May. How many clips did she sell?
 run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moeserve
-	$(BUILD)/moeserve generate --model-path $(DEFAULT_MODEL) --prompt "$(PROMPT)" --max-new-tokens 32
+	$(BUILD)/moeserve generate --model-path $(DEFAULT_MODEL) --prompt "$(PROMPT)" --max-new-tokens 32 --temperature 0
 
 bench: all
 	scripts/bench_cpu.sh

@@ -119,7 +119,7 @@ int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int
             if (q->logprob_start_len >= 0) {
                 r->n_input_logprobs = q->n_prompt - q->logprob_start_len;
                 r->input_logprobs = xmalloc(r->n_input_logprobs * sizeof(float));
-                r->input_logprobs[0] = NAN;
+                r->input_logprobs[0] = NAN; /* overwritten unless start == 0 */
             }
         }
         seqs[i] = (engine_seq){.req = q, .res = r, .pages = page_table + (size_t)i * max_pages};
@@ -154,8 +154,9 @@ int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int
                 }
                 take[i] = cnt;
                 const gen_request *q = s->req;
+                /* prompt position i is scored by the row of position i - 1 */
                 int score_from = q->return_logprob && q->logprob_start_len >= 0
-                                     ? q->logprob_start_len
+                                     ? q->logprob_start_len - 1
                                      : q->n_prompt;
                 for (int j = 0; j < cnt; j++) {
                     int p = s->n_computed + j;

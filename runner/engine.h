@@ -39,7 +39,7 @@ typedef struct {
 typedef struct {
     int32_t *output_ids; /* [n_output] */
     int n_output;
-    float *input_logprobs; /* [n_input_logprobs]: prompt[start..]; entry 0 is NaN (no context) */
+    float *input_logprobs; /* [n_input_logprobs]: prompt[start..]; NaN for position 0 */
     int n_input_logprobs;
     float *output_logprobs; /* [n_output] when return_logprob */
     finish_kind finish;

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 total_pass=0
 total_fail=0
 for t in "${BUILD:-build}"/tests/test_* tests/*_test.sh; do
-    [ -e "$t" ] || continue
+    [ -x "$t" ] || continue
+    case "$t" in *.d | *.o) continue ;; esac
     name=$(basename "$t")
     out=$("$t" 2>&1)
     rc=$?

@@ -209,7 +209,7 @@ static void test_bad_inputs(void) {
 
     copy_model("corrupt");
     snprintf(d, sizeof d, "%s/corrupt", tmpdir);
-    r = run("printf '{\"oops' | dd of=%s/model.safetensors bs=1 seek=8 conv=notrunc status=none", d);
+    r = run("printf 'not json' | dd of=%s/model.safetensors bs=1 seek=8 conv=notrunc status=none", d);
     run_free(&r);
     expect_error("corrupt safetensors header", run(BIN GEN_ARGS "%s", d), "model.safetensors",
                  "header", NULL);
@@ -342,11 +342,11 @@ static void test_generate_features(void) {
     jb = cJSON_Parse(b.out);
     const cJSON *ilp = cJSON_GetObjectItem(cJSON_GetObjectItem(jb, "meta_info"),
                                            "input_token_logprobs");
-    CHECK(cJSON_GetArraySize(ilp) == 9 && cJSON_GetArraySize(olp) == 8,
+    CHECK(cJSON_GetArraySize(ilp) == 8 && cJSON_GetArraySize(olp) == 8,
           "logprob counts %d %d", cJSON_GetArraySize(ilp), cJSON_GetArraySize(olp));
-    for (int i = 0; i < 7 && cJSON_GetArraySize(ilp) == 9; i++) {
+    for (int i = 0; i < 8 && cJSON_GetArraySize(ilp) == 8; i++) {
         double o = cJSON_GetArrayItem(cJSON_GetArrayItem(olp, i), 0)->valuedouble;
-        double p = cJSON_GetArrayItem(cJSON_GetArrayItem(ilp, i + 1), 0)->valuedouble;
+        double p = cJSON_GetArrayItem(cJSON_GetArrayItem(ilp, i), 0)->valuedouble;
         CHECK_CLOSE(p, o, 1e-5, 0, "prefill vs decode logprob");
     }
     free(csv);
@@ -356,7 +356,7 @@ static void test_generate_features(void) {
     run_free(&b);
 
     /* tokenize -> detokenize round trip through the CLI */
-    a = run("printf 'Natalia sold 48 clips. \\xc3\\xa9 \\xf0\\x9f\\x98\\x80' | " BIN
+    a = run("printf 'Natalia sold 48 clips. \\303\\251 \\360\\237\\230\\200' | " BIN
             " tokenize --model-path %s | " BIN " detokenize --model-path %s", m, m);
     CHECK(a.status == 0 && !strcmp(a.out, "Natalia sold 48 clips. \xc3\xa9 \xf0\x9f\x98\x80"),
           "round trip gave '%s' (%s)", a.out, a.err);
