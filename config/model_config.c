@@ -251,6 +251,10 @@ static int parse_config(model_config *c, const cJSON *j, const char *path, char 
         if (get_int(j, ints[i].key, ints[i].required, ints[i].def, ints[i].out, path, err,
                     errlen) != 0)
             return -1;
+    /* transformers 5 saves the expert count of Qwen3-MoE as num_local_experts. */
+    if (!field(j, "num_experts") &&
+        get_int(j, "num_local_experts", false, 0, &c->num_experts, path, err, errlen) != 0)
+        return -1;
 
     if (get_bool(j, "norm_topk_prob", false, &c->norm_topk_prob, path, err, errlen) != 0 ||
         get_bool(j, "tie_word_embeddings", false, &c->tie_word_embeddings, path, err, errlen) != 0)
