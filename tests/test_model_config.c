@@ -172,7 +172,7 @@ static void test_defaults_and_rope_parameters(void) {
     /* transformers 5 writes the expert count as num_local_experts. */
     dir = config_dir("num_experts", NULL, "num_local_experts", "8");
     rc = model_config_load(&c, dir, err, sizeof err);
-    CHECK(rc == 0 && c.num_experts == 8 && c.layer_is_moe[0], "num_local_experts: %s", err);
+    CHECK(rc == 0 && c.num_experts == 8 && c.layer_is_moe[1], "num_local_experts: %s", err);
 
     /* bos from generation_config.json when config.json has none; eos only there. */
     dir = config_dir("bos_token_id", NULL, "eos_token_id", NULL);
