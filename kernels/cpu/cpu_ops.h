@@ -1,0 +1,82 @@
+/* Private header of the CPU backend: the functions behind ops_cpu()'s table and the few helpers
+ * the kernel files share. Shape letters as in kernels/ops.h.
+ *
+ * Every reduction here has one fixed order that depends only on the reduction length, never on
+ * T or on the thread count: that is what makes a token's result identical whether it is computed
+ * alone, in a batch, in prefill or in decode (the deterministic-mode contract). */
+#ifndef MOESERVE_KERNELS_CPU_OPS_H
+#define MOESERVE_KERNELS_CPU_OPS_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/log.h"
+#include "common/tensor.h"
+#include "kernels/ops.h"
+
+void cpu_embedding(float *out, const tensor *table, const int32_t *ids, int T, int D);
+void cpu_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, float eps);
+void cpu_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin);
+void cpu_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh, double theta);
+void cpu_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
+                  int Dh);
+void cpu_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
+                   int Dh, float scale);
+void cpu_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
+                     bool norm);
+void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                     int T, int K, int D, int F);
+void cpu_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
+                      int D);
+void cpu_silu_mul(float *out, const float *gate, const float *up, int T, int F);
+void cpu_add(float *out, const float *a, const float *b, int64_t n);
+
+/* cpu_linear with the OpenMP split over N switched on or off: callers that already run inside a
+ * parallel region (moe_experts across experts) pass threaded = false so threads never nest. The
+ * result is bit-identical either way. */
+void cpu_linear_ex(float *out, const float *x, const tensor *w, int T, int N, int Kin,
+                   bool threaded);
+
+/* The weight dtypes the CPU kernels read directly. Anything else reaching a CPU kernel means the
+ * loader or the config validation let it through: a broken invariant. */
+static inline bool cpu_dtype_supported(dtype t) {
+    return t == DTYPE_F32 || t == DTYPE_BF16 || t == DTYPE_F16;
+}
+
+#define CPU_ASSERT_WEIGHT(w, op_name)                                                              \
+    do {                                                                                           \
+        if (!cpu_dtype_supported((w)->dtype) || (w)->device != DEVICE_CPU) {                       \
+            fprintf(stderr,                                                                        \
+                    "%s:%d: %s: weight of dtype %s on device %d; the CPU backend reads F32, "      \
+                    "BF16 or F16 host tensors\n",                                                  \
+                    __FILE__, __LINE__, (op_name), dtype_name((w)->dtype), (int)(w)->device);      \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* silu(g) = g / (1 + exp(-g)) in fp32, the form PyTorch's CPU kernel uses. */
+static inline float cpu_silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* fp32 dot product in a fixed order: 16 lane accumulators over the blocks of 16, a pairwise sum of
+ * the lanes, then the tail in index order. The lanes let gcc vectorize without -ffast-math; the
+ * order depends only on n. */
+#define CPU_DOT_LANES 16
+static inline float cpu_dot_f32(const float *a, const float *b, int n) {
+    float acc[CPU_DOT_LANES] = {0};
+    int i = 0;
+    for (; i + CPU_DOT_LANES <= n; i += CPU_DOT_LANES)
+        for (int j = 0; j < CPU_DOT_LANES; j++)
+            acc[j] = fmaf(a[i + j], b[i + j], acc[j]);
+    for (int w = CPU_DOT_LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++)
+            acc[j] += acc[j + w];
+    float s = acc[0];
+    for (; i < n; i++)
+        s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+#endif
