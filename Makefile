@@ -76,8 +76,12 @@ run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moeserve
 	$(BUILD)/moeserve generate --model-path $(DEFAULT_MODEL) --prompt "$(PROMPT)" --max-new-tokens 32 --temperature 0
 
-bench: all
+bench: all $(BUILD)/bench_membw
 	scripts/bench_cpu.sh
+
+$(BUILD)/bench_membw: scripts/bench_membw.c
+	@mkdir -p $(dir $@)
+	$(CC) $(OPT) -fopenmp -o $@ $<
 
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \

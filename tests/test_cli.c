@@ -19,7 +19,7 @@
 
 #include "tests/check.h"
 
-#define BIN "build/moeserve"
+#define BIN "${BUILD:-build}/moeserve" /* expanded by the shell: make asan sets BUILD */
 #define LOGPROB_ATOL 1e-3
 #define MARGIN_MIN 1e-2
 
