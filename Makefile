@@ -40,6 +40,7 @@ TEST_SRCS := $(wildcard tests/test_*.c)
 TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 .PHONY: all test run bench asan format clean deps
+.SECONDARY:
 all: $(BUILD)/moeserve $(TEST_BINS)
 
 $(BUILD)/moeserve: $(BUILD)/server/main.o $(LIB_OBJS)
