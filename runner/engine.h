@@ -18,6 +18,7 @@ typedef enum {
     FINISH_STOP_TOKEN,  /* an eos id or a stop_token_id; matched_token says which */
     FINISH_STOP_STRING, /* on_token asked to stop */
     FINISH_LENGTH,      /* max_new_tokens reached */
+    FINISH_ABORT,       /* aborted (client gone, shutdown, rejected); see the request's error */
 } finish_kind;
 
 typedef struct {

@@ -34,6 +34,10 @@ static cJSON *generate_json_finish(const generate_answer *a) {
         cJSON_AddStringToObject(f, "type", "length");
         cJSON_AddNumberToObject(f, "length", r->n_output);
         break;
+    case FINISH_ABORT:
+        cJSON_AddStringToObject(f, "type", "abort");
+        cJSON_AddStringToObject(f, "message", "aborted");
+        break;
     case FINISH_NONE:
         cJSON_Delete(f);
         return cJSON_CreateNull();

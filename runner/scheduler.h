@@ -1,0 +1,79 @@
+/* The scheduler: continuous batching on the engine thread.
+ *
+ * Each step: drop aborted requests; admit waiting requests first-come-first-served while the
+ * running cap and the KV pages allow (prompt pages found in the radix prefix cache are shared,
+ * not recomputed); build the batch from every running request's next token (decode) and prompt
+ * chunks under the chunked-prefill token budget; run the forward pass; score and sample; publish
+ * outputs to each request's channel. When decode runs out of pages, the most recently admitted
+ * request is preempted: its pages are freed and it goes back to the front of the queue to be
+ * recomputed (prompt + output so far) later; nothing is lost or corrupted.
+ * Only the engine thread calls scheduler_step / scheduler_run; submit, flush and stats may be
+ * called from any thread. */
+#ifndef MOESERVE_SCHEDULER_H
+#define MOESERVE_SCHEDULER_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "runner/model.h"
+#include "runner/request.h"
+
+typedef struct {
+    int max_running_requests; /* cap on requests in the running batch */
+    int max_total_tokens;     /* KV cache capacity in tokens (rounded up to whole pages) */
+    int page_size;            /* tokens per KV page */
+    int chunked_prefill_size; /* prompt tokens per step, all requests together */
+    int context_length;       /* prompt + max_new_tokens limit; <= max_position_embeddings */
+    bool enable_radix_cache;  /* share prompt-prefix pages between requests */
+} scheduler_config;
+
+/* Counters and gauges for /metrics and /get_server_info; a consistent snapshot. */
+typedef struct {
+    int n_running;
+    int n_waiting;
+    int kv_pages_used;   /* pages held by running requests or the prefix cache */
+    int kv_pages_total;
+    int64_t n_requests_done;
+    int64_t n_prompt_tokens;    /* prompt tokens of finished requests */
+    int64_t n_generated_tokens; /* output tokens of finished requests */
+    int64_t n_cached_tokens;    /* prompt tokens served from the prefix cache */
+    int64_t n_preemptions;
+    int64_t n_steps;
+    double step_sched_seconds;   /* time in the scheduler outside forward passes, summed */
+    double step_forward_seconds; /* time in forward passes, summed */
+    double last_gen_throughput;  /* output tokens/s over the last few seconds */
+} scheduler_stats;
+
+typedef struct scheduler scheduler;
+
+/* Build the KV cache and the prefix cache for m. Returns NULL with a message on a bad config
+ * (e.g. fewer pages than one context needs). */
+scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, size_t errlen);
+void scheduler_free(scheduler *s);
+
+/* Validate r against the model and the config (empty prompt, ids outside the vocabulary, prompt +
+ * max_new_tokens over the context length, sampling values, logprob_start_len): 0, or -1 with a
+ * message for a 400. Does not take r. */
+int scheduler_check(const scheduler *s, const request *r, char *err, size_t errlen);
+
+/* Queue r (takes a reference). Call scheduler_check first; a request that fails the checks here
+ * is finished at once with FINISH_ABORT and its error. Thread-safe; wakes the engine thread. */
+void scheduler_submit(scheduler *s, request *r);
+
+/* One step on the engine thread. Returns the number of tokens forwarded (0: nothing to do). */
+int scheduler_step(scheduler *s);
+
+/* Engine-thread loop: step while there is work, sleep on a condition variable while idle, return
+ * when *stop becomes true (after scheduler_wake). Every request still queued or running is
+ * finished with FINISH_ABORT ("server shutting down") before it returns. */
+void scheduler_run(scheduler *s, atomic_bool *stop);
+void scheduler_wake(scheduler *s);
+
+/* Empty the prefix cache (pages held by running requests stay). Thread-safe: applied at the
+ * start of the next step; returns at once. */
+void scheduler_flush_cache(scheduler *s);
+
+void scheduler_get_stats(scheduler *s, scheduler_stats *out);
+
+#endif
