@@ -2,6 +2,7 @@
 #include "common/log.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <string.h>
 #include <time.h>
 
@@ -44,6 +45,16 @@ void *xrealloc_at(void *p, size_t n, const char *file, int line) {
 
 char *xstrdup_at(const char *s, const char *file, int line) {
     return xcheck(strdup(s), strlen(s) + 1, file, line);
+}
+
+char *path_join(const char *dir, const char *name) {
+    size_t nd = strlen(dir), nn = strlen(name);
+    bool slash = nd > 0 && dir[nd - 1] != '/';
+    char *p = xmalloc(nd + slash + nn + 1);
+    memcpy(p, dir, nd);
+    if (slash) p[nd] = '/';
+    memcpy(p + nd + slash, name, nn + 1);
+    return p;
 }
 
 int set_err(char *err, size_t errlen, const char *fmt, ...) {

@@ -42,6 +42,9 @@ char *xstrdup_at(const char *s, const char *file, int line);
 #define xrealloc(p, n) xrealloc_at((p), (n), __FILE__, __LINE__)
 #define xstrdup(s) xstrdup_at((s), __FILE__, __LINE__)
 
+/* dir + "/" + name, malloc'ed (no doubled slash). */
+char *path_join(const char *dir, const char *name);
+
 /* Format an error message into err[errlen] (snprintf semantics) and return -1, so that
  * loaders can write `return set_err(err, errlen, "%s: field %s ...", file, field);`. */
 int set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

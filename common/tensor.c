@@ -1,6 +1,8 @@
 /* dtype tables and conversions. */
 #include "common/tensor.h"
 
+#include <stdio.h>
+
 static const struct {
     const char *name;
     size_t size;
@@ -24,6 +26,13 @@ bool dtype_parse(const char *s, dtype *out) {
         }
     }
     return false;
+}
+
+void tensor_format_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t used = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (used < n) snprintf(buf + used, n - used, "]");
 }
 
 float f16_to_f32(uint16_t h) {

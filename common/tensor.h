@@ -75,6 +75,9 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* "[2, 3]" into buf[n] (truncated to fit). */
+void tensor_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
+
 /* IEEE half -> float32 (exact). */
 float f16_to_f32(uint16_t h);
 

@@ -428,16 +428,6 @@ static int validate(model_config *c, const cJSON *j, const char *path, char *err
     return 0;
 }
 
-static char *path_join(const char *dir, const char *name) {
-    size_t nd = strlen(dir), nn = strlen(name);
-    bool slash = nd > 0 && dir[nd - 1] != '/';
-    char *p = xmalloc(nd + slash + nn + 1);
-    memcpy(p, dir, nd);
-    if (slash) p[nd] = '/';
-    memcpy(p + nd + slash, name, nn + 1);
-    return p;
-}
-
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {
     memset(c, 0, sizeof *c);
     char *path = path_join(dir, "config.json");

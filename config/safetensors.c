@@ -54,24 +54,6 @@ static bool json_uint(const cJSON *v, uint64_t *out) {
     return true;
 }
 
-static void format_shape(char *buf, size_t n, const tensor *t) {
-    size_t used = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < t->ndim && used < n; i++)
-        used +=
-            (size_t)snprintf(buf + used, n - used, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
-    if (used < n) snprintf(buf + used, n - used, "]");
-}
-
-static char *path_join(const char *dir, const char *name) {
-    size_t nd = strlen(dir), nn = strlen(name);
-    bool slash = nd > 0 && dir[nd - 1] != '/';
-    char *p = xmalloc(nd + slash + nn + 1);
-    memcpy(p, dir, nd);
-    if (slash) p[nd] = '/';
-    memcpy(p + nd + slash, name, nn + 1);
-    return p;
-}
-
 /* Check one header entry {dtype, shape, data_offsets} against the data area of data_size bytes. */
 static int parse_entry(const cJSON *item, uint64_t data_size, header_entry *e, const char *path,
                        char *err, size_t errlen) {
@@ -135,7 +117,7 @@ static int parse_entry(const cJSON *item, uint64_t data_size, header_entry *e, c
         overflow |= __builtin_mul_overflow(need, (uint64_t)e->t.shape[k], &need);
     if (overflow || need != e->end - e->begin) {
         char shp[256];
-        format_shape(shp, sizeof shp, &e->t);
+        tensor_format_shape(shp, sizeof shp, e->t.ndim, e->t.shape);
         if (overflow)
             return set_err(err, errlen, "%s: tensor '%s': shape %s of %s overflows 64 bits", path,
                            name, shp, dtype_name(e->t.dtype));

@@ -36,13 +36,6 @@ void model_free(model *m) {
     free(m);
 }
 
-static void format_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
-    size_t used = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < ndim && used < n; i++)
-        used += (size_t)snprintf(buf + used, n - used, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (used < n) snprintf(buf + used, n - used, "]");
-}
-
 int model_weight(const model *m, const char *name, int ndim, const int64_t *shape,
                  const tensor **out, char *err, size_t errlen) {
     const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
@@ -51,8 +44,8 @@ int model_weight(const model *m, const char *name, int ndim, const int64_t *shap
     for (int i = 0; same && i < ndim; i++) same = ct->t.shape[i] == shape[i];
     if (!same) {
         char got[128], want[128];
-        format_shape(got, sizeof got, ct->t.ndim, ct->t.shape);
-        format_shape(want, sizeof want, ndim, shape);
+        tensor_format_shape(got, sizeof got, ct->t.ndim, ct->t.shape);
+        tensor_format_shape(want, sizeof want, ndim, shape);
         return set_err(err, errlen, "%s: tensor '%s' has shape %s but config.json implies %s",
                        ct->file, name, got, want);
     }
