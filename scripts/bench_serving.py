@@ -40,7 +40,10 @@ def request_json(host, port, method, path, body=None, timeout=600):
         data = r.read()
         if r.status != 200:
             raise RuntimeError("%s %s: HTTP %d %s" % (method, path, r.status, data[:300]))
-        return json.loads(data) if data.strip() else None
+        try:
+            return json.loads(data)
+        except ValueError:  # /flush_cache answers plain text, as SGLang's does
+            return data.decode("utf-8", "replace")
     finally:
         conn.close()
 
