@@ -1,24 +1,18 @@
 /* Engine: batches every unfinished sequence into one forward pass per step. Prompts go in
  * chunks of at most chunk_tokens (shared by all sequences of the step); decode tokens always
- * fit. Logits are computed only for rows that score a prompt token or sample the next one. */
+ * fit. Logits are computed only for rows that score a prompt token or sample the next one.
+ *
+ * engine_step is the one copy of forward + score + sample; engine_generate drives it over a
+ * fixed set of sequences, the scheduler over its running batch. A token's result does not depend
+ * on what else is in the batch (the kernels sum in fixed orders), so both give the same bits. */
 #include "runner/engine.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/log.h"
-
-typedef struct {
-    const gen_request *req;
-    gen_result *res;
-    int32_t *tokens; /* [n_tokens] prompt then output */
-    int n_tokens;
-    int n_computed; /* tokens whose KV is stored */
-    int32_t *pages; /* [max_pages] */
-    int n_pages;
-    bool finished;
-} engine_seq;
 
 int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, char *err,
                 size_t errlen) {
@@ -35,6 +29,11 @@ void engine_free(engine *e) {
     kv_cache_free(&e->kv);
     free(e->logits);
     free(e->scratch);
+    free(e->ids);
+    free(e->pos);
+    free(e->seq_of);
+    free(e->rows);
+    *e = (engine){0};
 }
 
 void gen_result_free(gen_result *r) {
@@ -44,51 +43,217 @@ void gen_result_free(gen_result *r) {
     *r = (gen_result){0};
 }
 
+void engine_seq_init(engine_seq *s, const gen_request *q, int top_n) {
+    *s = (engine_seq){.req = q, .top_n = top_n, .n_tokens = q->n_prompt};
+    s->tokens = xmalloc(((size_t)q->n_prompt + q->max_new_tokens + 1) * sizeof(int32_t));
+    memcpy(s->tokens, q->prompt, (size_t)q->n_prompt * sizeof(int32_t));
+    /* Position 0 has nothing before it to score it: its entry is NaN from the start. */
+    bool wanted = q->return_logprob && q->logprob_start_len >= 0;
+    s->next_score = wanted ? (q->logprob_start_len > 1 ? q->logprob_start_len : 1) : q->n_prompt;
+    if (s->next_score > q->n_prompt) s->next_score = q->n_prompt;
+}
+
+void engine_seq_free(engine_seq *s) {
+    free(s->tokens);
+    s->tokens = NULL;
+}
+
+int engine_seq_n_in(const engine_seq *s) {
+    if (!s->in_logprobs) return 0;
+    return s->next_score - s->req->logprob_start_len;
+}
+
 static bool ids_contain(const int32_t *ids, int n, int32_t id) {
     for (int i = 0; i < n; i++)
         if (ids[i] == id) return true;
     return false;
 }
 
+/* ids[N], vals[N] = the N largest of lp[V] in descending order, ties by ascending id. The two
+ * arrays first hold a heap whose root is the worst kept entry, then a heap sort leaves them
+ * best first. */
+static bool top_worse(float va, int32_t ia, float vb, int32_t ib) {
+    return va < vb || (va == vb && ia > ib);
+}
+
+static void top_sift_down(int32_t *ids, float *vals, int n, int i) {
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= n) return;
+        if (c + 1 < n && top_worse(vals[c + 1], ids[c + 1], vals[c], ids[c])) c++;
+        if (!top_worse(vals[c], ids[c], vals[i], ids[i])) return;
+        int32_t ti = ids[i];
+        float tv = vals[i];
+        ids[i] = ids[c], vals[i] = vals[c];
+        ids[c] = ti, vals[c] = tv;
+        i = c;
+    }
+}
+
+static void top_n_select(int32_t *ids, float *vals, const float *lp, int V, int N) {
+    if (N > V) N = V;
+    for (int i = 0; i < N; i++)
+        ids[i] = i, vals[i] = lp[i];
+    for (int i = N / 2 - 1; i >= 0; i--)
+        top_sift_down(ids, vals, N, i);
+    for (int t = N; t < V; t++)
+        if (top_worse(vals[0], ids[0], lp[t], t)) {
+            ids[0] = t, vals[0] = lp[t];
+            top_sift_down(ids, vals, N, 0);
+        }
+    for (int n = N - 1; n > 0; n--) {
+        int32_t ti = ids[0];
+        float tv = vals[0];
+        ids[0] = ids[n], vals[0] = vals[n];
+        ids[n] = ti, vals[n] = tv;
+        top_sift_down(ids, vals, n, 0);
+    }
+}
+
 /* After sampling token t for s: record it and decide whether s is done. */
 static void engine_seq_append(engine *e, engine_seq *s, int32_t t, float logprob) {
     const gen_request *q = s->req;
-    gen_result *r = s->res;
     const model_config *c = &e->m->cfg;
     s->tokens[s->n_tokens++] = t;
-    r->output_ids[r->n_output] = t;
-    if (r->output_logprobs) r->output_logprobs[r->n_output] = logprob;
-    r->n_output++;
-    bool may_stop = r->n_output >= q->min_new_tokens;
+    s->out_ids[s->n_out] = t;
+    if (s->out_logprobs) s->out_logprobs[s->n_out] = logprob;
+    s->n_out++;
+    bool may_stop = s->n_out >= q->min_new_tokens;
     if (may_stop && !q->ignore_eos && ids_contain(c->eos_token_ids, c->n_eos, t)) {
-        r->finish = FINISH_STOP_TOKEN;
-        r->matched_token = t;
+        s->finish = FINISH_STOP_TOKEN;
+        s->matched_token = t;
     } else if (may_stop && ids_contain(q->stop_token_ids, q->n_stop_token_ids, t)) {
-        r->finish = FINISH_STOP_TOKEN;
-        r->matched_token = t;
+        s->finish = FINISH_STOP_TOKEN;
+        s->matched_token = t;
     }
-    if (q->on_token && q->on_token(q->ctx, t) && r->finish == FINISH_NONE)
-        r->finish = FINISH_STOP_STRING;
-    if (r->finish == FINISH_NONE && r->n_output >= q->max_new_tokens) r->finish = FINISH_LENGTH;
-    s->finished = r->finish != FINISH_NONE;
+    if (q->on_token && q->on_token(q->ctx, t) && s->finish == FINISH_NONE)
+        s->finish = FINISH_STOP_STRING;
+    if (s->finish == FINISH_NONE && s->n_out >= q->max_new_tokens) s->finish = FINISH_LENGTH;
 }
 
-static int engine_check_request(const engine *e, const gen_request *q, char *err, size_t errlen) {
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void engine_reserve(engine *e, int T) {
+    if (T <= e->cap_T) return;
+    e->ids = xrealloc(e->ids, (size_t)T * sizeof(int32_t));
+    e->pos = xrealloc(e->pos, (size_t)T * sizeof(int32_t));
+    e->seq_of = xrealloc(e->seq_of, (size_t)T * sizeof(int32_t));
+    e->rows = xrealloc(e->rows, (size_t)T * sizeof(int32_t));
+    e->cap_T = T;
+}
+
+int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_table,
+                int max_pages) {
+    model *m = e->m;
+    int V = m->cfg.vocab_size, S = e->kv.page_size, T = 0, n_rows = 0;
+    e->last_forward_seconds = 0.0;
+    for (int i = 0; i < n; i++)
+        T += seqs[i]->take;
+    if (T == 0) return 0;
+    engine_reserve(e, T);
+    int32_t *ids = e->ids, *pos = e->pos, *seq_of = e->seq_of, *rows = e->rows;
+    T = 0;
+    for (int i = 0; i < n; i++) {
+        engine_seq *s = seqs[i];
+        const gen_request *q = s->req;
+        MS_ASSERT(s->n_computed + s->take <= s->n_tokens);
+        MS_ASSERT(s->take == 0 || (s->n_computed + s->take + S - 1) / S <= s->n_pages);
+        for (int j = 0; j < s->take; j++) {
+            int p = s->n_computed + j;
+            ids[T] = s->tokens[p];
+            pos[T] = p;
+            seq_of[T] = s->slot; /* its page-table row */
+            /* a row scores prompt token p + 1, or samples after the last token */
+            if ((p + 1 >= s->next_score && p + 1 < q->n_prompt) || p == s->n_tokens - 1)
+                rows[n_rows++] = T;
+            T++;
+        }
+    }
+    if (n_rows > e->cap_logits) {
+        e->logits = xrealloc(e->logits, (size_t)n_rows * V * sizeof(float));
+        e->cap_logits = n_rows;
+    }
+    forward_batch fb = {.T = T,
+                        .ids = ids,
+                        .attn = {.T = T,
+                                 .pos = pos,
+                                 .seq = seq_of,
+                                 .page_table = page_table,
+                                 .max_pages = max_pages,
+                                 .page_size = S},
+                        .n_logits = n_rows,
+                        .logit_rows = rows};
+    double t0 = now_seconds();
+    m->arch->forward(m, &e->kv, &fb, e->logits);
+    e->last_forward_seconds = now_seconds() - t0;
+
+    /* Score and sample, in row order (rows are in batch order). A row's sequence is found by
+     * walking the sequences alongside, since both go in batch order. */
+    int si = 0, first = 0; /* seqs[si] owns batch rows [first, first + seqs[si]->take) */
+    for (int r = 0; r < n_rows; r++) {
+        int t = rows[r];
+        while (t >= first + seqs[si]->take)
+            first += seqs[si++]->take;
+        engine_seq *s = seqs[si];
+        const gen_request *q = s->req;
+        float *lg = e->logits + (size_t)r * V;
+        int p = pos[t], start = q->logprob_start_len, N = s->top_n;
+        if (p + 1 < q->n_prompt) {
+            sampler_log_softmax(e->scratch, lg, V);
+            int k = p + 1 - start;
+            s->in_logprobs[k] = e->scratch[s->tokens[p + 1]];
+            if (N > 0 && s->in_top_ids)
+                top_n_select(s->in_top_ids + (size_t)k * N, s->in_top_logprobs + (size_t)k * N,
+                             e->scratch, V, N);
+            s->next_score = p + 2;
+            continue;
+        }
+        if (q->max_new_tokens == 0) {
+            s->finish = FINISH_LENGTH;
+            continue;
+        }
+        bool want_lp = q->return_logprob || (N > 0 && s->out_top_ids);
+        if (want_lp) sampler_log_softmax(e->scratch, lg, V);
+        float lp = q->return_logprob ? 0.0f : NAN;
+        int32_t tok = sampler_sample(&q->sampling, lg, V, q->prompt, q->n_prompt,
+                                     s->tokens + q->n_prompt, s->n_out, (uint64_t)s->n_tokens);
+        if (q->return_logprob) lp = e->scratch[tok];
+        if (N > 0 && s->out_top_ids)
+            top_n_select(s->out_top_ids + (size_t)s->n_out * N,
+                         s->out_top_logprobs + (size_t)s->n_out * N, e->scratch, V, N);
+        engine_seq_append(e, s, tok, lp);
+    }
+    for (int i = 0; i < n; i++) {
+        seqs[i]->n_computed += seqs[i]->take;
+        seqs[i]->take = 0;
+    }
+    return T;
+}
+
+int engine_check_request(const engine *e, const gen_request *q, int context_length, char *err,
+                         size_t errlen) {
     const model_config *c = &e->m->cfg;
-    int total = q->n_prompt + q->max_new_tokens;
     if (q->n_prompt < 1) return set_err(err, errlen, "the prompt is empty");
     if (q->max_new_tokens < 0) return set_err(err, errlen, "max_new_tokens must be >= 0");
+    if (q->min_new_tokens < 0) return set_err(err, errlen, "min_new_tokens must be >= 0");
     for (int i = 0; i < q->n_prompt; i++)
         if (q->prompt[i] < 0 || q->prompt[i] >= c->vocab_size)
-            return set_err(err, errlen, "input id %d at position %d is outside the vocabulary [0, %d)",
+            return set_err(err, errlen,
+                           "input id %d at position %d is outside the vocabulary [0, %d)",
                            q->prompt[i], i, c->vocab_size);
-    if (total > c->max_position_embeddings)
+    if ((int64_t)q->n_prompt + q->max_new_tokens > context_length)
         return set_err(err, errlen,
                        "prompt (%d tokens) + max_new_tokens (%d) exceeds the context length %d",
-                       q->n_prompt, q->max_new_tokens, c->max_position_embeddings);
+                       q->n_prompt, q->max_new_tokens, context_length);
     if (q->logprob_start_len < -1 || q->logprob_start_len >= q->n_prompt)
         return set_err(err, errlen, "logprob_start_len %d must be -1 or in [0, %d)",
                        q->logprob_start_len, q->n_prompt);
+    if (q->n_stop_token_ids < 0 || (q->n_stop_token_ids > 0 && !q->stop_token_ids))
+        return set_err(err, errlen, "stop_token_ids: bad count %d", q->n_stop_token_ids);
     const char *bad = sampling_params_check(&q->sampling);
     if (bad) return set_err(err, errlen, "%s", bad);
     return 0;
@@ -96,22 +261,20 @@ static int engine_check_request(const engine *e, const gen_request *q, char *err
 
 int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int n, char *err,
                     size_t errlen) {
-    model *m = e->m;
-    const model_config *c = &m->cfg;
-    int V = c->vocab_size, S = e->kv.page_size;
+    const model_config *c = &e->m->cfg;
+    int S = e->kv.page_size;
     int max_pages = (c->max_position_embeddings + S - 1) / S;
     for (int i = 0; i < n; i++)
-        if (engine_check_request(e, &reqs[i], err, errlen)) return -1;
+        if (engine_check_request(e, &reqs[i], c->max_position_embeddings, err, errlen)) return -1;
 
-    engine_seq *seqs = xcalloc(n, sizeof *seqs);
-    int32_t *page_table = xcalloc((size_t)n * max_pages, sizeof(int32_t));
-    int cap_T = e->chunk_tokens + n;
-    int32_t *ids = xmalloc(cap_T * sizeof(int32_t)), *pos = xmalloc(cap_T * sizeof(int32_t));
-    int32_t *seq_of = xmalloc(cap_T * sizeof(int32_t)), *rows = xmalloc(cap_T * sizeof(int32_t));
+    engine_seq *seqs = xcalloc(n > 0 ? n : 1, sizeof *seqs);
+    engine_seq **batch = xcalloc(n > 0 ? n : 1, sizeof *batch);
+    int32_t *page_table = xcalloc((size_t)(n > 0 ? n : 1) * max_pages, sizeof(int32_t));
     int rc = 0;
     for (int i = 0; i < n; i++) {
         const gen_request *q = &reqs[i];
         gen_result *r = &results[i];
+        engine_seq *s = &seqs[i];
         *r = (gen_result){0};
         r->output_ids = xmalloc(((size_t)q->max_new_tokens + 1) * sizeof(int32_t));
         if (q->return_logprob) {
@@ -122,23 +285,23 @@ int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int
                 r->input_logprobs[0] = NAN; /* overwritten unless start == 0 */
             }
         }
-        seqs[i] = (engine_seq){.req = q, .res = r, .pages = page_table + (size_t)i * max_pages};
-        seqs[i].tokens = xmalloc(((size_t)q->n_prompt + q->max_new_tokens + 1) * sizeof(int32_t));
-        memcpy(seqs[i].tokens, q->prompt, q->n_prompt * sizeof(int32_t));
-        seqs[i].n_tokens = q->n_prompt;
+        engine_seq_init(s, q, 0);
+        s->slot = i;
+        s->pages = page_table + (size_t)i * max_pages;
+        s->out_ids = r->output_ids;
+        s->out_logprobs = r->output_logprobs;
+        s->in_logprobs = r->input_logprobs;
     }
 
     for (;;) {
         /* Build the step: decode tokens first (they always fit), then prompt chunks. */
-        int T = 0, n_rows = 0, budget = e->chunk_tokens;
-        int take[n > 0 ? n : 1];
+        int n_batch = 0, budget = e->chunk_tokens;
         for (int pass = 0; pass < 2; pass++) {
             for (int i = 0; i < n; i++) {
                 engine_seq *s = &seqs[i];
                 int left = s->n_tokens - s->n_computed;
                 bool decode = s->n_computed >= s->req->n_prompt;
-                if (pass == 0) take[i] = 0;
-                if (s->finished || left == 0 || decode != (pass == 0)) continue;
+                if (s->finish != FINISH_NONE || left == 0 || decode != (pass == 0)) continue;
                 int cnt = decode ? left : (left < budget ? left : budget);
                 if (cnt <= 0) continue;
                 if (!decode) budget -= cnt;
@@ -152,78 +315,26 @@ int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int
                     }
                     s->pages[s->n_pages++] = p;
                 }
-                take[i] = cnt;
-                const gen_request *q = s->req;
-                /* prompt position i is scored by the row of position i - 1 */
-                int score_from = q->return_logprob && q->logprob_start_len >= 0
-                                     ? q->logprob_start_len - 1
-                                     : q->n_prompt;
-                for (int j = 0; j < cnt; j++) {
-                    int p = s->n_computed + j;
-                    ids[T] = s->tokens[p];
-                    pos[T] = p;
-                    seq_of[T] = i;
-                    /* a row scores prompt token p + 1, or samples after the last token */
-                    if ((p >= score_from && p + 1 < q->n_prompt) || p == s->n_tokens - 1)
-                        rows[n_rows++] = T;
-                    T++;
-                }
+                s->take = cnt;
+                batch[n_batch++] = s;
             }
         }
-        if (T == 0) break;
-        if (n_rows > e->cap_logits) {
-            e->logits = xrealloc(e->logits, (size_t)n_rows * V * sizeof(float));
-            e->cap_logits = n_rows;
-        }
-        forward_batch fb = {.T = T,
-                            .ids = ids,
-                            .attn = {.T = T,
-                                     .pos = pos,
-                                     .seq = seq_of,
-                                     .page_table = page_table,
-                                     .max_pages = max_pages,
-                                     .page_size = S},
-                            .n_logits = n_rows,
-                            .logit_rows = rows};
-        m->arch->forward(m, &e->kv, &fb, e->logits);
-
-        /* Score and sample, in row order (rows are in batch order). */
-        for (int r = 0; r < n_rows; r++) {
-            int t = rows[r];
-            engine_seq *s = &seqs[seq_of[t]];
-            const gen_request *q = s->req;
-            float *lg = e->logits + (size_t)r * V;
-            int p = pos[t];
-            if (p + 1 < q->n_prompt) {
-                sampler_log_softmax(e->scratch, lg, V);
-                s->res->input_logprobs[p + 1 - q->logprob_start_len] = e->scratch[s->tokens[p + 1]];
-                continue;
-            }
-            if (q->max_new_tokens == 0) {
-                s->res->finish = FINISH_LENGTH;
-                s->finished = true;
-                continue;
-            }
-            if (q->return_logprob) sampler_log_softmax(e->scratch, lg, V);
-            float lp = q->return_logprob ? 0.0f : NAN;
-            int32_t tok = sampler_sample(&q->sampling, lg, V, q->prompt, q->n_prompt,
-                                         s->res->output_ids, s->res->n_output, (uint64_t)s->n_tokens);
-            if (q->return_logprob) lp = e->scratch[tok];
-            engine_seq_append(e, s, tok, lp);
-        }
-        for (int i = 0; i < n; i++) seqs[i].n_computed += take[i];
+        if (n_batch == 0) break;
+        engine_step(e, batch, n_batch, page_table, max_pages);
     }
 done:
     for (int i = 0; i < n; i++) {
-        for (int j = 0; j < seqs[i].n_pages; j++) kv_cache_release_page(&e->kv, seqs[i].pages[j]);
-        free(seqs[i].tokens);
+        engine_seq *s = &seqs[i];
+        for (int j = 0; j < s->n_pages; j++)
+            kv_cache_release_page(&e->kv, s->pages[j]);
+        results[i].n_output = s->n_out;
+        results[i].finish = s->finish;
+        results[i].matched_token = s->matched_token;
+        engine_seq_free(s);
         if (rc) gen_result_free(&results[i]);
     }
     free(seqs);
+    free(batch);
     free(page_table);
-    free(ids);
-    free(pos);
-    free(seq_of);
-    free(rows);
     return rc;
 }

@@ -2,7 +2,11 @@
  * unfinished sequence: the next chunk of its prompt (prefill, under a token budget) or its last
  * sampled token (decode), runs one forward pass over all of them, then scores and samples.
  * It sees token ids only; text is the edge's business (stop strings come back through
- * on_token). */
+ * on_token).
+ *
+ * Two users share one step core (engine_step): engine_generate, which runs a fixed set of
+ * requests to completion (the CLI), and the scheduler (runner/scheduler.h), which adds and drops
+ * sequences between steps. The core never allocates KV pages; its caller does. */
 #ifndef MOESERVE_ENGINE_H
 #define MOESERVE_ENGINE_H
 
@@ -47,13 +51,50 @@ typedef struct {
     int32_t matched_token;
 } gen_result;
 
+/* One sequence as the step core sees it. tokens holds the prompt, then every sampled token; the
+ * KV of tokens[0 .. n_computed) is stored in pages[]. After a preemption the caller drops the
+ * pages and sets n_computed to 0: the next steps recompute prompt + outputs without scoring or
+ * sampling again, because scoring starts at next_score and sampling happens only at the last
+ * token.
+ *
+ * The sinks are the caller's arrays (a gen_result, a request's output channel). The step writes
+ * only entries at or beyond the counts the caller has published (n_out, next_score), then
+ * advances the counts; a caller that shares the arrays with reader threads publishes the new
+ * counts under its own lock. */
+typedef struct {
+    const gen_request *req;
+    int32_t *tokens; /* [n_prompt + max_new_tokens + 1] prompt, then outputs */
+    int n_tokens;
+    int n_computed; /* leading tokens whose KV is stored */
+    int slot;       /* its row of the page table passed to engine_step */
+    int32_t *pages; /* [max_pages] that row */
+    int n_pages;
+    int take;       /* tokens to forward in the next step, from n_computed */
+    int next_score; /* next prompt position whose input logprob is wanted; n_prompt when none */
+    int top_n;      /* top logprobs kept per scored position; 0 = none */
+    /* sinks */
+    int32_t *out_ids;        /* [max_new_tokens + 1] */
+    float *out_logprobs;     /* [max_new_tokens + 1] or NULL */
+    int32_t *out_top_ids;    /* [max_new_tokens + 1, top_n] or NULL */
+    float *out_top_logprobs; /* [max_new_tokens + 1, top_n] or NULL */
+    float *in_logprobs;      /* [n_prompt - start]: prompt[start..] or NULL */
+    int32_t *in_top_ids;     /* [n_prompt - start, top_n] or NULL */
+    float *in_top_logprobs;  /* [n_prompt - start, top_n] or NULL */
+    int n_out;
+    finish_kind finish;
+    int32_t matched_token;
+} engine_seq;
+
 typedef struct {
     model *m;
     kv_cache kv;
     int chunk_tokens; /* prefill token budget per step */
     float *logits;    /* [cap_logits, V] */
     int cap_logits;
-    float *scratch;   /* [V] */
+    float *scratch;                     /* [V] */
+    int32_t *ids, *pos, *seq_of, *rows; /* [cap_T] the step's batch */
+    int cap_T;
+    double last_forward_seconds; /* wall time of the last engine_step's forward pass */
 } engine;
 
 /* n_pages pages of page_size tokens; chunk_tokens tokens at most per forward pass. */
@@ -61,11 +102,40 @@ int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_token
                 size_t errlen);
 void engine_free(engine *e);
 
+/* Check one request against the model: non-empty prompt, ids in the vocabulary, max and min
+ * new tokens >= 0, prompt + max_new_tokens within context_length (which the caller keeps <=
+ * max_position_embeddings), logprob_start_len, stop ids, sampling values. 0, or -1 with a
+ * message fit for a client. */
+int engine_check_request(const engine *e, const gen_request *q, int context_length, char *err,
+                         size_t errlen);
+
 /* Run n requests together to completion; results[i] answers reqs[i] (free with
  * gen_result_free). Returns 0, or -1 with a message when a request cannot fit (context length,
  * KV pages). */
 int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int n, char *err,
                     size_t errlen);
 void gen_result_free(gen_result *r);
+
+/* s for q with room for every output: the prompt copied into tokens, nothing computed, scoring
+ * from logprob_start_len when q returns logprobs, the sinks NULL (the caller points them at its
+ * arrays; out_ids is required). */
+void engine_seq_init(engine_seq *s, const gen_request *q, int top_n);
+void engine_seq_free(engine_seq *s);
+
+/* Input logprobs the sequence has finished: entries of in_logprobs that are final (position 0's
+ * NaN counts from the start). 0 when it scores nothing. */
+int engine_seq_n_in(const engine_seq *s);
+
+/* The step core. One forward pass over seqs[i]->take tokens of each sequence (from its
+ * n_computed; its pages must already cover them; sequences with take 0 are skipped), in the
+ * order given. Then, in batch order: every row that scores a wanted prompt token writes its
+ * input logprob (and top-N); the row of a sequence's last token samples the next one (position
+ * = n_tokens, penalties over prompt + outputs), appends it with its logprob (and top-N), runs
+ * on_token and sets finish (stop ids and eos after min_new_tokens, unless ignore_eos;
+ * on_token -> FINISH_STOP_STRING; max_new_tokens -> FINISH_LENGTH; max_new_tokens 0 ->
+ * FINISH_LENGTH without sampling). n_computed advances by take. page_table is
+ * [n_slots, max_pages]; seqs[i]->slot names its row. Returns the tokens forwarded. */
+int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_table,
+                int max_pages);
 
 #endif

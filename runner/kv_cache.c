@@ -1,5 +1,6 @@
-/* Paged KV cache: contiguous pools per layer and a LIFO free list (recently freed pages are
- * warm in cache when reused). */
+/* Paged KV cache: contiguous pools per layer, a LIFO free list (recently freed pages are warm in
+ * cache when reused) and a reference count per page. A double release or a retain of a free
+ * page is a broken invariant and aborts. */
 #include "runner/kv_cache.h"
 
 #include <stdlib.h>
@@ -17,12 +18,14 @@ int kv_cache_init(kv_cache *kv, int n_layers, int n_pages, int page_size, int n_
     kv->k = malloc(n * sizeof(float));
     kv->v = malloc(n * sizeof(float));
     kv->free_pages = malloc((size_t)n_pages * sizeof(int32_t));
-    if (!kv->k || !kv->v || !kv->free_pages) {
+    kv->refs = calloc((size_t)n_pages, sizeof(int32_t));
+    if (!kv->k || !kv->v || !kv->free_pages || !kv->refs) {
         kv_cache_free(kv);
         return set_err(err, errlen, "KV cache: cannot allocate %d pages of %d tokens (%.1f MiB)",
                        n_pages, page_size, 2.0 * n * sizeof(float) / (1 << 20));
     }
-    for (int i = 0; i < n_pages; i++) kv->free_pages[i] = n_pages - 1 - i;
+    for (int i = 0; i < n_pages; i++)
+        kv->free_pages[i] = n_pages - 1 - i;
     kv->n_free = n_pages;
     return 0;
 }
@@ -31,6 +34,7 @@ void kv_cache_free(kv_cache *kv) {
     free(kv->k);
     free(kv->v);
     free(kv->free_pages);
+    free(kv->refs);
     *kv = (kv_cache){0};
 }
 
@@ -40,10 +44,26 @@ kv_layer kv_cache_layer(const kv_cache *kv, int layer) {
 }
 
 int32_t kv_cache_alloc_page(kv_cache *kv) {
-    return kv->n_free > 0 ? kv->free_pages[--kv->n_free] : -1;
+    if (kv->n_free == 0) return -1;
+    int32_t page = kv->free_pages[--kv->n_free];
+    MS_ASSERT(kv->refs[page] == 0);
+    kv->refs[page] = 1;
+    return page;
+}
+
+void kv_cache_retain_page(kv_cache *kv, int32_t page) {
+    MS_ASSERT(page >= 0 && page < kv->n_pages && kv->refs[page] > 0);
+    kv->refs[page]++;
 }
 
 void kv_cache_release_page(kv_cache *kv, int32_t page) {
-    MS_ASSERT(page >= 0 && page < kv->n_pages && kv->n_free < kv->n_pages);
+    MS_ASSERT(page >= 0 && page < kv->n_pages && kv->refs[page] > 0);
+    if (--kv->refs[page] > 0) return;
+    MS_ASSERT(kv->n_free < kv->n_pages);
     kv->free_pages[kv->n_free++] = page;
+}
+
+int kv_cache_page_refs(const kv_cache *kv, int32_t page) {
+    MS_ASSERT(page >= 0 && page < kv->n_pages);
+    return kv->refs[page];
 }

@@ -1,6 +1,10 @@
 /* The paged KV cache: for every layer, k and v pools of [P, S, Hkv, Dh] float32, and one page
  * allocator shared by all layers (page p holds the same positions in every layer). A sequence
- * owns a list of pages; position i of it lives in page list[i / S], slot i % S. */
+ * owns a list of pages; position i of it lives in page list[i / S], slot i % S.
+ *
+ * Pages are reference counted so that several holders can share one: the prefix cache and every
+ * running request whose prompt starts with the cached tokens. A page is free exactly when its
+ * count is 0; only full pages are ever shared, so a shared page is never written again. */
 #ifndef MOESERVE_KV_CACHE_H
 #define MOESERVE_KV_CACHE_H
 
@@ -10,15 +14,16 @@
 #include "kernels/ops.h"
 
 typedef struct {
-    int n_layers;  /* L */
-    int n_pages;   /* P */
-    int page_size; /* S */
-    int n_kv_heads; /* Hkv */
-    int head_dim;   /* Dh */
-    float *k;       /* [L, P, S, Hkv, Dh] */
-    float *v;       /* [L, P, S, Hkv, Dh] */
-    int32_t *free_pages; /* stack of free page ids */
+    int n_layers;        /* L */
+    int n_pages;         /* P */
+    int page_size;       /* S */
+    int n_kv_heads;      /* Hkv */
+    int head_dim;        /* Dh */
+    float *k;            /* [L, P, S, Hkv, Dh] */
+    float *v;            /* [L, P, S, Hkv, Dh] */
+    int32_t *free_pages; /* [P] stack of free page ids, n_free of them */
     int n_free;
+    int32_t *refs; /* [P] holders of each page; 0 = free */
 } kv_cache;
 
 /* Allocate the pools. Returns 0, or -1 with a message when memory is short. */
@@ -29,9 +34,13 @@ void kv_cache_free(kv_cache *kv);
 /* The pools of one layer. */
 kv_layer kv_cache_layer(const kv_cache *kv, int layer);
 
-/* Take a free page; -1 when none is left. */
+/* Take a free page with one reference (the caller's); -1 when none is left. */
 int32_t kv_cache_alloc_page(kv_cache *kv);
-/* Give a page back. */
+/* Add a holder to a page in use. */
+void kv_cache_retain_page(kv_cache *kv, int32_t page);
+/* Drop one holder; the last one gives the page back to the free list. */
 void kv_cache_release_page(kv_cache *kv, int32_t page);
+/* Holders of a page in use (0 when free). */
+int kv_cache_page_refs(const kv_cache *kv, int32_t page);
 
 #endif
