@@ -19,15 +19,16 @@
 #include "runner/engine.h"
 
 typedef struct request request;
+struct scheduler;
 
 struct request {
     /* ---- inputs (immutable after submit) ---- */
-    char rid[64];       /* request id, as given by the client or generated */
-    gen_request gen;    /* gen.prompt / gen.stop_token_ids point at the owned copies below */
-    int32_t *prompt;    /* [gen.n_prompt], owned */
-    int32_t *stop_ids;  /* [gen.n_stop_token_ids], owned */
+    char rid[64];         /* request id, as given by the client or generated */
+    gen_request gen;      /* gen.prompt / gen.stop_token_ids point at the owned copies below */
+    int32_t *prompt;      /* [gen.n_prompt], owned */
+    int32_t *stop_ids;    /* [gen.n_stop_token_ids], owned */
     int top_logprobs_num; /* > 0: also keep the top-N (id, logprob) of every scored position */
-    double t_submit;    /* seconds, CLOCK_MONOTONIC, set by scheduler_submit */
+    double t_submit;      /* seconds, CLOCK_MONOTONIC, set by scheduler_submit */
     /* Called on the engine thread after new output is published and after done is set
      * (e.g. to resume a suspended HTTP connection). Must not block. */
     void (*notify)(void *ctx);
@@ -36,13 +37,15 @@ struct request {
     /* ---- output channel (engine writes, others read under mu) ---- */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int32_t *out_ids;      /* [n_out] */
-    float *out_logprobs;   /* [n_out] when gen.return_logprob */
-    int32_t *out_top_ids;  /* [n_out, top_logprobs_num] */
+    int32_t *out_ids;        /* [n_out] */
+    float *out_logprobs;     /* [n_out] when gen.return_logprob */
+    int32_t *out_top_ids;    /* [n_out, top_logprobs_num] */
     float *out_top_logprobs; /* [n_out, top_logprobs_num] */
     int n_out;
-    float *in_logprobs;    /* [n_in]: prompt[start..]; NaN at position 0 */
-    int32_t *in_top_ids;   /* [n_in, top_logprobs_num]; position 0 rows are -1 / NaN */
+    /* [n_in]: prompt[start..]; NaN at position 0. n_in grows as prompt chunks are scored and
+     * ends at n_prompt - start (allocated when return_logprob and logprob_start_len >= 0). */
+    float *in_logprobs;
+    int32_t *in_top_ids; /* [n_in, top_logprobs_num]; position 0 rows are -1 / NaN */
     float *in_top_logprobs;
     int n_in;
     int cached_tokens;     /* prompt tokens whose KV came from the prefix cache */
@@ -54,9 +57,18 @@ struct request {
     double t_done;
 
     /* ---- control ---- */
-    atomic_bool abort;     /* set by anyone: the scheduler finishes it with FINISH_ABORT */
+    atomic_bool abort; /* set by anyone: the scheduler finishes it with FINISH_ABORT */
     atomic_int refs;
+    /* The scheduler it was submitted to, under mu: set by scheduler_submit, cleared when done.
+     * request_abort uses it to wake an idle engine thread. */
+    struct scheduler *sched;
 };
+
+/* Sizes past which request_create allocates no output arrays (out_ids stays NULL, or the top-N
+ * arrays do) and scheduler_check rejects the request: prompt + max_new_tokens tokens, and
+ * top_logprobs_num * (output + input positions) entries. */
+#define REQUEST_MAX_TOKENS      (1 << 24)
+#define REQUEST_MAX_TOP_ENTRIES (1 << 24)
 
 /* A request for prompt[n_prompt] (copied) with the settings of *gen (its prompt and stop ids
  * are copied too; on_token/ctx kept). rid NULL -> a generated unique id. */
@@ -68,7 +80,16 @@ void request_release(request *r);
  * waiter callers (the CLI, tests); the HTTP side uses notify instead. */
 int request_wait(request *r, int seen);
 
-/* Ask the scheduler to stop this request (client gone); thread-safe, idempotent. */
+/* Ask the scheduler to stop this request (client gone); thread-safe, idempotent. Sets abort and,
+ * when the request is queued or running, wakes the engine thread (scheduler_wake), which then
+ * finishes it within one step: FINISH_ABORT, error "aborted by client", its KV pages freed,
+ * done set and notify called. Once done, it only sets the flag. The scheduler must not be freed
+ * while another thread may still call this on one of its unfinished requests (scheduler_free
+ * finishes them all first). */
 void request_abort(request *r);
+
+/* A consistent copy of the progress counters under mu, for pollers: n_out, n_in, done. Any of
+ * the pointers may be NULL. */
+void request_progress(request *r, int *n_out, int *n_in, bool *done);
 
 #endif

@@ -20,11 +20,13 @@
 #include "runner/request.h"
 
 typedef struct {
-    int max_running_requests; /* cap on requests in the running batch */
-    int max_total_tokens;     /* KV cache capacity in tokens (rounded up to whole pages) */
-    int page_size;            /* tokens per KV page */
-    int chunked_prefill_size; /* prompt tokens per step, all requests together */
-    int context_length;       /* prompt + max_new_tokens limit; <= max_position_embeddings */
+    int max_running_requests; /* cap on requests in the running batch; >= 1 */
+    int max_total_tokens;     /* KV cache capacity in tokens (rounded up to whole pages);
+                                 >= context_length */
+    int page_size;            /* tokens per KV page; >= 1 */
+    int chunked_prefill_size; /* prompt tokens per step, all requests together; >= 1 */
+    int context_length;       /* prompt + max_new_tokens limit; <= max_position_embeddings;
+                                 0 = max_position_embeddings */
     bool enable_radix_cache;  /* share prompt-prefix pages between requests */
 } scheduler_config;
 
@@ -32,7 +34,7 @@ typedef struct {
 typedef struct {
     int n_running;
     int n_waiting;
-    int kv_pages_used;   /* pages held by running requests or the prefix cache */
+    int kv_pages_used; /* pages held by running requests or the prefix cache */
     int kv_pages_total;
     int64_t n_requests_done;
     int64_t n_prompt_tokens;    /* prompt tokens of finished requests */
@@ -58,7 +60,15 @@ void scheduler_free(scheduler *s);
 int scheduler_check(const scheduler *s, const request *r, char *err, size_t errlen);
 
 /* Queue r (takes a reference). Call scheduler_check first; a request that fails the checks here
- * is finished at once with FINISH_ABORT and its error. Thread-safe; wakes the engine thread. */
+ * is finished at once with FINISH_ABORT and its error (so is one submitted after shutdown:
+ * "server shutting down"); its notify then runs on the calling thread, before submit returns.
+ * Thread-safe; wakes the engine thread.
+ *
+ * What the request sees afterwards (engine thread): cached_tokens at admission; after every step
+ * that changed it, n_out / n_in / t_first_token under mu, then a broadcast of cv and notify
+ * outside the lock; at the end finish, matched_token, error, t_done and done = true together,
+ * then broadcast and notify once more. An abort (request_abort) is acted on at the next step:
+ * FINISH_ABORT with error "aborted by client". */
 void scheduler_submit(scheduler *s, request *r);
 
 /* One step on the engine thread. Returns the number of tokens forwarded (0: nothing to do). */
@@ -75,5 +85,11 @@ void scheduler_wake(scheduler *s);
 void scheduler_flush_cache(scheduler *s);
 
 void scheduler_get_stats(scheduler *s, scheduler_stats *out);
+
+/* Check the page accounting: every page's reference count equals its holders (the prefix cache
+ * and the running requests), the free list holds exactly the unreferenced pages, queued requests
+ * hold none, and the prefix cache's tree is well formed. 0, or -1 with a message. Engine thread
+ * only (tests call it between steps). */
+int scheduler_validate(scheduler *s, char *err, size_t errlen);
 
 #endif

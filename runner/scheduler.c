@@ -1,0 +1,707 @@
+/* The scheduler (see scheduler.h): continuous batching over the engine's step core.
+ *
+ * Choices:
+ * - One mutex (mu) guards what other threads touch: the waiting queue, the wake flag and the
+ *   stats snapshot. Everything else (running set, KV pages, prefix cache) belongs to the engine
+ *   thread and needs no lock. A request's own mutex is never taken while mu is held; request_abort
+ *   takes the request's mutex and then mu (through scheduler_wake), never the other way round.
+ * - Order of a step: flush, drop aborted requests, give every decoding request the page its next
+ *   token needs (evicting from the prefix cache, then preempting the most recently admitted
+ *   request), admit from the queue head while pages allow, then build the batch (decode tokens
+ *   first, then prompt chunks in admission order under the chunked-prefill budget). Decode pages
+ *   come before admission so that a request is not admitted only to be preempted in the same
+ *   step.
+ * - Admission is first come, first served: the head of the queue blocks the rest. A request is
+ *   admitted when the free pages, less those already promised to running prompts, cover its
+ *   uncomputed tokens plus one page of headroom (capped at the most it can ever use, so a
+ *   request that fits the cache alone is always admitted once the rest has drained).
+ *   scheduler_create makes the cache hold at least one full context, and scheduler_check
+ *   rejects requests longer than a context, so every admitted request can finish.
+ * - The prefix cache receives a request's prompt pages when its prefill completes (so that
+ *   concurrent requests with the same prefix share them) and all its full computed pages when it
+ *   finishes. A match leaves at least one token to compute (the last position's logits sample the
+ *   next token) and never covers a position whose input logprob is still to be scored, nor the
+ *   one before it (its row scores it).
+ * - Preemption drops the victim's pages (cached prefix pages stay in the cache) and puts it at
+ *   the front of the queue. Its tokens (prompt + outputs so far), published outputs and scoring
+ *   progress stay, so the recomputation neither scores nor samples twice. */
+#include "runner/scheduler.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "runner/radix_cache.h"
+
+#define SCHED_RATE_WINDOW 5.0  /* seconds of history behind last_gen_throughput */
+#define SCHED_RATE_RING   4096 /* steps remembered for it */
+
+typedef struct sched_seq sched_seq;
+
+struct sched_seq {
+    request *r;
+    engine_seq es;          /* tokens, pages, progress; its sinks are r's arrays */
+    int32_t *pages;         /* [page_cap] es.pages */
+    int page_cap;           /* most pages it can ever hold */
+    int published_out;      /* n_out as last published to r */
+    int published_in;       /* n_in as last published to r */
+    bool admitted_once;     /* cached_tokens is set at the first admission */
+    bool prompt_cached;     /* its prompt pages went into the prefix cache */
+    sched_seq *prev, *next; /* waiting queue links */
+};
+
+typedef struct {
+    double t0, t1; /* start and end of a step */
+    int n;         /* tokens it generated */
+} sched_rate_entry;
+
+struct scheduler {
+    model *m;
+    scheduler_config cfg;
+    engine e;
+    radix_cache rc;
+
+    /* engine thread only */
+    sched_seq **running; /* [n_running] in admission order */
+    int n_running, cap_running;
+    engine_seq **batch;     /* [cap_running] the step's sequences */
+    sched_seq **batch_seqs; /* [cap_running] their owners */
+    int32_t *step_table;    /* [n_batch, stride] the step's page table */
+    size_t cap_table;
+
+    /* shared, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    sched_seq *wait_head, *wait_tail;
+    int n_waiting;
+    bool wake_pending;
+    bool stopped; /* shut down: new requests are refused */
+    scheduler_stats stats;
+    sched_rate_entry rate[SCHED_RATE_RING];
+    int rate_next, rate_n;
+    double t_first_gen; /* start of the first step that generated, 0 before */
+
+    atomic_bool flush_pending;
+};
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int pages_for(const scheduler *s, int n_tokens) {
+    int S = s->cfg.page_size;
+    return (n_tokens + S - 1) / S;
+}
+
+/* ---------------------------------------------------------------- creation and checks */
+
+scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, size_t errlen) {
+    scheduler_config c = *cfg;
+    int max_pos = m->cfg.max_position_embeddings;
+    if (c.context_length == 0) c.context_length = max_pos;
+    if (c.max_running_requests < 1) {
+        set_err(err, errlen, "max_running_requests must be >= 1, got %d", c.max_running_requests);
+        return NULL;
+    }
+    if (c.page_size < 1) {
+        set_err(err, errlen, "page_size must be >= 1, got %d", c.page_size);
+        return NULL;
+    }
+    if (c.chunked_prefill_size < 1) {
+        set_err(err, errlen, "chunked_prefill_size must be >= 1, got %d", c.chunked_prefill_size);
+        return NULL;
+    }
+    if (c.context_length < 1 || c.context_length > max_pos) {
+        set_err(err, errlen, "context_length %d must be in [1, %d] (max_position_embeddings)",
+                c.context_length, max_pos);
+        return NULL;
+    }
+    if (c.max_total_tokens < c.context_length) {
+        set_err(err, errlen,
+                "max_total_tokens (%d) must hold at least one full context (context_length %d)",
+                c.max_total_tokens, c.context_length);
+        return NULL;
+    }
+    int n_pages = (int)(((int64_t)c.max_total_tokens + c.page_size - 1) / c.page_size);
+    scheduler *s = xcalloc(1, sizeof *s);
+    s->m = m;
+    s->cfg = c;
+    if (engine_init(&s->e, m, n_pages, c.page_size, c.chunked_prefill_size, err, errlen)) {
+        free(s);
+        return NULL;
+    }
+    radix_cache_init(&s->rc, &s->e.kv);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    atomic_init(&s->flush_pending, false);
+    s->stats.kv_pages_total = n_pages;
+    return s;
+}
+
+int scheduler_check(const scheduler *s, const request *r, char *err, size_t errlen) {
+    const gen_request *q = &r->gen;
+    if (engine_check_request(&s->e, q, s->cfg.context_length, err, errlen)) return -1;
+    int V = s->m->cfg.vocab_size;
+    if (r->top_logprobs_num < 0 || r->top_logprobs_num > V)
+        return set_err(err, errlen, "top_logprobs_num %d must be in [0, %d]", r->top_logprobs_num,
+                       V);
+    if (!r->out_ids)
+        return set_err(err, errlen, "max_new_tokens %d is too large", q->max_new_tokens);
+    if (r->top_logprobs_num > 0 && !r->out_top_ids)
+        return set_err(err, errlen, "top_logprobs_num %d over %d positions is too many",
+                       r->top_logprobs_num, q->max_new_tokens + 1);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- publishing */
+
+/* Copy q's progress into its request under the request's lock; when kind is not FINISH_NONE,
+ * finish it too. Then wake waiters and call notify, outside the lock. */
+static void seq_publish(scheduler *s, sched_seq *q, finish_kind kind, const char *error) {
+    request *r = q->r;
+    engine_seq *es = &q->es;
+    int n_in = engine_seq_n_in(es);
+    bool changed = kind != FINISH_NONE || es->n_out != q->published_out || n_in != q->published_in;
+    if (!changed) return;
+    double now = now_seconds();
+    pthread_mutex_lock(&r->mu);
+    r->n_out = es->n_out;
+    r->n_in = n_in;
+    if (es->n_out > 0 && r->t_first_token == 0.0) r->t_first_token = now;
+    if (kind != FINISH_NONE) {
+        r->finish = kind;
+        r->matched_token = es->matched_token;
+        if (error) snprintf(r->error, sizeof r->error, "%s", error);
+        r->done = true;
+        r->t_done = now;
+        r->sched = NULL;
+    }
+    pthread_mutex_unlock(&r->mu);
+    pthread_cond_broadcast(&r->cv);
+    q->published_out = es->n_out;
+    q->published_in = n_in;
+    if (r->notify) r->notify(r->notify_ctx);
+}
+
+/* Give back q's pages; with cache, first offer its full computed pages to the prefix cache. */
+static void seq_drop_pages(scheduler *s, sched_seq *q, bool cache) {
+    engine_seq *es = &q->es;
+    if (cache && s->cfg.enable_radix_cache && es->n_computed >= s->cfg.page_size)
+        radix_cache_insert(&s->rc, es->tokens, es->n_computed, es->pages);
+    for (int i = 0; i < es->n_pages; i++)
+        kv_cache_release_page(&s->e.kv, es->pages[i]);
+    es->n_pages = 0;
+    es->n_computed = 0;
+    es->take = 0;
+}
+
+static void seq_free(sched_seq *q) {
+    engine_seq_free(&q->es);
+    free(q->pages);
+    free(q);
+}
+
+/* Finish q (no longer queued or running): pages back, request finished and notified, the
+ * scheduler's reference dropped. */
+static void seq_retire(scheduler *s, sched_seq *q, finish_kind kind, const char *error) {
+    seq_drop_pages(s, q, true);
+    if (kind == FINISH_ABORT) q->es.matched_token = 0;
+    seq_publish(s, q, kind, error);
+    pthread_mutex_lock(&s->mu);
+    s->stats.n_requests_done++;
+    s->stats.n_prompt_tokens += q->r->gen.n_prompt;
+    s->stats.n_generated_tokens += q->es.n_out;
+    pthread_mutex_unlock(&s->mu);
+    request_release(q->r);
+    seq_free(q);
+}
+
+/* ---------------------------------------------------------------- queue (callers hold mu) */
+
+static void queue_push_back(scheduler *s, sched_seq *q) {
+    q->next = NULL;
+    q->prev = s->wait_tail;
+    if (s->wait_tail)
+        s->wait_tail->next = q;
+    else
+        s->wait_head = q;
+    s->wait_tail = q;
+    s->n_waiting++;
+}
+
+static void queue_push_front(scheduler *s, sched_seq *q) {
+    q->prev = NULL;
+    q->next = s->wait_head;
+    if (s->wait_head)
+        s->wait_head->prev = q;
+    else
+        s->wait_tail = q;
+    s->wait_head = q;
+    s->n_waiting++;
+}
+
+static void queue_unlink(scheduler *s, sched_seq *q) {
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        s->wait_head = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    else
+        s->wait_tail = q->prev;
+    q->prev = q->next = NULL;
+    s->n_waiting--;
+}
+
+/* ---------------------------------------------------------------- running set */
+
+static void running_push(scheduler *s, sched_seq *q) {
+    if (s->n_running == s->cap_running) {
+        s->cap_running = s->cap_running ? 2 * s->cap_running : 16;
+        s->running = xrealloc(s->running, (size_t)s->cap_running * sizeof *s->running);
+        s->batch = xrealloc(s->batch, (size_t)s->cap_running * sizeof *s->batch);
+        s->batch_seqs = xrealloc(s->batch_seqs, (size_t)s->cap_running * sizeof *s->batch_seqs);
+    }
+    s->running[s->n_running++] = q;
+}
+
+static void running_remove_at(scheduler *s, int i) {
+    memmove(s->running + i, s->running + i + 1,
+            (size_t)(s->n_running - i - 1) * sizeof *s->running);
+    s->n_running--;
+}
+
+static void running_remove(scheduler *s, sched_seq *q) {
+    for (int i = 0; i < s->n_running; i++)
+        if (s->running[i] == q) {
+            running_remove_at(s, i);
+            return;
+        }
+    MS_ASSERT(!"finished request not in the running set");
+}
+
+/* Preempt the most recently admitted running request: pages dropped, back to the queue front. */
+static void preempt_last(scheduler *s) {
+    MS_ASSERT(s->n_running > 0);
+    sched_seq *q = s->running[s->n_running - 1];
+    s->n_running--;
+    seq_drop_pages(s, q, false);
+    LOG_DEBUG("scheduler", "preempt %s at %d tokens (%d out)", q->r->rid, q->es.n_tokens,
+              q->es.n_out);
+    pthread_mutex_lock(&s->mu);
+    queue_push_front(s, q);
+    s->stats.n_preemptions++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* A page for q, evicting from the prefix cache when the pool is empty. false: none to be had. */
+static bool seq_alloc_page(scheduler *s, sched_seq *q) {
+    MS_ASSERT(q->es.n_pages < q->page_cap);
+    int32_t p = kv_cache_alloc_page(&s->e.kv);
+    if (p < 0 && radix_cache_evict(&s->rc, 1) > 0) p = kv_cache_alloc_page(&s->e.kv);
+    if (p < 0) return false;
+    q->es.pages[q->es.n_pages++] = p;
+    return true;
+}
+
+/* Decoding: only the last sampled token is uncomputed. */
+static bool seq_decoding(const engine_seq *es) {
+    return es->n_tokens - es->n_computed == 1 && es->n_tokens > es->req->n_prompt;
+}
+
+/* Pages promised to running requests for tokens they have not computed yet. */
+static int pages_promised(const scheduler *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_running; i++) {
+        const engine_seq *es = &s->running[i]->es;
+        int need = pages_for(s, es->n_tokens) - es->n_pages;
+        if (need > 0) n += need;
+    }
+    return n;
+}
+
+/* Admit q if pages allow: share its cached prefix, check the pages for the rest (evicting from
+ * the prefix cache if that makes room). false: it must wait (nothing changed). */
+static bool seq_try_admit(scheduler *s, sched_seq *q) {
+    engine_seq *es = &q->es;
+    const gen_request *g = es->req;
+    kv_cache *kv = &s->e.kv;
+    int matched = 0;
+    if (s->cfg.enable_radix_cache) {
+        int lim = es->n_tokens - 1;
+        if (es->next_score < g->n_prompt && es->next_score - 1 < lim) lim = es->next_score - 1;
+        matched = radix_cache_match(&s->rc, es->tokens, lim, es->pages);
+    }
+    int have = matched / s->cfg.page_size;
+    int want = pages_for(s, es->n_tokens) + 1;
+    if (want > q->page_cap) want = q->page_cap;
+    int need = want - have;
+    int avail = kv->n_free - pages_promised(s);
+    if (avail < need) {
+        radix_cache_evict(&s->rc, need - avail);
+        avail = kv->n_free - pages_promised(s);
+    }
+    if (avail < need) {
+        for (int i = 0; i < have; i++)
+            kv_cache_release_page(kv, es->pages[i]);
+        return false;
+    }
+    es->n_pages = have;
+    es->n_computed = matched;
+    if (!q->admitted_once) {
+        q->admitted_once = true;
+        int cached = matched < g->n_prompt ? matched : g->n_prompt;
+        pthread_mutex_lock(&q->r->mu);
+        q->r->cached_tokens = cached;
+        pthread_mutex_unlock(&q->r->mu);
+        pthread_mutex_lock(&s->mu);
+        s->stats.n_cached_tokens += cached;
+        pthread_mutex_unlock(&s->mu);
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------- submit and control */
+
+void scheduler_submit(scheduler *s, request *r) {
+    request_retain(r);
+    sched_seq *q = xcalloc(1, sizeof *q);
+    q->r = r;
+    char err[256];
+    bool ok = scheduler_check(s, r, err, sizeof err) == 0;
+    if (ok) {
+        const gen_request *g = &r->gen;
+        engine_seq_init(&q->es, g, r->top_logprobs_num);
+        int64_t most = (int64_t)g->n_prompt + (g->max_new_tokens > 0 ? g->max_new_tokens - 1 : 0);
+        q->page_cap = pages_for(s, (int)most);
+        q->pages = xmalloc((size_t)q->page_cap * sizeof(int32_t));
+        engine_seq *es = &q->es;
+        es->pages = q->pages;
+        es->out_ids = r->out_ids;
+        es->out_logprobs = r->out_logprobs;
+        es->out_top_ids = r->out_top_ids;
+        es->out_top_logprobs = r->out_top_logprobs;
+        es->in_logprobs = r->in_logprobs;
+        es->in_top_ids = r->in_top_ids;
+        es->in_top_logprobs = r->in_top_logprobs;
+        q->published_in = -1; /* publish n_in once even when nothing else changes */
+    }
+    pthread_mutex_lock(&r->mu);
+    r->t_submit = now_seconds();
+    if (ok) r->sched = s;
+    pthread_mutex_unlock(&r->mu);
+    if (ok) {
+        pthread_mutex_lock(&s->mu);
+        if (!s->stopped) {
+            queue_push_back(s, q);
+            s->stats.n_waiting = s->n_waiting;
+            s->wake_pending = true;
+            pthread_cond_signal(&s->cv);
+            q = NULL;
+        } else {
+            snprintf(err, sizeof err, "server shutting down");
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (!q) return;
+    }
+    /* Rejected: finished at once, never queued. */
+    pthread_mutex_lock(&r->mu);
+    r->finish = FINISH_ABORT;
+    snprintf(r->error, sizeof r->error, "%s", err);
+    r->done = true;
+    r->t_done = now_seconds();
+    r->sched = NULL;
+    pthread_mutex_unlock(&r->mu);
+    pthread_cond_broadcast(&r->cv);
+    if (r->notify) r->notify(r->notify_ctx);
+    seq_free(q);
+    request_release(r);
+}
+
+void scheduler_wake(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    s->wake_pending = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void scheduler_flush_cache(scheduler *s) {
+    atomic_store(&s->flush_pending, true);
+    scheduler_wake(s);
+}
+
+/* ---------------------------------------------------------------- the step */
+
+/* Finish every request that asked to abort, running or queued. */
+static void drop_aborted(scheduler *s) {
+    for (int i = 0; i < s->n_running;) {
+        sched_seq *q = s->running[i];
+        if (!atomic_load(&q->r->abort)) {
+            i++;
+            continue;
+        }
+        running_remove_at(s, i);
+        seq_retire(s, q, FINISH_ABORT, "aborted by client");
+    }
+    sched_seq *dropped = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (sched_seq *q = s->wait_head, *nx; q; q = nx) {
+        nx = q->next;
+        if (!atomic_load(&q->r->abort)) continue;
+        queue_unlink(s, q);
+        q->next = dropped;
+        dropped = q;
+    }
+    pthread_mutex_unlock(&s->mu);
+    while (dropped) {
+        sched_seq *q = dropped;
+        dropped = q->next;
+        seq_retire(s, q, FINISH_ABORT, "aborted by client");
+    }
+}
+
+/* Every decoding request gets the page its next token needs; when none is left, the most
+ * recently admitted request is preempted, until the oldest ones fit. */
+static void reserve_decode_pages(scheduler *s) {
+    for (int i = 0; i < s->n_running; i++) {
+        sched_seq *q = s->running[i];
+        engine_seq *es = &q->es;
+        if (!seq_decoding(es)) continue;
+        int need = pages_for(s, es->n_computed + 1);
+        while (es->n_pages < need && !seq_alloc_page(s, q)) {
+            bool self = s->running[s->n_running - 1] == q;
+            preempt_last(s);
+            if (self) return; /* it was the last one: everything after it is gone too */
+        }
+    }
+}
+
+/* Admit from the queue head while the cap and the pages allow. */
+static void admit(scheduler *s) {
+    while (s->n_running < s->cfg.max_running_requests) {
+        pthread_mutex_lock(&s->mu);
+        sched_seq *q = s->wait_head;
+        pthread_mutex_unlock(&s->mu);
+        if (!q || !seq_try_admit(s, q)) return;
+        /* Only this thread removes from the queue or adds at its front, so q is still the head. */
+        pthread_mutex_lock(&s->mu);
+        MS_ASSERT(s->wait_head == q);
+        queue_unlink(s, q);
+        pthread_mutex_unlock(&s->mu);
+        running_push(s, q);
+    }
+}
+
+/* The step's batch: decode tokens first, then prompt chunks in admission order under the
+ * budget, each with the pages it needs (a chunk shrinks to the pages it can get). */
+static int build_batch(scheduler *s) {
+    int n = 0, budget = s->cfg.chunked_prefill_size, S = s->cfg.page_size;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < s->n_running; i++) {
+            sched_seq *q = s->running[i];
+            engine_seq *es = &q->es;
+            bool decode = seq_decoding(es);
+            if (decode != (pass == 0)) continue;
+            int left = es->n_tokens - es->n_computed;
+            int cnt = decode ? 1 : (left < budget ? left : budget);
+            if (cnt <= 0) continue;
+            int need = pages_for(s, es->n_computed + cnt);
+            while (es->n_pages < need && seq_alloc_page(s, q)) {
+            }
+            if (es->n_pages < need) cnt = es->n_pages * S - es->n_computed;
+            if (cnt <= 0) continue;
+            if (!decode) budget -= cnt;
+            es->take = cnt;
+            s->batch[n] = es;
+            s->batch_seqs[n] = q;
+            n++;
+        }
+    }
+    return n;
+}
+
+static void record_rate(scheduler *s, double t0, double t1, int n_gen) {
+    if (n_gen <= 0) return;
+    if (s->t_first_gen == 0.0) s->t_first_gen = t0;
+    s->rate[s->rate_next] = (sched_rate_entry){.t0 = t0, .t1 = t1, .n = n_gen};
+    s->rate_next = (s->rate_next + 1) % SCHED_RATE_RING;
+    if (s->rate_n < SCHED_RATE_RING) s->rate_n++;
+}
+
+int scheduler_step(scheduler *s) {
+    double t0 = now_seconds();
+    if (atomic_exchange(&s->flush_pending, false)) radix_cache_flush(&s->rc);
+    drop_aborted(s);
+    reserve_decode_pages(s);
+    admit(s);
+
+    int n_batch = build_batch(s);
+    /* Running requests but no page for any of them: make room from the newest (never needed
+     * while the page promises hold; it keeps the step loop from stalling if they do not). */
+    while (n_batch == 0 && s->n_running > 1) {
+        preempt_last(s);
+        n_batch = build_batch(s);
+    }
+
+    int T = 0, n_gen = 0;
+    double t_forward = 0.0;
+    if (n_batch > 0) {
+        int stride = 1;
+        for (int i = 0; i < n_batch; i++)
+            if (s->batch[i]->n_pages > stride) stride = s->batch[i]->n_pages;
+        size_t need = (size_t)n_batch * stride;
+        if (need > s->cap_table) {
+            s->step_table = xrealloc(s->step_table, need * sizeof(int32_t));
+            s->cap_table = need;
+        }
+        for (int i = 0; i < n_batch; i++) {
+            engine_seq *es = s->batch[i];
+            es->slot = i;
+            memcpy(s->step_table + (size_t)i * stride, es->pages,
+                   (size_t)es->n_pages * sizeof(int32_t));
+        }
+        T = engine_step(&s->e, s->batch, n_batch, s->step_table, stride);
+        t_forward = s->e.last_forward_seconds;
+
+        for (int i = 0; i < n_batch; i++) {
+            sched_seq *q = s->batch_seqs[i];
+            engine_seq *es = &q->es;
+            n_gen += es->n_out - q->published_out;
+            if (s->cfg.enable_radix_cache && !q->prompt_cached &&
+                es->n_computed >= es->req->n_prompt) {
+                radix_cache_insert(&s->rc, es->tokens, es->n_computed, es->pages);
+                q->prompt_cached = true;
+            }
+            if (es->finish != FINISH_NONE) {
+                running_remove(s, q);
+                seq_retire(s, q, es->finish, NULL);
+            } else {
+                seq_publish(s, q, FINISH_NONE, NULL);
+            }
+        }
+    }
+
+    double t1 = now_seconds();
+    pthread_mutex_lock(&s->mu);
+    if (T > 0) {
+        s->stats.n_steps++;
+        s->stats.step_forward_seconds += t_forward;
+        s->stats.step_sched_seconds += (t1 - t0) - t_forward;
+        record_rate(s, t0, t1, n_gen);
+    }
+    s->stats.n_running = s->n_running;
+    s->stats.n_waiting = s->n_waiting;
+    s->stats.kv_pages_used = s->e.kv.n_pages - s->e.kv.n_free;
+    pthread_mutex_unlock(&s->mu);
+    return T;
+}
+
+/* ---------------------------------------------------------------- loop, shutdown, stats */
+
+/* Finish everything queued or running with FINISH_ABORT and msg; refuse new requests. */
+static void abort_all(scheduler *s, const char *msg) {
+    while (s->n_running > 0) {
+        sched_seq *q = s->running[s->n_running - 1];
+        s->n_running--;
+        seq_retire(s, q, FINISH_ABORT, msg);
+    }
+    pthread_mutex_lock(&s->mu);
+    s->stopped = true;
+    sched_seq *list = s->wait_head;
+    s->wait_head = s->wait_tail = NULL;
+    s->n_waiting = 0;
+    pthread_mutex_unlock(&s->mu);
+    while (list) {
+        sched_seq *q = list;
+        list = q->next;
+        seq_retire(s, q, FINISH_ABORT, msg);
+    }
+    pthread_mutex_lock(&s->mu);
+    s->stats.n_running = 0;
+    s->stats.n_waiting = 0;
+    s->stats.kv_pages_used = s->e.kv.n_pages - s->e.kv.n_free;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void scheduler_run(scheduler *s, atomic_bool *stop) {
+    while (!atomic_load(stop)) {
+        if (scheduler_step(s) > 0) continue;
+        pthread_mutex_lock(&s->mu);
+        while (!s->wake_pending && !atomic_load(stop))
+            pthread_cond_wait(&s->cv, &s->mu);
+        s->wake_pending = false;
+        pthread_mutex_unlock(&s->mu);
+    }
+    abort_all(s, "server shutting down");
+    sampler_scratch_free();
+}
+
+void scheduler_free(scheduler *s) {
+    if (!s) return;
+    abort_all(s, "server shutting down");
+    radix_cache_free(&s->rc);
+    engine_free(&s->e);
+    free(s->running);
+    free(s->batch);
+    free(s->batch_seqs);
+    free(s->step_table);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+void scheduler_get_stats(scheduler *s, scheduler_stats *out) {
+    double now = now_seconds(), from = now - SCHED_RATE_WINDOW;
+    pthread_mutex_lock(&s->mu);
+    *out = s->stats;
+    int64_t sum = 0;
+    int kept = 0;
+    double oldest = now;
+    for (int k = 0; k < s->rate_n; k++) {
+        const sched_rate_entry *e =
+            &s->rate[(s->rate_next - 1 - k + 2 * SCHED_RATE_RING) % SCHED_RATE_RING];
+        if (e->t1 <= from) break;
+        sum += e->n;
+        oldest = e->t0;
+        kept++;
+    }
+    /* The rate covers the window, or less of it when the ring or the run is younger. */
+    double since = from;
+    if (s->t_first_gen > since) since = s->t_first_gen;
+    if (kept == SCHED_RATE_RING && oldest > since) since = oldest;
+    pthread_mutex_unlock(&s->mu);
+    out->last_gen_throughput = sum > 0 && now > since ? (double)sum / (now - since) : 0.0;
+}
+
+int scheduler_validate(scheduler *s, char *err, size_t errlen) {
+    const kv_cache *kv = &s->e.kv;
+    if (radix_cache_validate(&s->rc, err, errlen)) return -1;
+    int64_t refs = 0;
+    int n_zero = 0;
+    for (int p = 0; p < kv->n_pages; p++) {
+        refs += kv->refs[p];
+        if (kv->refs[p] == 0) n_zero++;
+    }
+    int64_t held = s->rc.n_pages;
+    for (int i = 0; i < s->n_running; i++)
+        held += s->running[i]->es.n_pages;
+    if (refs != held)
+        return set_err(err, errlen, "pages: %lld references, %lld holdings", (long long)refs,
+                       (long long)held);
+    if (n_zero != kv->n_free)
+        return set_err(err, errlen, "pages: %d unreferenced, %d on the free list", n_zero,
+                       kv->n_free);
+    pthread_mutex_lock(&s->mu);
+    int waiting_pages = 0;
+    for (sched_seq *q = s->wait_head; q; q = q->next)
+        waiting_pages += q->es.n_pages;
+    pthread_mutex_unlock(&s->mu);
+    if (waiting_pages)
+        return set_err(err, errlen, "pages: %d held by queued requests", waiting_pages);
+    return 0;
+}
