@@ -150,7 +150,7 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
                 int max_pages) {
     model *m = e->m;
     int V = m->cfg.vocab_size, S = e->kv.page_size, T = 0, n_rows = 0;
-    e->last_forward_seconds = 0.0;
+    e->last_forward_seconds = e->last_sample_seconds = 0.0;
     for (int i = 0; i < n; i++)
         T += seqs[i]->take;
     if (T == 0) return 0;
@@ -189,7 +189,8 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
                         .logit_rows = rows};
     double t0 = now_seconds();
     m->arch->forward(m, &e->kv, &fb, e->logits);
-    e->last_forward_seconds = now_seconds() - t0;
+    double t1 = now_seconds();
+    e->last_forward_seconds = t1 - t0;
 
     /* Score and sample, in row order (rows are in batch order). A row's sequence is found by
      * walking the sequences alongside, since both go in batch order. */
@@ -231,6 +232,7 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
         seqs[i]->n_computed += seqs[i]->take;
         seqs[i]->take = 0;
     }
+    e->last_sample_seconds = now_seconds() - t1;
     return T;
 }
 

@@ -95,6 +95,7 @@ typedef struct {
     int32_t *ids, *pos, *seq_of, *rows; /* [cap_T] the step's batch */
     int cap_T;
     double last_forward_seconds; /* wall time of the last engine_step's forward pass */
+    double last_sample_seconds;  /* and of its scoring and sampling after the forward */
 } engine;
 
 /* n_pages pages of page_size tokens; chunk_tokens tokens at most per forward pass. */

@@ -511,6 +511,8 @@ static int build_batch(scheduler *s) {
             int cnt = decode ? 1 : (left < budget ? left : budget);
             if (cnt <= 0) continue;
             int need = pages_for(s, es->n_computed + cnt);
+            int short_by = need - es->n_pages - s->e.kv.n_free;
+            if (short_by > 0) radix_cache_evict(&s->rc, short_by); /* one pass, not per page */
             while (es->n_pages < need && seq_alloc_page(s, q)) {
             }
             if (es->n_pages < need) cnt = es->n_pages * S - es->n_computed;
@@ -549,7 +551,7 @@ int scheduler_step(scheduler *s) {
     }
 
     int T = 0, n_gen = 0;
-    double t_forward = 0.0;
+    double t_forward = 0.0, t_sample = 0.0;
     if (n_batch > 0) {
         int stride = 1;
         for (int i = 0; i < n_batch; i++)
@@ -567,6 +569,7 @@ int scheduler_step(scheduler *s) {
         }
         T = engine_step(&s->e, s->batch, n_batch, s->step_table, stride);
         t_forward = s->e.last_forward_seconds;
+        t_sample = s->e.last_sample_seconds;
 
         for (int i = 0; i < n_batch; i++) {
             sched_seq *q = s->batch_seqs[i];
@@ -592,6 +595,7 @@ int scheduler_step(scheduler *s) {
         s->stats.n_steps++;
         s->stats.step_forward_seconds += t_forward;
         s->stats.step_sched_seconds += (t1 - t0) - t_forward;
+        s->stats.step_sample_seconds += t_sample;
         record_rate(s, t0, t1, n_gen);
     }
     s->stats.n_running = s->n_running;

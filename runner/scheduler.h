@@ -42,8 +42,10 @@ typedef struct {
     int64_t n_cached_tokens;    /* prompt tokens served from the prefix cache */
     int64_t n_preemptions;
     int64_t n_steps;
-    double step_sched_seconds;   /* time in the scheduler outside forward passes, summed */
+    double step_sched_seconds;   /* time in the scheduler outside forward passes, summed
+                                    (includes step_sample_seconds) */
     double step_forward_seconds; /* time in forward passes, summed */
+    double step_sample_seconds;  /* scoring (logprobs, top-N) and sampling after them, summed */
     double last_gen_throughput;  /* output tokens/s over the last few seconds */
 } scheduler_stats;
 
