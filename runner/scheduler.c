@@ -140,6 +140,11 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
     pthread_cond_init(&s->cv, NULL);
     atomic_init(&s->flush_pending, false);
     s->stats.kv_pages_total = n_pages;
+    LOG_INFO("scheduler",
+             "%d KV pages of %d tokens; up to %d running, %d prefill tokens per step, context %d, "
+             "prefix cache %s",
+             n_pages, c.page_size, c.max_running_requests, c.chunked_prefill_size, c.context_length,
+             c.enable_radix_cache ? "on" : "off");
     return s;
 }
 
