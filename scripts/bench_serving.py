@@ -245,11 +245,16 @@ def main():
         steps = after["n_steps"] - before["n_steps"]
         sched = after["step_sched_seconds"] - before["step_sched_seconds"]
         fwd = after["step_forward_seconds"] - before["step_forward_seconds"]
+        per = lambda x: x / steps * 1e6 if steps else 0.0
         print("{s:{c}^{n}}".format(s="Scheduler (server side)", n=50, c="-"))
         line("Steps:", str(steps))
-        line("Scheduler time per step (us):", sched / steps * 1e6 if steps else 0.0)
-        line("Forward time per step (us):", fwd / steps * 1e6 if steps else 0.0)
-        line("Scheduler share of step time (%):", 100.0 * sched / (sched + fwd) if sched + fwd > 0 else 0.0)
+        line("Forward time per step (us):", per(fwd))
+        line("Time outside forward per step (us):", per(sched))
+        if isinstance(after.get("step_sample_seconds"), (int, float)):
+            sample = after["step_sample_seconds"] - before.get("step_sample_seconds", 0.0)
+            line("  of which scoring and sampling (us):", per(sample))
+            line("  of which scheduling (us):", per(sched - sample))
+        line("Outside-forward share of step time (%):", 100.0 * sched / (sched + fwd) if sched + fwd > 0 else 0.0)
         print("=" * 50)
     elif after:
         print("server internal_states[0]: %s" % json.dumps(after))
