@@ -7,7 +7,7 @@ cache invariance, 32 concurrent well-formed streams, every bad-input case answer
 error while the server goes on serving, client disconnects, metrics.
 
 Standard library only. Run from anywhere: `python3 tests/test_http.py [-v] [GROUP...]`, where the
-groups are the servers started (main, noradix, apikey, context, body). The binary is
+groups are the servers started (main, noradix, apikey, context, body, tight). The binary is
 ${BUILD:-build}/moeserve. Each check prints "FAIL name: detail" when it fails (-v prints passes
 too); the last line is "N passed, M failed". Exit status 0 only when nothing failed.
 
@@ -512,6 +512,28 @@ def test_batch_invariance(srv):
             want = payloads[i]["sampling_params"]["max_new_tokens"]
             if b["meta_info"]["completion_tokens"] != want:
                 check("batch invariance: request #%d got its %d tokens" % (i, want), False, short(b))
+
+
+def test_batching_speed(srv):
+    """Continuous batching is no slower than one request after another: 8 requests at once take
+    at most 1.5x (+0.5 s) the time of the same 8 sent one by one (it should be well under 1x)."""
+    reqs = [{"input_ids": prompt_ids(400 + k, 40), "sampling_params": {"max_new_tokens": 64, "temperature": 0,
+                                                                        "ignore_eos": True}} for k in range(8)]
+    srv.post("/flush_cache", {})
+    t0 = time.time()
+    for q in reqs:
+        gen(srv, q)
+    serial = time.time() - t0
+    srv.post("/flush_cache", {})
+    threads = [threading.Thread(target=gen, args=(srv, q)) for q in reqs]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    together = time.time() - t0
+    check("continuous batching: 8 concurrent requests %.2f s vs %.2f s one by one (limit 1.5x + 0.5 s)"
+          % (together, serial), together <= 1.5 * serial + 0.5, "")
 
 
 def test_prefix_cache(srv, shared):
@@ -1037,6 +1059,89 @@ def test_openai_shapes(srv):
     check("/v1/chat/completions logprobs: content[token, logprob, top_logprobs x2] per token", ok, r)
 
 
+def test_keepalive_and_chunked_upload(srv):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        statuses = []
+        for k in range(3):
+            body = json.dumps({"text": "keep-alive %d" % k, "sampling_params": {"max_new_tokens": 3}}).encode()
+            conn.request("POST", "/generate", body=body, headers=srv.headers({"Content-Type": "application/json"}))
+            r = conn.getresponse()
+            r.read()
+            statuses.append(r.status)
+        conn.request("GET", "/health", headers=srv.headers())
+        r = conn.getresponse()
+        r.read()
+        statuses.append(r.status)
+        check("HTTP/1.1 keep-alive: 3 requests and a GET on one connection", statuses == [200] * 4, statuses)
+    finally:
+        conn.close()
+
+    def chunks():
+        yield b'{"text": "chunked ", "sampling_params": '
+        yield b'{"max_new_tokens": 3, "temperature": 0}}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        conn.request("POST", "/generate", body=chunks(), encode_chunked=True,
+                     headers=srv.headers({"Content-Type": "application/json"}))
+        r = conn.getresponse()
+        data = r.read()
+        b = json.loads(data) if r.status == 200 else None
+        check("request body in Transfer-Encoding: chunked", b is not None and len(b.get("output_ids", [])) == 3,
+              "HTTP %d %s" % (r.status, data[:200]))
+    finally:
+        conn.close()
+
+
+def test_logprob_match(srv):
+    """api.md, deterministic inference: generate N tokens with logprobs, then teacher-force
+    prompt + output; the last N input logprobs equal the output logprobs."""
+    ids = prompt_ids(13, 30)
+    n = 12
+    g = gen_ok(srv, "logprob match: generate", {"input_ids": ids, "return_logprob": True,
+                                                "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                                    "ignore_eos": True}})
+    if not g:
+        return
+    tf = gen_ok(srv, "logprob match: teacher-forced", {"input_ids": ids + g["output_ids"], "return_logprob": True,
+                                                       "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}})
+    if not tf:
+        return
+    a = logprob_values(g["meta_info"]["output_token_logprobs"])
+    b = logprob_values(tf["meta_info"]["input_token_logprobs"][-n:])
+    d = max_abs_diff(a, b)
+    check("input/output logprob match: last %d teacher-forced == generated, within %g (max diff %.3g%s)"
+          % (n, LOGPROB_TOL, d, ", same bits" if same_bits(a, b) < 0 else ""), d <= LOGPROB_TOL,
+          "generated %s, teacher-forced %s" % (short(a), short(b)))
+
+
+def test_metric_counts(srv):
+    """Counters move by what one request did: +7 generated tokens, +prompt tokens, +1 TTFT sample."""
+    def snap():
+        text = srv.get("/metrics").body.decode("utf-8", "replace")
+        types, samples = metrics_types(text), metrics_samples(text)
+        names = {"gen": find_metric(types, "counter", "generation_tokens", "generated_tokens", "output_tokens"),
+                 "prompt": find_metric(types, "counter", "prompt_tokens"),
+                 "ttft": find_metric(types, "histogram", "time_to_first_token", "ttft")}
+        vals = {}
+        for k, nme in names.items():
+            if nme:
+                vals[k] = metric_value(samples, nme + "_count" if k == "ttft" else nme)
+        return names, vals
+    names, v0 = snap()
+    b = gen_ok(srv, "metric counts", {"input_ids": prompt_ids(14, 11),
+                                      "sampling_params": {"max_new_tokens": 7, "ignore_eos": True}})
+    time.sleep(0.2)
+    _, v1 = snap()
+    if not b:
+        return
+    for k, want in (("gen", 7), ("prompt", 11), ("ttft", 1)):
+        ok = v0.get(k) is not None and v1.get(k) is not None and v1[k] - v0[k] == want
+        check("/metrics %s moves by %d for one request" % (names.get(k), want), ok,
+              "before %s after %s" % (v0.get(k), v1.get(k)))
+
+
 # ---- metrics, disconnect
 
 
@@ -1151,6 +1256,12 @@ def test_bad_input(srv):
     e("top_p 0", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "top_p": 0}})
     e("top_p 1.5", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "top_p": 1.5}})
     e("negative temperature", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": -0.5}})
+    e("repetition_penalty 0", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "repetition_penalty": 0}})
+    e("frequency_penalty 2.5", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "frequency_penalty": 2.5}})
+    e("presence_penalty -3", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "presence_penalty": -3}})
+    e("min_p 1.5", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "min_p": 1.5}})
+    e("n 0", "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "n": 0}})
+    e("temperature NaN (bare NaN is not JSON)", "POST", "/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}')
     e("prompt of %d tokens > context %d" % (MAX_POS + 50, MAX_POS), "POST", "/generate",
       {"input_ids": prompt_ids(9, MAX_POS + 50), "sampling_params": sp})
     e("unknown path", "GET", "/no/such/path", status=404)
@@ -1167,6 +1278,8 @@ def test_bad_input(srv):
     e("/v1/completions negative max_tokens", "POST", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -3})
     e("/v1/completions top_p 1.5", "POST", "/v1/completions", {"model": model, "prompt": "hi", "top_p": 1.5})
     e("/v1/chat/completions no messages", "POST", "/v1/chat/completions", {"model": model, "max_tokens": 4})
+    e("/v1/chat/completions empty messages", "POST", "/v1/chat/completions", {"model": model, "messages": []})
+    e("/v1/completions unknown model", "POST", "/v1/completions", {"model": "no-such-model", "prompt": "hi"}, status=404)
     e("/v1/chat/completions messages not a list", "POST", "/v1/chat/completions", {"model": model, "messages": "hi"})
     e("/v1/chat/completions negative temperature", "POST", "/v1/chat/completions",
       {"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": -1})
@@ -1259,6 +1372,126 @@ def test_body_limit(srv):
     expect_error(srv, "oversized /v1/completions body", "POST", "/v1/completions",
                  {"prompt": "y" * 10240, "max_tokens": 2}, status=413)
 
+    def chunks():  # no Content-Length: the limit must hold while reading
+        yield b'{"text": "'
+        for _ in range(10):
+            yield b"z" * 1024
+        yield b'", "sampling_params": {"max_new_tokens": 2}}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        conn.request("POST", "/generate", body=chunks(), encode_chunked=True, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        check("bad input oversized chunked body (10 KB, no Content-Length): HTTP 413", r.status == 413,
+              "HTTP %d %s" % (r.status, data[:200]))
+    except OSError as ex:
+        check("bad input oversized chunked body: answered", False, ex)
+    finally:
+        conn.close()
+    health_ok(srv, "oversized chunked body")
+
+
+def test_tight(srv):
+    """KV cache of 1024 tokens, 6 running at most, 32-token prefill chunks: 10 requests of 40 + 150
+    tokens at once must wait, be preempted and recomputed, and still give exactly the CLI's tokens
+    (logprobs within 1e-4)."""
+    reqs = [{"input_ids": prompt_ids(300 + k, 40), "return_logprob": True,
+             "sampling_params": {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}} for k in range(10)]
+    refs = [cli_generate(["--input-ids", ",".join(map(str, q["input_ids"])), "--max-new-tokens", "150",
+                          "--temperature", "0", "--ignore-eos", "--return-logprob"]) for q in reqs]
+    replies = [None] * len(reqs)
+    done = threading.Event()
+    peak = [0.0]
+
+    def watch():
+        while not done.is_set():
+            c = queue_counts(srv)
+            if c and c[0] is not None:
+                peak[0] = max(peak[0], c[0])
+            time.sleep(0.02)
+
+    def worker(i):
+        try:
+            replies[i] = gen(srv, reqs[i])
+        except OSError as e:
+            replies[i] = e
+
+    w = threading.Thread(target=watch)
+    w.start()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    w.join()
+    for i, r in enumerate(replies):
+        b = r.json() if isinstance(r, Reply) and r.status == 200 else None
+        if not check("tight KV: request %d answered 200" % i, b is not None, r):
+            continue
+        check("tight KV: request %d output == CLI's (150 tokens)" % i, b["output_ids"] == refs[i]["output_ids"],
+              "server %s / CLI %s" % (short(b["output_ids"], 120), short(refs[i]["output_ids"], 120)))
+        d = max_abs_diff(logprob_values(b["meta_info"]["output_token_logprobs"]),
+                         logprob_values(refs[i]["meta_info"]["output_token_logprobs"]))
+        check("tight KV: request %d logprobs within %g of the CLI's (max diff %.3g)" % (i, LOGPROB_TOL, d),
+              d <= LOGPROB_TOL, "")
+    check("tight KV: running gauge never above --max-running-requests 6 (peak %g)" % peak[0], peak[0] <= 6, "")
+    text = srv.get("/metrics").body.decode("utf-8", "replace")
+    name = find_metric(metrics_types(text), "counter", "preempt")
+    if name:
+        v = metric_value(metrics_samples(text), name)
+        check("tight KV: preemption exercised (%s = %s)" % (name, v), v is not None and v > 0, "")
+
+    # chunked prefill (32 tokens a step) scores a 300-token prompt as the CLI does
+    ids = prompt_ids(15, 300)
+    b = gen_ok(srv, "chunked prefill teacher-forced", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                                        "sampling_params": {"max_new_tokens": 0}})
+    ref = cli_generate(["--input-ids", ",".join(map(str, ids)), "--max-new-tokens", "0", "--return-logprob",
+                        "--logprob-start-len", "0"])
+    if b:
+        a = logprob_values(b["meta_info"]["input_token_logprobs"])
+        c = logprob_values(ref["meta_info"]["input_token_logprobs"])
+        d = max_abs_diff(a, c)
+        check("chunked prefill: 300 teacher-forced logprobs within %g of the CLI's (max diff %.3g%s)"
+              % (LOGPROB_TOL, d, ", same bits" if same_bits(a, c) < 0 else ""), d <= LOGPROB_TOL, "")
+
+
+def test_shutdown_in_flight(srv):
+    """SIGTERM with a stream in flight: the client's stream ends (no hang) and the server exits."""
+    body = json.dumps({"input_ids": [5, 6, 7], "stream": True,
+                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    buf = b""
+    while b"data: " not in buf:
+        d = s.recv(4096)
+        if not d:
+            break
+        buf += d
+    srv.proc.terminate()
+    ended = False
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                ended = True
+                break
+            buf += d
+            if buf.endswith(b"data: [DONE]\n\n") or buf.endswith(b"0\r\n\r\n"):
+                ended = True
+                break
+    except OSError:
+        ended = True
+    s.close()
+    check("SIGTERM with a stream in flight: the client's stream ends", ended, buf[-200:])
+    try:
+        rc = srv.proc.wait(10)
+        check("SIGTERM with a stream in flight: server exits within 10 s with status 0", rc == 0, "status %s" % rc)
+    except subprocess.TimeoutExpired:
+        check("SIGTERM with a stream in flight: server exits within 10 s", False, srv.log_tail())
+
 
 # ---------------------------------------------------------------------------------------------
 
@@ -1278,6 +1511,9 @@ def with_server(srv, tests):
                      "exit %s; log:\n    %s" % (srv.proc.poll() if srv.proc else None, srv.log_tail())):
             return
         for fn, args in tests:
+            if fn is test_shutdown_in_flight:
+                run_test(fn, srv, *args)
+                return
             t0 = time.time()
             run_test(fn, srv, *args)
             if VERBOSE:
@@ -1285,7 +1521,13 @@ def with_server(srv, tests):
             if not srv.alive():
                 check("server %s alive after %s" % (srv.name, fn.__name__), False, srv.log_tail())
                 return
-        check("server %s alive at the end" % srv.name, srv.alive(), srv.log_tail())
+        if check("server %s alive at the end" % srv.name, srv.alive(), srv.log_tail()):
+            srv.proc.terminate()
+            try:
+                rc = srv.proc.wait(10)
+                check("server %s exits on SIGTERM within 10 s with status 0" % srv.name, rc == 0, "status %s" % rc)
+            except subprocess.TimeoutExpired:
+                check("server %s exits on SIGTERM within 10 s" % srv.name, False, srv.log_tail())
     finally:
         srv.stop()
 
@@ -1294,7 +1536,7 @@ def main(argv):
     global VERBOSE
     args = [a for a in argv if a != "-v"]
     VERBOSE = len(args) != len(argv)
-    groups = set(args) or {"main", "noradix", "apikey", "context", "body"}
+    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight"}
     if not os.access(BIN, os.X_OK):
         check("binary %s exists" % BIN, False, "build it first (make)")
         print(R.summary())
@@ -1310,10 +1552,14 @@ def main(argv):
             (test_sampling, ()),
             (test_openai_shapes, ()),
             (test_batch_invariance, ()),
+            (test_batching_speed, ()),
             (test_prefix_cache, (shared,)),
             (test_streaming_32, ()),
             (test_stream_logprobs, ()),
+            (test_keepalive_and_chunked_upload, ()),
+            (test_logprob_match, ()),
             (test_metrics, ()),
+            (test_metric_counts, ()),
             (test_bad_input, ()),
             (test_disconnect, ()),
         ])
@@ -1325,6 +1571,10 @@ def main(argv):
         with_server(Server("context", ["--context-length", "64"]), [(test_context, ())])
     if "body" in groups:
         with_server(Server("body", ["--max-body-bytes", "4096"]), [(test_body_limit, ())])
+    if "tight" in groups:
+        with_server(Server("tight", ["--enable-metrics", "--max-total-tokens", "1024", "--context-length", "512",
+                                     "--max-running-requests", "6", "--chunked-prefill-size", "32"]),
+                    [(test_tight, ()), (test_shutdown_in_flight, ())])
     if VERBOSE:
         print("total %.1f s" % (time.time() - t0))
     print(R.summary())
