@@ -6,8 +6,9 @@ concurrency as POST /generate with stream true, temperature 0, ignore_eos and a 
 length. Per request: E2E latency, TTFT (time to the first chunk with text), ITL (time between
 chunks, divided over the tokens a chunk adds, from the growth of meta_info.completion_tokens), TPOT
 ((E2E - TTFT) / (output tokens - 1)). Prints SGLang's "Serving Benchmark Result" block, then the
-scheduler's own figures from GET /get_server_info (internal_states[0]) read before and after the
-run, when the server reports them.
+scheduler's own figures (steps, time per step in and outside the forward pass) from GET
+/get_server_info internal_states[0] or, failing that, GET /metrics, read before and after the run,
+when the server reports them.
 
 Prompts: --input-len-max N truncates each prompt to N tokens. The client has no tokenizer, so the
 prompts are tokenized by the server before the timed run (POST /generate with max_new_tokens 0 and
@@ -165,14 +166,49 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def metrics_state(host, port):
+    """n_steps / step_*_seconds from the Prometheus counters of GET /metrics (--enable-metrics)."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        text = r.read().decode("utf-8", "replace")
+        if r.status != 200:
+            return {}
+    except OSError:
+        return {}
+    finally:
+        conn.close()
+    out = {}
+    wanted = (("steps_total", "n_steps"), ("scheduler_seconds_total", "step_sched_seconds"),
+              ("forward_seconds_total", "step_forward_seconds"), ("sample_seconds_total", "step_sample_seconds"))
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{")[0].split()[0]
+        for suffix, key in wanted:
+            if name.endswith(suffix) and key not in out:
+                try:
+                    out[key] = float(line.rsplit(None, 1)[1])
+                except ValueError:
+                    pass
+    return out
+
+
 def server_state(host, port):
+    """internal_states[0] of GET /get_server_info (or /server_info), completed from /metrics."""
+    state = {}
     for path in ("/get_server_info", "/server_info"):
         try:
             info = request_json(host, port, "GET", path)
-            return (info.get("internal_states") or [{}])[0]
+            state = dict((info.get("internal_states") or [{}])[0])
+            break
         except (OSError, RuntimeError, ValueError, AttributeError):
             continue
-    return {}
+    if "n_steps" not in state or "step_sched_seconds" not in state:
+        for k, v in metrics_state(host, port).items():
+            state.setdefault(k, v)
+    return state
 
 
 def main():
