@@ -2,7 +2,7 @@
 #   make            build build/moeserve (CPU path always; CUDA objects too where nvcc is found)
 #   make CUDA=0     skip the CUDA path even when nvcc is there
 #   make test       build and run every test; the last line is "N passed, M failed"
-#   make run        install what is missing, build, and run the embedded default model
+#   make run        install what is missing, build, and serve the embedded default model over HTTP
 #   make bench      CPU decode benchmarks (see docs/benchmarks.md)
 #   make asan       build and test with AddressSanitizer + UBSan in build-asan/
 #   make format     clang-format every C source
@@ -14,7 +14,7 @@ MARCH    ?= native
 OPT      ?= -O3 -march=$(MARCH)
 CFLAGS   ?= $(OPT) -g
 CFLAGS   += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -I. -MMD -MP
-LDLIBS   += -fopenmp -lcjson -lpcre2-8 -lutf8proc -lm -lpthread
+LDLIBS   += -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread
 
 # ---- what we found ----
 NVCC     ?= $(shell command -v nvcc 2>/dev/null)
@@ -59,7 +59,7 @@ $(BUILD)/%.o: %.cu
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
 # Debian packages the build and the tests need; installed only when one is missing.
-DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev
+DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -72,10 +72,10 @@ test: all
 	@tests/run.sh
 
 DEFAULT_MODEL ?= models/tiny-qwen3-moe
-PROMPT ?= Question: Natalia sold 48 clips in April and half as many in May. How many clips did she sell?
+SERVE_FLAGS ?=
 run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moeserve
-	$(BUILD)/moeserve generate --model-path $(DEFAULT_MODEL) --prompt "$(PROMPT)" --max-new-tokens 32 --temperature 0
+	$(BUILD)/moeserve serve --model-path $(DEFAULT_MODEL) $(SERVE_FLAGS)
 
 bench: all $(BUILD)/bench_membw
 	scripts/bench_cpu.sh
@@ -86,7 +86,7 @@ $(BUILD)/bench_membw: scripts/bench_membw.c
 
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
-	  LDLIBS="-fsanitize=address,undefined -fopenmp -lcjson -lpcre2-8 -lutf8proc -lm -lpthread" CUDA=0 all
+	  LDLIBS="-fsanitize=address,undefined -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread" CUDA=0 all
 	BUILD=build-asan tests/run.sh
 
 format:

@@ -1,30 +1,50 @@
-/* moeserve command line: generate, tokenize, detokenize.
+/* moeserve command line: serve (the default), generate, tokenize, detokenize.
  *
  * Every flag is parsed and validated here, once; a bad one stops the program with a message that
- * names it. Text <-> ids conversion happens here, at the edge; the engine sees ids. */
+ * names it. Text <-> ids conversion happens here, at the edge; the engine sees ids.
+ *
+ * serve builds, in order: model config (for the defaults) -> tokenizer -> chat template ->
+ * metrics -> api -> HTTP listener (answers 503 until ready) -> model -> scheduler -> engine
+ * thread; then waits for SIGINT or SIGTERM and takes it all down in reverse: refuse new
+ * requests, stop the engine loop (it finishes every request left with an abort, so each gets an
+ * answer), let the answers go out, stop HTTP, free. The signals are blocked in every thread and
+ * taken by sigwait in the main thread, so no handler runs inside library code. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "kernels/ops.h"
 #include "runner/engine.h"
 #include "runner/model.h"
+#include "runner/sampler.h"
+#include "runner/scheduler.h"
+#include "server/api.h"
+#include "server/chat_template.h"
 #include "server/generate_json.h"
+#include "server/http.h"
+#include "server/metrics.h"
 #include "server/tokenizer.h"
 
 #define MAX_STOP_STRINGS 16
 
 static const char usage_main[] =
-    "usage: moeserve <command> [flags]\n"
+    "usage: moeserve [command] [flags]\n"
     "\n"
     "commands:\n"
+    "  serve        HTTP server: SGLang /generate and OpenAI /v1 endpoints (the default command:\n"
+    "               `moeserve --model-path DIR` serves)\n"
     "  generate     run one prompt through the model and print an SGLang /generate answer (JSON)\n"
     "  tokenize     read text on stdin, print its token ids as a JSON array\n"
     "  detokenize   read a JSON array of ids on stdin, print the text\n"
@@ -34,8 +54,10 @@ static const char usage_main[] =
 static const char usage_generate[] =
     "usage: moeserve generate --model-path DIR (--prompt TEXT | --input-ids 1,2,3) [flags]\n"
     "\n"
-    "  --model-path DIR         Hugging Face model folder (config.json, *.safetensors, tokenizer.json)\n"
-    "  --prompt TEXT            prompt text, tokenized with DIR/tokenizer.json (no special tokens added\n"
+    "  --model-path DIR         Hugging Face model folder (config.json, *.safetensors, "
+    "tokenizer.json)\n"
+    "  --prompt TEXT            prompt text, tokenized with DIR/tokenizer.json (no special tokens "
+    "added\n"
     "                           unless the tokenizer's post-processor adds them)\n"
     "  --input-ids LIST         prompt as comma-separated token ids\n"
     "  --max-new-tokens N       tokens to generate (default 128; 0 scores the prompt only)\n"
@@ -56,6 +78,36 @@ static const char usage_generate[] =
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --threads N              CPU threads (default: all cores)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
+
+static const char usage_serve[] =
+    "usage: moeserve serve --model-path DIR [flags]\n"
+    "\n"
+    "  --model-path DIR              Hugging Face model folder (config.json, *.safetensors,\n"
+    "                                tokenizer.json, tokenizer_config.json)\n"
+    "  --host ADDR                   address to listen on (default 127.0.0.1)\n"
+    "  --port N                      TCP port (default 30000; 0 = any free port)\n"
+    "  --device cpu|cuda             where the model runs (default cpu)\n"
+    "  --max-running-requests N      requests decoded together at most (default 64)\n"
+    "  --max-total-tokens N          KV cache capacity in tokens (default: 4 full contexts or\n"
+    "                                65536 tokens, whichever is more, within a quarter of RAM)\n"
+    "  --chunked-prefill-size N      prompt tokens per engine step, all requests (default 512)\n"
+    "  --context-length N            prompt + output limit per request (default: the model's\n"
+    "                                max_position_embeddings, also the largest allowed)\n"
+    "  --page-size N                 tokens per KV cache page (default 16)\n"
+    "  --served-model-name NAME      the model id of /v1/models and OpenAI answers (default: the\n"
+    "                                model path)\n"
+    "  --api-key KEY                 require 'Authorization: Bearer KEY' (/health* and /metrics\n"
+    "                                stay open)\n"
+    "  --enable-metrics              serve Prometheus metrics at GET /metrics\n"
+    "  --disable-radix-cache         do not share prompt-prefix KV pages between requests\n"
+    "  --log-level LEVEL             debug, info, warn (or warning) or error (default info)\n"
+    "  --threads N                   CPU threads of the engine (default: all cores)\n"
+    "  --max-body-bytes N            largest request body; larger ones get 413 (default 16777216)\n"
+    "\n"
+    "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly.\n"
+    "Endpoints: POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health,\n"
+    "/health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics;\n"
+    "GET|POST /flush_cache.\n";
 
 static const char usage_tokenize[] =
     "usage: moeserve tokenize --model-path DIR [--add-special-tokens]\n"
@@ -164,8 +216,8 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
 
 static int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
-    gen_request q = {.sampling = sampling_params_default(), .max_new_tokens = 128,
-                     .logprob_start_len = -1};
+    gen_request q = {
+        .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
     int threads = 0;
     stop_watch sw = {0};
@@ -177,29 +229,55 @@ static int cmd_generate(int argc, char **argv) {
             return 0;
         }
         /* flags without a value */
-        if (!strcmp(a, "--return-logprob")) { q.return_logprob = true; continue; }
-        if (!strcmp(a, "--ignore-eos")) { q.ignore_eos = true; continue; }
-        if (!strcmp(a, "--no-skip-special-tokens")) { skip_special = false; continue; }
+        if (!strcmp(a, "--return-logprob")) {
+            q.return_logprob = true;
+            continue;
+        }
+        if (!strcmp(a, "--ignore-eos")) {
+            q.ignore_eos = true;
+            continue;
+        }
+        if (!strcmp(a, "--no-skip-special-tokens")) {
+            skip_special = false;
+            continue;
+        }
         if (i + 1 >= argc) die("generate: %s needs a value (see moeserve generate --help)", a);
         const char *v = argv[++i];
-        if (!strcmp(a, "--model-path")) model_path = v;
-        else if (!strcmp(a, "--prompt")) prompt = v;
-        else if (!strcmp(a, "--input-ids")) input_ids = v;
-        else if (!strcmp(a, "--max-new-tokens")) q.max_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
-        else if (!strcmp(a, "--min-new-tokens")) q.min_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
-        else if (!strcmp(a, "--temperature")) q.sampling.temperature = parse_float(a, v);
-        else if (!strcmp(a, "--top-p")) q.sampling.top_p = parse_float(a, v);
-        else if (!strcmp(a, "--top-k")) q.sampling.top_k = (int)parse_long(a, v, INT_MIN, INT_MAX);
-        else if (!strcmp(a, "--min-p")) q.sampling.min_p = parse_float(a, v);
-        else if (!strcmp(a, "--repetition-penalty")) q.sampling.repetition_penalty = parse_float(a, v);
-        else if (!strcmp(a, "--frequency-penalty")) q.sampling.frequency_penalty = parse_float(a, v);
-        else if (!strcmp(a, "--presence-penalty")) q.sampling.presence_penalty = parse_float(a, v);
-        else if (!strcmp(a, "--seed")) q.sampling.seed = (uint64_t)parse_long(a, v, 0, LONG_MAX);
-        else if (!strcmp(a, "--logprob-start-len")) q.logprob_start_len = (int)parse_long(a, v, -1, INT_MAX);
-        else if (!strcmp(a, "--stop-token-ids")) stop_ids_arg = v;
-        else if (!strcmp(a, "--threads")) threads = (int)parse_long(a, v, 1, 4096);
+        if (!strcmp(a, "--model-path"))
+            model_path = v;
+        else if (!strcmp(a, "--prompt"))
+            prompt = v;
+        else if (!strcmp(a, "--input-ids"))
+            input_ids = v;
+        else if (!strcmp(a, "--max-new-tokens"))
+            q.max_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
+        else if (!strcmp(a, "--min-new-tokens"))
+            q.min_new_tokens = (int)parse_long(a, v, 0, INT_MAX / 2);
+        else if (!strcmp(a, "--temperature"))
+            q.sampling.temperature = parse_float(a, v);
+        else if (!strcmp(a, "--top-p"))
+            q.sampling.top_p = parse_float(a, v);
+        else if (!strcmp(a, "--top-k"))
+            q.sampling.top_k = (int)parse_long(a, v, INT_MIN, INT_MAX);
+        else if (!strcmp(a, "--min-p"))
+            q.sampling.min_p = parse_float(a, v);
+        else if (!strcmp(a, "--repetition-penalty"))
+            q.sampling.repetition_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--frequency-penalty"))
+            q.sampling.frequency_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--presence-penalty"))
+            q.sampling.presence_penalty = parse_float(a, v);
+        else if (!strcmp(a, "--seed"))
+            q.sampling.seed = (uint64_t)parse_long(a, v, 0, LONG_MAX);
+        else if (!strcmp(a, "--logprob-start-len"))
+            q.logprob_start_len = (int)parse_long(a, v, -1, INT_MAX);
+        else if (!strcmp(a, "--stop-token-ids"))
+            stop_ids_arg = v;
+        else if (!strcmp(a, "--threads"))
+            threads = (int)parse_long(a, v, 1, 4096);
         else if (!strcmp(a, "--stop")) {
-            if (sw.n_stops == MAX_STOP_STRINGS) die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
+            if (sw.n_stops == MAX_STOP_STRINGS)
+                die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
             if (!*v) die("--stop: a stop string cannot be empty");
             sw.stops[sw.n_stops++] = v;
         } else if (!strcmp(a, "--log-level")) {
@@ -209,7 +287,8 @@ static int cmd_generate(int argc, char **argv) {
                 if (!strcmp(v, names[k])) lv = k;
             if (lv < 0) die("--log-level: '%s' is not one of debug, info, warn, error", v);
             log_threshold = (log_level)lv;
-        } else die("generate: unknown flag '%s' (see moeserve generate --help)", a);
+        } else
+            die("generate: unknown flag '%s' (see moeserve generate --help)", a);
     }
     if (!model_path) die("generate: --model-path is required");
     if (!!prompt == !!input_ids) die("generate: give exactly one of --prompt and --input-ids");
@@ -232,13 +311,15 @@ static int cmd_generate(int argc, char **argv) {
     if (n_ids == 0) die("generate: the prompt is empty");
     for (int i = 0; i < n_ids; i++)
         if (ids[i] >= m->cfg.vocab_size)
-            die("--input-ids: id %d at position %d is outside the vocabulary [0, %d) of %s/config.json",
+            die("--input-ids: id %d at position %d is outside the vocabulary [0, %d) of "
+                "%s/config.json",
                 ids[i], i, m->cfg.vocab_size, model_path);
     int32_t *stop_ids = NULL;
     if (stop_ids_arg) stop_ids = parse_ids("--stop-token-ids", stop_ids_arg, &q.n_stop_token_ids);
     q.stop_token_ids = stop_ids;
     if (q.logprob_start_len >= n_ids)
-        die("--logprob-start-len: %d must be below the prompt length %d", q.logprob_start_len, n_ids);
+        die("--logprob-start-len: %d must be below the prompt length %d", q.logprob_start_len,
+            n_ids);
     q.prompt = ids;
     q.n_prompt = n_ids;
     if (sw.n_stops) {
@@ -259,8 +340,12 @@ static int cmd_generate(int argc, char **argv) {
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 
-    generate_answer ans = {.id = "generate-0", .req = &q, .res = &res, .tok = tok,
-                           .skip_special_tokens = skip_special, .matched_stop = sw.matched,
+    generate_answer ans = {.id = "generate-0",
+                           .req = &q,
+                           .res = &res,
+                           .tok = tok,
+                           .skip_special_tokens = skip_special,
+                           .matched_stop = sw.matched,
                            .e2e_latency = secs};
     cJSON *json = generate_json_answer(&ans);
     char *out = cJSON_PrintUnformatted(json);
@@ -301,7 +386,8 @@ static int cmd_tokenize(int argc, char **argv, bool reverse) {
     if (!reverse) {
         int32_t *ids;
         int n;
-        if (tokenizer_encode(tok, in, len, flag, &ids, &n)) die("tokenize: stdin is not valid UTF-8");
+        if (tokenizer_encode(tok, in, len, flag, &ids, &n))
+            die("tokenize: stdin is not valid UTF-8");
         cJSON *arr = cJSON_CreateIntArray((const int *)ids, n);
         char *s = cJSON_PrintUnformatted(arr);
         puts(s);
@@ -332,12 +418,229 @@ static int cmd_tokenize(int argc, char **argv, bool reverse) {
     return 0;
 }
 
+/* ---- serve ---- */
+
+typedef struct {
+    scheduler *sched;
+    atomic_bool stop;
+    int threads;
+} serve_engine;
+
+/* The engine thread: owns the model and the KV cache through the scheduler. */
+static void *serve_engine_main(void *p) {
+    serve_engine *e = p;
+    if (e->threads) omp_set_num_threads(e->threads);
+    scheduler_run(e->sched, &e->stop);
+    sampler_scratch_free();
+    return NULL;
+}
+
+static long long serve_phys_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? (long long)pages * size : 8LL << 30;
+}
+
+static int cmd_serve(int argc, char **argv) {
+    server_args a = {.host = "127.0.0.1",
+                     .port = 30000,
+                     .device = "cpu",
+                     .max_running_requests = 64,
+                     .chunked_prefill_size = 512,
+                     .page_size = 16,
+                     .log_level = "info",
+                     .max_body_bytes = 16u << 20};
+    log_threshold = LOG_LEVEL_INFO;
+    for (int i = 0; i < argc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+            fputs(usage_serve, stdout);
+            return 0;
+        }
+        if (!strcmp(f, "--enable-metrics")) {
+            a.enable_metrics = true;
+            continue;
+        }
+        if (!strcmp(f, "--disable-radix-cache")) {
+            a.disable_radix_cache = true;
+            continue;
+        }
+        static const char *const with_value[] = {"--model-path",
+                                                 "--host",
+                                                 "--port",
+                                                 "--device",
+                                                 "--max-running-requests",
+                                                 "--max-total-tokens",
+                                                 "--chunked-prefill-size",
+                                                 "--context-length",
+                                                 "--page-size",
+                                                 "--served-model-name",
+                                                 "--api-key",
+                                                 "--threads",
+                                                 "--max-body-bytes",
+                                                 "--log-level"};
+        bool known = false;
+        for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
+            known = known || !strcmp(f, with_value[k]);
+        if (!known) die("serve: unknown flag '%s' (see moeserve serve --help)", f);
+        if (i + 1 >= argc) die("serve: %s needs a value (see moeserve serve --help)", f);
+        const char *v = argv[++i];
+        if (!strcmp(f, "--model-path"))
+            a.model_path = v;
+        else if (!strcmp(f, "--host"))
+            a.host = v;
+        else if (!strcmp(f, "--port"))
+            a.port = (int)parse_long(f, v, 0, 65535);
+        else if (!strcmp(f, "--device"))
+            a.device = v;
+        else if (!strcmp(f, "--max-running-requests"))
+            a.max_running_requests = (int)parse_long(f, v, 1, 1 << 16);
+        else if (!strcmp(f, "--max-total-tokens"))
+            a.max_total_tokens = (int)parse_long(f, v, 1, INT_MAX / 2);
+        else if (!strcmp(f, "--chunked-prefill-size"))
+            a.chunked_prefill_size = (int)parse_long(f, v, 1, 1 << 20);
+        else if (!strcmp(f, "--context-length"))
+            a.context_length = (int)parse_long(f, v, 2, INT_MAX / 2);
+        else if (!strcmp(f, "--page-size"))
+            a.page_size = (int)parse_long(f, v, 1, 4096);
+        else if (!strcmp(f, "--served-model-name"))
+            a.served_model_name = v;
+        else if (!strcmp(f, "--api-key"))
+            a.api_key = v;
+        else if (!strcmp(f, "--threads"))
+            a.threads = (int)parse_long(f, v, 1, 4096);
+        else if (!strcmp(f, "--max-body-bytes"))
+            a.max_body_bytes = (size_t)parse_long(f, v, 1024, 1L << 40);
+        else if (!strcmp(f, "--log-level")) {
+            static const char *const names[] = {"debug", "info", "warn", "error"};
+            int lv = -1;
+            for (int k = 0; k < 4; k++)
+                if (!strcmp(v, names[k])) lv = k;
+            if (!strcmp(v, "warning")) lv = LOG_LEVEL_WARN;
+            if (lv < 0) die("--log-level: '%s' is not one of debug, info, warn, error", v);
+            log_threshold = (log_level)lv;
+            a.log_level = names[lv];
+        } else
+            die("serve: unknown flag '%s' (see moeserve serve --help)", f);
+    }
+    if (!a.model_path) die("serve: --model-path is required (see moeserve serve --help)");
+    if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
+        die("--device: '%s' is not one of cpu, cuda", a.device);
+    if (!strcmp(a.device, "cuda"))
+        die("--device cuda: this build has no CUDA backend (build where nvcc is found, without "
+            "CUDA=0), or use --device cpu");
+    if (!*a.host) die("--host: the address is empty");
+    if (a.api_key && !*a.api_key) die("--api-key: the key is empty");
+    if (a.served_model_name && !*a.served_model_name) die("--served-model-name: the name is empty");
+    if (!a.served_model_name) a.served_model_name = a.model_path;
+    struct stat st;
+    if (stat(a.model_path, &st) || !S_ISDIR(st.st_mode))
+        die("--model-path %s: not a folder", a.model_path);
+
+    char err[2048];
+    model_config cfg;
+    if (model_config_load(&cfg, a.model_path, err, sizeof err)) die("%s", err);
+    if (!a.context_length) a.context_length = cfg.max_position_embeddings;
+    if (a.context_length > cfg.max_position_embeddings)
+        die("--context-length %d: above the model's max_position_embeddings %d (%s/config.json)",
+            a.context_length, cfg.max_position_embeddings, a.model_path);
+    long long kv_bytes_per_token = 2LL * cfg.num_hidden_layers * cfg.num_key_value_heads *
+                                   cfg.head_dim * (long long)sizeof(float);
+    long long budget = serve_phys_bytes() / 4 / (kv_bytes_per_token > 0 ? kv_bytes_per_token : 1);
+    if (!a.max_total_tokens) {
+        long long want = 4LL * a.context_length > 65536 ? 4LL * a.context_length : 65536;
+        if (want > budget) want = budget;
+        if (want < a.context_length + a.page_size) {
+            want = a.context_length + a.page_size;
+            LOG_WARN("serve",
+                     "the KV cache for one full context (%lld tokens) exceeds a quarter of "
+                     "this machine's memory; consider --context-length",
+                     want);
+        }
+        if (want > INT_MAX / 2) want = INT_MAX / 2;
+        a.max_total_tokens = (int)want;
+    }
+    if (a.max_total_tokens < a.context_length)
+        die("--max-total-tokens %d: below --context-length %d, so a full-length request could "
+            "never fit; raise it or lower --context-length",
+            a.max_total_tokens, a.context_length);
+
+    tokenizer *tok = load_tokenizer(a.model_path, true);
+    chat_template tpl;
+    chat_template_load(&tpl, a.model_path);
+    if (tpl.kind == CHAT_TEMPLATE_NONE)
+        LOG_WARN("serve", "%s: /v1/chat/completions will answer 400", tpl.why);
+    metrics *met = a.enable_metrics ? metrics_create(a.served_model_name) : NULL;
+    api_server *api = api_create(&a, tok, &tpl, met);
+
+    /* every thread started from here on inherits the blocked signals */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    http_config hc = {.host = a.host,
+                      .port = a.port,
+                      .max_body_bytes = a.max_body_bytes,
+                      .max_connections = 4096,
+                      .on_request = api_on_request,
+                      .app = api};
+    http_server *http = http_server_start(&hc, err, sizeof err);
+    if (!http) die("%s", err);
+    api_set_http(api, http);
+
+    LOG_INFO("serve", "loading %s", a.model_path);
+    if (a.threads) omp_set_num_threads(a.threads);
+    model *m = model_load(a.model_path, ops_cpu(), err, sizeof err);
+    if (!m) die("%s", err);
+    scheduler_config sc = {.max_running_requests = a.max_running_requests,
+                           .max_total_tokens = a.max_total_tokens,
+                           .page_size = a.page_size,
+                           .chunked_prefill_size = a.chunked_prefill_size,
+                           .context_length = a.context_length,
+                           .enable_radix_cache = !a.disable_radix_cache};
+    scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
+    if (!sched) die("%s", err);
+    serve_engine eng = {.sched = sched, .threads = a.threads};
+    atomic_init(&eng.stop, false);
+    pthread_t engine_thread;
+    if (pthread_create(&engine_thread, NULL, serve_engine_main, &eng))
+        die("serve: cannot start the engine thread");
+    api_set_ready(api, sched, &m->cfg);
+    bool v6 = strchr(a.host, ':') != NULL;
+    LOG_INFO("serve", "model %s: context %d, KV cache %d tokens in pages of %d, up to %d running",
+             a.served_model_name, a.context_length, a.max_total_tokens, a.page_size,
+             a.max_running_requests);
+    LOG_INFO("serve", "serving on http://%s%s%s:%d", v6 ? "[" : "", a.host, v6 ? "]" : "",
+             http_server_port(http));
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    api_drain(api);
+    atomic_store(&eng.stop, true);
+    scheduler_wake(sched);
+    pthread_join(engine_thread, NULL);
+    http_server_stop(http, 10.0);
+    api_reap(api);
+    api_free(api);
+    scheduler_free(sched);
+    model_free(m);
+    metrics_free(met);
+    tokenizer_free(tok);
+    LOG_INFO("serve", "stopped");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
         !strcmp(argv[1], "help")) {
         fputs(usage_main, argc < 2 ? stderr : stdout);
         return argc < 2 ? 1 : 0;
     }
+    if (!strcmp(argv[1], "serve")) return cmd_serve(argc - 2, argv + 2);
+    if (argv[1][0] == '-') return cmd_serve(argc - 1, argv + 1); /* serve is the default */
     if (!strcmp(argv[1], "generate")) return cmd_generate(argc - 2, argv + 2);
     if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc - 2, argv + 2, false);
     if (!strcmp(argv[1], "detokenize")) return cmd_tokenize(argc - 2, argv + 2, true);

@@ -1,0 +1,66 @@
+/* The HTTP API of `moeserve serve`: SGLang's native endpoints and the OpenAI-compatible ones, as
+ * ../shared/notes/api.md describes them.
+ *
+ * The api turns a JSON request into engine requests (text is tokenized here), submits them to the
+ * scheduler and turns the request channel back into JSON: a whole answer when every request is
+ * done, or server-sent events as tokens arrive. It never blocks the polling thread: a waiting
+ * exchange is suspended and the request's notify callback (engine thread) wakes it.
+ *
+ * Life cycle (main builds in this order and frees in reverse): api_create (state starting: only
+ * the info endpoints answer, /health says 503) -> http_server_start(on_request = api_on_request)
+ * -> api_set_http -> model and scheduler -> api_set_ready -> ... signal ... -> api_drain (new
+ * generation requests get 503, /health says 503; nothing is submitted after it returns) -> stop
+ * the scheduler loop (it finishes what is left with FINISH_ABORT) -> http_server_stop ->
+ * api_free. */
+#ifndef MOESERVE_API_H
+#define MOESERVE_API_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "runner/scheduler.h"
+#include "server/chat_template.h"
+#include "server/http.h"
+#include "server/metrics.h"
+#include "server/tokenizer.h"
+
+/* The arguments of `moeserve serve`, validated once by main (see its usage text). */
+typedef struct {
+    const char *model_path;
+    const char *host;
+    int port;
+    const char *device; /* "cpu" | "cuda" */
+    int max_running_requests;
+    int max_total_tokens;
+    int chunked_prefill_size;
+    int context_length;
+    int page_size;
+    const char *served_model_name;
+    const char *api_key; /* NULL: no authentication */
+    bool enable_metrics;
+    bool disable_radix_cache;
+    const char *log_level;
+    int threads; /* 0: all cores */
+    size_t max_body_bytes;
+} server_args;
+
+typedef struct api_server api_server;
+
+/* tok, tpl and met (NULL when metrics are off) must outlive the api. vocab_size is the model's
+ * (ids are checked against it); eos ids come from the model too (see api_set_ready). */
+api_server *api_create(const server_args *args, const tokenizer *tok, const chat_template *tpl,
+                       metrics *met);
+void api_free(api_server *a);
+
+/* The http_config callback: route, check and answer one exchange. */
+void api_on_request(void *app, http_exchange *x);
+
+void api_set_http(api_server *a, http_server *h);
+/* The engine is up: generation endpoints open, /health says 200. */
+void api_set_ready(api_server *a, scheduler *s, const model_config *cfg);
+/* Refuse new generation requests from now on; returns once no submit is in progress. */
+void api_drain(api_server *a);
+/* After the scheduler loop has ended: free what engine-side state is left. */
+void api_reap(api_server *a);
+
+#endif
