@@ -707,7 +707,7 @@ static void api_health_generate(api_server *a, http_exchange *x) {
 static void api_model_info(api_server *a, http_exchange *x) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "model_path", a->args.model_path);
-    cJSON_AddStringToObject(o, "tokenizer_path", a->args.model_path);
+    cJSON_AddStringToObject(o, "tokenizer_path", a->tokenizer_path);
     cJSON_AddBoolToObject(o, "is_generation", true);
     cJSON_AddNullToObject(o, "preferred_sampling_params");
     cJSON_AddStringToObject(o, "weight_version", "default");
@@ -718,7 +718,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     const server_args *g = &a->args;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "model_path", g->model_path);
-    cJSON_AddStringToObject(o, "tokenizer_path", g->model_path);
+    cJSON_AddStringToObject(o, "tokenizer_path", a->tokenizer_path);
     cJSON_AddStringToObject(o, "served_model_name", g->served_model_name);
     cJSON_AddStringToObject(o, "host", g->host);
     cJSON_AddNumberToObject(o, "port", http_server_port(a->http));
@@ -751,6 +751,12 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(s0, "num_waiting_reqs", st.n_waiting);
     cJSON_AddNumberToObject(s0, "kv_pages_used", st.kv_pages_used);
     cJSON_AddNumberToObject(s0, "kv_pages_total", st.kv_pages_total);
+    cJSON_AddNumberToObject(s0, "n_steps", (double)st.n_steps);
+    cJSON_AddNumberToObject(s0, "step_sched_seconds", st.step_sched_seconds);
+    cJSON_AddNumberToObject(s0, "step_forward_seconds", st.step_forward_seconds);
+    cJSON_AddNumberToObject(s0, "step_sample_seconds", st.step_sample_seconds);
+    cJSON_AddNumberToObject(s0, "n_preemptions", (double)st.n_preemptions);
+    cJSON_AddNumberToObject(s0, "n_cached_tokens", (double)st.n_cached_tokens);
     cJSON_AddItemToArray(states, s0);
     cJSON_AddStringToObject(o, "version", API_VERSION);
     api_reply_json(a, x, 200, o);
@@ -905,6 +911,8 @@ api_server *api_create(const server_args *args, const tokenizer *tok, const chat
                        metrics *met) {
     api_server *a = xcalloc(1, sizeof *a);
     a->args = *args;
+    char *abs = realpath(args->model_path, NULL);
+    a->tokenizer_path = abs ? abs : xstrdup(args->model_path);
     a->tok = tok;
     a->tpl = tpl;
     a->met = met;
@@ -935,6 +943,7 @@ void api_free(api_server *a) {
     api_reap(a);
     if (a->retired) LOG_WARN("api", "requests still running at exit");
     pthread_mutex_destroy(&a->submit_mu);
+    free(a->tokenizer_path);
     if (api_global == a) api_global = NULL;
     free(a);
 }

@@ -101,6 +101,7 @@ typedef struct {
 
 struct api_server {
     server_args args;
+    char *tokenizer_path; /* the model folder, absolute, so a client elsewhere can load it */
     const tokenizer *tok;
     const chat_template *tpl;
     metrics *met;

@@ -202,6 +202,9 @@ char *metrics_render(metrics *m, const scheduler_stats *st, size_t *len) {
                 "Time in the scheduler outside forward passes.", st->step_sched_seconds);
     metrics_one(&t, m, "moeserve:forward_seconds_total", "counter", "Time in forward passes.",
                 st->step_forward_seconds);
+    metrics_one(&t, m, "moeserve:sample_seconds_total", "counter",
+                "Time scoring and sampling after forward passes (part of the scheduler time).",
+                st->step_sample_seconds);
 
     const char *name = "moeserve:finished_requests_total";
     metrics_head(&t, name, "counter", "Answered generation requests by finish reason.");
