@@ -1,0 +1,88 @@
+/* MoE all-to-all: sends each token to the ranks that own its routed experts and brings the
+ * expert outputs home. One interface, several transports:
+ *   shm               CPU ranks on one node: MPI-3 shared-memory windows; peers write straight
+ *                     into each other's receive regions, flags with release/acquire ordering
+ *   mpi               one-sided MPI_Put into MPI_Win_allocate windows (ranks that share no memory)
+ *   nvlink_one_sided  (CUDA backend, later) CUDA IPC / cuMem peer writes over NVLink
+ *   nccl              (CUDA backend, later) two-sided ncclSend/ncclRecv baseline
+ *   none              one rank: dispatch and combine are local copies
+ *
+ * Shapes: T tokens on this rank, D hidden, K experts per token, E experts in all.
+ * Rank r owns experts [expert_begin[r], expert_begin[r + 1]) (contiguous ranges).
+ *
+ * One round = dispatch then combine; every rank of the group calls both, in the same order, every
+ * step, even with T = 0 (else the others wait). runtime_max must be identical on every rank and
+ * >= every rank's T (the step agreement gives it); it sets the receive offsets.
+ *
+ * Combine returns every slot's output separately ([T, K, D]) so that the home rank sums the K
+ * outputs in slot order k = 0..K-1 in fp32 (moe_finalize), exactly as one process does: results do
+ * not depend on which rank computed which expert. */
+#ifndef MOESERVE_A2A_H
+#define MOESERVE_A2A_H
+
+#include <mpi.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    A2A_NONE,
+    A2A_SHM,
+    A2A_MPI,
+    A2A_NVLINK_ONE_SIDED,
+    A2A_NCCL,
+} a2a_transport;
+
+/* "none", "shm", "mpi", "nvlink_one_sided", "nccl"; also "flashinfer_nvlink_one_sided" (= nvlink);
+ * false for anything else. */
+bool a2a_transport_parse(const char *s, a2a_transport *out);
+const char *a2a_transport_name(a2a_transport t);
+
+#define A2A_MAX_RANKS 256
+
+typedef struct {
+    a2a_transport transport;
+    int ep_size;             /* ranks in the group */
+    int rank;                /* this rank */
+    int max_tokens_per_rank; /* static maximum T of any rank in any step: sizes the buffers */
+    int hidden;              /* D */
+    int top_k;               /* K */
+    int n_experts;           /* E */
+    int expert_begin[A2A_MAX_RANKS + 1]; /* [ep_size + 1] ownership ranges */
+    double timeout_s;        /* a wait longer than this fails with a message naming the peer */
+} a2a_config;
+
+/* Contiguous split of E experts over n ranks, the first E % n ranks one larger (10 on 3 -> 4,3,3). */
+void a2a_split_experts(int n_experts, int n_ranks, int *expert_begin /* [n_ranks + 1] */);
+
+/* What dispatch delivered to this rank: n tokens, ordered by source rank then by the source's
+ * order. ids[i, k] is the LOCAL expert index (global id - expert_begin[rank]) of slot k when this
+ * rank owns it, else -1; w[i, k] the router weight. Valid until the next dispatch. */
+typedef struct {
+    int n;
+    const float *x;       /* [n, D] */
+    const int32_t *ids;   /* [n, K] */
+    const float *w;       /* [n, K] */
+} a2a_received;
+
+typedef struct a2a a2a;
+
+/* Collective over comm (every rank calls it with the same config but its own rank). Returns NULL
+ * with a message on failure (e.g. shm on ranks that share no node). */
+a2a *a2a_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t errlen);
+void a2a_destroy(a2a *a); /* collective */
+
+/* Send x[T, D] with topk_ids[T, K] (global expert ids) and topk_w[T, K] to the owner ranks (each
+ * token at most once per rank). Returns 0, or -1 with a message (peer timed out, dispatch twice
+ * without a combine, T > runtime_max, runtime_max > max_tokens_per_rank). */
+int a2a_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const float *topk_w, int T,
+                 int runtime_max, char *err, size_t errlen);
+
+a2a_received a2a_get_received(const a2a *a);
+
+/* expert_out[n, K, D] for the received tokens (slot k meaningful where ids[i, k] >= 0) -> out[T, K,
+ * D] on the home rank: slot k of token t = the output of expert topk_ids[t, k] from its owner.
+ * Returns 0, or -1 with a message. */
+int a2a_combine(a2a *a, const float *expert_out, float *out, char *err, size_t errlen);
+
+#endif
