@@ -3,7 +3,7 @@
 #   make CUDA=0     skip the CUDA path even when nvcc is there
 #   make test       build and run every test; the last line is "N passed, M failed"
 #   make run        install what is missing, build, and serve the embedded default model over HTTP
-#   make bench      CPU decode benchmarks (see docs/benchmarks.md)
+#   make bench      CPU decode and all-to-all benchmarks (see docs/benchmarks.md)
 #   make asan       build and test with AddressSanitizer + UBSan in build-asan/
 #   make format     clang-format every C source
 #   make clean      remove build outputs
@@ -33,7 +33,13 @@ ifneq ($(NVCC),)
 endif
 $(info moeserve: cc=$(CC) nvcc=$(if $(NVCC),$(NVCC),none) cuda objects=$(words $(CU_OBJS)))
 
-LIB_SRCS  := $(wildcard common/*.c config/*.c kernels/cpu/*.c runner/*.c runner/models/*.c server/*.c)
+# MPI (OpenMPI's C bindings) for the rank group and the all-to-all, on every object.
+MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null)
+MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null)
+CFLAGS     += $(MPI_CFLAGS)
+LDLIBS     += $(MPI_LIBS)
+$(info moeserve: mpi=$(if $(MPI_LIBS),$(MPI_LIBS),none (apt-get install libopenmpi-dev)))
+LIB_SRCS  := $(wildcard common/*.c config/*.c kernels/*.c kernels/cpu/*.c runner/*.c runner/models/*.c server/*.c)
 LIB_SRCS  := $(filter-out server/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(CU_OBJS)
 TEST_SRCS := $(wildcard tests/test_*.c)
@@ -59,7 +65,7 @@ $(BUILD)/%.o: %.cu
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
 # Debian packages the build and the tests need; installed only when one is missing.
-DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl
+DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl libopenmpi-dev openmpi-bin
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -77,8 +83,17 @@ run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moeserve
 	$(BUILD)/moeserve serve --model-path $(DEFAULT_MODEL) $(SERVE_FLAGS)
 
-bench: all $(BUILD)/bench_membw
+bench: all $(BUILD)/bench_membw $(BUILD)/bench_a2a
 	scripts/bench_cpu.sh
+	OMP_NUM_THREADS=1 mpirun $(A2A_MPIRUN_FLAGS) -np 2 $(BUILD)/bench_a2a
+	OMP_NUM_THREADS=1 mpirun $(A2A_MPIRUN_FLAGS) -np 4 $(BUILD)/bench_a2a
+
+# All-to-all transports (shm, mpi) against MPI_Alltoallv; 4 ranks oversubscribe a 2-core machine.
+A2A_MPIRUN_FLAGS := --allow-run-as-root --oversubscribe --mca mpi_yield_when_idle 1
+A2A_OBJS := $(BUILD)/kernels/a2a.o $(BUILD)/kernels/cpu/a2a_shm.o $(BUILD)/kernels/cpu/a2a_mpi.o \
+            $(BUILD)/common/log.o
+$(BUILD)/bench_a2a: $(BUILD)/scripts/bench_a2a.o $(A2A_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/bench_membw: scripts/bench_membw.c
 	@mkdir -p $(dir $@)
@@ -86,7 +101,7 @@ $(BUILD)/bench_membw: scripts/bench_membw.c
 
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
-	  LDLIBS="-fsanitize=address,undefined -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread" CUDA=0 all
+	  LDLIBS="-fsanitize=address,undefined -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread $(MPI_LIBS)" CUDA=0 all
 	BUILD=build-asan tests/run.sh
 
 format:
