@@ -65,7 +65,8 @@ $(BUILD)/%.o: %.cu
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
 # Debian packages the build and the tests need; installed only when one is missing.
-DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl libopenmpi-dev openmpi-bin
+DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl \
+            libopenmpi-dev openmpi-bin python3 python3-pip
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -74,7 +75,11 @@ deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-test: all
+# The HTTP tests drive the server with the openai client too (PyPI), installed when missing.
+test: deps
+	@$(MAKE) --no-print-directory all
+	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q openai 2>/dev/null || \
+	  python3 -m pip install -q --break-system-packages openai
 	@tests/run.sh
 
 DEFAULT_MODEL ?= models/tiny-qwen3-moe
