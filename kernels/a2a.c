@@ -165,10 +165,10 @@ int a2a_read_counts(a2a *a, const char *segment, char *err, size_t errlen) {
                             a->cfg.rank, p, (unsigned long long)a->round, c.runtime_max,
                             a->runtime_max);
         if (c.count < 0 || c.count > a->runtime_max)
-            return a2a_fail(a, err, errlen,
-                            "a2a rank %d: rank %d announced %d tokens for round %llu (runtime_max "
-                            "%d)",
-                            a->cfg.rank, p, c.count, (unsigned long long)a->round, a->runtime_max);
+            return a2a_fail(
+                a, err, errlen,
+                "a2a rank %d: rank %d announced %d tokens for round %llu (runtime_max %d)",
+                a->cfg.rank, p, c.count, (unsigned long long)a->round, a->runtime_max);
         a->recv_count[p] = c.count;
     }
     return 0;
@@ -265,8 +265,7 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
                        size);
     if (c->rank != rank)
         return set_err(err, errlen,
-                       "a2a: config rank %d but this process is rank %d of the "
-                       "communicator",
+                       "a2a: config rank %d but this process is rank %d of the communicator",
                        c->rank, rank);
     if (c->ep_size < 1 || c->ep_size > A2A_MAX_RANKS)
         return set_err(err, errlen, "a2a: ep_size %d outside [1, %d]", c->ep_size, A2A_MAX_RANKS);
@@ -274,8 +273,7 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
     case A2A_NONE:
         if (c->ep_size != 1)
             return set_err(err, errlen,
-                           "a2a: transport none serves one rank, ep_size is %d "
-                           "(use shm or mpi)",
+                           "a2a: transport none serves one rank, ep_size is %d (use shm or mpi)",
                            c->ep_size);
         break;
     case A2A_SHM:
@@ -283,8 +281,8 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
     case A2A_NVLINK_ONE_SIDED:
     case A2A_NCCL:
         return set_err(err, errlen,
-                       "a2a: transport %s needs the CUDA backend, which this build "
-                       "does not have (use shm or mpi)",
+                       "a2a: transport %s needs the CUDA backend, which this build does not have "
+                       "(use shm or mpi)",
                        a2a_transport_name(c->transport));
     default: return set_err(err, errlen, "a2a: unknown transport %d", (int)c->transport);
     }
@@ -299,8 +297,7 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
                        c->n_experts);
     if (c->expert_begin[0] != 0 || c->expert_begin[c->ep_size] != c->n_experts)
         return set_err(err, errlen,
-                       "a2a: expert_begin must run from 0 to n_experts = %d, got "
-                       "%d .. %d",
+                       "a2a: expert_begin must run from 0 to n_experts = %d, got %d .. %d",
                        c->n_experts, c->expert_begin[0], c->expert_begin[c->ep_size]);
     for (int r = 0; r < c->ep_size; r++)
         if (c->expert_begin[r + 1] < c->expert_begin[r])
@@ -312,8 +309,8 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
     a2a_layout L;
     if (layout_compute(&L, c) != 0)
         return set_err(err, errlen,
-                       "a2a: workspace for ep_size %d, max_tokens_per_rank %d, "
-                       "hidden %d, top_k %d exceeds %zu bytes per rank",
+                       "a2a: workspace for ep_size %d, max_tokens_per_rank %d, hidden %d, top_k %d "
+                       "exceeds %zu bytes per rank",
                        c->ep_size, c->max_tokens_per_rank, c->hidden, c->top_k,
                        A2A_MAX_SEGMENT_BYTES);
     return 0;
@@ -365,10 +362,10 @@ static int config_agree(const a2a_config *c, MPI_Comm comm, int local_ok, char *
     }
     for (int i = 1; i < AGREE_N; i++)
         if (r[i] != -r[AGREE_N + i])
-            return set_err(err, errlen,
-                           "a2a: %s differs between ranks (%d .. %d): every rank "
-                           "must pass the same config",
-                           agree_names[i], -r[AGREE_N + i], r[i]);
+            return set_err(
+                err, errlen,
+                "a2a: %s differs between ranks (%d .. %d): every rank must pass the same config",
+                agree_names[i], -r[AGREE_N + i], r[i]);
     return 0;
 }
 
@@ -425,8 +422,7 @@ a2a *a2a_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t errlen) 
     if (!all_ok) {
         if (ok)
             set_err(err, errlen,
-                    "a2a rank %d: another rank could not set up the %s transport "
-                    "(see its message)",
+                    "a2a rank %d: another rank could not set up the %s transport (see its message)",
                     cfg->rank, a2a_transport_name(cfg->transport));
         a2a_destroy(a);
         return NULL;
@@ -459,8 +455,8 @@ static int phase_error(const a2a *a, const char *call, char *err, size_t errlen)
                        a->cfg.rank, call, a->broken_why);
     if (a->phase == A2A_PHASE_DISPATCHED)
         return set_err(err, errlen,
-                       "a2a rank %d: dispatch called twice without a combine "
-                       "(round %llu): every dispatch must be followed by its combine",
+                       "a2a rank %d: dispatch called twice without a combine (round %llu): every "
+                       "dispatch must be followed by its combine",
                        a->cfg.rank, (unsigned long long)a->round);
     return set_err(err, errlen, "a2a rank %d: combine called without a dispatch (round %llu)",
                    a->cfg.rank, (unsigned long long)a->round);
@@ -473,8 +469,7 @@ int a2a_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const float *t
     const int K = a->cfg.top_k, E = a->cfg.n_experts;
     if (runtime_max < 0 || runtime_max > a->cfg.max_tokens_per_rank)
         return set_err(err, errlen,
-                       "a2a rank %d: runtime_max %d outside [0, "
-                       "max_tokens_per_rank = %d]",
+                       "a2a rank %d: runtime_max %d outside [0, max_tokens_per_rank = %d]",
                        a->cfg.rank, runtime_max, a->cfg.max_tokens_per_rank);
     if (T < 0 || T > runtime_max)
         return set_err(err, errlen, "a2a rank %d: T = %d tokens outside [0, runtime_max = %d]",
@@ -485,8 +480,7 @@ int a2a_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const float *t
     for (int64_t i = 0; i < (int64_t)T * K; i++)
         if (topk_ids[i] < 0 || topk_ids[i] >= E)
             return set_err(err, errlen,
-                           "a2a rank %d: token %lld slot %lld: expert id %d outside "
-                           "[0, %d)",
+                           "a2a rank %d: token %lld slot %lld: expert id %d outside [0, %d)",
                            a->cfg.rank, (long long)(i / K), (long long)(i % K), topk_ids[i], E);
 
     /* Routing records: slot per (token, owner rank), the first slot of each owner carries it. */

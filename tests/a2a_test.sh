@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The all-to-all tests (tests/test_a2a.c, an MPI program) under mpirun -np 1, 2, 3 and 4. Ranks
-# beyond the cores oversubscribe them, so OpenMPI is told to yield when idle and each rank runs one
-# OpenMP thread. Prints one line per run and one combined "N passed, M failed" last line.
+# The all-to-all tests (tests/test_a2a.c, an MPI program) under mpirun -np 1, 2, 3 and 4, and once
+# more at np 3 with the mpi transport over OpenMPI's pt2pt one-sided component (active messages,
+# no shared memory: how ranks on different nodes talk). Ranks beyond the cores oversubscribe them,
+# so OpenMPI is told to yield when idle and each rank runs one OpenMP thread.
+# Prints one line per run and one combined "N passed, M failed" last line.
 set -u
 cd "$(dirname "$0")/.."
 bin=${BUILD:-build}/tests/test_a2a
@@ -15,27 +17,38 @@ command -v mpirun >/dev/null || fail_early "mpirun not found (apt-get install op
 
 export OMP_NUM_THREADS=1
 flags=(--allow-run-as-root --oversubscribe --mca mpi_yield_when_idle 1 -x OMP_NUM_THREADS)
-
 total_pass=0
 total_fail=0
-for np in 1 2 3 4; do
-    out=$(timeout -k 5 120 mpirun "${flags[@]}" -np "$np" "$bin" 2>&1)
+
+run_case() { # $1 = label, then mpirun arguments before the binary, then -- and its arguments
+    local label=$1 out rc line p f
+    shift
+    local pre=() post=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do pre+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    post=("$@")
+    out=$(timeout -k 5 120 mpirun "${flags[@]}" "${pre[@]}" "$bin" "${post[@]}" 2>&1)
     rc=$?
     line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -n 1)
     if [ -z "$line" ]; then
         printf '%s\n' "$out" | tail -n 20
-        echo "FAIL np $np: no summary line (exit $rc)"
+        echo "FAIL $label: no summary line (exit $rc)"
         total_fail=$((total_fail + 1))
-        continue
+        return
     fi
     p=${line%% passed*}
     f=${line#*, }
     f=${f%% failed*}
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
     if [ "$f" -ne 0 ]; then printf '%s\n' "$out" | grep -vE '^[0-9]+ passed' | head -n 20; fi
-    echo "np $np: $line"
+    echo "$label: $line"
     total_pass=$((total_pass + p))
     total_fail=$((total_fail + f))
+}
+
+for np in 1 2 3 4; do
+    run_case "np $np" -np "$np"
 done
+run_case "np 3, mpi over osc pt2pt" -np 3 --mca osc pt2pt -- mpi
 echo "$total_pass passed, $total_fail failed"
 [ "$total_fail" -eq 0 ]

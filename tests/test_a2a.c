@@ -222,8 +222,8 @@ static int run_round(a2a *a, const suite *S, int round) {
                     }
                     if (bad)
                         fprintf(stderr,
-                                "rank %d %s round %d: received token %d (source %d, t %d) "
-                                "differs (%s)\n",
+                                "rank %d %s round %d: received token %d (source %d, t %d) differs "
+                                "(%s)\n",
                                 me, S->what, round, n, src, t,
                                 bad == 1   ? "x"
                                 : bad == 2 ? "ids"
@@ -265,8 +265,8 @@ static int run_round(a2a *a, const suite *S, int round) {
                     float have = out[((size_t)t * K + k) * D + d];
                     if (memcmp(&want, &have, 4) != 0) {
                         fprintf(stderr,
-                                "rank %d %s round %d: out[%d, %d, %d] = %.9g, want %.9g "
-                                "(expert %d on rank %d)\n",
+                                "rank %d %s round %d: out[%d, %d, %d] = %.9g, want %.9g (expert %d "
+                                "on rank %d)\n",
                                 me, S->what, round, t, k, d, have, want, g, owner_of(c, g));
                         bad = 1;
                         break;
@@ -486,11 +486,21 @@ int main(int argc, char **argv) {
     if (g_rank == 0) test_names_and_split();
     test_config();
 
+    /* Transports: those named on the command line, else every one available at this size. */
     a2a_transport transports[3];
     int n_t = 0;
-    if (g_size == 1) transports[n_t++] = A2A_NONE;
-    transports[n_t++] = A2A_SHM;
-    transports[n_t++] = A2A_MPI;
+    for (int i = 1; i < argc && n_t < 3; i++)
+        if (!a2a_transport_parse(argv[i], &transports[n_t++]) ||
+            (transports[n_t - 1] == A2A_NONE && g_size > 1)) {
+            if (g_rank == 0) fprintf(stderr, "usage: test_a2a [none|shm|mpi ...]\n");
+            MPI_Finalize();
+            return 2;
+        }
+    if (n_t == 0) {
+        if (g_size == 1) transports[n_t++] = A2A_NONE;
+        transports[n_t++] = A2A_SHM;
+        transports[n_t++] = A2A_MPI;
+    }
     const int cfgs[][2] = {{10, 2}, {10, 3}, {10, 4}, {3, 2}}; /* E, K */
     for (int i = 0; i < n_t; i++) {
         for (int j = 0; j < (int)(sizeof cfgs / sizeof cfgs[0]); j++)

@@ -89,8 +89,8 @@ static int mpi_wait(a2a *a, size_t flag0, uint64_t v, const char *what, char *er
             char missing[128];
             a2a_format_missing(missing, sizeof missing, arrived, ep);
             return a2a_fail(a, err, errlen,
-                            "a2a mpi rank %d: %s of round %llu: %s did not arrive within %.3g s; "
-                            "a peer that died or skipped this step leaves the group unusable",
+                            "a2a mpi rank %d: %s of round %llu: %s did not arrive within %.3g s; a "
+                            "peer that died or skipped this step leaves the group unusable",
                             me, what, (unsigned long long)a->round, missing, a->cfg.timeout_s);
         }
     }

@@ -166,11 +166,11 @@ int a2a_shm_init(a2a *a, char *err, size_t errlen) {
     MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
     if (node_size != ep)
-        return set_err(err, errlen,
-                       "a2a shm rank %d: only %d of the %d ranks share memory with this rank; "
-                       "shm needs every rank of the group on one node (use the mpi transport, "
-                       "--moe-a2a-backend mpi)",
-                       me, node_size, ep);
+        return set_err(
+            err, errlen,
+            "a2a shm rank %d: only %d of the %d ranks share memory with this rank; shm needs every "
+            "rank of the group on one node (use the mpi transport, --moe-a2a-backend mpi)",
+            me, node_size, ep);
 
     shm_state *s = xcalloc(1, sizeof *s);
     s->win = MPI_WIN_NULL;
@@ -198,8 +198,8 @@ int a2a_shm_init(a2a *a, char *err, size_t errlen) {
         if (rc != MPI_SUCCESS) return mpi_fail(err, errlen, me, "MPI_Win_shared_query", rc);
         if (!pb || (size_t)size < a->layout.seg_bytes)
             return set_err(err, errlen,
-                           "a2a shm rank %d: rank %d's segment is not mapped here "
-                           "(%zu bytes); use the mpi transport",
+                           "a2a shm rank %d: rank %d's segment is not mapped here (%zu bytes); use "
+                           "the mpi transport",
                            me, p, (size_t)size);
         s->peer[p] = pb;
     }
