@@ -14,7 +14,11 @@
  *   - A body over max_body_bytes: refused with 413 on the Content-Length header before reading;
  *     a chunked body that grows past the limit is dropped as it arrives and answered 413.
  *   - MHD_stop_daemon must not see a suspended connection: at stop every pending exchange is
- *     marked closing and resumed, and the handlers then end its connection. */
+ *     marked closing and resumed, and the handlers then end its connection.
+ *   - MHD does not watch a suspended connection's socket, so a janitor thread looks at the
+ *     sockets of suspended exchanges twice a second and resumes those whose client has gone;
+ *     their handlers then end them. A request still queued or in a long prefill is thus aborted
+ *     soon after its client leaves, not only when its next token is ready. */
 #include "server/http.h"
 
 #include <errno.h>
@@ -51,6 +55,7 @@ struct http_exchange {
     bool in_use;
     http_server *srv;
     struct MHD_Connection *conn;
+    int fd; /* the connection's socket */
     char method[16];
     char *path;
     http_buf body;
@@ -79,6 +84,10 @@ struct http_server {
     int *free_list;
     int n_free;
     atomic_int n_pending;
+    pthread_t janitor;
+    pthread_mutex_t janitor_mu;
+    pthread_cond_t janitor_cv;
+    bool janitor_stop;
 };
 
 /* ---- buffers ---- */
@@ -160,6 +169,7 @@ static void http_exchange_end(http_exchange *x, bool completed) {
     x->poll = NULL;
     x->fill = NULL;
     x->conn = NULL;
+    x->fd = -1;
     x->in_use = false;
     x->gen = (x->gen + 1) & ((UINT64_C(1) << (HTTP_REF_BITS - HTTP_SLOT_BITS)) - 1);
     if (x->gen == 0) x->gen = 1; /* ref 0 means none */
@@ -177,11 +187,9 @@ static void http_slot_release(http_server *s, http_exchange *x) {
 
 /* The client closed its end (or reset it). */
 static bool http_peer_gone(http_exchange *x) {
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(x->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return false;
+    if (x->fd < 0) return false;
     char c;
-    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    ssize_t n = recv(x->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
     if (n == 0) return true;
     return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
@@ -369,6 +377,9 @@ static enum MHD_Result http_on_access(void *cls, struct MHD_Connection *conn, co
         *con_cls = x;
         pthread_mutex_lock(&x->mu);
         x->conn = conn;
+        const union MHD_ConnectionInfo *ci =
+            MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        x->fd = ci ? ci->connect_fd : -1;
         snprintf(x->method, sizeof x->method, "%s", method);
         x->path = xstrdup(url);
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
@@ -443,6 +454,37 @@ static void http_mhd_log(void *cls, const char *fmt, va_list ap) {
     LOG_DEBUG("http", "libmicrohttpd: %s", line);
 }
 
+/* ---- the janitor ---- */
+
+static void *http_janitor_main(void *p) {
+    http_server *s = p;
+    pthread_mutex_lock(&s->janitor_mu);
+    while (!s->janitor_stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 500 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000 * 1000 * 1000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000 * 1000 * 1000;
+        }
+        pthread_cond_timedwait(&s->janitor_cv, &s->janitor_mu, &ts);
+        if (s->janitor_stop) break;
+        pthread_mutex_unlock(&s->janitor_mu);
+        for (int i = 0; i < s->n_slots; i++) {
+            http_exchange *x = &s->slots[i];
+            pthread_mutex_lock(&x->mu);
+            if (x->in_use && x->suspended && http_peer_gone(x)) {
+                x->suspended = false;
+                MHD_resume_connection(x->conn); /* its handler sees the client gone */
+            }
+            pthread_mutex_unlock(&x->mu);
+        }
+        pthread_mutex_lock(&s->janitor_mu);
+    }
+    pthread_mutex_unlock(&s->janitor_mu);
+    return NULL;
+}
+
 /* ---- start / stop ---- */
 
 static int http_listen(const char *host, int port, int *fd_out, char *err, size_t errlen) {
@@ -500,6 +542,7 @@ http_server *http_server_start(const http_config *cfg, char *err, size_t errlen)
         http_exchange *x = &s->slots[i];
         pthread_mutex_init(&x->mu, &recursive);
         x->index = i;
+        x->fd = -1;
         x->gen = 1;
         x->srv = s;
         s->free_list[s->n_slots - 1 - i] = i;
@@ -522,6 +565,7 @@ http_server *http_server_start(const http_config *cfg, char *err, size_t errlen)
                                  MHD_OPTION_EXTERNAL_LOGGER, http_mhd_log, s, MHD_OPTION_END);
     if (!s->daemon) {
         close(fd);
+        pthread_mutex_destroy(&s->free_mu);
         for (int i = 0; i < s->n_slots; i++)
             pthread_mutex_destroy(&s->slots[i].mu);
         free(s->slots);
@@ -529,6 +573,12 @@ http_server *http_server_start(const http_config *cfg, char *err, size_t errlen)
         free(s);
         set_err(err, errlen, "libmicrohttpd could not start on %s:%d", cfg->host, cfg->port);
         return NULL;
+    }
+    pthread_mutex_init(&s->janitor_mu, NULL);
+    pthread_cond_init(&s->janitor_cv, NULL);
+    if (pthread_create(&s->janitor, NULL, http_janitor_main, s)) {
+        LOG_ERROR("http", "cannot start the janitor thread");
+        abort();
     }
     return s;
 }
@@ -553,6 +603,13 @@ static void http_wait_pending(http_server *s, double timeout_s) {
 
 void http_server_stop(http_server *s, double timeout_s) {
     MHD_quiesce_daemon(s->daemon); /* no new connections */
+    pthread_mutex_lock(&s->janitor_mu);
+    s->janitor_stop = true;
+    pthread_cond_signal(&s->janitor_cv);
+    pthread_mutex_unlock(&s->janitor_mu);
+    pthread_join(s->janitor, NULL);
+    pthread_mutex_destroy(&s->janitor_mu);
+    pthread_cond_destroy(&s->janitor_cv);
     http_wait_pending(s, timeout_s);
     for (int i = 0; i < s->n_slots; i++) {
         http_exchange *x = &s->slots[i];
