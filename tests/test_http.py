@@ -7,7 +7,7 @@ cache invariance, 32 concurrent well-formed streams, every bad-input case answer
 error while the server goes on serving, client disconnects, metrics.
 
 Standard library only. Run from anywhere: `python3 tests/test_http.py [-v] [GROUP...]`, where the
-groups are the servers started (main, noradix, apikey, context, body, tight). The binary is
+groups are the servers started (main, noradix, apikey, context, body, tight, queue). The binary is
 ${BUILD:-build}/moeserve. Each check prints "FAIL name: detail" when it fails (-v prints passes
 too); the last line is "N passed, M failed". Exit status 0 only when nothing failed.
 
@@ -1466,6 +1466,70 @@ def test_tight(srv):
               % (LOGPROB_TOL, d, ", same bits" if same_bits(a, c) < 0 else ""), d <= LOGPROB_TOL, "")
 
 
+def open_raw(srv, path, obj):
+    """Send a POST on a raw socket and return the socket (nothing read)."""
+    body = json.dumps(obj).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % (path.encode(), len(body)) + body)
+    return s
+
+
+def reset(s):
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_queued_disconnect(srv):
+    """--max-running-requests 1: four long streams queue one behind the other; three clients
+    (streaming and not) wait behind them and hang up before they are admitted. Their requests
+    leave the queue at once, long before they could have been served."""
+    long_req = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    blockers = [open_raw(srv, "/generate", long_req) for _ in range(4)]
+    deadline = time.time() + 10
+    c = None
+    while time.time() < deadline:
+        c = queue_counts(srv)
+        if c and c[0] == 1 and c[1] >= 3:
+            break
+        time.sleep(0.02)
+    leavers = [open_raw(srv, "/generate", long_req),
+               open_raw(srv, "/generate", dict(long_req, stream=False)),
+               open_raw(srv, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1900, "stream": True,
+                                                 "ignore_eos": True})]
+    while time.time() < deadline:
+        c = queue_counts(srv)
+        if c and c[1] >= 6:
+            break
+        time.sleep(0.02)
+    if not check("queued disconnect: 1 running, the others waiting before the hang-up", c is not None and c[0] == 1
+                 and c[1] >= 5, "running, waiting = %s" % (c,)):
+        for s in blockers + leavers:
+            reset(s)
+        return
+    before = c[1]
+    for s in leavers:
+        reset(s)
+    t0 = time.time()
+    while time.time() - t0 < 2.0:
+        c = queue_counts(srv)
+        if c and c[1] <= before - 3:
+            break
+        time.sleep(0.02)
+    check("queued disconnect: 3 queued clients gone -> waiting %g -> %s within 2 s (%.2f s)"
+          % (before, c and c[1], time.time() - t0), c is not None and c[1] <= before - 3, "")
+    for s in blockers:
+        reset(s)
+    t0 = time.time()
+    while time.time() - t0 < 5.0:
+        c = queue_counts(srv)
+        if c == (0, 0):
+            break
+        time.sleep(0.05)
+    check("queued disconnect: all clients gone -> running and waiting 0 within 5 s", c == (0, 0), c)
+    health_ok(srv, "queued disconnects")
+
+
 def test_shutdown_in_flight(srv):
     """SIGTERM with a stream in flight: the client's stream ends (no hang) and the server exits."""
     body = json.dumps({"input_ids": [5, 6, 7], "stream": True,
@@ -1545,7 +1609,7 @@ def main(argv):
     global VERBOSE
     args = [a for a in argv if a != "-v"]
     VERBOSE = len(args) != len(argv)
-    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight"}
+    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight", "queue"}
     if not os.access(BIN, os.X_OK):
         check("binary %s exists" % BIN, False, "build it first (make)")
         print(R.summary())
@@ -1584,6 +1648,8 @@ def main(argv):
         with_server(Server("tight", ["--enable-metrics", "--max-total-tokens", "1024", "--context-length", "512",
                                      "--max-running-requests", "6", "--chunked-prefill-size", "32"]),
                     [(test_tight, ()), (test_shutdown_in_flight, ())])
+    if "queue" in groups:
+        with_server(Server("queue", ["--enable-metrics", "--max-running-requests", "1"]), [(test_queued_disconnect, ())])
     if VERBOSE:
         print("total %.1f s" % (time.time() - t0))
     print(R.summary())
