@@ -662,6 +662,8 @@ def test_generate_basics(srv):
     check("n 3 -> array of 3 answers", ok, r)
     if ok:
         check("n 3: each has 6 output_ids", all(len(x.get("output_ids", [])) == 6 for x in b), short(b))
+        check("n 3 at temperature 1: the samples differ", len({tuple(x.get("output_ids", [])) for x in b}) > 1,
+              short(b))
 
     # unknown keys ignored, nulls = defaults
     base = {"text": "Unknown keys", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
@@ -966,6 +968,69 @@ def test_stream_logprobs(srv):
         check("stream logprobs: well-formed stream", False, err or r)
 
 
+def test_stream_stops(srv):
+    """A stop string that spans two tokens: streamed text never shows a part of it that the final
+    answer trims (cumulative on /generate, deltas on /v1 that add up to the non-streamed text)."""
+    prompt = "Stream stops: once upon a time"
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    r, (events, err) = srv.post_stream("/generate", {"text": prompt, "sampling_params": sp, "stream": True})
+    if not check("stream stops: reference stream", err is None and events, err or r):
+        return
+    texts = [e["text"] for e in events]
+    full = texts[-1]
+    stop = None
+    for k in range(2, len(texts) - 1):  # last char of chunk k + first 2 of chunk k+1
+        p = len(texts[k]) - 1
+        cand = full[p:p + 3]
+        if (len(texts[k]) > len(texts[k - 1]) and len(cand) == 3 and cand.isprintable() and "\ufffd" not in cand
+                and full.find(cand) == p and len(texts[k + 1]) >= p + 3):
+            stop = cand
+            break
+    if not check("stream stops: a stop string across a token boundary", stop is not None, texts):
+        return
+    want = full[:full.find(stop)]
+    plain = gen_ok(srv, "stream stops: plain", {"text": prompt, "sampling_params": dict(sp, stop=stop)})
+    if plain:
+        check("stream stops: plain answer trimmed before %r" % stop, plain["text"] == want,
+              "%r vs %r" % (plain["text"], want))
+    r, (events, err) = srv.post_stream("/generate", {"text": prompt, "sampling_params": dict(sp, stop=stop),
+                                                      "stream": True})
+    if err is None and events:
+        texts = [e["text"] for e in events]
+        grows = all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        check("stream stops: /generate chunks cumulative with stop %r, last == plain" % stop,
+              grows and texts[-1] == want, texts)
+    else:
+        check("stream stops: /generate stream well-formed", False, err or r)
+    model = model_name(srv)
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    r, (events, err) = srv.post_stream("/v1/completions", dict(body, stream=True))
+    if err is None:
+        got = "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
+        fin = [e["choices"][0].get("finish_reason") for e in events if e.get("choices")]
+        check("stream stops: /v1/completions deltas add up to %r, finish_reason stop" % want,
+              got == want and fin and fin[-1] == "stop", "%r, %s" % (got, fin))
+    else:
+        check("stream stops: /v1/completions stream well-formed", False, err or r)
+
+
+def test_big_batch(srv):
+    texts = ["Batch item number %d says hello" % i for i in range(24)]
+    r = gen(srv, {"text": texts, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    b = r.json()
+    ok = r.status == 200 and isinstance(b, list) and len(b) == len(texts)
+    check("batch of 24 texts -> 24 answers", ok, r)
+    if ok:
+        singles = [gen(srv, {"text": texts[i], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+                   for i in (0, 11, 23)]
+        check("batch of 24: items 0, 11, 23 in input order", [b[i]["output_ids"] for i in (0, 11, 23)]
+              == [x["output_ids"] for x in singles], "")
+    r, (events, err) = srv.post_stream("/generate", {"input_ids": [5, 6, 7], "stream": True,
+                                                      "sampling_params": {"max_new_tokens": 0}})
+    check("max_new_tokens 0 streamed: well-formed, ends with a finished chunk",
+          err is None and events and (events[-1].get("meta_info") or {}).get("finish_reason") is not None, err or r)
+
+
 # ---- OpenAI-compatible shapes
 
 
@@ -1044,6 +1109,21 @@ def test_openai_shapes(srv):
               b["usage"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]
               and b["choices"][0]["message"]["content"] == native["text"],
               "chat %s / native %s" % (short(b), short(native)))
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in msgs]
+    r = srv.post("/v1/chat/completions", {"model": model, "messages": parts, "max_tokens": 6, "temperature": 0})
+    b2 = r.json()
+    check("chat content as a list of text parts (vLLM's benchmark sends it) == string content",
+          r.status == 200 and native is not None and b2["choices"][0]["message"]["content"] == native["text"], r)
+    base = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    r = srv.post("/v1/completions", dict(base, echo=True))
+    b2 = r.json()
+    check("/v1/completions echo: text starts with the prompt",
+          r.status == 200 and b2["choices"][0]["text"].startswith(prompt), r)
+    r1 = srv.post("/v1/completions", dict(base, max_tokens=12, temperature=1.0, seed=77)).json()
+    r2 = srv.post("/v1/completions", dict(base, max_tokens=12, temperature=1.0, seed=77)).json()
+    check("/v1/completions same seed, temperature 1 -> same text",
+          r1 is not None and r2 is not None and r1["choices"][0]["text"] == r2["choices"][0]["text"], "%s / %s"
+          % (short(r1), short(r2)))
     r = srv.post("/v1/chat/completions", {"model": model, "messages": msgs, "max_completion_tokens": 4,
                                           "temperature": 0, "ignore_eos": True})
     b = r.json()
@@ -1368,6 +1448,8 @@ def test_context(srv):
                                                           "sampling_params": {"max_new_tokens": 8}})
     expect_error(srv, "prompt of 100 tokens > --context-length 64", "POST", "/generate",
                  {"input_ids": prompt_ids(11, 100), "sampling_params": {"max_new_tokens": 4}})
+    expect_error(srv, "prompt 10 + max_new_tokens 100 > --context-length 64", "POST", "/generate",
+                 {"input_ids": prompt_ids(16, 10), "sampling_params": {"max_new_tokens": 100}})
     expect_error(srv, "text prompt > --context-length 64", "POST", "/generate",
                  {"text": "many words " * 80, "sampling_params": {"max_new_tokens": 4}})
     expect_error(srv, "/v1/completions prompt > --context-length 64", "POST", "/v1/completions",
@@ -1629,6 +1711,8 @@ def main(argv):
             (test_prefix_cache, (shared,)),
             (test_streaming_32, ()),
             (test_stream_logprobs, ()),
+            (test_stream_stops, ()),
+            (test_big_batch, ()),
             (test_keepalive_and_chunked_upload, ()),
             (test_logprob_match, ()),
             (test_metrics, ()),
