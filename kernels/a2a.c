@@ -140,17 +140,22 @@ void a2a_format_missing(char *buf, size_t len, const bool *arrived, int ep) {
     }
 }
 
-void a2a_pack_record(const a2a *a, void *rec, int target, const float *x_t, const int32_t *ids_t,
-                     const float *w_t) {
+/* One token as `target` sees it: x, ids local to target (-1 where it owns no slot), w. */
+static void pack_fields(const a2a *a, float *x, int32_t *ids, float *w, int target,
+                        const float *x_t, const int32_t *ids_t, const float *w_t) {
     const int D = a->cfg.hidden, K = a->cfg.top_k;
     const int begin = a->cfg.expert_begin[target];
-    float *x = (float *)rec;
-    int32_t *ids = (int32_t *)(x + D);
-    float *w = (float *)(ids + K);
     memcpy(x, x_t, (size_t)D * sizeof(float));
     for (int k = 0; k < K; k++)
         ids[k] = a->owner[ids_t[k]] == target ? ids_t[k] - begin : -1;
     memcpy(w, w_t, (size_t)K * sizeof(float));
+}
+
+void a2a_pack_record(const a2a *a, void *rec, int target, const float *x_t, const int32_t *ids_t,
+                     const float *w_t) {
+    float *x = (float *)rec;
+    int32_t *ids = (int32_t *)(x + a->cfg.hidden);
+    pack_fields(a, x, ids, (float *)(ids + a->cfg.top_k), target, x_t, ids_t, w_t);
 }
 
 int a2a_read_counts(a2a *a, const char *segment, char *err, size_t errlen) {
@@ -174,13 +179,27 @@ int a2a_read_counts(a2a *a, const char *segment, char *err, size_t errlen) {
     return 0;
 }
 
-void a2a_compact_received(a2a *a, const char *segment) {
-    const int D = a->cfg.hidden, K = a->cfg.top_k, ep = a->cfg.ep_size;
+void a2a_compact_received(a2a *a, const char *segment, const float *x_in, const int32_t *topk_ids,
+                          const float *topk_w) {
+    const int D = a->cfg.hidden, K = a->cfg.top_k, ep = a->cfg.ep_size, me = a->cfg.rank;
     const a2a_layout *L = &a->layout;
     a->recv_begin[0] = 0;
     for (int p = 0; p < ep; p++) {
         const char *src = segment + L->recv_off + (size_t)p * a->runtime_max * L->rec_bytes;
         int base = a->recv_begin[p];
+        if (p == me) { /* this rank's own tokens, straight from the inputs, in slot order */
+            for (int t = 0; t < a->T; t++)
+                for (int k = 0; k < K; k++) {
+                    size_t tk = (size_t)t * K + k;
+                    if (!a->slot_first[tk] || a->slot_rank[tk] != me) continue;
+                    size_t i = (size_t)(base + a->slot_index[tk]);
+                    pack_fields(a, a->recv_x + i * D, a->recv_ids + i * K, a->recv_w + i * K, me,
+                                x_in + (size_t)t * D, topk_ids + (size_t)t * K,
+                                topk_w + (size_t)t * K);
+                }
+            a->recv_begin[p + 1] = base + a->recv_count[p];
+            continue;
+        }
         for (int j = 0; j < a->recv_count[p]; j++) {
             const float *x = (const float *)(src + (size_t)j * L->rec_bytes);
             const int32_t *ids = (const int32_t *)(x + D);
@@ -194,14 +213,21 @@ void a2a_compact_received(a2a *a, const char *segment) {
     }
 }
 
-void a2a_gather_out(const a2a *a, const char *segment, float *out) {
-    const int D = a->cfg.hidden, K = a->cfg.top_k;
+void a2a_gather_out(const a2a *a, const char *segment, const float *expert_out, float *out) {
+    const int D = a->cfg.hidden, K = a->cfg.top_k, me = a->cfg.rank;
     const float *comb = (const float *)(segment + a->layout.comb_off);
+    const float *own = expert_out + (size_t)a->recv_begin[me] * K * D; /* my tokens' rows here */
     for (int t = 0; t < a->T; t++)
         for (int k = 0; k < K; k++) {
             size_t tk = (size_t)t * K + k;
-            size_t j = (size_t)a->slot_rank[tk] * a->runtime_max + (size_t)a->slot_index[tk];
-            memcpy(out + tk * D, comb + (j * K + k) * D, (size_t)D * sizeof(float));
+            const float *src;
+            if (a->slot_rank[tk] == me) {
+                src = own + ((size_t)a->slot_index[tk] * K + k) * D;
+            } else {
+                size_t j = (size_t)a->slot_rank[tk] * a->runtime_max + (size_t)a->slot_index[tk];
+                src = comb + (j * K + k) * D;
+            }
+            memcpy(out + tk * D, src, (size_t)D * sizeof(float));
         }
 }
 

@@ -1,7 +1,7 @@
 /* All-to-all benchmark: dispatch + combine time of the shm and mpi transports (kernels/a2a.h)
  * against MPI_Alltoallv moving the same bytes, side by side in one run.
  *
- *   mpirun -np 2 build/bench_a2a            (make bench runs it at np 2 and 4)
+ *   mpirun -np 2 build/bench_a2a [tokens per rank ...]   (make bench runs it at np 2 and 4)
  *
  * Setting: D = 2048, K = 8, E = 128 split evenly, uniform random routing (K distinct experts per
  * token), fp32 payloads, 1 to 4096 tokens per rank. One round = dispatch, then combine of the
@@ -329,10 +329,17 @@ int main(int argc, char **argv) {
         printf("|---|---|---|---|---|---|---|---|---|\n");
         fflush(stdout);
     }
+    /* Token counts: the command line's, else the standard list. */
+    int counts[32], n_counts = 0;
+    for (int i = 1; i < argc && n_counts < 32; i++)
+        if (atoi(argv[i]) > 0) counts[n_counts++] = atoi(argv[i]);
+    if (n_counts == 0)
+        for (size_t i = 0; i < sizeof token_counts / sizeof token_counts[0]; i++)
+            counts[n_counts++] = token_counts[i];
     int all_same = 1;
-    for (size_t i = 0; i < sizeof token_counts / sizeof token_counts[0]; i++) {
+    for (int i = 0; i < n_counts; i++) {
         inputs in;
-        make_inputs(&in, token_counts[i]);
+        make_inputs(&in, counts[i]);
         double bytes = cross_bytes(&in);
         /* About 1 GB of traffic per method and size, between 10 and 200 rounds. */
         int rounds = (int)(1e9 / (bytes + 1));

@@ -15,7 +15,12 @@
  *
  * Each line is A2A_LINE bytes, so no two writers share a cache line (128 covers the adjacent-line
  * prefetcher on x86 and the 128-byte lines of some ARM parts). Regions are sized by
- * max_tokens_per_rank and indexed with runtime_max, as the GPU transport will be. */
+ * max_tokens_per_rank and indexed with runtime_max, as the GPU transport will be.
+ *
+ * A rank's traffic to itself skips its own segment (one copy less each way for that share, half
+ * of all traffic at two ranks): dispatch packs its own tokens straight into the received arrays,
+ * combine copies their slots straight from expert_out to out. Count lines and flags still go
+ * to itself, so the waits treat every rank alike. */
 #ifndef MOESERVE_A2A_INTERNAL_H
 #define MOESERVE_A2A_INTERNAL_H
 
@@ -102,11 +107,14 @@ static inline float *a2a_record_x(void *rec) { return (float *)rec; }
 void a2a_pack_record(const a2a *a, void *rec, int target, const float *x_t /* [D] */,
                      const int32_t *ids_t /* [K] */, const float *w_t /* [K] */);
 
-/* recv region [src][runtime_max] of this rank's segment -> a->recv_* (counts in a->recv_count). */
-void a2a_compact_received(a2a *a, const char *segment);
+/* recv region [src][runtime_max] of this rank's segment -> a->recv_* (counts in a->recv_count).
+ * This rank's own tokens never enter its segment: they are packed here from the inputs. */
+void a2a_compact_received(a2a *a, const char *segment, const float *x /* [T, D] */,
+                          const int32_t *topk_ids /* [T, K] */, const float *topk_w /* [T, K] */);
 
-/* Combine region of this rank's segment -> out[T, K, D] by the routing records. */
-void a2a_gather_out(const a2a *a, const char *segment, float *out);
+/* Combine region of this rank's segment -> out[T, K, D] by the routing records; the slots this
+ * rank computed itself come straight from expert_out[n, K, D]. */
+void a2a_gather_out(const a2a *a, const char *segment, const float *expert_out, float *out);
 
 /* Every count line of this rank's segment: counts into a->recv_count, and a check that each peer
  * used this round's runtime_max. 0, or -1 with err (and the a2a is broken). */

@@ -111,6 +111,7 @@ static int mpi_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const f
             size_t tk = (size_t)t * K + k;
             if (!a->slot_first[tk]) continue;
             int r = a->slot_rank[tk];
+            if (r == me) continue; /* packed at compaction, see a2a_internal.h */
             char *rec = s->stage + ((size_t)r * M + a->slot_index[tk]) * L->rec_bytes;
             a2a_pack_record(a, rec, r, x + (size_t)t * D, topk_ids + (size_t)t * K,
                             topk_w + (size_t)t * K);
@@ -120,7 +121,7 @@ static int mpi_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const f
         MPI_TRY(MPI_Put(&s->count_out[r], (int)sizeof(a2a_count_line), MPI_BYTE, r,
                         (MPI_Aint)(L->line_count0 + (size_t)me * A2A_LINE),
                         (int)sizeof(a2a_count_line), MPI_BYTE, s->win));
-        if (a->send_count[r] > 0)
+        if (a->send_count[r] > 0 && r != me)
             MPI_TRY(MPI_Put(s->stage + (size_t)r * M * L->rec_bytes, a->send_count[r], s->rec_type,
                             r, (MPI_Aint)(L->recv_off + (size_t)me * rm * L->rec_bytes),
                             a->send_count[r], s->rec_type, s->win));
@@ -129,7 +130,7 @@ static int mpi_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const f
     if (mpi_signal(a, L->line_dflag0, 2 * a->round + 1, err, errlen) != 0) return -1;
     if (mpi_wait(a, L->line_dflag0, 2 * a->round + 1, "dispatch", err, errlen) != 0) return -1;
     if (a2a_read_counts(a, s->base, err, errlen) != 0) return -1;
-    a2a_compact_received(a, s->base);
+    a2a_compact_received(a, s->base, x, topk_ids, topk_w);
     return 0;
 }
 
@@ -140,6 +141,7 @@ static int mpi_combine(a2a *a, const float *expert_out, float *out, char *err, s
     const size_t rm = (size_t)a->runtime_max;
 
     for (int p = 0; p < ep; p++) {
+        if (p == me) continue; /* gathered straight from expert_out */
         int n = 0;
         const int32_t *ids = a->recv_ids + (size_t)a->recv_begin[p] * K;
         for (int j = 0; j < a->recv_count[p]; j++)
@@ -159,7 +161,7 @@ static int mpi_combine(a2a *a, const float *expert_out, float *out, char *err, s
     MPI_TRY(MPI_Win_flush_all(s->win));
     if (mpi_signal(a, L->line_cflag0, 2 * a->round + 2, err, errlen) != 0) return -1;
     if (mpi_wait(a, L->line_cflag0, 2 * a->round + 2, "combine", err, errlen) != 0) return -1;
-    a2a_gather_out(a, s->base, out);
+    a2a_gather_out(a, s->base, expert_out, out);
     return 0;
 }
 

@@ -89,6 +89,7 @@ static int shm_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const f
             size_t tk = (size_t)t * K + k;
             if (!a->slot_first[tk]) continue;
             int r = a->slot_rank[tk];
+            if (r == me) continue; /* packed at compaction, see a2a_internal.h */
             char *rec =
                 s->peer[r] + L->recv_off + ((size_t)me * rm + a->slot_index[tk]) * L->rec_bytes;
             a2a_pack_record(a, rec, r, x + (size_t)t * D, topk_ids + (size_t)t * K,
@@ -107,7 +108,7 @@ static int shm_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const f
 
     if (shm_wait(a, L->line_dflag0, v, "dispatch", err, errlen) != 0) return -1;
     if (a2a_read_counts(a, s->peer[me], err, errlen) != 0) return -1;
-    a2a_compact_received(a, s->peer[me]);
+    a2a_compact_received(a, s->peer[me], x, topk_ids, topk_w);
     return 0;
 }
 
@@ -118,6 +119,7 @@ static int shm_combine(a2a *a, const float *expert_out, float *out, char *err, s
     const size_t rm = (size_t)a->runtime_max;
 
     for (int p = 0; p < ep; p++) {
+        if (p == me) continue; /* gathered straight from expert_out */
         float *dst = (float *)(s->peer[p] + L->comb_off) + (size_t)me * rm * K * D;
         for (int j = 0; j < a->recv_count[p]; j++) {
             size_t i = (size_t)(a->recv_begin[p] + j);
@@ -134,7 +136,7 @@ static int shm_combine(a2a *a, const float *expert_out, float *out, char *err, s
     atomic_store_explicit(shm_line(s->peer[me], L->line_round), v, memory_order_relaxed);
 
     if (shm_wait(a, L->line_cflag0, v, "combine", err, errlen) != 0) return -1;
-    a2a_gather_out(a, s->peer[me], out);
+    a2a_gather_out(a, s->peer[me], expert_out, out);
     return 0;
 }
 
