@@ -42,6 +42,12 @@ typedef struct {
     const char *log_level;
     int threads; /* 0: all cores */
     size_t max_body_bytes;
+    /* the rank group */
+    bool load_balance;           /* place generation requests on the least-loaded rank */
+    const char *moe_a2a_backend; /* none | shm | mpi | nvlink_one_sided | nccl; NULL = by machine */
+    int tp, dp, ep;              /* SGLang's flags, 0 = not given; checked against the world */
+    bool enable_dp_attention;
+    double dist_timeout; /* seconds a rank waits for its peers before giving up */
 } server_args;
 
 typedef struct api_server api_server;
@@ -56,6 +62,12 @@ void api_free(api_server *a);
 void api_on_request(void *app, http_exchange *x);
 
 void api_set_http(api_server *a, http_server *h);
+/* The rank group this server belongs to (a group of one needs no call): /server_info lists every
+ * rank's load, and with args.load_balance generation requests go to the least-loaded rank
+ * (relayed by server/proxy.h unless they carry the X-Moeserve-Routed header). After
+ * api_set_http. */
+struct rank_group;
+void api_set_group(api_server *a, struct rank_group *g);
 /* The engine is up: generation endpoints open, /health says 200. */
 void api_set_ready(api_server *a, scheduler *s, const model_config *cfg);
 /* Refuse new generation requests from now on; returns once no submit is in progress. */
