@@ -85,9 +85,10 @@ int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char
 double rank_group_loads(rank_group *g, rank_report *out);
 
 /* Any thread: the rank that should take a new request: the least loaded by n_running + n_waiting
- * of the latest reports plus the requests this rank has sent it since those reports; this
- * rank's own load is local_load (live). Ties go to this rank, then to the lowest rank. The pick is
- * counted (rank_group_pick_done undoes it when the request has ended). */
+ * of the latest reports plus the requests this rank has picked it for since those reports (the
+ * next reports count them where they run); this rank's own load is local_load (live). Ties go to
+ * this rank, then to the lowest rank. rank_group_pick_done marks the end of a picked request
+ * (kept for the bookkeeping of relays; the reports already follow the load). */
 int rank_group_pick(rank_group *g, int64_t local_load);
 void rank_group_pick_done(rank_group *g, int r);
 
