@@ -39,6 +39,12 @@ MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null)
 CFLAGS     += $(MPI_CFLAGS)
 LDLIBS     += $(MPI_LIBS)
 $(info moeserve: mpi=$(if $(MPI_LIBS),$(MPI_LIBS),none (apt-get install libopenmpi-dev)))
+# libcurl relays requests between ranks (server/proxy.c).
+CURL_CFLAGS := $(shell pkg-config --cflags libcurl 2>/dev/null)
+CURL_LIBS   := $(shell pkg-config --libs libcurl 2>/dev/null)
+CFLAGS      += $(CURL_CFLAGS)
+LDLIBS      += $(CURL_LIBS)
+$(info moeserve: curl=$(if $(CURL_LIBS),$(CURL_LIBS),none (apt-get install libcurl4-openssl-dev)))
 LIB_SRCS  := $(wildcard common/*.c config/*.c kernels/*.c kernels/cpu/*.c runner/*.c runner/models/*.c server/*.c)
 LIB_SRCS  := $(filter-out server/main.c,$(LIB_SRCS))
 LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(CU_OBJS)
@@ -66,7 +72,7 @@ $(BUILD)/%.o: %.cu
 
 # Debian packages the build and the tests need; installed only when one is missing.
 DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl \
-            libopenmpi-dev openmpi-bin python3 python3-pip
+            libcurl4-openssl-dev libopenmpi-dev openmpi-bin python3 python3-pip
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -106,7 +112,7 @@ $(BUILD)/bench_membw: scripts/bench_membw.c
 
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
-	  LDLIBS="-fsanitize=address,undefined -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread $(MPI_LIBS)" CUDA=0 all
+	  LDLIBS="-fsanitize=address,undefined -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread $(MPI_LIBS) $(CURL_LIBS)" CUDA=0 all
 	BUILD=build-asan tests/run.sh
 
 format:
