@@ -1,0 +1,793 @@
+#!/usr/bin/env python3
+"""End-to-end tests of the rank group: `mpirun -np N moeserve serve` against one plain process.
+
+Every MoE layer's experts are split over the ranks and tokens travel through an all-to-all, but a
+request's results must not depend on that: its input and output logprobs must equal those of one
+process (within 1e-5) and its greedy (and fixed-seed sampled) tokens must be identical, whatever
+rank runs it and whatever else is batched. The checks, on tests/data/tiny-qwen3-moe (8 experts,
+top-2, 4 layers; 3 ranks split the experts 3,3,2):
+
+  - np 1, 2, 3, 4 with --no-load-balance: requests spread over every rank's port, then all sent to
+    the last rank (which alone counts them in /server_info); a lone request to rank 2 of 3 while
+    ranks 0 and 1 are idle;
+  - np 3 with balancing on: everything sent to rank 0 runs on more than one rank; 40 concurrent
+    requests over the ranks; arrivals staggered in time over the ranks (prompts of 1..200 tokens,
+    so the ranks forward different token counts, zero included, at every step);
+  - a copy of the checkpoint whose routers are all zero (every token picks experts 0 and 1, all on
+    rank 0; the other ranks receive nothing) at np 2, 3, 4 against one process on the same copy;
+  - --moe-a2a-backend mpi at np 2;
+  - rank 1 of 3 killed with SIGKILL: mpirun and every other rank exit within 30 s, and each
+    surviving rank says that rank 1 is gone;
+  - flags: --tp 3 under np 2, nccl / nvlink_one_sided on the CPU build, the deprecated name
+    flashinfer.
+
+Standard library only. Run from the repository root or anywhere:
+`python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, skew, mpi, kill,
+flags; the reference is made whenever a group needs it). The binary is ${BUILD:-build}/moeserve,
+mpirun comes from PATH. Each check prints one "ok name" or "FAIL name: detail" line; the last line
+is "N passed, M failed"; exit status 0 only when nothing failed.
+
+Every process group started (mpirun and its ranks, or the one plain process) is stopped at the
+end of its case whatever happens; when $EP_TEST_PIDFILE names a file, the process-group ids and
+rank pids still alive are kept listed there so that tests/ep_test.sh can kill them if this script
+itself is killed.
+"""
+import http.client
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.environ.get("BUILD", "build")
+BIN = os.path.join(ROOT, BUILD, "moeserve")
+MODEL = os.path.join(ROOT, "tests", "data", "tiny-qwen3-moe")
+MPIRUN = shutil.which("mpirun")
+MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+STARTUP_TIMEOUT = 60.0  # seconds for every rank's /health to say 200
+REQUEST_TIMEOUT = 60.0  # seconds for one /generate
+LOGPROB_TOL = 1e-5  # |logprob - single process| at every position
+KILL_DEADLINE = 30.0  # seconds for the ranks left to exit after one is killed
+SETTLE_TIMEOUT = 10.0  # seconds for /server_info counters to catch up with finished requests
+PIDFILE = os.environ.get("EP_TEST_PIDFILE")
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+class Results:
+    def __init__(self):
+        self.passed = 0
+        self.failed = 0
+        self.lock = threading.Lock()
+
+    def check(self, name, ok, detail=""):
+        with self.lock:
+            if ok:
+                self.passed += 1
+                print("ok   %s%s" % (name, " (%s)" % detail if detail else ""), flush=True)
+            else:
+                self.failed += 1
+                detail = str(detail)
+                if len(detail) > 900:
+                    detail = detail[:900] + "..."
+                print("FAIL %s: %s" % (name, detail), flush=True)
+        return bool(ok)
+
+    def summary(self):
+        return "%d passed, %d failed" % (self.passed, self.failed)
+
+
+R = Results()
+
+
+def check(name, ok, detail=""):
+    return R.check(name, ok, detail)
+
+
+def short(obj, n=300):
+    s = obj if isinstance(obj, str) else repr(obj)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+def http_json(port, method, path, body=None, timeout=REQUEST_TIMEOUT):
+    """One request on a fresh connection: (status, parsed JSON or None, raw text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        headers = {}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=headers)
+        r = conn.getresponse()
+        raw = r.read().decode("utf-8", "replace")
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        return r.status, parsed, raw
+    finally:
+        conn.close()
+
+
+def port_free(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_block(n):
+    """A base port P with P .. P+n-1 all free now (rank r listens on P + r)."""
+    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if all(port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of %d free ports" % n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups: mpirun + ranks, or one plain process
+
+LIVE = []  # groups started and not yet stopped
+LIVE_LOCK = threading.Lock()
+
+
+def write_pidfile():
+    if not PIDFILE:
+        return
+    lines = []
+    with LIVE_LOCK:
+        for g in LIVE:
+            if g.proc is not None:
+                lines.append("pgid %d" % g.proc.pid)
+            for pid in g.rank_pids:
+                lines.append("pid %d" % pid)
+    try:
+        with open(PIDFILE + ".tmp", "w") as f:
+            f.write("\n".join(lines) + ("\n" if lines else ""))
+        os.replace(PIDFILE + ".tmp", PIDFILE)
+    except OSError:
+        pass
+
+
+def pid_alive(pid):
+    """True while pid exists and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+        return stat[stat.rfind(")") + 2] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Group:
+    """np ranks under mpirun (np 0: one plain `moeserve serve`, no mpirun) serving on ports
+    base .. base+np-1, output (both streams) in a temporary log file. Its own session, so that one
+    killpg reaches mpirun and every rank."""
+
+    def __init__(self, name, np, model=MODEL, flags=(), mpirun_flags=()):
+        self.name = name
+        self.np = np
+        self.n_ranks = max(np, 1)
+        self.model = model
+        self.flags = list(flags)
+        self.mpirun_flags = list(mpirun_flags)
+        self.base = None
+        self.proc = None
+        self.log = None
+        self.rank_pids = []
+        self.cmd = []
+
+    @property
+    def ports(self):
+        return [self.base + r for r in range(self.n_ranks)]
+
+    def command(self, base):
+        serve = [BIN, "serve", "--model-path", self.model, "--host", "127.0.0.1", "--port", str(base),
+                 "--threads", "1"] + self.flags
+        if self.np == 0:
+            return serve
+        return [MPIRUN] + MPIRUN_FLAGS + self.mpirun_flags + ["-np", str(self.np)] + serve
+
+    def launch(self):
+        self.base = free_port_block(self.n_ranks)
+        self.cmd = self.command(self.base)
+        self.log = tempfile.NamedTemporaryFile(prefix="moeserve-ep-%s-" % self.name, suffix=".log", delete=False)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        with LIVE_LOCK:
+            LIVE.append(self)
+        write_pidfile()
+
+    def start(self):
+        """Launch and wait until every rank answers /health with 200. False (after a FAIL line)
+        when it exits or does not get there in time."""
+        self.launch()
+        deadline = time.time() + STARTUP_TIMEOUT
+        pending = list(self.ports)
+        while pending and time.time() < deadline:
+            if self.proc.poll() is not None:
+                break
+            still = []
+            for port in pending:
+                try:
+                    status, _, _ = http_json(port, "GET", "/health", timeout=5)
+                except OSError:
+                    status = 0
+                if status != 200:
+                    still.append(port)
+            pending = still
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            why = ("exited with %s" % self.proc.returncode) if self.proc.poll() is not None else "not healthy in time"
+            check("%s: starts (%s)" % (self.name, " ".join(self.cmd[-12:])), False,
+                  "%s; ports %s not ready\n    %s" % (why, pending, self.log_tail()))
+            return False
+        self.learn_pids()
+        return True
+
+    def learn_pids(self):
+        if self.np == 0:
+            self.rank_pids = [self.proc.pid]
+        else:
+            try:
+                _, info, _ = http_json(self.base, "GET", "/server_info", timeout=10)
+                self.rank_pids = [int(s["pid"]) for s in info["internal_states"] if "pid" in s]
+            except (OSError, TypeError, KeyError, ValueError):
+                self.rank_pids = []
+        write_pidfile()
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self):
+        try:
+            with open(self.log.name, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except (OSError, AttributeError):
+            return ""
+
+    def log_tail(self, n=15):
+        return "\n    ".join(self.log_text().splitlines()[-n:])
+
+    def stop(self):
+        """SIGTERM to mpirun (it passes it on to the ranks), then SIGKILL to the whole session and
+        to any rank left."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.rank_pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        with LIVE_LOCK:
+            if self in LIVE:
+                LIVE.remove(self)
+        write_pidfile()
+        if self.log is not None:
+            self.log.close()
+            try:
+                os.unlink(self.log.name)
+            except OSError:
+                pass
+
+    # API
+    def generate(self, rank, body, timeout=REQUEST_TIMEOUT):
+        return http_json(self.ports[rank], "POST", "/generate", body, timeout=timeout)
+
+    def server_info(self, rank=0):
+        status, info, raw = http_json(self.ports[rank], "GET", "/server_info", timeout=10)
+        if status != 200 or not isinstance(info, dict):
+            raise RuntimeError("GET /server_info on rank %d: HTTP %d %s" % (rank, status, short(raw)))
+        return info
+
+
+def stop_all():
+    with LIVE_LOCK:
+        groups = list(LIVE)
+    for g in groups:
+        g.stop()
+
+
+def run_group(group, cases):
+    """Start group, run each case(group), stop it whatever happens."""
+    try:
+        if not group.start():
+            return
+        for case in cases:
+            try:
+                case(group)
+            except Exception as e:  # a broken case counts as one failure, the others still run
+                check("%s: %s runs" % (group.name, getattr(case, "__name__", "case")), False,
+                      "%s: %s\n    %s" % (type(e).__name__, e, group.log_tail()))
+    finally:
+        group.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and the single-process reference
+
+PROMPT_LENGTHS = [1, 6, 23, 64, 131, 200]
+MAX_NEW = [16, 12, 10, 8, 8, 8]
+SAMPLED_LENGTH = 37
+
+
+def make_requests():
+    """Six greedy requests (prompts of 1..200 ids) and one sampled with a fixed seed, all asking
+    for every input and output logprob. ids < 2048 (2048 is the end-of-text token; vocab 2051)."""
+    rng = random.Random(20261130)
+    reqs = []
+    for n, m in zip(PROMPT_LENGTHS, MAX_NEW):
+        ids = [rng.randrange(3, 2048) for _ in range(n)]
+        reqs.append({"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                     "sampling_params": {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}})
+    ids = [rng.randrange(3, 2048) for _ in range(SAMPLED_LENGTH)]
+    reqs.append({"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                 "sampling_params": {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 4242,
+                                     "max_new_tokens": 12, "ignore_eos": True}})
+    return reqs
+
+
+REQUESTS = make_requests()
+REFERENCE = {}  # model path -> [answer of one process, per request]
+
+
+def values(entries):
+    return [e[0] for e in entries]
+
+
+def compare(got, ref):
+    """(max |dlogprob|, list of differences) of one /generate answer against the reference."""
+    diffs = []
+    worst = 0.0
+    if not isinstance(got, dict) or "output_ids" not in got:
+        return math.inf, ["no answer: %s" % short(got, 200)]
+    if got["output_ids"] != ref["output_ids"]:
+        diffs.append("output_ids %s != %s" % (got["output_ids"], ref["output_ids"]))
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        a = got.get("meta_info", {}).get(key)
+        b = ref["meta_info"][key]
+        if not isinstance(a, list) or len(a) != len(b):
+            diffs.append("%s: %s entries, want %d" % (key, len(a) if isinstance(a, list) else a, len(b)))
+            worst = math.inf
+            continue
+        if [e[1] for e in a] != [e[1] for e in b]:
+            diffs.append("%s: token ids differ" % key)
+        bad = []
+        for i, (x, y) in enumerate(zip(values(a), values(b))):
+            if x is None or y is None:
+                if x is not y:
+                    bad.append((i, x, y))
+                    worst = math.inf
+                continue
+            d = abs(x - y)
+            worst = max(worst, d)
+            if d > LOGPROB_TOL:
+                bad.append((i, x, y))
+        if bad:
+            diffs.append("%s: %d positions beyond %g, first %s" % (key, len(bad), LOGPROB_TOL, bad[:3]))
+    return worst, diffs
+
+
+def run_requests(group, plan):
+    """plan: [(rank, request index, delay s)]; all started together in threads, each waiting its
+    delay first. Returns [(status, body or raw text)] in plan order."""
+    out = [None] * len(plan)
+
+    def one(i, rank, ri, delay):
+        if delay:
+            time.sleep(delay)
+        try:
+            status, body, raw = group.generate(rank, REQUESTS[ri])
+            out[i] = (status, body if body is not None else raw)
+        except Exception as e:
+            out[i] = (0, "%s: %s" % (type(e).__name__, e))
+
+    threads = [threading.Thread(target=one, args=(i, r, ri, d), daemon=True) for i, (r, ri, d) in enumerate(plan)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT + 30)
+    return [o if o is not None else (0, "no answer in time") for o in out]
+
+
+def check_plan(name, group, plan, model=MODEL):
+    """Run plan on group and check every answer against the single-process reference: one line."""
+    ref = REFERENCE[model]
+    t0 = time.time()
+    answers = run_requests(group, plan)
+    worst = 0.0
+    problems = []
+    for (rank, ri, _), (status, body) in zip(plan, answers):
+        if status != 200:
+            problems.append("request %d on rank %d: HTTP %d %s" % (ri, rank, status, short(body, 200)))
+            worst = math.inf
+            continue
+        w, diffs = compare(body, ref[ri])
+        worst = max(worst, w)
+        if diffs:
+            problems.append("request %d (%d prompt ids) on rank %d: %s"
+                            % (ri, len(REQUESTS[ri]["input_ids"]), rank, "; ".join(diffs)))
+    detail = "%d requests, max |dlogprob| %.3g, %.1f s" % (len(plan), worst, time.time() - t0)
+    if problems:
+        detail += "\n    " + "\n    ".join(problems[:5])
+        if not group.alive():
+            detail += "\n    group has exited:\n    " + group.log_tail()
+    return check(name, not problems, detail)
+
+
+def make_reference(model, label):
+    """One plain process: every request alone, then all together (a batch must not change them)."""
+    g = Group("ref-" + label, 0, model=model)
+    try:
+        if not g.start():
+            return False
+        ref = []
+        for i, req in enumerate(REQUESTS):
+            status, body, raw = g.generate(0, req)
+            if status != 200 or not isinstance(body, dict):
+                check("reference %s: request %d answers" % (label, i), False, "HTTP %d %s" % (status, short(raw)))
+                return False
+            ref.append(body)
+        REFERENCE[model] = ref
+        check("reference %s: one process answers the %d requests one at a time" % (label, len(ref)), True)
+        check_plan("reference %s: all requests at once match them one at a time" % label, g,
+                   [(0, i, 0) for i in range(len(REQUESTS))] * 2, model)
+        return True
+    finally:
+        g.stop()
+
+
+def need_reference(model, label):
+    return model in REFERENCE or make_reference(model, label)
+
+
+# ---------------------------------------------------------------------------------------------
+# The skewed checkpoint
+
+
+def make_skewed_copy(src, dst):
+    """Copy the checkpoint folder src to dst with every router (model.layers.*.mlp.gate.weight)
+    set to zero: all router logits tie, so every token's top-k are the lowest expert ids. Other
+    files are copied as they are. Returns the number of tensors zeroed."""
+    gate = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+    zeroed = 0
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".safetensors"):
+            shutil.copyfile(path, os.path.join(dst, name))
+            continue
+        with open(path, "rb") as f:
+            blob = bytearray(f.read())
+        (n,) = struct.unpack("<Q", bytes(blob[:8]))
+        header = json.loads(bytes(blob[8:8 + n]).decode("utf-8"))
+        base = 8 + n
+        for key, t in header.items():
+            if key == "__metadata__" or not gate.match(key):
+                continue
+            if t["dtype"] not in ("BF16", "F32", "F16"):
+                raise RuntimeError("%s: router %s has dtype %s" % (name, key, t["dtype"]))
+            begin, end = t["data_offsets"]
+            # zero is all-zero bytes in BF16, F16 and F32 alike
+            blob[base + begin:base + end] = bytes(end - begin)
+            zeroed += 1
+        with open(os.path.join(dst, name), "wb") as f:
+            f.write(blob)
+    return zeroed
+
+
+def router_tensors(folder):
+    """{name: (dtype, all zero)} of the routers in a checkpoint folder."""
+    out = {}
+    gate = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+    for name in os.listdir(folder):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(folder, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n).decode("utf-8"))
+            data = f.read()
+        for key, t in header.items():
+            if key != "__metadata__" and gate.match(key):
+                b, e = t["data_offsets"]
+                out[key] = (t["dtype"], not any(data[b:e]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases on a running group
+
+STATE_KEYS = ("rank", "url", "pid", "hostname", "num_running_reqs", "num_waiting_reqs", "n_requests_done",
+              "n_generated_tokens", "kv_pages_used", "kv_pages_total", "last_gen_throughput", "report_age_s")
+
+
+def case_server_info(g, load_balance, backend):
+    """/server_info on every rank: its rank, the world, the settings and one state per rank."""
+    problems = []
+    for r in range(g.n_ranks):
+        info = g.server_info(r)
+        want = {"rank": r, "world_size": g.n_ranks, "load_balance": load_balance}
+        for k, v in want.items():
+            if info.get(k) != v:
+                problems.append("rank %d: %s = %r, want %r" % (r, k, info.get(k), v))
+        if backend is not None and info.get("moe_a2a_backend") != backend:
+            problems.append("rank %d: moe_a2a_backend = %r, want %r" % (r, info.get("moe_a2a_backend"), backend))
+        states = info.get("internal_states")
+        if not isinstance(states, list) or len(states) != g.n_ranks:
+            problems.append("rank %d: internal_states %s" % (r, short(states, 200)))
+            continue
+        for q, s in enumerate(states):
+            missing = [k for k in STATE_KEYS if k not in s]
+            if missing:
+                problems.append("rank %d: internal_states[%d] lacks %s" % (r, q, missing))
+            elif s["rank"] != q or not str(s["url"]).endswith(":%d" % g.ports[q]):
+                problems.append("rank %d: internal_states[%d] rank %r url %r" % (r, q, s["rank"], s["url"]))
+    return check("%s: /server_info on every rank (rank, world_size %d, load_balance, moe_a2a_backend, %d states)"
+                 % (g.name, g.n_ranks, g.n_ranks), not problems, "; ".join(problems[:6]))
+
+
+def done_counts(g):
+    states = g.server_info(0)["internal_states"]
+    return [int(s.get("n_requests_done", 0)) for s in states]
+
+
+def settled_deltas(g, before, expected_total):
+    """Per-rank n_requests_done increases since before, once they add up to expected_total (the
+    reports come with the ranks' steps) or SETTLE_TIMEOUT has passed."""
+    deadline = time.time() + SETTLE_TIMEOUT
+    while True:
+        now = done_counts(g)
+        deltas = [a - b for a, b in zip(now, before)]
+        if sum(deltas) >= expected_total or time.time() > deadline:
+            return deltas
+        time.sleep(0.2)
+
+
+def case_spread(g):
+    """Each request to every rank in turn, all at once."""
+    plan = [(i % g.n_ranks, i % len(REQUESTS), 0) for i in range(max(len(REQUESTS), 2 * g.n_ranks))]
+    check_plan("%s: requests spread over the %d ranks match one process" % (g.name, g.n_ranks), g, plan, g.model)
+
+
+def case_all_to_last_rank(g):
+    """Without balancing, everything sent to the last rank runs there and only there."""
+    last = g.n_ranks - 1
+    before = done_counts(g)
+    plan = [(last, i, 0) for i in range(len(REQUESTS))]
+    check_plan("%s: all requests sent to rank %d match one process" % (g.name, last), g, plan, g.model)
+    deltas = settled_deltas(g, before, len(plan))
+    want = [len(plan) if r == last else 0 for r in range(g.n_ranks)]
+    check("%s: they all ran on rank %d (n_requests_done per rank)" % (g.name, last), deltas == want,
+          "increases %s, want %s" % (deltas, want))
+
+
+def case_lone_rank2(g):
+    """np 3, no balancing: one request to rank 2 while ranks 0 and 1 have nothing to do."""
+    states = g.server_info(0)["internal_states"]
+    busy = [(s["rank"], s["num_running_reqs"], s["num_waiting_reqs"]) for s in states
+            if s["num_running_reqs"] or s["num_waiting_reqs"]]
+    check("%s: ranks idle before the lone request" % g.name, not busy, busy)
+    check_plan("%s: a request to rank 2 completes while ranks 0 and 1 are idle" % g.name, g,
+               [(2, 4, 0)], g.model)
+
+
+def case_balanced_from_rank0(g):
+    """With balancing, requests all sent to rank 0 end up on more than one rank."""
+    before = done_counts(g)
+    plan = [(0, i % len(REQUESTS), 0) for i in range(3 * len(REQUESTS))]
+    check_plan("%s: all requests sent to rank 0 match one process" % g.name, g, plan, g.model)
+    deltas = settled_deltas(g, before, len(plan))
+    used = sum(1 for d in deltas if d > 0)
+    check("%s: balancing spread them over more than one rank (n_requests_done per rank)" % g.name,
+          used > 1 and sum(deltas) == len(plan), "increases %s for %d requests" % (deltas, len(plan)))
+
+
+def case_40_concurrent(g):
+    plan = [(i % g.n_ranks, i % len(REQUESTS), 0) for i in range(40)]
+    check_plan("%s: 40 concurrent requests over the ranks all complete and match" % g.name, g, plan, g.model)
+
+
+def case_staggered(g):
+    """Arrivals at different times to different ranks, prompts of 1..200 tokens: at each step the
+    ranks forward different token counts (zero on some) and runtime_max changes."""
+    rng = random.Random(7)
+    plan = []
+    for i in range(3 * len(REQUESTS)):
+        plan.append((rng.randrange(g.n_ranks), rng.randrange(len(REQUESTS)), round(i * 0.04 + rng.random() * 0.05, 3)))
+    check_plan("%s: staggered arrivals over the ranks match one process" % g.name, g, plan, g.model)
+
+
+def case_kill_rank1(g):
+    """SIGKILL rank 1: mpirun and the other ranks exit within KILL_DEADLINE, each survivor naming
+    rank 1 in its own output (lines tagged [job,rank] by mpirun --tag-output)."""
+    states = g.server_info(0)["internal_states"]
+    pids = [int(s["pid"]) for s in states]
+    if not check("%s: rank pids known" % g.name, len(pids) == 3 and all(pid_alive(p) for p in pids), pids):
+        return
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.time()
+    survivors = [pids[0], pids[2]]
+    while time.time() - t0 < KILL_DEADLINE and (g.alive() or any(pid_alive(p) for p in survivors)):
+        time.sleep(0.1)
+    took = time.time() - t0
+    left = [p for p in survivors if pid_alive(p)]
+    check("%s: ranks 0 and 2 exit within %g s of rank 1's SIGKILL" % (g.name, KILL_DEADLINE), not left,
+          "%.1f s; still alive: %s\n    %s" % (took, left, g.log_tail()))
+    check("%s: mpirun exits within %g s, non-zero" % (g.name, KILL_DEADLINE),
+          not g.alive() and g.proc.returncode != 0, "%.1f s, exit %s" % (took, g.proc.poll()))
+    text = g.log_text()
+    lost = re.compile(r"\brank 1\b.*\b(exited|has exited|gone|lost|did not answer|died|dead|killed|failed)\b", re.I)
+    for r in (0, 2):
+        tag = re.compile(r"^\[\d+,%d\]<std(out|err)>:" % r)
+        lines = [ln for ln in text.splitlines() if tag.match(ln) and lost.search(ln)]
+        check("%s: rank %d says rank 1 is gone" % (g.name, r), bool(lines),
+              lines[0] if lines else "no line from rank %d matches %s; log:\n    %s" % (r, lost.pattern, g.log_tail(25)))
+    mp = [ln for ln in text.splitlines() if not ln.startswith("[") and re.search(r"rank 1\b", ln)]
+    check("%s: mpirun reports rank 1" % g.name, bool(mp), "no untagged line names rank 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up failures
+
+
+def start_fails(name, np, flags, must_match, timeout=60):
+    """The command must exit non-zero, before serving, with output matching every regex."""
+    g = Group(name, np, flags=flags)
+    try:
+        g.launch()
+        try:
+            g.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            check("%s: start-up fails" % name, False, "still running after %d s\n    %s" % (timeout, g.log_tail()))
+            return None
+        text = g.log_text()
+        ok = g.proc.returncode != 0 and "serving on" not in text
+        missing = [p for p in must_match if not re.search(p, text, re.I | re.M)]
+        check("%s: start-up fails with a message matching %s" % (name, " and ".join(must_match)),
+              ok and not missing, "exit %s, unmatched %s\n    %s" % (g.proc.returncode, missing, g.log_tail()))
+        return text
+    finally:
+        g.stop()
+
+
+def cuda_build():
+    try:
+        out = subprocess.run(["ldd", BIN], capture_output=True, timeout=10).stdout.decode()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(re.search(r"libcud|libnccl", out))
+
+
+def test_flags():
+    start_fails("np 2 --tp 3", 2, ["--tp", "3"], [r"--tp\b"])
+    start_fails("np 2 --ep-size 3", 2, ["--ep-size", "3"], [r"--ep(-size)?\b"])
+    start_fails("np 2 --dp-size 3 --enable-dp-attention", 2, ["--dp-size", "3", "--enable-dp-attention"],
+                [r"--dp(-size)?\b"])
+    if cuda_build():
+        print("skip nccl / nvlink on the CPU build: %s links CUDA" % BIN, flush=True)
+        return
+    start_fails("np 2 --moe-a2a-backend nccl (CPU build)", 2, ["--moe-a2a-backend", "nccl"], [r"nccl", r"cuda"])
+    start_fails("np 2 --moe-a2a-backend nvlink_one_sided (CPU build)", 2,
+                ["--moe-a2a-backend", "flashinfer_nvlink_one_sided"], [r"nvlink", r"cuda"])
+    start_fails("np 2 --moe-a2a-backend flashinfer (CPU build)", 2, ["--moe-a2a-backend", "flashinfer"],
+                [r"flashinfer.*deprecat|deprecat.*flashinfer", r"nvlink", r"cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv):
+    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "skew", "mpi", "kill", "flags"]
+    groups = [a for a in argv if not a.startswith("-")] or all_groups
+    unknown = [a for a in groups if a not in all_groups]
+    if unknown:
+        print("unknown groups %s; known: %s" % (unknown, " ".join(all_groups)))
+        return 2
+    if not os.access(BIN, os.X_OK):
+        check("binary %s exists" % BIN, False, "build it first (make)")
+        print(R.summary())
+        return 1
+    if MPIRUN is None:
+        check("mpirun found", False, "install openmpi-bin")
+        print(R.summary())
+        return 1
+    t0 = time.time()
+    tmp = tempfile.mkdtemp(prefix="moeserve-ep-")
+    try:
+        if "ref" in groups or any(g in groups for g in ("np1", "np2", "np3", "np4", "balance", "mpi")):
+            if not need_reference(MODEL, "tiny-qwen3-moe"):
+                groups = [g for g in groups if g in ("skew", "kill", "flags")]
+        for np in (1, 2, 3, 4):
+            if "np%d" % np not in groups:
+                continue
+            g = Group("np %d --no-load-balance" % np, np, flags=["--no-load-balance"])
+            cases = [lambda g: case_server_info(g, False, "none" if g.n_ranks == 1 else "shm")]
+            if np == 3:
+                cases.append(case_lone_rank2)
+            cases += [case_spread, case_all_to_last_rank]
+            run_group(g, cases)
+        if "balance" in groups:
+            run_group(Group("np 3 balanced", 3), [
+                lambda g: case_server_info(g, True, "shm"),
+                case_balanced_from_rank0, case_40_concurrent, case_staggered])
+        if "mpi" in groups:
+            flags = ["--moe-a2a-backend", "mpi", "--tp", "2", "--ep-size", "2", "--dp", "2", "--enable-dp-attention"]
+            run_group(Group("np 2 mpi backend, --tp/--ep/--dp 2", 2, flags=flags), [
+                lambda g: case_server_info(g, True, "mpi"), case_spread, case_staggered])
+        if "skew" in groups:
+            skew = os.path.join(tmp, "tiny-qwen3-moe-skewed")
+            n = make_skewed_copy(MODEL, skew)
+            routers = router_tensors(skew)
+            check("skewed copy: every router zero (%d tensors, %s)"
+                  % (n, ",".join(sorted({d for d, _ in routers.values()}))),
+                  n > 0 and n == len(routers) and all(z for _, z in routers.values()),
+                  "" if n > 0 and all(z for _, z in routers.values()) else routers)
+            if need_reference(skew, "skewed"):
+                if MODEL in REFERENCE:
+                    same = [a["output_ids"] == b["output_ids"] for a, b in zip(REFERENCE[MODEL], REFERENCE[skew])]
+                    check("skewed copy: routing changes the greedy outputs", not all(same), same)
+                for np in (2, 3, 4):
+                    run_group(Group("np %d skewed" % np, np, model=skew, flags=["--no-load-balance"]),
+                              [case_spread, case_staggered])
+        if "kill" in groups:
+            run_group(Group("np 3 kill", 3, flags=["--dist-timeout", "20"], mpirun_flags=["--tag-output"]),
+                      [case_kill_rank1])
+        if "flags" in groups:
+            test_flags()
+    finally:
+        stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("total %.1f s" % (time.time() - t0), flush=True)
+    print(R.summary(), flush=True)
+    return 0 if R.failed == 0 else 1
+
+
+def on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sys.exit(main(sys.argv[1:]))
