@@ -296,12 +296,13 @@ static ssize_t http_on_read(void *cls, uint64_t pos, char *buf, size_t max) {
 
 void http_stream(http_exchange *x, const char *content_type, void *ctx, http_fill_fn fill,
                  http_close_fn close) {
-    MS_ASSERT(x->mode == HTTP_MODE_NONE);
+    MS_ASSERT(x->mode == HTTP_MODE_NONE || x->mode == HTTP_MODE_DEFER);
+    if (x->mode == HTTP_MODE_NONE) /* a deferred exchange is counted already */
+        atomic_fetch_add(&x->srv->n_pending, 1);
     x->mode = HTTP_MODE_STREAM;
     x->ctx = ctx;
     x->fill = fill;
     x->close = close;
-    atomic_fetch_add(&x->srv->n_pending, 1);
     struct MHD_Response *resp = MHD_create_response_from_callback(
         MHD_SIZE_UNKNOWN, HTTP_STREAM_BLOCK, http_on_read, x, NULL);
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);

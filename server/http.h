@@ -86,7 +86,8 @@ typedef void (*http_close_fn)(void *ctx, bool completed);
 /* Suspend until woken; poll(ctx) then runs, until it replies. close runs when the exchange ends
  * (also when the client goes away before the answer). */
 void http_defer(http_exchange *x, void *ctx, http_poll_fn poll, http_close_fn close);
-/* 200 with content_type, body from fill (chunked, flushed piece by piece). */
+/* 200 with content_type, body from fill (chunked, flushed piece by piece). Also from the poll of
+ * a deferred exchange (a relay learns only then whether its answer is a stream). */
 void http_stream(http_exchange *x, const char *content_type, void *ctx, http_fill_fn fill,
                  http_close_fn close);
 
