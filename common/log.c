@@ -7,6 +7,7 @@
 #include <time.h>
 
 log_level log_threshold = LOG_LEVEL_INFO;
+int log_rank = -1;
 
 static const char *const log_level_names[] = {"DEBUG", "INFO", "WARN", "ERROR"};
 
@@ -16,8 +17,10 @@ void log_write(log_level level, const char *component, const char *fmt, ...) {
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;
     gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof line, "[%02d:%02d:%02d.%03ld %s %s] ", tm.tm_hour, tm.tm_min,
-                     tm.tm_sec, ts.tv_nsec / 1000000, log_level_names[level], component);
+    char rank[24] = "";
+    if (log_rank >= 0) snprintf(rank, sizeof rank, "rank %d ", log_rank);
+    int n = snprintf(line, sizeof line, "[%02d:%02d:%02d.%03ld %s %s%s] ", tm.tm_hour, tm.tm_min,
+                     tm.tm_sec, ts.tv_nsec / 1000000, log_level_names[level], rank, component);
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < sizeof line) vsnprintf(line + n, sizeof line - n, fmt, ap);

@@ -10,6 +10,7 @@
 typedef enum { LOG_LEVEL_DEBUG, LOG_LEVEL_INFO, LOG_LEVEL_WARN, LOG_LEVEL_ERROR } log_level;
 
 extern log_level log_threshold; /* default LOG_LEVEL_INFO; set once at start-up */
+extern int log_rank; /* -1 (default): alone; else every line names this rank of the group */
 
 void log_write(log_level level, const char *component, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

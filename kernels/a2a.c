@@ -92,10 +92,13 @@ double a2a_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-void a2a_backoff_start(a2a_backoff *b, double timeout_s) {
+void a2a_backoff_start(a2a_backoff *b, const a2a_config *cfg) {
     b->start = a2a_now();
-    b->deadline = b->start + timeout_s;
+    b->deadline = b->start + cfg->timeout_s;
+    b->next_check = b->start + 0.1;
     b->polls = 0;
+    b->cfg = cfg;
+    b->gone[0] = '\0';
 }
 
 /* Spin for the first polls (a peer on its own core answers within microseconds), then yield the
@@ -120,7 +123,15 @@ bool a2a_backoff_pause(a2a_backoff *b) {
         nanosleep(&ts, NULL);
     }
     /* The clock is read only off the spin path. */
-    return a2a_now() < b->deadline;
+    double now = a2a_now();
+    if (b->cfg->check_peers && now >= b->next_check) {
+        b->next_check = now + 0.1;
+        if (b->cfg->check_peers(b->cfg->check_ctx, b->gone, sizeof b->gone) != 0) {
+            if (!b->gone[0]) snprintf(b->gone, sizeof b->gone, "a peer has gone");
+            return false;
+        }
+    }
+    return now < b->deadline;
 }
 
 void a2a_format_missing(char *buf, size_t len, const bool *arrived, int ep) {

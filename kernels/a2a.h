@@ -50,6 +50,10 @@ typedef struct {
     int n_experts;           /* E */
     int expert_begin[A2A_MAX_RANKS + 1]; /* [ep_size + 1] ownership ranges */
     double timeout_s;        /* a wait longer than this fails with a message naming the peer */
+    /* Optional, called every 100 ms of a wait: -1 with a message when a peer is known to be gone
+     * (the wait then fails at once with it), else 0. */
+    int (*check_peers)(void *ctx, char *msg, size_t len);
+    void *check_ctx;
 } a2a_config;
 
 /* Contiguous split of E experts over n ranks, the first E % n ranks one larger (10 on 3 -> 4,3,3). */

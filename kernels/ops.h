@@ -73,7 +73,9 @@ typedef struct ops {
                         int K, bool norm);
 
     /* out[T, K, D]: slot k of token t = down(silu(gate(x_t)) * up(x_t)) of expert
-     * topk_ids[t, k]. Tokens are grouped by expert so each expert's weights are read once. */
+     * topk_ids[t, k] (an index into w, < w->E). Tokens are grouped by expert so each expert's
+     * weights are read once. A negative id marks a slot this call does not compute (another
+     * rank owns its expert): its row of out is left as it was. */
     void (*moe_experts)(float *out, const float *x, const int32_t *topk_ids,
                         const moe_experts *w, int T, int K, int D, int F);
 

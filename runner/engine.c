@@ -153,8 +153,9 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
     e->last_forward_seconds = e->last_sample_seconds = 0.0;
     for (int i = 0; i < n; i++)
         T += seqs[i]->take;
-    if (T == 0) return 0;
-    engine_reserve(e, T);
+    if (T == 0 && e->runtime_max == 0) return 0;
+    MS_ASSERT(e->runtime_max == 0 || T <= e->runtime_max);
+    engine_reserve(e, T > 0 ? T : 1);
     int32_t *ids = e->ids, *pos = e->pos, *seq_of = e->seq_of, *rows = e->rows;
     T = 0;
     for (int i = 0; i < n; i++) {
@@ -186,11 +187,13 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
                                  .max_pages = max_pages,
                                  .page_size = S},
                         .n_logits = n_rows,
-                        .logit_rows = rows};
+                        .logit_rows = rows,
+                        .runtime_max = e->runtime_max};
     double t0 = now_seconds();
-    m->arch->forward(m, &e->kv, &fb, e->logits);
+    int rc = m->arch->forward(m, &e->kv, &fb, e->logits);
     double t1 = now_seconds();
     e->last_forward_seconds = t1 - t0;
+    if (rc != 0) return -1;
 
     /* Score and sample, in row order (rows are in batch order). A row's sequence is found by
      * walking the sequences alongside, since both go in batch order. */

@@ -94,6 +94,9 @@ typedef struct {
     float *scratch;                     /* [V] */
     int32_t *ids, *pos, *seq_of, *rows; /* [cap_T] the step's batch */
     int cap_T;
+    /* With expert parallelism, set by the caller before each engine_step: the step agreement's
+     * runtime_max; the forward then runs even with no tokens here. 0 = alone. */
+    int runtime_max;
     double last_forward_seconds; /* wall time of the last engine_step's forward pass */
     double last_sample_seconds;  /* and of its scoring and sampling after the forward */
 } engine;
@@ -135,7 +138,9 @@ int engine_seq_n_in(const engine_seq *s);
  * on_token and sets finish (stop ids and eos after min_new_tokens, unless ignore_eos;
  * on_token -> FINISH_STOP_STRING; max_new_tokens -> FINISH_LENGTH; max_new_tokens 0 ->
  * FINISH_LENGTH without sampling). n_computed advances by take. page_table is
- * [n_slots, max_pages]; seqs[i]->slot names its row. Returns the tokens forwarded. */
+ * [n_slots, max_pages]; seqs[i]->slot names its row. Returns the tokens forwarded, or -1 when
+ * the forward failed (an all-to-all: e->m->err says why; the rank group is unusable, nothing
+ * of the step was applied). */
 int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_table,
                 int max_pages);
 

@@ -9,10 +9,33 @@
 static const model_arch *const model_archs[] = {&qwen3_moe_arch};
 
 model *model_load(const char *dir, const ops *ops, char *err, size_t errlen) {
+    return model_load_ep(dir, ops, 0, 1, err, errlen);
+}
+
+model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, char *err,
+                     size_t errlen) {
     model *m = xcalloc(1, sizeof *m);
     m->dir = xstrdup(dir);
     m->ops = ops;
     if (model_config_load(&m->cfg, dir, err, errlen) != 0) goto fail;
+    if (ep_size < 1 || ep_size > A2A_MAX_RANKS || ep_rank < 0 || ep_rank >= ep_size) {
+        set_err(err, errlen, "expert parallelism: rank %d of %d is not a valid rank", ep_rank,
+                ep_size);
+        goto fail;
+    }
+    if (m->cfg.num_experts > 0 && m->cfg.num_experts < ep_size) {
+        set_err(err, errlen,
+                "%s/config.json: num_experts %d is below the %d ranks of the group: every rank "
+                "must own at least one expert (use at most %d ranks)",
+                dir, m->cfg.num_experts, ep_size, m->cfg.num_experts);
+        goto fail;
+    }
+    m->ep_rank = ep_rank;
+    m->ep_size = ep_size;
+    int begin[A2A_MAX_RANKS + 1];
+    a2a_split_experts(m->cfg.num_experts, ep_size, begin);
+    m->expert_begin = begin[ep_rank];
+    m->expert_end = begin[ep_rank + 1];
     for (size_t i = 0; i < sizeof model_archs / sizeof model_archs[0]; i++)
         if (strcmp(model_archs[i]->model_type, m->cfg.model_type) == 0) m->arch = model_archs[i];
     if (!m->arch) {

@@ -6,6 +6,7 @@
 
 #include "config/model_config.h"
 #include "config/safetensors.h"
+#include "kernels/a2a.h"
 #include "kernels/ops.h"
 #include "runner/kv_cache.h"
 
@@ -16,6 +17,10 @@ typedef struct {
     attn_batch attn;    /* where each token sits: pos, seq, page table */
     int n_logits;
     const int32_t *logit_rows; /* [n_logits] rows of the batch whose logits are wanted */
+    /* With expert parallelism: the step agreement's largest T of any rank (>= T, the same on
+     * every rank); every rank runs the forward, T = 0 included, so each joins every all-to-all.
+     * 0 when the model runs alone. */
+    int runtime_max;
 } forward_batch;
 
 typedef struct model model;
@@ -24,8 +29,9 @@ typedef struct {
     const char *model_type;
     /* Fill m->weights from m->ckpt, validating every name and shape against m->cfg. */
     int (*load)(model *m, char *err, size_t errlen);
-    /* logits[n_logits, V] for the rows b->logit_rows; stores the batch's KV into kv. */
-    void (*forward)(model *m, kv_cache *kv, const forward_batch *b, float *logits);
+    /* logits[n_logits, V] for the rows b->logit_rows; stores the batch's KV into kv. 0, or -1
+     * with m->err set when an all-to-all failed (the rank group is then unusable). */
+    int (*forward)(model *m, kv_cache *kv, const forward_batch *b, float *logits);
     void (*free)(model *m);
 } model_arch;
 
@@ -37,11 +43,22 @@ struct model {
     const model_arch *arch;
     void *weights;   /* the architecture's weight table */
     void *workspace; /* the architecture's activation buffers */
+    /* Expert parallelism: this rank holds experts [expert_begin, expert_end) of every MoE layer
+     * (a2a_split_experts over ep_size ranks) and, when a2a is set, runs them for the tokens the
+     * all-to-all brings it from every rank. ep_size 1: all experts, no all-to-all. */
+    int ep_rank, ep_size;
+    int expert_begin, expert_end;
+    a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
+    char err[512]; /* why the last forward failed */
 };
 
 /* Load the model folder dir: config.json, generation_config.json, safetensors. Returns NULL
  * with a message naming the file and field on any problem. */
 model *model_load(const char *dir, const ops *ops, char *err, size_t errlen);
+/* The same for rank ep_rank of ep_size: every tensor is checked, but only this rank's experts
+ * are kept (the others' bytes are never read: the checkpoint is memory-mapped). */
+model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, char *err,
+                     size_t errlen);
 void model_free(model *m);
 
 /* Look up a tensor by name and check its shape (ndim dims from shape[]); ok -> 0 and *out set.

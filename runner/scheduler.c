@@ -38,6 +38,9 @@
 
 #define SCHED_RATE_WINDOW 5.0  /* seconds of history behind last_gen_throughput */
 #define SCHED_RATE_RING   4096 /* steps remembered for it */
+/* An idle rank of a group looks for work of the others this often (a request reaching another
+ * rank waits at most this long for the group to start its first step). */
+#define SCHED_IDLE_POLL_NS 2000000L
 
 typedef struct sched_seq sched_seq;
 
@@ -540,8 +543,9 @@ static void record_rate(scheduler *s, double t0, double t1, int n_gen) {
     if (s->rate_n < SCHED_RATE_RING) s->rate_n++;
 }
 
-int scheduler_step(scheduler *s) {
-    double t0 = now_seconds();
+/* The first half of a step: everything up to the batch. Returns the batch's size (sequences);
+ * *n_tokens gets its tokens. */
+static int step_plan(scheduler *s, int *n_tokens) {
     if (atomic_exchange(&s->flush_pending, false)) radix_cache_flush(&s->rc);
     drop_aborted(s);
     reserve_decode_pages(s);
@@ -554,9 +558,24 @@ int scheduler_step(scheduler *s) {
         preempt_last(s);
         n_batch = build_batch(s);
     }
+    int T = 0;
+    for (int i = 0; i < n_batch; i++)
+        T += s->batch[i]->take;
+    *n_tokens = T;
+    return n_batch;
+}
 
+/* The second half: the forward pass over the planned batch (with the group's runtime_max in
+ * s->e.runtime_max, also when the batch is empty), then publishing. Returns the tokens
+ * forwarded, or -1 when the forward failed. */
+static int step_run(scheduler *s, int n_batch, double t0) {
     int T = 0, n_gen = 0;
     double t_forward = 0.0, t_sample = 0.0;
+    if (n_batch == 0 && s->e.runtime_max > 0) {
+        T = engine_step(&s->e, s->batch, 0, s->step_table, 1);
+        if (T < 0) return -1;
+        t_forward = s->e.last_forward_seconds;
+    }
     if (n_batch > 0) {
         int stride = 1;
         for (int i = 0; i < n_batch; i++)
@@ -573,6 +592,7 @@ int scheduler_step(scheduler *s) {
                    (size_t)es->n_pages * sizeof(int32_t));
         }
         T = engine_step(&s->e, s->batch, n_batch, s->step_table, stride);
+        if (T < 0) return -1;
         t_forward = s->e.last_forward_seconds;
         t_sample = s->e.last_sample_seconds;
 
@@ -610,6 +630,14 @@ int scheduler_step(scheduler *s) {
     return T;
 }
 
+int scheduler_step(scheduler *s) {
+    double t0 = now_seconds();
+    int T;
+    int n_batch = step_plan(s, &T);
+    s->e.runtime_max = 0;
+    return step_run(s, n_batch, t0);
+}
+
 /* ---------------------------------------------------------------- loop, shutdown, stats */
 
 /* Finish everything queued or running with FINISH_ABORT and msg; refuse new requests. */
@@ -637,7 +665,7 @@ static void abort_all(scheduler *s, const char *msg) {
     pthread_mutex_unlock(&s->mu);
 }
 
-void scheduler_run(scheduler *s, atomic_bool *stop) {
+static void run_alone(scheduler *s, atomic_bool *stop) {
     while (!atomic_load(stop)) {
         if (scheduler_step(s) > 0) continue;
         pthread_mutex_lock(&s->mu);
@@ -646,8 +674,78 @@ void scheduler_run(scheduler *s, atomic_bool *stop) {
         s->wake_pending = false;
         pthread_mutex_unlock(&s->mu);
     }
-    abort_all(s, "server shutting down");
+}
+
+/* Sleep until a request or a stop arrives here, or the idle poll interval has passed. */
+static void idle_wait(scheduler *s, atomic_bool *stop) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += SCHED_IDLE_POLL_NS;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&s->mu);
+    if (!s->wake_pending && !atomic_load(stop)) pthread_cond_timedwait(&s->cv, &s->mu, &until);
+    s->wake_pending = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void fill_report(scheduler *s, int n_tokens, bool stopping, rank_report *r) {
+    scheduler_stats st;
+    scheduler_get_stats(s, &st);
+    *r = (rank_report){.n_tokens = n_tokens,
+                       .stop = stopping,
+                       .n_running = s->n_running,
+                       .n_waiting = st.n_waiting,
+                       .kv_pages_used = s->e.kv.n_pages - s->e.kv.n_free,
+                       .kv_pages_total = s->e.kv.n_pages,
+                       .n_requests_done = st.n_requests_done,
+                       .n_generated_tokens = st.n_generated_tokens,
+                       .gen_throughput_milli = (int64_t)llround(st.last_gen_throughput * 1000.0)};
+}
+
+static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {
+    for (;;) {
+        double t0 = now_seconds();
+        int T = 0;
+        bool stopping = atomic_load(stop);
+        int n_batch = stopping ? 0 : step_plan(s, &T);
+        rank_report me;
+        fill_report(s, T, stopping, &me);
+        rank_step st;
+        if (rank_group_step(g, &me, &st, err, errlen) != 0) return -1;
+        if (st.stop) {
+            if (!stopping)
+                LOG_INFO("scheduler", "rank %d is stopping: stopping with it", st.stop_rank);
+            return 0;
+        }
+        if (st.runtime_max == 0) {
+            idle_wait(s, stop);
+            continue;
+        }
+        s->e.runtime_max = st.runtime_max;
+        if (step_run(s, n_batch, t0) < 0) return set_err(err, errlen, "%s", s->m->err);
+    }
+}
+
+int scheduler_run(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {
+    int rc = 0;
+    if (!g || rank_group_size(g) == 1) {
+        run_alone(s, stop);
+        abort_all(s, "server shutting down");
+    } else {
+        rc = run_group(s, g, stop, err, errlen);
+        if (rc == 0) {
+            abort_all(s, "server shutting down");
+        } else {
+            char msg[1200];
+            snprintf(msg, sizeof msg, "the rank group failed: %s", err);
+            abort_all(s, msg);
+        }
+    }
     sampler_scratch_free();
+    return rc;
 }
 
 void scheduler_free(scheduler *s) {

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "runner/model.h"
+#include "runner/rank_group.h"
 #include "runner/request.h"
 
 typedef struct {
@@ -78,8 +79,16 @@ int scheduler_step(scheduler *s);
 
 /* Engine-thread loop: step while there is work, sleep on a condition variable while idle, return
  * when *stop becomes true (after scheduler_wake). Every request still queued or running is
- * finished with FINISH_ABORT ("server shutting down") before it returns. */
-void scheduler_run(scheduler *s, atomic_bool *stop);
+ * finished with FINISH_ABORT ("server shutting down") before it returns.
+ *
+ * In a rank group of more than one rank (g; NULL = alone) every step starts with the step
+ * agreement: this rank's planned token count, load and stop wish go to every rank; the group's
+ * runtime_max sets the step (0: idle, each rank sleeps up to 2 ms or until its own work arrives,
+ * then asks again); a rank with nothing planned still runs the forward with zero tokens. Any
+ * rank's stop stops every rank after that exchange. Returns 0, or -1 with err when the group
+ * failed (a peer gone or silent, an all-to-all failed): every request left is then finished
+ * with FINISH_ABORT and "the rank group failed: ...", and nothing collective may follow. */
+int scheduler_run(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen);
 void scheduler_wake(scheduler *s);
 
 /* Empty the prefix cache (pages held by running requests stay). Thread-safe: applied at the

@@ -25,9 +25,11 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "kernels/a2a.h"
 #include "kernels/ops.h"
 #include "runner/engine.h"
 #include "runner/model.h"
+#include "runner/rank_group.h"
 #include "runner/sampler.h"
 #include "runner/scheduler.h"
 #include "server/api.h"
@@ -106,6 +108,22 @@ static const char usage_serve[] =
     "                                sleep unless OMP_WAIT_POLICY=active is set)\n"
     "  --max-body-bytes N            largest request body; larger ones get 413 (default 16777216)\n"
     "\n"
+    "Several ranks (mpirun -np N moeserve serve ...): rank r serves on port PORT + r and runs\n"
+    "attention for its own requests; every MoE layer's experts are split over the ranks.\n"
+    "  --moe-a2a-backend NAME        all-to-all: none (one rank), shm (ranks on one node), mpi\n"
+    "                                (one-sided MPI), nvlink_one_sided or nccl (CUDA builds);\n"
+    "                                default: none for one rank, shm on one node, else mpi.\n"
+    "                                flashinfer_nvlink_one_sided = nvlink_one_sided\n"
+    "  --load-balance                place each generation request on the least-loaded rank,\n"
+    "                                whichever rank it reached (default)\n"
+    "  --no-load-balance             each rank runs the requests that reach it\n"
+    "  --tp N, --dp N, --ep N        SGLang's sizes (also --tp-size, --dp-size, --ep-size): each\n"
+    "                                must equal the number of ranks when given\n"
+    "  --enable-dp-attention         accepted: attention is always data-parallel over the ranks\n"
+    "  --dist-timeout S              seconds a rank waits for the others before it gives up\n"
+    "                                (default 60; a peer on the same node that dies is noticed\n"
+    "                                at once)\n"
+    "\n"
     "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly.\n"
     "Endpoints: POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health,\n"
     "/health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics;\n"
@@ -121,7 +139,10 @@ static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noret
 static void die(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fputs("moeserve: ", stderr);
+    if (log_rank >= 0)
+        fprintf(stderr, "moeserve (rank %d): ", log_rank);
+    else
+        fputs("moeserve: ", stderr);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
@@ -424,17 +445,66 @@ static int cmd_tokenize(int argc, char **argv, bool reverse) {
 
 typedef struct {
     scheduler *sched;
-    atomic_bool stop;
+    rank_group *group;
+    atomic_bool stop;   /* set by main: stop (the group stops with this rank) */
+    atomic_bool failed; /* the rank group failed; err says why */
+    atomic_bool ended;  /* the engine loop has returned */
     int threads;
+    char err[1024];
 } serve_engine;
 
-/* The engine thread: owns the model and the KV cache through the scheduler. */
+/* The engine thread: owns the model and the KV cache through the scheduler, and, in a rank
+ * group, every MPI call while it runs. When the loop ends for a reason of its own (the group
+ * failed, another rank stopped) it wakes the main thread with SIGTERM. */
 static void *serve_engine_main(void *p) {
     serve_engine *e = p;
     if (e->threads) omp_set_num_threads(e->threads);
-    scheduler_run(e->sched, &e->stop);
+    int rc = scheduler_run(e->sched, e->group, &e->stop, e->err, sizeof e->err);
+    if (rc != 0) {
+        LOG_ERROR("serve", "%s", e->err);
+        atomic_store(&e->failed, true);
+    }
+    atomic_store(&e->ended, true);
+    if (!atomic_load(&e->stop)) kill(getpid(), SIGTERM);
     sampler_scratch_free();
     return NULL;
+}
+
+/* --moe-a2a-backend, or the machine's choice: none for one rank, shm when every rank is on this
+ * node, else mpi. */
+static a2a_transport serve_transport(const char *name, const rank_group *g) {
+    a2a_transport t;
+    if (!name) {
+        if (rank_group_size(g) == 1) return A2A_NONE;
+        return rank_group_same_node(g) ? A2A_SHM : A2A_MPI;
+    }
+    if (!strcmp(name, "flashinfer")) {
+        LOG_WARN("serve", "--moe-a2a-backend flashinfer is deprecated: it means "
+                          "flashinfer_nvlink_one_sided, i.e. nvlink_one_sided");
+        name = "nvlink_one_sided";
+    }
+    if (!a2a_transport_parse(name, &t))
+        die("--moe-a2a-backend: '%s' is not one of none, shm, mpi, nvlink_one_sided "
+            "(flashinfer_nvlink_one_sided), nccl",
+            name);
+    if (t == A2A_NVLINK_ONE_SIDED || t == A2A_NCCL)
+        die("--moe-a2a-backend %s: moves GPU memory and needs --device cuda, which this build "
+            "does not have; on the CPU use shm (ranks on one node) or mpi",
+            a2a_transport_name(t));
+    if (t == A2A_NONE && rank_group_size(g) > 1)
+        die("--moe-a2a-backend none: serves one rank, this group has %d (use shm or mpi)",
+            rank_group_size(g));
+    if (t == A2A_SHM && !rank_group_same_node(g))
+        die("--moe-a2a-backend shm: the ranks are on more than one node (use mpi)");
+    return t;
+}
+
+/* Wait for the engine thread at most timeout_s; false when it did not end. */
+static bool serve_join(pthread_t th, double timeout_s) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)timeout_s;
+    return pthread_timedjoin_np(th, NULL, &until) == 0;
 }
 
 static long long serve_phys_bytes(void) {
@@ -450,7 +520,8 @@ static int cmd_serve(int argc, char **argv) {
                      .chunked_prefill_size = 512,
                      .page_size = 16,
                      .log_level = "info",
-                     .max_body_bytes = 16u << 20};
+                     .max_body_bytes = 16u << 20,
+                     .load_balance = true};
     log_threshold = LOG_LEVEL_INFO;
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i];
@@ -466,6 +537,14 @@ static int cmd_serve(int argc, char **argv) {
             a.disable_radix_cache = true;
             continue;
         }
+        if (!strcmp(f, "--load-balance") || !strcmp(f, "--no-load-balance")) {
+            a.load_balance = !strcmp(f, "--load-balance");
+            continue;
+        }
+        if (!strcmp(f, "--enable-dp-attention")) {
+            a.enable_dp_attention = true;
+            continue;
+        }
         static const char *const with_value[] = {"--model-path",
                                                  "--host",
                                                  "--port",
@@ -479,7 +558,15 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--api-key",
                                                  "--threads",
                                                  "--max-body-bytes",
-                                                 "--log-level"};
+                                                 "--log-level",
+                                                 "--moe-a2a-backend",
+                                                 "--tp",
+                                                 "--tp-size",
+                                                 "--dp",
+                                                 "--dp-size",
+                                                 "--ep",
+                                                 "--ep-size",
+                                                 "--dist-timeout"};
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
             known = known || !strcmp(f, with_value[k]);
@@ -512,6 +599,19 @@ static int cmd_serve(int argc, char **argv) {
             a.threads = (int)parse_long(f, v, 1, 4096);
         else if (!strcmp(f, "--max-body-bytes"))
             a.max_body_bytes = (size_t)parse_long(f, v, 1024, 1L << 40);
+        else if (!strcmp(f, "--moe-a2a-backend"))
+            a.moe_a2a_backend = v;
+        else if (!strcmp(f, "--tp") || !strcmp(f, "--tp-size"))
+            a.tp = (int)parse_long(f, v, 1, A2A_MAX_RANKS);
+        else if (!strcmp(f, "--dp") || !strcmp(f, "--dp-size"))
+            a.dp = (int)parse_long(f, v, 1, A2A_MAX_RANKS);
+        else if (!strcmp(f, "--ep") || !strcmp(f, "--ep-size"))
+            a.ep = (int)parse_long(f, v, 1, A2A_MAX_RANKS);
+        else if (!strcmp(f, "--dist-timeout")) {
+            float t = parse_float(f, v);
+            if (!(t > 0) || t > 1e6) die("--dist-timeout: %g seconds is outside (0, 1e6]", t);
+            a.dist_timeout = t;
+        }
         else if (!strcmp(f, "--log-level")) {
             static const char *const names[] = {"debug", "info", "warn", "error"};
             int lv = -1;
@@ -539,6 +639,26 @@ static int cmd_serve(int argc, char **argv) {
         die("--model-path %s: not a folder", a.model_path);
 
     char err[2048];
+    /* The rank group first: MPI starts before any thread does. */
+    rank_group *group = rank_group_init(NULL, NULL, false, a.dist_timeout, err, sizeof err);
+    if (!group) die("%s", err);
+    const int rank = rank_group_rank(group), world = rank_group_size(group);
+    if (world > 1) log_rank = rank;
+    if (rank_group_check_parallel_flags(world, a.tp, a.dp, a.ep, a.enable_dp_attention, err,
+                                        sizeof err))
+        die("%s", err);
+    a2a_transport transport = serve_transport(a.moe_a2a_backend, group);
+    a.moe_a2a_backend = a2a_transport_name(transport);
+    if (a.port && a.port + world - 1 > 65535)
+        die("--port %d: ranks 0..%d need ports up to %d, above 65535", a.port, world - 1,
+            a.port + world - 1);
+    if (a.port) a.port += rank;
+    if (!a.threads && rank_group_local_size(group) > 1) {
+        /* ranks on one node share its cores */
+        int cores = omp_get_num_procs(), per = cores / rank_group_local_size(group);
+        a.threads = per > 0 ? per : 1;
+    }
+
     model_config cfg;
     if (model_config_load(&cfg, a.model_path, err, sizeof err)) die("%s", err);
     if (!a.context_length) a.context_length = cfg.max_position_embeddings;
@@ -591,11 +711,36 @@ static int cmd_serve(int argc, char **argv) {
     http_server *http = http_server_start(&hc, err, sizeof err);
     if (!http) die("%s", err);
     api_set_http(api, http);
+    if (rank_group_share_endpoints(group, a.host, http_server_port(http), err, sizeof err))
+        die("%s", err);
 
     LOG_INFO("serve", "loading %s", a.model_path);
     if (a.threads) omp_set_num_threads(a.threads);
-    model *m = model_load(a.model_path, ops_cpu(), err, sizeof err);
+    model *m = model_load_ep(a.model_path, ops_cpu(), rank, world, err, sizeof err);
     if (!m) die("%s", err);
+    a2a *all_to_all = NULL;
+    if (world > 1 && cfg.num_experts > 0) {
+        a2a_config ac = {.transport = transport,
+                         .ep_size = world,
+                         .rank = rank,
+                         .max_tokens_per_rank = a.max_running_requests + a.chunked_prefill_size,
+                         .hidden = cfg.hidden_size,
+                         .top_k = cfg.num_experts_per_tok,
+                         .n_experts = cfg.num_experts,
+                         .timeout_s = rank_group_timeout(group),
+                         .check_peers = rank_group_check_peers_cb,
+                         .check_ctx = group};
+        a2a_split_experts(cfg.num_experts, world, ac.expert_begin);
+        all_to_all = a2a_create(&ac, rank_group_comm(group), err, sizeof err);
+        if (!all_to_all) die("%s", err);
+        m->a2a = all_to_all;
+    }
+    if (world > 1)
+        LOG_INFO("serve",
+                 "rank %d of %d (%d on this node): experts [%d, %d) of %d, all-to-all %s, "
+                 "%d threads",
+                 rank, world, rank_group_local_size(group), m->expert_begin, m->expert_end,
+                 cfg.num_experts, a.moe_a2a_backend, a.threads ? a.threads : omp_get_max_threads());
     scheduler_config sc = {.max_running_requests = a.max_running_requests,
                            .max_total_tokens = a.max_total_tokens,
                            .page_size = a.page_size,
@@ -604,8 +749,10 @@ static int cmd_serve(int argc, char **argv) {
                            .enable_radix_cache = !a.disable_radix_cache};
     scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
     if (!sched) die("%s", err);
-    serve_engine eng = {.sched = sched, .threads = a.threads};
+    serve_engine eng = {.sched = sched, .group = group, .threads = a.threads};
     atomic_init(&eng.stop, false);
+    atomic_init(&eng.failed, false);
+    atomic_init(&eng.ended, false);
     pthread_t engine_thread;
     if (pthread_create(&engine_thread, NULL, serve_engine_main, &eng))
         die("serve: cannot start the engine thread");
@@ -619,18 +766,38 @@ static int cmd_serve(int argc, char **argv) {
 
     int sig = 0;
     sigwait(&sigs, &sig);
-    LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    char gone[256];
+    if (!atomic_load(&eng.ended)) {
+        LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        /* mpirun ends the job this way when a rank dies: say which */
+        if (rank_group_check_peers(group, gone, sizeof gone))
+            LOG_ERROR("serve", "%s: the rank group cannot go on", gone);
+    }
     api_drain(api);
     atomic_store(&eng.stop, true);
     scheduler_wake(sched);
-    pthread_join(engine_thread, NULL);
+    /* A group that lost a rank fails its waits within a fraction of a second (same node) or
+     * at --dist-timeout; the join waits a little longer than that. */
+    if (!serve_join(engine_thread, rank_group_timeout(group) + 5.0)) {
+        LOG_ERROR("serve", "the engine did not stop within %.0f s: leaving",
+                  rank_group_timeout(group) + 5.0);
+        _exit(1);
+    }
+    if (atomic_load(&eng.failed)) {
+        /* Nothing collective after a failure; every request was answered with the error. */
+        http_server_stop(http, 2.0);
+        LOG_ERROR("serve", "stopped: %s", eng.err);
+        _exit(1);
+    }
     http_server_stop(http, 10.0);
     api_reap(api);
     api_free(api);
     scheduler_free(sched);
+    a2a_destroy(all_to_all);
     model_free(m);
     metrics_free(met);
     tokenizer_free(tok);
+    rank_group_finalize(group);
     LOG_INFO("serve", "stopped");
     return 0;
 }

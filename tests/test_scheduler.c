@@ -598,7 +598,8 @@ static void *client_main(void *arg) {
 
 static void *engine_main(void *arg) {
     void **a = arg;
-    scheduler_run(a[0], a[1]);
+    char err[512];
+    if (scheduler_run(a[0], NULL, a[1], err, sizeof err)) fprintf(stderr, "scheduler_run: %s\n", err);
     return NULL;
 }
 

@@ -127,14 +127,18 @@ int a2a_fail(a2a *a, char *err, size_t errlen, const char *fmt, ...)
 /* The wait shared by the transports: spin briefly, then sched_yield, then sleep with a growing
  * interval (capped at 1 ms), so oversubscribed ranks do not starve the rank they wait for. */
 typedef struct {
-    double start;    /* monotonic seconds */
-    double deadline; /* start + timeout */
+    double start;      /* monotonic seconds */
+    double deadline;   /* start + timeout */
+    double next_check; /* next call of the config's check_peers */
     long polls;
+    const a2a_config *cfg;
+    char gone[192]; /* set when check_peers reported a peer gone */
 } a2a_backoff;
 
 double a2a_now(void);
-void a2a_backoff_start(a2a_backoff *b, double timeout_s);
-/* Pause once; returns false when the deadline has passed. */
+void a2a_backoff_start(a2a_backoff *b, const a2a_config *cfg);
+/* Pause once; returns false when the deadline has passed or a peer is gone (b->gone says which,
+ * else it is empty). */
 bool a2a_backoff_pause(a2a_backoff *b);
 
 /* "rank 2" / "ranks 1, 3" ... for the peers whose arrived[p] is false (at most a few named). */

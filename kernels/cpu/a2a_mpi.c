@@ -71,7 +71,7 @@ static int mpi_wait(a2a *a, size_t flag0, uint64_t v, const char *what, char *er
     bool arrived[A2A_MAX_RANKS] = {false};
     int left = ep;
     a2a_backoff b;
-    a2a_backoff_start(&b, a->cfg.timeout_s);
+    a2a_backoff_start(&b, &a->cfg);
     for (;;) {
         for (int p = 0; p < ep; p++)
             if (!arrived[p])
@@ -86,6 +86,9 @@ static int mpi_wait(a2a *a, size_t flag0, uint64_t v, const char *what, char *er
             }
         if (left == 0) break;
         if (!a2a_backoff_pause(&b)) {
+            if (b.gone[0])
+                return a2a_fail(a, err, errlen, "a2a mpi rank %d: %s of round %llu: %s", me, what,
+                                (unsigned long long)a->round, b.gone);
             char missing[128];
             a2a_format_missing(missing, sizeof missing, arrived, ep);
             return a2a_fail(a, err, errlen,

@@ -49,7 +49,7 @@ static int shm_wait(a2a *a, size_t flag0, uint64_t v, const char *what, char *er
     bool arrived[A2A_MAX_RANKS] = {false};
     int left = ep;
     a2a_backoff b;
-    a2a_backoff_start(&b, a->cfg.timeout_s);
+    a2a_backoff_start(&b, &a->cfg);
     for (;;) {
         for (int p = 0; p < ep; p++) {
             if (arrived[p]) continue;
@@ -62,6 +62,9 @@ static int shm_wait(a2a *a, size_t flag0, uint64_t v, const char *what, char *er
         if (left == 0) return 0;
         if (!a2a_backoff_pause(&b)) break;
     }
+    if (b.gone[0])
+        return a2a_fail(a, err, errlen, "a2a shm rank %d: %s of round %llu: %s", me, what,
+                        (unsigned long long)a->round, b.gone);
     int first = 0;
     while (arrived[first])
         first++;

@@ -38,26 +38,27 @@ static void run_expert(float *out, const float *x, const int32_t *pairs, int n, 
 }
 
 /* out[T, K, D]: slot k of token t = down(silu(gate(x_t)) * up(x_t)) of expert topk_ids[t, k];
- * x [T, D]; experts' gate/up [F, D], down [D, F]. */
+ * x [T, D]; experts' gate/up [F, D], down [D, F]. A slot with a negative id is skipped. */
 void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                      int T, int K, int D, int F) {
     if (T <= 0) return;
     const int E = w->E;
     const int n_pairs = T * K;
 
-    /* Counting sort of the pairs by expert; within an expert, pairs stay in (t, k) order. */
+    /* Counting sort of the pairs by expert; within an expert, pairs stay in (t, k) order.
+     * Negative ids (slots another rank computes) are left out. */
     int *offsets = xcalloc((size_t)E + 1, sizeof(int)); /* [E + 1] */
     for (int i = 0; i < n_pairs; i++) {
-        MS_ASSERT(topk_ids[i] >= 0 && topk_ids[i] < E);
-        offsets[topk_ids[i] + 1]++;
+        MS_ASSERT(topk_ids[i] < E);
+        if (topk_ids[i] >= 0) offsets[topk_ids[i] + 1]++;
     }
     for (int e = 0; e < E; e++)
         offsets[e + 1] += offsets[e];
-    int32_t *pairs = xmalloc((size_t)n_pairs * sizeof(int32_t)); /* [T * K] grouped by expert */
-    int *cursor = xmalloc((size_t)E * sizeof(int));
+    int32_t *pairs = xmalloc(((size_t)offsets[E] + 1) * sizeof(int32_t)); /* grouped by expert */
+    int *cursor = xmalloc(((size_t)E + 1) * sizeof(int));
     memcpy(cursor, offsets, (size_t)E * sizeof(int));
     for (int i = 0; i < n_pairs; i++)
-        pairs[cursor[topk_ids[i]]++] = i;
+        if (topk_ids[i] >= 0) pairs[cursor[topk_ids[i]]++] = i;
 
     /* Busy experts, most pairs first (ties by id), so dynamic scheduling balances the load. */
     int *busy = cursor; /* reused: [n_busy] expert ids */

@@ -51,6 +51,8 @@ typedef struct {
     int32_t *topk_ids; /* [T, K] */
     float *topk_w;  /* [T, K] */
     float *expert_out; /* [T, K, D] */
+    float *recv_out;   /* [n, K, D] expert outputs of the tokens the all-to-all brought */
+    size_t cap_recv;   /* floats */
     float *gate;    /* [T, F] dense */
     float *up;      /* [T, F] */
 } qwen3_moe_workspace;
@@ -93,23 +95,26 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
         W2(mlp_down, "mlp.down_proj.weight", D, F);
         return 0;
     }
-    int E = c->num_experts;
+    int E = c->num_experts, E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
     int64_t F = c->moe_intermediate_size;
     W2(router, "mlp.gate.weight", E, D);
-    l->expert_gate = xcalloc(E, sizeof(tensor));
-    l->expert_up = xcalloc(E, sizeof(tensor));
-    l->expert_down = xcalloc(E, sizeof(tensor));
+    /* Every expert's tensors are checked (headers only), so a bad checkpoint fails on every
+     * rank alike; only this rank's range is kept, indexed from 0. */
+    l->expert_gate = xcalloc(El > 0 ? El : 1, sizeof(tensor));
+    l->expert_up = xcalloc(El > 0 ? El : 1, sizeof(tensor));
+    l->expert_down = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     for (int e = 0; e < E; e++) {
-        const tensor *t;
+        const tensor *g, *u, *d;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.gate_proj.weight", i, e);
-        if (weight2(m, name, F, D, &t, err, errlen)) return -1;
-        l->expert_gate[e] = *t;
+        if (weight2(m, name, F, D, &g, err, errlen)) return -1;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.up_proj.weight", i, e);
-        if (weight2(m, name, F, D, &t, err, errlen)) return -1;
-        l->expert_up[e] = *t;
+        if (weight2(m, name, F, D, &u, err, errlen)) return -1;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj.weight", i, e);
-        if (weight2(m, name, D, F, &t, err, errlen)) return -1;
-        l->expert_down[e] = *t;
+        if (weight2(m, name, D, F, &d, err, errlen)) return -1;
+        if (e < E0 || e >= E0 + El) continue;
+        l->expert_gate[e - E0] = *g;
+        l->expert_up[e - E0] = *u;
+        l->expert_down[e - E0] = *d;
     }
 #undef W1
 #undef W2
@@ -159,14 +164,61 @@ static void qwen3_moe_workspace_reserve(const model_config *c, qwen3_moe_workspa
     ws->cap_T = T;
 }
 
-static void qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, float *logits) {
+/* The routed experts of layer l for T tokens in ws->h -> ws->o. Alone: every expert is here.
+ * With the all-to-all: each token goes to the ranks owning its experts, this rank runs its own
+ * experts on what it received (from every rank, itself included), the outputs come home slot by
+ * slot and are summed in slot order, so the sum is the one a single process computes. */
+static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws, int T,
+                     int runtime_max) {
+    const model_config *c = &m->cfg;
+    const ops *op = m->ops;
+    int D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok;
+    int F = c->moe_intermediate_size;
+    moe_experts experts = {.E = m->expert_end - m->expert_begin,
+                           .gate = l->expert_gate,
+                           .up = l->expert_up,
+                           .down = l->expert_down};
+    if (T > 0) {
+        op->linear(ws->router, ws->h, l->router, T, E, D);
+        op->router_topk(ws->topk_ids, ws->topk_w, ws->router, T, E, K, c->norm_topk_prob);
+    }
+    if (!m->a2a) {
+        op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &experts, T, K, D, F);
+    } else {
+        if (a2a_dispatch(m->a2a, ws->h, ws->topk_ids, ws->topk_w, T, runtime_max, m->err,
+                         sizeof m->err))
+            return -1;
+        a2a_received rv = a2a_get_received(m->a2a);
+        size_t need = (size_t)rv.n * K * D;
+        if (need > ws->cap_recv) {
+            ws->recv_out = xrealloc(ws->recv_out, need * sizeof(float));
+            ws->cap_recv = need;
+        }
+        op->moe_experts(ws->recv_out, rv.x, rv.ids, &experts, rv.n, K, D, F);
+        if (a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err)) return -1;
+    }
+    op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
+    return 0;
+}
+
+/* A rank with no tokens this step: only the all-to-alls of the MoE layers, in layer order. */
+static int qwen3_moe_forward_empty(model *m, const forward_batch *b) {
+    const qwen3_moe_weights *w = m->weights;
+    qwen3_moe_workspace *ws = m->workspace;
+    for (int i = 0; i < m->cfg.num_hidden_layers; i++)
+        if (w->layers[i].is_moe && moe_block(m, &w->layers[i], ws, 0, b->runtime_max)) return -1;
+    return 0;
+}
+
+static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, float *logits) {
     const model_config *c = &m->cfg;
     const ops *op = m->ops;
     const qwen3_moe_weights *w = m->weights;
     qwen3_moe_workspace *ws = m->workspace;
     int T = b->T, D = c->hidden_size, H = c->num_attention_heads, Hkv = c->num_key_value_heads;
-    int Dh = c->head_dim, E = c->num_experts, K = c->num_experts_per_tok;
+    int Dh = c->head_dim;
     float eps = c->rms_norm_eps, scale = 1.0f / sqrtf((float)Dh);
+    if (T == 0) return m->a2a ? qwen3_moe_forward_empty(m, b) : 0;
     qwen3_moe_workspace_reserve(c, ws, T > b->n_logits ? T : b->n_logits);
 
     op->embedding(ws->x, w->embed, b->ids, T, D);
@@ -188,13 +240,7 @@ static void qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, fl
         /* MLP block */
         op->rmsnorm(ws->h, ws->x, l->post_norm, T, D, eps);
         if (l->is_moe) {
-            int F = c->moe_intermediate_size;
-            moe_experts experts = {.E = E, .gate = l->expert_gate, .up = l->expert_up,
-                                   .down = l->expert_down};
-            op->linear(ws->router, ws->h, l->router, T, E, D);
-            op->router_topk(ws->topk_ids, ws->topk_w, ws->router, T, E, K, c->norm_topk_prob);
-            op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &experts, T, K, D, F);
-            op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
+            if (moe_block(m, l, ws, T, b->runtime_max)) return -1;
         } else {
             int F = c->intermediate_size;
             op->linear(ws->gate, ws->h, l->mlp_gate, T, F, D);
@@ -204,12 +250,13 @@ static void qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, fl
         }
         op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
     }
-    if (b->n_logits == 0) return;
+    if (b->n_logits == 0) return 0;
     /* Only the rows that sample or score go through the final norm and lm_head. */
     for (int r = 0; r < b->n_logits; r++)
         memcpy(ws->h + (size_t)r * D, ws->x + (size_t)b->logit_rows[r] * D, D * sizeof(float));
     op->rmsnorm(ws->h, ws->h, w->norm, b->n_logits, D, eps);
     op->linear(logits, ws->h, w->lm_head, b->n_logits, c->vocab_size, D);
+    return 0;
 }
 
 static void qwen3_moe_free(model *m) {
@@ -230,6 +277,7 @@ static void qwen3_moe_free(model *m) {
                          ws->gate,  ws->up};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
         free(ws->topk_ids);
+        free(ws->recv_out);
         free(ws);
     }
     m->weights = m->workspace = NULL;
