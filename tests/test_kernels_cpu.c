@@ -737,6 +737,144 @@ static void test_moe(void) {
     }
 }
 
+/* Slots another rank computes (negative ids): skipped, their rows of out left as they were.
+ * Against the same call with every id kept: the computed rows bit-identical, the skipped rows
+ * still holding the sentinel. skip_every = 0: every slot skipped. */
+static void test_moe_skip_case(int T, int E, int K, int D, int F, int skip_every,
+                               const char *name) {
+    const float sentinel = 12345.0f;
+    tensor *gate = xmalloc(sizeof(tensor) * E), *up = xmalloc(sizeof(tensor) * E),
+           *down = xmalloc(sizeof(tensor) * E);
+    for (int e = 0; e < E; e++) {
+        gate[e] = make_weight(DTYPE_BF16, F, D, 1.0f / sqrtf((float)D), NULL);
+        up[e] = make_weight(DTYPE_BF16, F, D, 1.0f / sqrtf((float)D), NULL);
+        down[e] = make_weight(DTYPE_BF16, D, F, 1.0f / sqrtf((float)F), NULL);
+    }
+    moe_experts w = {.E = E, .gate = gate, .up = up, .down = down};
+    const int64_t n_slots = (int64_t)T * K;
+    float *x = rand_floats((int64_t)T * D + 1, 2.0f);
+    int32_t *ids = xmalloc(sizeof(int32_t) * (n_slots + 1));
+    int32_t *part = xmalloc(sizeof(int32_t) * (n_slots + 1));
+    for (int t = 0; t < T; t++) { /* K distinct experts per token */
+        int perm[64];
+        for (int e = 0; e < E; e++)
+            perm[e] = e;
+        for (int k = 0; k < K; k++) {
+            const int j = k + rng_int(E - k);
+            const int tmp = perm[k];
+            perm[k] = perm[j];
+            perm[j] = tmp;
+            ids[t * K + k] = perm[k];
+        }
+    }
+    int64_t n_skipped = 0;
+    for (int64_t i = 0; i < n_slots; i++) {
+        const bool skip = skip_every == 0 || rng_int(skip_every) == 0;
+        part[i] = skip ? (i % 5 == 4 ? -2 : -1) : ids[i]; /* any negative id is skipped */
+        n_skipped += skip;
+    }
+    float *full = xmalloc(sizeof(float) * (n_slots * D + 1));
+    float *out = xmalloc(sizeof(float) * (n_slots * D + 1));
+    float *kept = xmalloc(sizeof(float) * (n_slots * D + 1));
+    float *want_kept = xmalloc(sizeof(float) * (n_slots * D + 1));
+    if (skip_every != 0) cpu->moe_experts(full, x, ids, &w, T, K, D, F);
+    for (int64_t i = 0; i < n_slots * D + 1; i++)
+        out[i] = sentinel; /* one past the end too: nothing may write there */
+    cpu->moe_experts(out, x, part, &w, T, K, D, F);
+
+    /* Computed rows against the full call (exact), skipped rows against the sentinel. */
+    int64_t n_kept = 0, overwritten = 0;
+    for (int64_t i = 0; i < n_slots; i++) {
+        if (part[i] >= 0) {
+            memcpy(kept + n_kept * D, out + i * D, sizeof(float) * D);
+            memcpy(want_kept + n_kept * D, full + i * D, sizeof(float) * D);
+            n_kept++;
+            continue;
+        }
+        for (int d = 0; d < D; d++)
+            if (memcmp(&out[i * D + d], &sentinel, sizeof(float)) != 0) {
+                if (overwritten < 5)
+                    fprintf(stderr, "  %s: skipped slot %lld (t %lld, k %lld) d %d = %.9g\n", name,
+                            (long long)i, (long long)(i / K), (long long)(i % K), d,
+                            out[i * D + d]);
+                overwritten++;
+            }
+    }
+    const bool past_end = memcmp(&out[n_slots * D], &sentinel, sizeof(float)) == 0;
+    char what[128];
+    snprintf(what, sizeof what, "moe_experts %s T=%d E=%d K=%d: kept rows", name, T, E, K);
+    if (n_kept > 0) compare_exact(what, kept, want_kept, n_kept * D);
+    snprintf(what, sizeof what, "moe_experts %s: %lld skipped slots", name, (long long)n_skipped);
+    printf("  %-52s %s\n", what, overwritten || !past_end ? "WRITTEN" : "untouched");
+    CHECK(overwritten == 0 && past_end, "%s: %lld values of skipped slots overwritten%s", what,
+          (long long)overwritten, past_end ? "" : ", and the value past the end");
+    CHECK(n_kept + n_skipped == n_slots && (skip_every != 0 || n_kept == 0),
+          "%s: %lld kept + %lld skipped of %lld", name, (long long)n_kept, (long long)n_skipped,
+          (long long)n_slots);
+
+    for (int e = 0; e < E; e++) {
+        free(gate[e].data);
+        free(up[e].data);
+        free(down[e].data);
+    }
+    free(gate);
+    free(up);
+    free(down);
+    free(x);
+    free(ids);
+    free(part);
+    free(full);
+    free(out);
+    free(kept);
+    free(want_kept);
+}
+
+static void test_moe_skip(void) {
+    printf("moe_experts with skipped slots (negative ids)\n");
+    test_moe_skip_case(16, 16, 4, 48, 33, 3, "a third skipped, many busy");
+    test_moe_skip_case(9, 4, 2, 64, 40, 2, "half skipped, few busy");
+    test_moe_skip_case(1, 8, 8, 24, 16, 2, "one token, top-8");
+    test_moe_skip_case(12, 8, 2, 32, 24, 0, "every slot skipped");
+    test_moe_skip_case(0, 8, 2, 32, 24, 0, "T = 0");
+
+    /* One busy expert among skipped slots: the pairs array is sized by the kept slots. */
+    {
+        const int T = 7, E = 6, K = 3, D = 16, F = 12;
+        tensor g[6], u[6], dn[6];
+        for (int e = 0; e < E; e++) {
+            g[e] = make_weight(DTYPE_F32, F, D, 0.25f, NULL);
+            u[e] = make_weight(DTYPE_F32, F, D, 0.25f, NULL);
+            dn[e] = make_weight(DTYPE_F32, D, F, 0.25f, NULL);
+        }
+        moe_experts w = {.E = E, .gate = g, .up = u, .down = dn};
+        float *x = rand_floats((int64_t)T * D, 1.0f);
+        int32_t ids[21], one_id[3] = {-1, 5, -1};
+        for (int i = 0; i < T * K; i++)
+            ids[i] = i == 10 ? 5 : -1; /* token 3, slot 1 */
+        float out[21 * 16], one[3 * 16];
+        for (int i = 0; i < T * K * D; i++)
+            out[i] = NAN;
+        for (int i = 0; i < K * D; i++)
+            one[i] = NAN;
+        cpu->moe_experts(out, x, ids, &w, T, K, D, F);
+        cpu->moe_experts(one, x + 3 * D, one_id, &w, 1, K, D, F);
+        int nan_rows = 0;
+        for (int i = 0; i < T * K; i++)
+            if (i != 10 && isnan(out[i * D]) && isnan(out[i * D + D - 1])) nan_rows++;
+        CHECK(nan_rows == T * K - 1, "one kept slot: %d of %d skipped rows still NaN", nan_rows,
+              T * K - 1);
+        CHECK(!isnan(out[10 * D]) && memcmp(out + 10 * D, one + D, sizeof(float) * D) == 0,
+              "one kept slot: its row differs from the same token alone");
+        printf("  %-52s %s\n", "one kept slot among 21", nan_rows == T * K - 1 ? "ok" : "WRONG");
+        for (int e = 0; e < E; e++) {
+            free(g[e].data);
+            free(u[e].data);
+            free(dn[e].data);
+        }
+        free(x);
+    }
+}
+
 static void test_finalize_and_elementwise(void) {
     printf("moe_finalize, silu_mul, add\n");
     const int T = 5, K = 4, D = 37;
@@ -940,6 +1078,7 @@ int main(int argc, char **argv) {
     test_attention();
     test_router();
     test_moe();
+    test_moe_skip();
     test_finalize_and_elementwise();
     test_empty();
     test_bad_dtype();
