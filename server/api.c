@@ -15,7 +15,12 @@
  *     that could still turn out to be the start of a stop string is held back, so a streamed delta
  *     never has to be taken back.
  *   - Non-streaming exchanges are woken when a request is done, and at most every 0.25 s while
- *     tokens flow, so that a client that has gone away is noticed and its request aborted. */
+ *     tokens flow, so that a client that has gone away is noticed and its request aborted.
+ *   - In a rank group with --load-balance, a generation request goes to the least-loaded rank
+ *     (rank_group_pick, this rank's load live from the scheduler): another rank's request is
+ *     relayed whole by server/proxy.h, after the checks of this rank (key, method, readiness) and
+ *     before its body is read, so the rank that runs it parses it once. A relayed request carries
+ *     X-Moeserve-Routed and is always run where it arrives. */
 #include "server/api_internal.h"
 
 #include <math.h>
@@ -27,10 +32,12 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "runner/rank_group.h"
 #include "runner/sampler.h"
 
 #define API_VERSION       "0.1.0"
 #define API_WAKE_INTERVAL 0.25
+#define API_RELAY_DRAIN_S 3.0 /* at shutdown, relays in flight get this long to end */
 
 /* The one api of the process, for the notify callback (its context is a packed handle). */
 static api_server *api_global;
@@ -714,6 +721,64 @@ static void api_model_info(api_server *a, http_exchange *x) {
     api_reply_json(a, x, 200, o);
 }
 
+/* This rank's internal_states entry: live statistics of its scheduler. */
+static cJSON *api_own_state(api_server *a) {
+    scheduler_stats st = {0};
+    if (a->sched) scheduler_get_stats(a->sched, &st);
+    cJSON *s = cJSON_CreateObject();
+    cJSON_AddNumberToObject(s, "last_gen_throughput", st.last_gen_throughput);
+    cJSON_AddNumberToObject(s, "num_running_reqs", st.n_running);
+    cJSON_AddNumberToObject(s, "num_waiting_reqs", st.n_waiting);
+    cJSON_AddNumberToObject(s, "kv_pages_used", st.kv_pages_used);
+    cJSON_AddNumberToObject(s, "kv_pages_total", st.kv_pages_total);
+    cJSON_AddNumberToObject(s, "n_steps", (double)st.n_steps);
+    cJSON_AddNumberToObject(s, "step_sched_seconds", st.step_sched_seconds);
+    cJSON_AddNumberToObject(s, "step_forward_seconds", st.step_forward_seconds);
+    cJSON_AddNumberToObject(s, "step_sample_seconds", st.step_sample_seconds);
+    cJSON_AddNumberToObject(s, "n_preemptions", (double)st.n_preemptions);
+    cJSON_AddNumberToObject(s, "n_cached_tokens", (double)st.n_cached_tokens);
+    cJSON_AddNumberToObject(s, "n_requests_done", (double)st.n_requests_done);
+    cJSON_AddNumberToObject(s, "n_generated_tokens", (double)st.n_generated_tokens);
+    rank_group *g = a->group;
+    int me = g ? rank_group_rank(g) : 0;
+    cJSON_AddNumberToObject(s, "rank", me);
+    if (g) {
+        cJSON_AddStringToObject(s, "url", rank_group_url(g, me));
+        cJSON_AddNumberToObject(s, "pid", rank_group_pid(g, me));
+        cJSON_AddStringToObject(s, "hostname", rank_group_hostname(g, me));
+    } else {
+        char host[256] = "";
+        if (gethostname(host, sizeof host)) host[0] = '\0';
+        host[sizeof host - 1] = '\0';
+        cJSON_AddNumberToObject(s, "pid", getpid());
+        cJSON_AddStringToObject(s, "hostname", host);
+    }
+    cJSON_AddNumberToObject(s, "report_age_s", 0);
+    return s;
+}
+
+/* Another rank's entry: its report from the latest step (age_s old; null before the first). */
+static cJSON *api_peer_state(api_server *a, int r, const rank_report *rep, double age_s) {
+    rank_group *g = a->group;
+    cJSON *s = cJSON_CreateObject();
+    cJSON_AddNumberToObject(s, "last_gen_throughput", (double)rep->gen_throughput_milli / 1000.0);
+    cJSON_AddNumberToObject(s, "num_running_reqs", (double)rep->n_running);
+    cJSON_AddNumberToObject(s, "num_waiting_reqs", (double)rep->n_waiting);
+    cJSON_AddNumberToObject(s, "kv_pages_used", (double)rep->kv_pages_used);
+    cJSON_AddNumberToObject(s, "kv_pages_total", (double)rep->kv_pages_total);
+    cJSON_AddNumberToObject(s, "n_requests_done", (double)rep->n_requests_done);
+    cJSON_AddNumberToObject(s, "n_generated_tokens", (double)rep->n_generated_tokens);
+    cJSON_AddNumberToObject(s, "rank", r);
+    cJSON_AddStringToObject(s, "url", rank_group_url(g, r));
+    cJSON_AddNumberToObject(s, "pid", rank_group_pid(g, r));
+    cJSON_AddStringToObject(s, "hostname", rank_group_hostname(g, r));
+    if (age_s < 1e8)
+        cJSON_AddNumberToObject(s, "report_age_s", age_s);
+    else
+        cJSON_AddNullToObject(s, "report_age_s");
+    return s;
+}
+
 static void api_server_info(api_server *a, http_exchange *x) {
     const server_args *g = &a->args;
     cJSON *o = cJSON_CreateObject();
@@ -735,29 +800,31 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddStringToObject(o, "log_level", g->log_level);
     cJSON_AddNumberToObject(o, "threads", g->threads);
     cJSON_AddNumberToObject(o, "max_body_bytes", (double)g->max_body_bytes);
-    cJSON_AddNumberToObject(o, "tp_size", 1);
-    cJSON_AddNumberToObject(o, "dp_size", 1);
-    cJSON_AddNumberToObject(o, "ep_size", 1);
+    int world = a->group ? rank_group_size(a->group) : 1;
+    int me = a->group ? rank_group_rank(a->group) : 0;
+    cJSON_AddNumberToObject(o, "rank", me);
+    cJSON_AddNumberToObject(o, "world_size", world);
+    cJSON_AddBoolToObject(o, "load_balance", g->load_balance);
+    cJSON_AddStringToObject(o, "moe_a2a_backend", g->moe_a2a_backend ? g->moe_a2a_backend : "none");
+    cJSON_AddBoolToObject(o, "enable_dp_attention", g->enable_dp_attention);
+    cJSON_AddNumberToObject(o, "tp_size", world);
+    cJSON_AddNumberToObject(o, "dp_size", world);
+    cJSON_AddNumberToObject(o, "ep_size", world);
     cJSON_AddNumberToObject(o, "stream_interval", 1);
     cJSON_AddBoolToObject(o, "skip_tokenizer_init", false);
     cJSON_AddNumberToObject(o, "max_total_num_tokens", g->max_total_tokens);
     cJSON_AddNumberToObject(o, "max_req_input_len", g->context_length - 1);
-    scheduler_stats st = {0};
-    if (a->sched) scheduler_get_stats(a->sched, &st);
     cJSON *states = cJSON_AddArrayToObject(o, "internal_states");
-    cJSON *s0 = cJSON_CreateObject();
-    cJSON_AddNumberToObject(s0, "last_gen_throughput", st.last_gen_throughput);
-    cJSON_AddNumberToObject(s0, "num_running_reqs", st.n_running);
-    cJSON_AddNumberToObject(s0, "num_waiting_reqs", st.n_waiting);
-    cJSON_AddNumberToObject(s0, "kv_pages_used", st.kv_pages_used);
-    cJSON_AddNumberToObject(s0, "kv_pages_total", st.kv_pages_total);
-    cJSON_AddNumberToObject(s0, "n_steps", (double)st.n_steps);
-    cJSON_AddNumberToObject(s0, "step_sched_seconds", st.step_sched_seconds);
-    cJSON_AddNumberToObject(s0, "step_forward_seconds", st.step_forward_seconds);
-    cJSON_AddNumberToObject(s0, "step_sample_seconds", st.step_sample_seconds);
-    cJSON_AddNumberToObject(s0, "n_preemptions", (double)st.n_preemptions);
-    cJSON_AddNumberToObject(s0, "n_cached_tokens", (double)st.n_cached_tokens);
-    cJSON_AddItemToArray(states, s0);
+    rank_report *reports = NULL;
+    double age = 0;
+    if (a->group) {
+        reports = xcalloc((size_t)world, sizeof *reports);
+        age = rank_group_loads(a->group, reports);
+    }
+    for (int r = 0; r < world; r++)
+        cJSON_AddItemToArray(states,
+                             r == me ? api_own_state(a) : api_peer_state(a, r, &reports[r], age));
+    free(reports);
     cJSON_AddStringToObject(o, "version", API_VERSION);
     api_reply_json(a, x, 200, o);
 }
@@ -797,23 +864,24 @@ typedef struct {
     const char *methods; /* as the Allow header lists them */
     api_body body;
     bool needs_engine;
+    bool balanced; /* a generation request: may run on another rank */
     void (*plain)(api_server *a, http_exchange *x);
     void (*json)(api_server *a, http_exchange *x, const cJSON *body);
 } api_route;
 
 static const api_route api_routes[] = {
-    {"/generate", "POST, PUT", API_BODY_JSON, true, NULL, api_generate},
-    {"/v1/completions", "POST", API_BODY_JSON, true, NULL, api_completions},
-    {"/v1/chat/completions", "POST", API_BODY_JSON, true, NULL, api_chat},
-    {"/v1/models", "GET, HEAD", API_BODY_NONE, false, api_models, NULL},
-    {"/health", "GET, HEAD", API_BODY_NONE, false, api_health, NULL},
-    {"/health_generate", "GET, HEAD", API_BODY_NONE, false, api_health_generate, NULL},
-    {"/get_model_info", "GET, HEAD", API_BODY_NONE, false, api_model_info, NULL},
-    {"/model_info", "GET, HEAD", API_BODY_NONE, false, api_model_info, NULL},
-    {"/get_server_info", "GET, HEAD", API_BODY_NONE, false, api_server_info, NULL},
-    {"/server_info", "GET, HEAD", API_BODY_NONE, false, api_server_info, NULL},
-    {"/flush_cache", "GET, HEAD, POST", API_BODY_NONE, false, api_flush_cache, NULL},
-    {"/metrics", "GET, HEAD", API_BODY_NONE, false, api_metrics, NULL},
+    {"/generate", "POST, PUT", API_BODY_JSON, true, true, NULL, api_generate},
+    {"/v1/completions", "POST", API_BODY_JSON, true, true, NULL, api_completions},
+    {"/v1/chat/completions", "POST", API_BODY_JSON, true, true, NULL, api_chat},
+    {"/v1/models", "GET, HEAD", API_BODY_NONE, false, false, api_models, NULL},
+    {"/health", "GET, HEAD", API_BODY_NONE, false, false, api_health, NULL},
+    {"/health_generate", "GET, HEAD", API_BODY_NONE, false, false, api_health_generate, NULL},
+    {"/get_model_info", "GET, HEAD", API_BODY_NONE, false, false, api_model_info, NULL},
+    {"/model_info", "GET, HEAD", API_BODY_NONE, false, false, api_model_info, NULL},
+    {"/get_server_info", "GET, HEAD", API_BODY_NONE, false, false, api_server_info, NULL},
+    {"/server_info", "GET, HEAD", API_BODY_NONE, false, false, api_server_info, NULL},
+    {"/flush_cache", "GET, HEAD, POST", API_BODY_NONE, false, false, api_flush_cache, NULL},
+    {"/metrics", "GET, HEAD", API_BODY_NONE, false, false, api_metrics, NULL},
 };
 
 static bool api_method_allowed(const char *methods, const char *method) {
@@ -861,6 +929,31 @@ static cJSON *api_parse_body(http_exchange *x, api_error *e) {
     return json;
 }
 
+static void api_relay_done(void *ctx, int to_rank) { rank_group_pick_done(ctx, to_rank); }
+
+/* Relay x to the least-loaded rank when that is another one; false: run it here. */
+static bool api_relay(api_server *a, http_exchange *x) {
+    rank_group *g = a->group;
+    if (!a->relay || !a->args.load_balance || http_header(x, PROXY_ROUTED_HEADER)) return false;
+    scheduler_stats st;
+    scheduler_get_stats(a->sched, &st);
+    int me = rank_group_rank(g);
+    int to = rank_group_pick(g, (int64_t)st.n_running + st.n_waiting);
+    if (to == me) {
+        rank_group_pick_done(g, to); /* runs here: the scheduler counts it from now on */
+        return false;
+    }
+    pthread_mutex_lock(&a->submit_mu); /* api_stop_relays frees the relay under it */
+    bool open = a->relay && atomic_load(&a->state) == API_STATE_READY;
+    if (open) {
+        LOG_DEBUG("api", "%s %s -> rank %d", http_method(x), http_path(x), to);
+        proxy_forward(a->relay, x, rank_group_url(g, to), me, to, api_relay_done, g);
+    }
+    pthread_mutex_unlock(&a->submit_mu);
+    if (!open) rank_group_pick_done(g, to); /* shutting down: answered here */
+    return open;
+}
+
 void api_on_request(void *app, http_exchange *x) {
     api_server *a = app;
     api_reap(a);
@@ -892,6 +985,7 @@ void api_on_request(void *app, http_exchange *x) {
         api_health(a, x);
         return;
     }
+    if (route->balanced && api_relay(a, x)) return;
     if (route->plain) {
         route->plain(a, x);
         return;
@@ -926,6 +1020,34 @@ api_server *api_create(const server_args *args, const tokenizer *tok, const chat
 
 void api_set_http(api_server *a, http_server *h) { a->http = h; }
 
+void api_set_group(api_server *a, rank_group *g) {
+    a->group = g;
+    if (!g || rank_group_size(g) < 2 || !a->args.load_balance) return;
+    char err[256];
+    a->relay = proxy_create(a->http, err, sizeof err);
+    if (!a->relay) {
+        fprintf(stderr, "%s:%d: rank %d: %s (start with --no-load-balance to run without relays)\n",
+                __FILE__, __LINE__, rank_group_rank(g), err);
+        exit(1);
+    }
+}
+
+void api_stop_relays(api_server *a) {
+    pthread_mutex_lock(&a->submit_mu);
+    proxy *p = a->relay;
+    a->relay = NULL;
+    pthread_mutex_unlock(&a->submit_mu);
+    if (!p) return;
+    double t0 = api_now();
+    while (proxy_n_active(p) > 0 && api_now() - t0 < API_RELAY_DRAIN_S) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (proxy_n_active(p) > 0)
+        LOG_WARN("api", "%d relayed requests still running at shutdown: cut", proxy_n_active(p));
+    proxy_free(p);
+}
+
 void api_set_ready(api_server *a, scheduler *s, const model_config *cfg) {
     a->sched = s;
     a->cfg = *cfg;
@@ -940,6 +1062,10 @@ void api_drain(api_server *a) {
 
 void api_free(api_server *a) {
     if (!a) return;
+    if (a->relay) {
+        LOG_WARN("api", "api_stop_relays was not called before http_server_stop");
+        api_stop_relays(a);
+    }
     api_reap(a);
     if (a->retired) LOG_WARN("api", "requests still running at exit");
     pthread_mutex_destroy(&a->submit_mu);

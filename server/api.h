@@ -68,6 +68,10 @@ void api_set_http(api_server *a, http_server *h);
  * api_set_http. */
 struct rank_group;
 void api_set_group(api_server *a, struct rank_group *g);
+/* Stop relaying: new generation requests are no longer passed on, relays in flight get a few
+ * seconds to end by themselves, then the rest are cut (502, or an error event that ends their
+ * stream). After api_drain and before http_server_stop; nothing to do without a group. */
+void api_stop_relays(api_server *a);
 /* The engine is up: generation endpoints open, /health says 200. */
 void api_set_ready(api_server *a, scheduler *s, const model_config *cfg);
 /* Refuse new generation requests from now on; returns once no submit is in progress. */

@@ -17,6 +17,7 @@
 
 #include "runner/request.h"
 #include "server/api.h"
+#include "server/proxy.h"
 
 #define API_MAX_ITEMS              4096 /* requests per exchange (batch x n) */
 #define API_ITEM_BITS              12
@@ -113,6 +114,9 @@ struct api_server {
     api_watch *retired;        /* polling thread only */
     long created;              /* start time, seconds since the epoch */
     atomic_uint_fast64_t seed_counter;
+    struct rank_group *group; /* NULL: a group of one */
+    proxy *relay;             /* relays to other ranks (a group with load_balance); under
+                                 submit_mu once serving, NULL after api_stop_relays */
 };
 
 /* An error answer: message, OpenAI type and the offending parameter (may be NULL). */
