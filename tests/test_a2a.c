@@ -13,8 +13,9 @@
  * different each round), skewed routing (every token to one rank's experts), all-zero rounds,
  * tokens spread over every rank, a token with two slots on the same rank, E = 10 split unevenly,
  * E = 3 on 4 ranks (a rank with no experts), K = 2..4; the phase guard, argument errors, config
- * checks agreed across ranks, a runtime_max that differs between ranks, and a peer that never
- * arrives (the wait times out naming it). */
+ * checks agreed across ranks, a runtime_max that differs between ranks, a peer that never
+ * arrives (the wait times out naming it), and one that the config's check_peers reports gone in
+ * dispatch or combine (the wait fails within a fraction of a second with its message). */
 #include "kernels/a2a.h"
 #include "tests/check.h"
 
@@ -403,6 +404,90 @@ static void test_timeout(a2a_transport t) {
     a2a_destroy(a);
 }
 
+/* The config's check_peers, answering for the ranks that wait: 0 for the first `healthy` calls
+ * (the wait goes on), then -1 naming `gone` ("rank X (pid 0) has exited", as the rank group says
+ * it), or with no message at all when silent. */
+typedef struct {
+    int calls;
+    int healthy;
+    int gone;
+    int silent;
+} peer_watch;
+
+static int peer_watch_check(void *ctx, char *msg, size_t len) {
+    peer_watch *w = ctx;
+    if (++w->calls <= w->healthy) return 0;
+    if (!w->silent) snprintf(msg, len, "rank %d (pid 0) has exited", w->gone);
+    return -1;
+}
+
+/* A peer known to be gone (np >= 2): the highest rank skips the dispatch (or, after a round's
+ * dispatch, the combine); the others' wait asks check_peers every 100 ms, goes on while it answers
+ * 0 and fails on the first -1, after about 0.1 s per call, far below timeout_s = 20 s, with the
+ * callback's message. Then the a2a refuses everything and is destroyed as after a timeout.
+ * healthy = a large number: check_peers never objects and the wait ends at timeout_s, naming the
+ * missing rank as without a callback. */
+static void test_peer_gone(a2a_transport t, int in_combine, int silent, int healthy,
+                           double timeout_s) {
+    const int last = g_size - 1;
+    a2a_config c = make_config(t, 10, 2);
+    peer_watch w = {.calls = 0, .healthy = healthy, .gone = last, .silent = silent};
+    c.timeout_s = timeout_s;
+    c.check_peers = peer_watch_check;
+    c.check_ctx = &w;
+    char err[512] = "", what[96], want[96];
+    snprintf(what, sizeof what, "rank %d %s, peer gone in %s%s", g_rank, a2a_transport_name(t),
+             in_combine ? "combine" : "dispatch", silent ? ", no message" : "");
+    a2a *a = a2a_create(&c, MPI_COMM_WORLD, err, sizeof err);
+    CHECK(a != NULL, "%s: create: %s", what, err);
+    if (!a) return;
+    float x[2 * 24] = {0}, w2[4] = {0.5f, 0.5f, 0.25f, 0.75f}, out[2 * 2 * 24];
+    int32_t ids[4] = {0, 9, 5, 1}; /* tokens to rank 0, the last rank and ranks between */
+    for (int i = 0; i < 2 * 24; i++)
+        x[i] = (float)i;
+    if (in_combine) {
+        int rc = a2a_dispatch(a, x, ids, w2, 2, 2, err, sizeof err);
+        CHECK(rc == 0, "%s: the round's dispatch: %s", what, err);
+    }
+    if (g_rank != last) {
+        a2a_received got = a2a_get_received(a);
+        float *eo = calloc((size_t)got.n * 2 * 24 + 1, sizeof(float));
+        double t0 = MPI_Wtime();
+        int rc = in_combine ? a2a_combine(a, eo, out, err, sizeof err)
+                            : a2a_dispatch(a, x, ids, w2, 2, 2, err, sizeof err);
+        double dt = MPI_Wtime() - t0;
+        free(eo);
+        if (healthy < 1000) {
+            if (silent)
+                snprintf(want, sizeof want, "a peer has gone");
+            else
+                snprintf(want, sizeof want, "rank %d (pid 0) has exited", last);
+            CHECK(rc == -1 && strstr(err, want) && strstr(err, in_combine ? "combine" : "dispatch"),
+                  "%s: rc %d '%s', want '%s'", what, rc, err, want);
+            CHECK(dt >= 0.1 * (healthy + 1) - 0.01 && dt < 1.0,
+                  "%s: failed after %.3f s, want about %.1f (timeout %g)", what, dt,
+                  0.1 * (healthy + 1), timeout_s);
+            CHECK(w.calls == healthy + 1, "%s: check_peers called %d times, want %d", what, w.calls,
+                  healthy + 1);
+        } else {
+            snprintf(want, sizeof want, "rank %d did not arrive", last);
+            CHECK(rc == -1 && strstr(err, want), "%s: rc %d '%s', want '%s'", what, rc, err, want);
+            CHECK(dt >= timeout_s - 0.01 && dt < timeout_s + 1.0,
+                  "%s: timed out after %.3f s, want %g", what, dt, timeout_s);
+            CHECK(w.calls >= 2, "%s: check_peers called %d times in %.3f s", what, w.calls, dt);
+        }
+        rc = a2a_dispatch(a, x, ids, w2, 2, 2, err, sizeof err);
+        CHECK(rc == -1 && strstr(err, "failed earlier"), "%s: dispatch after: rc %d '%s'", what, rc,
+              err);
+        CHECK(a2a_get_received(a).n == 0, "%s: received tokens after the failure", what);
+    } else {
+        CHECK(w.calls == 0, "%s: check_peers called %d times on the rank that skipped", what,
+              w.calls);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    a2a_destroy(a);
+}
+
 /* The config check: every rank rejects together, whether the fault is shared or one rank's. */
 static void test_config(void) {
     char err[512];
@@ -508,6 +593,10 @@ int main(int argc, char **argv) {
         if (g_size > 1 && transports[i] != A2A_NONE) {
             test_runtime_max_mismatch(transports[i]);
             test_timeout(transports[i]);
+            test_peer_gone(transports[i], 0, 0, 1, 20);
+            test_peer_gone(transports[i], 1, 0, 1, 20);
+            test_peer_gone(transports[i], 0, 1, 0, 20);
+            test_peer_gone(transports[i], 0, 0, 1000000, 0.35);
         }
     }
 
