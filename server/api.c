@@ -747,6 +747,14 @@ static cJSON *api_own_state(api_server *a) {
         cJSON_AddNumberToObject(s, "pid", rank_group_pid(g, me));
         cJSON_AddStringToObject(s, "hostname", rank_group_hostname(g, me));
     } else {
+        /* as a peer would reach it: a wildcard listener through loopback */
+        const char *h = a->args.host ? a->args.host : "";
+        bool v6 = strchr(h, ':') != NULL;
+        if (!*h || !strcmp(h, "0.0.0.0") || !strcmp(h, "::")) h = v6 ? "::1" : "127.0.0.1";
+        char url[300];
+        snprintf(url, sizeof url, "http://%s%s%s:%d", v6 ? "[" : "", h, v6 ? "]" : "",
+                 a->http ? http_server_port(a->http) : a->args.port);
+        cJSON_AddStringToObject(s, "url", url);
         char host[256] = "";
         if (gethostname(host, sizeof host)) host[0] = '\0';
         host[sizeof host - 1] = '\0';
@@ -934,7 +942,7 @@ static void api_relay_done(void *ctx, int to_rank) { rank_group_pick_done(ctx, t
 /* Relay x to the least-loaded rank when that is another one; false: run it here. */
 static bool api_relay(api_server *a, http_exchange *x) {
     rank_group *g = a->group;
-    if (!a->relay || !a->args.load_balance || http_header(x, PROXY_ROUTED_HEADER)) return false;
+    if (!g || !a->args.load_balance || http_header(x, PROXY_ROUTED_HEADER)) return false;
     scheduler_stats st;
     scheduler_get_stats(a->sched, &st);
     int me = rank_group_rank(g);
