@@ -53,10 +53,16 @@ TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 .PHONY: all test run bench asan format clean deps
 .SECONDARY:
-all: $(BUILD)/moeserve $(TEST_BINS)
+all: $(BUILD)/moeserve $(BUILD)/moeserve-bench $(TEST_BINS)
 
 $(BUILD)/moeserve: $(BUILD)/server/main.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
+
+# moeserve-bench: GSM8K and serving benchmark clients (scripts/bench/, libcurl + cJSON only).
+BENCH_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(wildcard scripts/bench/*.c))
+$(BUILD)/moeserve-bench: $(BENCH_OBJS)
+	$(CC) -o $@ $^ $(filter -fsanitize=%,$(LDLIBS)) $(CURL_LIBS) -lcjson -lm -lpthread
+$(BUILD)/tests/test_bench_stats: $(filter-out $(BUILD)/scripts/bench/main.o,$(BENCH_OBJS))
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(LIB_OBJS)
 	@mkdir -p $(dir $@)
