@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The all-to-all tests (tests/test_a2a.c, an MPI program) under mpirun -np 1, 2, 3 and 4, and once
-# more at np 3 with the mpi transport over OpenMPI's pt2pt one-sided component (active messages,
-# no shared memory: how ranks on different nodes talk). Ranks beyond the cores oversubscribe them,
-# so OpenMPI is told to yield when idle and each rank runs one OpenMP thread.
-# Prints one line per run and one combined "N passed, M failed" last line.
+# The multi-rank tests, MPI programs under mpirun:
+# - the all-to-all (tests/test_a2a.c) at np 1, 2, 3 and 4, and once more at np 3 with the mpi
+#   transport over OpenMPI's pt2pt one-sided component (active messages, no shared memory: how
+#   ranks on different nodes talk);
+# - the rank group (tests/test_rank_group.c) at np 1, 2, 3 and 4; its timeout case at np 3 (the
+#   highest rank sleeps through a step); its gone case at np 3 (the highest rank exits during a
+#   step, mpirun told to let a rank exit without MPI_Finalize instead of ending the job).
+# Ranks beyond the cores oversubscribe them, so OpenMPI is told to yield when idle and each rank
+# runs one OpenMP thread. Prints one line per run and one combined "N passed, M failed" last line.
 set -u
 cd "$(dirname "$0")/.."
-bin=${BUILD:-build}/tests/test_a2a
+a2a=${BUILD:-build}/tests/test_a2a
+rank_group=${BUILD:-build}/tests/test_rank_group
 fail_early() {
     echo "FAIL a2a_test.sh: $1"
     echo "0 passed, 1 failed"
     exit 1
 }
-[ -x "$bin" ] || fail_early "$bin is not built (make)"
 command -v mpirun >/dev/null || fail_early "mpirun not found (apt-get install openmpi-bin)"
 
 export OMP_NUM_THREADS=1
@@ -20,9 +24,14 @@ flags=(--allow-run-as-root --oversubscribe --mca mpi_yield_when_idle 1 -x OMP_NU
 total_pass=0
 total_fail=0
 
-run_case() { # $1 = label, then mpirun arguments before the binary, then -- and its arguments
-    local label=$1 out rc line p f
-    shift
+run_case() { # $1 = label, $2 = binary, then mpirun arguments before it, then -- and its arguments
+    local label=$1 bin=$2 out rc line p f
+    shift 2
+    if [ ! -x "$bin" ]; then
+        echo "FAIL $label: $bin is not built (make)"
+        total_fail=$((total_fail + 1))
+        return
+    fi
     local pre=() post=()
     while [ $# -gt 0 ] && [ "$1" != -- ]; do pre+=("$1"); shift; done
     [ $# -gt 0 ] && shift
@@ -47,8 +56,14 @@ run_case() { # $1 = label, then mpirun arguments before the binary, then -- and 
 }
 
 for np in 1 2 3 4; do
-    run_case "np $np" -np "$np"
+    run_case "a2a np $np" "$a2a" -np "$np"
 done
-run_case "np 3, mpi over osc pt2pt" -np 3 --mca osc pt2pt -- mpi
+run_case "a2a np 3, mpi over osc pt2pt" "$a2a" -np 3 --mca osc pt2pt -- mpi
+for np in 1 2 3 4; do
+    run_case "rank group np $np" "$rank_group" -np "$np"
+done
+run_case "rank group np 3, timeout" "$rank_group" -np 3 -- timeout
+run_case "rank group np 3, a rank exits" "$rank_group" -np 3 --mca orte_allowed_exit_without_sync 1 \
+    -- gone
 echo "$total_pass passed, $total_fail failed"
 [ "$total_fail" -eq 0 ]
