@@ -426,7 +426,9 @@ void rank_group_finalize(rank_group *g) {
     rg_free(g);
 }
 
-void rank_group_abandon(rank_group *g) { rg_free(g); }
+/* The failed step's receives may still be posted: a late report would land in g->recv, so the
+ * buffers stay allocated (the process is about to exit). */
+void rank_group_abandon(rank_group *g) { (void)g; }
 
 /* ---- SGLang's flags ---- */
 

@@ -713,6 +713,7 @@ static int cmd_serve(int argc, char **argv) {
     api_set_http(api, http);
     if (rank_group_share_endpoints(group, a.host, http_server_port(http), err, sizeof err))
         die("%s", err);
+    if (world > 1) api_set_group(api, group);
 
     LOG_INFO("serve", "loading %s", a.model_path);
     if (a.threads) omp_set_num_threads(a.threads);
@@ -785,10 +786,12 @@ static int cmd_serve(int argc, char **argv) {
     }
     if (atomic_load(&eng.failed)) {
         /* Nothing collective after a failure; every request was answered with the error. */
+        api_stop_relays(api);
         http_server_stop(http, 2.0);
         LOG_ERROR("serve", "stopped: %s", eng.err);
         _exit(1);
     }
+    api_stop_relays(api);
     http_server_stop(http, 10.0);
     api_reap(api);
     api_free(api);
