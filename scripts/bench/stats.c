@@ -113,7 +113,7 @@ void bench_serving_compute(const bench_request *reqs, int n, double duration,
         m->total_input += r->prompt_len;
         m->total_output += r->output_len;
         if (r->output_len > 1) tpot[n_tpot++] = (r->latency - r->ttft) / (r->output_len - 1);
-        memcpy(itl + n_itl, r->itl, (size_t)r->n_itl * sizeof *itl);
+        if (r->n_itl) memcpy(itl + n_itl, r->itl, (size_t)r->n_itl * sizeof *itl);
         n_itl += r->n_itl;
         ttft[m->completed] = r->ttft;
         e2e[m->completed] = r->latency;
