@@ -25,9 +25,9 @@ CU_SRCS  := $(wildcard kernels/cuda/*.cu)
 ifneq ($(NVCC),)
   ifneq ($(CU_SRCS),)
     CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-    NVCCFLAGS ?= -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I.
+    NVCCFLAGS ?= -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -I.
     CFLAGS    += -DMOESERVE_CUDA=1
-    LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt
+    LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
     CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
   endif
 endif

@@ -7,6 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum { LOG_LEVEL_DEBUG, LOG_LEVEL_INFO, LOG_LEVEL_WARN, LOG_LEVEL_ERROR } log_level;
 
 extern log_level log_threshold; /* default LOG_LEVEL_INFO; set once at start-up */
@@ -49,5 +53,9 @@ char *path_join(const char *dir, const char *name);
 /* Format an error message into err[errlen] (snprintf semantics) and return -1, so that
  * loaders can write `return set_err(err, errlen, "%s: field %s ...", file, field);`. */
 int set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -10,6 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum {
     DTYPE_F32,
     DTYPE_F16,
@@ -90,5 +94,9 @@ static inline float tensor_get_f32(const tensor *t, int64_t i) {
     default: return 0.0f;
     }
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -6,13 +6,19 @@
  *   E  experts                      K   experts per token     F  FFN width (expert or dense)
  *   P  KV pages                     S   tokens per KV page    N, Kin  linear out / in features
  *
- * Activations are float32 buffers on the backend's device; weights are tensors (BF16 or F32
- * today; FP8 and NVFP4 come with the CUDA backend). Arguments go outputs, inputs, sizes.
+ * Activations are float32 buffers on the backend's device (dev_alloc); so are the index arrays
+ * (ids, pos, seq, page tables, top-k ids) and the KV cache. Weights are tensors, made usable by
+ * upload / prepare_experts (BF16 or F32 today; FP8 and NVFP4 come later). Arguments go outputs,
+ * inputs, sizes.
  * Every op of every backend has the CPU version in kernels/cpu/ as its reference. */
 #ifndef MOESERVE_OPS_H
 #define MOESERVE_OPS_H
 
 #include "common/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Where each token of a batch sits in the paged KV cache. Token t belongs to sequence seq[t]
  * and has absolute position pos[t]; the KV of position p of sequence s lives in page
@@ -33,16 +39,43 @@ typedef struct {
     float *v;
 } kv_layer;
 
-/* The weights of one MoE layer's experts, hub layout: per expert gate/up [F, D], down [D, F]. */
+/* The weights of one MoE layer's experts, hub layout: per expert gate/up [F, D], down [D, F].
+ * A backend that wants them in one piece makes its own copy once, in prepare_experts: CUDA keeps
+ * gate_up [E, 2F, D] (expert e's gate rows, then its up rows) and down [E, D, F] on the device,
+ * in the checkpoint's dtype. The CPU reads the per-expert tensors and leaves these NULL. */
 typedef struct {
     int E;
     const tensor *gate; /* [E] tensors of [F, D] */
     const tensor *up;   /* [E] tensors of [F, D] */
     const tensor *down; /* [E] tensors of [D, F] */
+    void *gate_up;      /* backend copy [E, 2F, D] or NULL */
+    void *down_all;     /* backend copy [E, D, F] or NULL */
+    dtype wdtype;       /* dtype of the backend copies */
 } moe_experts;
 
 typedef struct ops {
     const char *name;
+    device_kind device;
+
+    /* ---- memory: buffers on the backend's device (the CPU: malloc, memcpy) ---- */
+    /* bytes of device memory, uninitialized; NULL when there is not enough. */
+    void *(*dev_alloc)(size_t bytes);
+    void (*dev_free)(void *p);
+    void (*to_device)(void *dst, const void *src, size_t bytes); /* host -> device */
+    void (*to_host)(void *dst, const void *src, size_t bytes);   /* device -> host, after all
+                                                                    work queued before it */
+    void (*dev_zero)(void *p, size_t bytes);
+    /* Make a weight usable by this backend's kernels: CUDA copies t->data (host, e.g. the
+     * memory-mapped checkpoint) to the device once and points t->data there (t->device =
+     * DEVICE_CUDA); the CPU leaves it where it is. 0, or -1 with a message. */
+    int (*upload)(tensor *t, char *err, size_t errlen);
+    /* The experts' backend copies (see moe_experts); the CPU does nothing. 0, or -1. */
+    int (*prepare_experts)(moe_experts *w, char *err, size_t errlen);
+    /* Wait for every queued kernel (the CPU returns at once). */
+    void (*sync)(void);
+
+    /* out[n, D] = x[rows[i], :] (rows on the device). */
+    void (*gather_rows)(float *out, const float *x, const int32_t *rows, int n, int D);
 
     /* out[T, D] = table[ids[t], :] (table [V, D]). */
     void (*embedding)(float *out, const tensor *table, const int32_t *ids, int T, int D);
@@ -92,5 +125,14 @@ typedef struct ops {
 
 /* The CPU backend (kernels/cpu/). Threads: OpenMP, omp_get_max_threads(). */
 const ops *ops_cpu(void);
+
+/* The CUDA backend (kernels/cuda/) on GPU `device` of this node: NULL with a message when this
+ * build has no CUDA or the device cannot be used. Kernels run on one stream in order; to_host
+ * waits for them. */
+const ops *ops_cuda(int device, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

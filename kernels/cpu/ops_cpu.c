@@ -1,9 +1,39 @@
 /* The CPU backend's op table: every op of kernels/ops.h, in plain C with OpenMP. It is the
- * reference the CUDA kernels are tested against and the backend of machines without a GPU. */
+ * reference the CUDA kernels are tested against and the backend of machines without a GPU.
+ * Its "device" is host memory: the memory ops are malloc and memcpy. */
+#include <string.h>
+
 #include "kernels/cpu/cpu_ops.h"
+
+static void *cpu_dev_alloc(size_t bytes) { return malloc(bytes ? bytes : 1); }
+static void cpu_dev_free(void *p) { free(p); }
+static void cpu_copy(void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+}
+static void cpu_dev_zero(void *p, size_t bytes) {
+    if (bytes) memset(p, 0, bytes);
+}
+static int cpu_upload(tensor *t, char *err, size_t errlen) { return 0; }
+static int cpu_prepare_experts(moe_experts *w, char *err, size_t errlen) { return 0; }
+static void cpu_sync(void) {}
+
+static void cpu_gather_rows(float *out, const float *x, const int32_t *rows, int n, int D) {
+    for (int i = 0; i < n; i++)
+        memcpy(out + (size_t)i * D, x + (size_t)rows[i] * D, (size_t)D * sizeof(float));
+}
 
 static const ops cpu_ops_table = {
     .name = "cpu",
+    .device = DEVICE_CPU,
+    .dev_alloc = cpu_dev_alloc,
+    .dev_free = cpu_dev_free,
+    .to_device = cpu_copy,
+    .to_host = cpu_copy,
+    .dev_zero = cpu_dev_zero,
+    .upload = cpu_upload,
+    .prepare_experts = cpu_prepare_experts,
+    .sync = cpu_sync,
+    .gather_rows = cpu_gather_rows,
     .embedding = cpu_embedding,
     .rmsnorm = cpu_rmsnorm,
     .linear = cpu_linear,
@@ -18,3 +48,11 @@ static const ops cpu_ops_table = {
 };
 
 const ops *ops_cpu(void) { return &cpu_ops_table; }
+
+#ifndef MOESERVE_CUDA
+const ops *ops_cuda(int device, char *err, size_t errlen) {
+    set_err(err, errlen,
+            "this build has no CUDA backend (build where nvcc is found, without CUDA=0)");
+    return NULL;
+}
+#endif

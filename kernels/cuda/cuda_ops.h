@@ -1,0 +1,76 @@
+/* Private header of the CUDA backend: the functions behind ops_cuda()'s table, the stream they
+ * all run on, and the helpers the kernel files share. Shape letters and contracts as in
+ * kernels/ops.h: every pointer argument is device memory (ops->dev_alloc), weights are tensors
+ * whose data was uploaded (ops->upload) or experts prepared (ops->prepare_experts).
+ *
+ * Every kernel is checked against the CPU op of the same name (tests/test_cuda_*.c) on random
+ * inputs, with the tolerance stated in the test. Reductions use split sizes fixed by the
+ * reduction length, never by the number of tokens, so a token's result does not depend on the
+ * batch (what the deterministic mode builds on). */
+#ifndef MOESERVE_KERNELS_CUDA_OPS_H
+#define MOESERVE_KERNELS_CUDA_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/tensor.h"
+#include "kernels/ops.h"
+
+#ifdef __cplusplus
+#include <cuda_runtime.h>
+extern "C" {
+#endif
+
+/* The stream every kernel of the backend is queued on (created by ops_cuda). */
+#ifdef __cplusplus
+cudaStream_t cuda_stream(void);
+#endif
+
+/* A CUDA error inside an op is a broken invariant (bad launch, device fault): print where and
+ * what, then abort. */
+void cuda_fail(const char *file, int line, const char *what, const char *msg);
+
+/* ops_cuda.cu: memory and weights */
+void cuda_gather_rows(float *out, const float *x, const int32_t *rows, int n, int D);
+
+/* elementwise.cu */
+void cuda_embedding(float *out, const tensor *table, const int32_t *ids, int T, int D);
+void cuda_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, float eps);
+void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
+               double theta);
+void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
+                   int Dh);
+void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
+                      bool norm);
+void cuda_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
+                       int D);
+void cuda_silu_mul(float *out, const float *gate, const float *up, int T, int F);
+void cuda_add(float *out, const float *a, const float *b, int64_t n);
+
+/* linear.cu (cuBLASLt) */
+void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin);
+
+/* moe.cu */
+int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen);
+void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                      int T, int K, int D, int F);
+
+/* attention.cu */
+void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
+                    int Dh, float scale);
+
+#ifdef __cplusplus
+}
+#endif
+
+#define CUDA_CHECK(call)                                                                           \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) cuda_fail(__FILE__, __LINE__, #call, cudaGetErrorString(e_));       \
+    } while (0)
+
+/* After a kernel launch: the launch itself must have succeeded. */
+#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+#endif

@@ -1,0 +1,136 @@
+// The CUDA backend's op table (kernels/ops.h): device memory, weight upload, and the kernels of
+// elementwise.cu, linear.cu, moe.cu and attention.cu. One device per process (the rank group
+// picks it by local rank), one stream for every kernel, so ops run in the order they are called;
+// to_host waits for everything queued before it.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/log.h"
+#include "kernels/cuda/cuda_ops.h"
+
+static cudaStream_t g_stream;
+static int g_device = -1;
+
+cudaStream_t cuda_stream(void) { return g_stream; }
+
+void cuda_fail(const char *file, int line, const char *what, const char *msg) {
+    fprintf(stderr, "%s:%d: CUDA error in %s: %s\n", file, line, what, msg);
+    abort();
+}
+
+static void *cuda_dev_alloc(size_t bytes) {
+    void *p = nullptr;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError(); // clear the sticky-free error state of a failed allocation
+        return nullptr;
+    }
+    return p;
+}
+
+static void cuda_dev_free(void *p) {
+    if (p) CUDA_CHECK(cudaFree(p));
+}
+
+static void cuda_to_device(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g_stream));
+    // the source may be a stack buffer the caller reuses at once
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+static void cuda_to_host(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g_stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+static void cuda_dev_zero(void *p, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g_stream));
+}
+
+static void cuda_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
+
+static int cuda_upload(tensor *t, char *err, size_t errlen) {
+    if (t->device == DEVICE_CUDA) return 0;
+    size_t bytes = tensor_nbytes(t);
+    void *d = cuda_dev_alloc(bytes);
+    if (!d)
+        return set_err(err, errlen, "CUDA: out of device memory for a weight of %zu bytes", bytes);
+    // Pageable source (the memory-mapped checkpoint): the copy is synchronous.
+    cudaError_t e = cudaMemcpy(d, t->data, bytes, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+        cudaFree(d);
+        return set_err(err, errlen, "CUDA: copying a weight of %zu bytes to the device: %s",
+                       bytes, cudaGetErrorString(e));
+    }
+    t->data = d;
+    t->device = DEVICE_CUDA;
+    return 0;
+}
+
+__global__ void gather_rows_kernel(float *out, const float *x, const int32_t *rows, int D) {
+    const float *src = x + (size_t)rows[blockIdx.x] * D;
+    float *dst = out + (size_t)blockIdx.x * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        dst[d] = src[d];
+}
+
+void cuda_gather_rows(float *out, const float *x, const int32_t *rows, int n, int D) {
+    if (n <= 0) return;
+    gather_rows_kernel<<<n, 256, 0, g_stream>>>(out, x, rows, D);
+    CUDA_CHECK_LAUNCH();
+}
+
+static const ops cuda_ops_table = {
+    .name = "cuda",
+    .device = DEVICE_CUDA,
+    .dev_alloc = cuda_dev_alloc,
+    .dev_free = cuda_dev_free,
+    .to_device = cuda_to_device,
+    .to_host = cuda_to_host,
+    .dev_zero = cuda_dev_zero,
+    .upload = cuda_upload,
+    .prepare_experts = cuda_prepare_experts,
+    .sync = cuda_sync,
+    .gather_rows = cuda_gather_rows,
+    .embedding = cuda_embedding,
+    .rmsnorm = cuda_rmsnorm,
+    .linear = cuda_linear,
+    .rope = cuda_rope,
+    .kv_store = cuda_kv_store,
+    .attention = cuda_attention,
+    .router_topk = cuda_router_topk,
+    .moe_experts = cuda_moe_experts,
+    .moe_finalize = cuda_moe_finalize,
+    .silu_mul = cuda_silu_mul,
+    .add = cuda_add,
+};
+
+extern "C" const ops *ops_cuda(int device, char *err, size_t errlen) {
+    if (g_device >= 0) {
+        if (device != g_device) {
+            set_err(err, errlen, "CUDA: the backend is already running on device %d", g_device);
+            return nullptr;
+        }
+        return &cuda_ops_table;
+    }
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        set_err(err, errlen, "CUDA: no usable GPU (%s)",
+                e != cudaSuccess ? cudaGetErrorString(e) : "no device found");
+        return nullptr;
+    }
+    if (device < 0 || device >= n) {
+        set_err(err, errlen, "CUDA: device %d does not exist (this node has %d)", device, n);
+        return nullptr;
+    }
+    if ((e = cudaSetDevice(device)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        set_err(err, errlen, "CUDA: device %d: %s", device, cudaGetErrorString(e));
+        return nullptr;
+    }
+    g_device = device;
+    return &cuda_ops_table;
+}
