@@ -18,14 +18,66 @@ int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_token
                 size_t errlen) {
     const model_config *c = &m->cfg;
     *e = (engine){.m = m, .chunk_tokens = chunk_tokens};
-    if (kv_cache_init(&e->kv, c->num_hidden_layers, n_pages, page_size, c->num_key_value_heads,
-                      c->head_dim, err, errlen))
+    if (kv_cache_init(&e->kv, m->ops, c->num_hidden_layers, n_pages, page_size,
+                      c->num_key_value_heads, c->head_dim, err, errlen))
         return -1;
     e->scratch = xmalloc((size_t)c->vocab_size * sizeof(float));
     return 0;
 }
 
+/* The device copies of the batch (backends whose memory is not the host's). */
+static void engine_free_staging(engine *e) {
+    const ops *o = e->m ? e->m->ops : NULL;
+    void *bufs[] = {e->d_ids, e->d_pos, e->d_seq, e->d_rows, e->d_table, e->d_logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) o->dev_free(bufs[i]);
+}
+
+static void *dev_grow(const ops *o, void *p, size_t bytes) {
+    if (p) o->dev_free(p);
+    void *q = o->dev_alloc(bytes);
+    if (!q) {
+        fprintf(stderr, "engine: out of %s memory for %zu bytes of batch buffers\n", o->name,
+                bytes);
+        exit(1);
+    }
+    return q;
+}
+
+/* Copy the step's batch (T tokens, n_rows logit rows, the page table) to the device and point fb
+ * at the copies. */
+static void engine_stage(engine *e, forward_batch *fb, const int32_t *page_table, int n_table) {
+    const ops *o = e->m->ops;
+    int T = fb->T, n_rows = fb->n_logits;
+    if (T > e->cap_d_T) {
+        e->d_ids = dev_grow(o, e->d_ids, (size_t)T * sizeof(int32_t));
+        e->d_pos = dev_grow(o, e->d_pos, (size_t)T * sizeof(int32_t));
+        e->d_seq = dev_grow(o, e->d_seq, (size_t)T * sizeof(int32_t));
+        e->d_rows = dev_grow(o, e->d_rows, (size_t)T * sizeof(int32_t));
+        e->cap_d_T = T;
+    }
+    if ((size_t)n_table > e->cap_d_table) {
+        e->d_table = dev_grow(o, e->d_table, (size_t)n_table * sizeof(int32_t));
+        e->cap_d_table = (size_t)n_table;
+    }
+    if (n_rows > e->cap_d_logits) {
+        e->d_logits = dev_grow(o, e->d_logits, (size_t)n_rows * e->m->cfg.vocab_size * sizeof(float));
+        e->cap_d_logits = n_rows;
+    }
+    o->to_device(e->d_ids, fb->ids, (size_t)T * sizeof(int32_t));
+    o->to_device(e->d_pos, fb->attn.pos, (size_t)T * sizeof(int32_t));
+    o->to_device(e->d_seq, fb->attn.seq, (size_t)T * sizeof(int32_t));
+    o->to_device(e->d_rows, fb->logit_rows, (size_t)n_rows * sizeof(int32_t));
+    o->to_device(e->d_table, page_table, (size_t)n_table * sizeof(int32_t));
+    fb->ids = e->d_ids;
+    fb->attn.pos = e->d_pos;
+    fb->attn.seq = e->d_seq;
+    fb->attn.page_table = e->d_table;
+    fb->logit_rows = e->d_rows;
+}
+
 void engine_free(engine *e) {
+    engine_free_staging(e);
     kv_cache_free(&e->kv);
     free(e->logits);
     free(e->scratch);
@@ -190,7 +242,18 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
                         .logit_rows = rows,
                         .runtime_max = e->runtime_max};
     double t0 = now_seconds();
-    int rc = m->arch->forward(m, &e->kv, &fb, e->logits);
+    int rc;
+    if (m->ops->device == DEVICE_CPU) {
+        rc = m->arch->forward(m, &e->kv, &fb, e->logits);
+    } else {
+        int n_seq = 0;
+        for (int i = 0; i < n; i++)
+            if (seqs[i]->slot + 1 > n_seq) n_seq = seqs[i]->slot + 1;
+        engine_stage(e, &fb, page_table, n_seq * max_pages);
+        rc = m->arch->forward(m, &e->kv, &fb, e->d_logits);
+        if (rc == 0)
+            m->ops->to_host(e->logits, e->d_logits, (size_t)n_rows * V * sizeof(float));
+    }
     double t1 = now_seconds();
     e->last_forward_seconds = t1 - t0;
     if (rc != 0) return -1;

@@ -94,6 +94,13 @@ typedef struct {
     float *scratch;                     /* [V] */
     int32_t *ids, *pos, *seq_of, *rows; /* [cap_T] the step's batch */
     int cap_T;
+    /* Device copies for a backend whose memory is not the host's: the batch, the page table,
+     * the logits (staged each step; NULL on the CPU, which reads the host arrays). */
+    int32_t *d_ids, *d_pos, *d_seq, *d_rows, *d_table;
+    int cap_d_T;
+    size_t cap_d_table;
+    float *d_logits;
+    int cap_d_logits;
     /* With expert parallelism, set by the caller before each engine_step: the step agreement's
      * runtime_max; the forward then runs even with no tokens here. 0 = alone. */
     int runtime_max;

@@ -7,16 +7,17 @@
 
 #include "common/log.h"
 
-int kv_cache_init(kv_cache *kv, int n_layers, int n_pages, int page_size, int n_kv_heads,
-                  int head_dim, char *err, size_t errlen) {
+int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,
+                  int n_kv_heads, int head_dim, char *err, size_t errlen) {
     *kv = (kv_cache){.n_layers = n_layers,
                      .n_pages = n_pages,
                      .page_size = page_size,
                      .n_kv_heads = n_kv_heads,
-                     .head_dim = head_dim};
+                     .head_dim = head_dim,
+                     .mem = o};
     size_t n = (size_t)n_layers * n_pages * page_size * n_kv_heads * head_dim;
-    kv->k = malloc(n * sizeof(float));
-    kv->v = malloc(n * sizeof(float));
+    kv->k = o ? o->dev_alloc(n * sizeof(float)) : malloc(n * sizeof(float));
+    kv->v = o ? o->dev_alloc(n * sizeof(float)) : malloc(n * sizeof(float));
     kv->free_pages = malloc((size_t)n_pages * sizeof(int32_t));
     kv->refs = calloc((size_t)n_pages, sizeof(int32_t));
     if (!kv->k || !kv->v || !kv->free_pages || !kv->refs) {
@@ -31,8 +32,13 @@ int kv_cache_init(kv_cache *kv, int n_layers, int n_pages, int page_size, int n_
 }
 
 void kv_cache_free(kv_cache *kv) {
-    free(kv->k);
-    free(kv->v);
+    if (kv->mem) {
+        if (kv->k) kv->mem->dev_free(kv->k);
+        if (kv->v) kv->mem->dev_free(kv->v);
+    } else {
+        free(kv->k);
+        free(kv->v);
+    }
     free(kv->free_pages);
     free(kv->refs);
     *kv = (kv_cache){0};

@@ -19,16 +19,18 @@ typedef struct {
     int page_size;       /* S */
     int n_kv_heads;      /* Hkv */
     int head_dim;        /* Dh */
-    float *k;            /* [L, P, S, Hkv, Dh] */
+    float *k;            /* [L, P, S, Hkv, Dh] on the backend's device */
     float *v;            /* [L, P, S, Hkv, Dh] */
+    const struct ops *mem; /* whose dev_alloc made k and v (NULL: malloc) */
     int32_t *free_pages; /* [P] stack of free page ids, n_free of them */
     int n_free;
     int32_t *refs; /* [P] holders of each page; 0 = free */
 } kv_cache;
 
-/* Allocate the pools. Returns 0, or -1 with a message when memory is short. */
-int kv_cache_init(kv_cache *kv, int n_layers, int n_pages, int page_size, int n_kv_heads,
-                  int head_dim, char *err, size_t errlen);
+/* Allocate the pools on o's device (o NULL: host memory); the page bookkeeping stays on the host.
+ * Returns 0, or -1 with a message when memory is short. */
+int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,
+                  int n_kv_heads, int head_dim, char *err, size_t errlen);
 void kv_cache_free(kv_cache *kv);
 
 /* The pools of one layer. */

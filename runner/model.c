@@ -51,16 +51,43 @@ fail:
     return NULL;
 }
 
+/* A weight the model handed out: the checkpoint's view, its data moved to the device by
+ * ops->upload where the backend has one. */
+struct model_tensor {
+    struct model_tensor *next;
+    tensor t;
+};
+
 void model_free(model *m) {
     if (!m) return;
     if (m->arch && m->arch->free) m->arch->free(m);
+    for (struct model_tensor *mt = m->tensors, *nx; mt; mt = nx) {
+        nx = mt->next;
+        if (mt->t.device != DEVICE_CPU) m->ops->dev_free(mt->t.data);
+        free(mt);
+    }
     checkpoint_close(&m->ckpt);
     free(m->dir);
     free(m);
 }
 
-int model_weight(const model *m, const char *name, int ndim, const int64_t *shape,
-                 const tensor **out, char *err, size_t errlen) {
+int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,
+                 char *err, size_t errlen) {
+    const tensor *view;
+    if (model_weight_info(m, name, ndim, shape, &view, err, errlen)) return -1;
+    struct model_tensor *mt = xcalloc(1, sizeof *mt);
+    mt->t = *view;
+    mt->next = m->tensors;
+    m->tensors = mt;
+    char why[512];
+    if (m->ops->upload(&mt->t, why, sizeof why))
+        return set_err(err, errlen, "%s: tensor '%s': %s", m->dir, name, why);
+    *out = &mt->t;
+    return 0;
+}
+
+int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
+                      const tensor **out, char *err, size_t errlen) {
     const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
     if (!ct) return set_err(err, errlen, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
     bool same = ct->t.ndim == ndim;

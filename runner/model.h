@@ -49,6 +49,7 @@ struct model {
     int ep_rank, ep_size;
     int expert_begin, expert_end;
     a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
+    struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     char err[512]; /* why the last forward failed */
 };
 
@@ -61,10 +62,15 @@ model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, 
                      size_t errlen);
 void model_free(model *m);
 
-/* Look up a tensor by name and check its shape (ndim dims from shape[]); ok -> 0 and *out set.
- * The message names the checkpoint folder, the tensor and both shapes. */
-int model_weight(const model *m, const char *name, int ndim, const int64_t *shape,
-                 const tensor **out, char *err, size_t errlen);
+/* Look up a tensor by name and check its shape (ndim dims from shape[]) and dtype; ok -> 0 and
+ * *out set to the checkpoint's view (host memory). The message names the checkpoint folder, the
+ * tensor and both shapes. */
+int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
+                      const tensor **out, char *err, size_t errlen);
+/* model_weight_info, then the model's own copy of the view, made usable by its backend
+ * (ops->upload: on the device for CUDA); the copy lives as long as the model. */
+int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,
+                 char *err, size_t errlen);
 
 extern const model_arch qwen3_moe_arch;
 

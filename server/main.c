@@ -78,6 +78,7 @@ static const char usage_generate[] =
     "  --no-skip-special-tokens keep special tokens in the output text\n"
     "  --return-logprob         add input_token_logprobs and output_token_logprobs to meta_info\n"
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
+    "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
     "                           OMP_WAIT_POLICY=active is set)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
@@ -243,6 +244,7 @@ static int cmd_generate(int argc, char **argv) {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
     int threads = 0;
+    const char *device = "cpu";
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
     for (int i = 0; i < argc; i++) {
@@ -298,6 +300,8 @@ static int cmd_generate(int argc, char **argv) {
             stop_ids_arg = v;
         else if (!strcmp(a, "--threads"))
             threads = (int)parse_long(a, v, 1, 4096);
+        else if (!strcmp(a, "--device"))
+            device = v;
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -320,7 +324,14 @@ static int cmd_generate(int argc, char **argv) {
     if (threads) omp_set_num_threads(threads);
 
     char err[2048];
-    model *m = model_load(model_path, ops_cpu(), err, sizeof err);
+    const ops *backend = ops_cpu();
+    if (!strcmp(device, "cuda")) {
+        backend = ops_cuda(0, err, sizeof err);
+        if (!backend) die("--device cuda: %s", err);
+    } else if (strcmp(device, "cpu")) {
+        die("--device: '%s' is not one of cpu, cuda", device);
+    }
+    model *m = model_load(model_path, backend, err, sizeof err);
     if (!m) die("%s", err);
     tokenizer *tok = load_tokenizer(model_path, prompt != NULL || sw.n_stops > 0);
     int32_t *ids;
@@ -627,9 +638,6 @@ static int cmd_serve(int argc, char **argv) {
     if (!a.model_path) die("serve: --model-path is required (see moeserve serve --help)");
     if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
         die("--device: '%s' is not one of cpu, cuda", a.device);
-    if (!strcmp(a.device, "cuda"))
-        die("--device cuda: this build has no CUDA backend (build where nvcc is found, without "
-            "CUDA=0), or use --device cpu");
     if (!*a.host) die("--host: the address is empty");
     if (a.api_key && !*a.api_key) die("--api-key: the key is empty");
     if (a.served_model_name && !*a.served_model_name) die("--served-model-name: the name is empty");
@@ -717,7 +725,16 @@ static int cmd_serve(int argc, char **argv) {
 
     LOG_INFO("serve", "loading %s", a.model_path);
     if (a.threads) omp_set_num_threads(a.threads);
-    model *m = model_load_ep(a.model_path, ops_cpu(), rank, world, err, sizeof err);
+    const ops *backend = ops_cpu();
+    if (!strcmp(a.device, "cuda")) {
+        if (world > 1)
+            die("--device cuda with %d ranks: the GPU all-to-all (nvlink_one_sided, nccl) is not "
+                "built yet; run one rank per GPU group later, or --device cpu",
+                world);
+        backend = ops_cuda(rank_group_local_rank(group), err, sizeof err);
+        if (!backend) die("--device cuda: %s", err);
+    }
+    model *m = model_load_ep(a.model_path, backend, rank, world, err, sizeof err);
     if (!m) die("%s", err);
     a2a *all_to_all = NULL;
     if (world > 1 && cfg.num_experts > 0) {

@@ -25,6 +25,7 @@ typedef struct {
     tensor *expert_gate;         /* [E] tensors of [F, D] (MoE) */
     tensor *expert_up;           /* [E] tensors of [F, D] */
     tensor *expert_down;         /* [E] tensors of [D, F] */
+    moe_experts experts;         /* this rank's experts as the moe_experts op takes them */
     const tensor *mlp_gate;      /* [F, D] (dense) */
     const tensor *mlp_up;        /* [F, D] */
     const tensor *mlp_down;      /* [D, F] */
@@ -105,17 +106,25 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     l->expert_down = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     for (int e = 0; e < E; e++) {
         const tensor *g, *u, *d;
+        int64_t fd[2] = {F, D}, df[2] = {D, F};
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.gate_proj.weight", i, e);
-        if (weight2(m, name, F, D, &g, err, errlen)) return -1;
+        if (model_weight_info(m, name, 2, fd, &g, err, errlen)) return -1;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.up_proj.weight", i, e);
-        if (weight2(m, name, F, D, &u, err, errlen)) return -1;
+        if (model_weight_info(m, name, 2, fd, &u, err, errlen)) return -1;
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj.weight", i, e);
-        if (weight2(m, name, D, F, &d, err, errlen)) return -1;
+        if (model_weight_info(m, name, 2, df, &d, err, errlen)) return -1;
         if (e < E0 || e >= E0 + El) continue;
         l->expert_gate[e - E0] = *g;
         l->expert_up[e - E0] = *u;
         l->expert_down[e - E0] = *d;
     }
+    /* The backend's copies of the experts (CUDA: stacked on the device; the CPU reads the
+     * checkpoint's views above in place). */
+    l->experts = (moe_experts){
+        .E = El, .gate = l->expert_gate, .up = l->expert_up, .down = l->expert_down};
+    char why[512];
+    if (El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
+        return set_err(err, errlen, "%s: layer %d experts: %s", m->dir, i, why);
 #undef W1
 #undef W2
     return 0;
@@ -142,25 +151,38 @@ static int qwen3_moe_load(model *m, char *err, size_t errlen) {
     return 0;
 }
 
-static void qwen3_moe_workspace_reserve(const model_config *c, qwen3_moe_workspace *ws, int T) {
+/* A buffer of the backend's device, grown to bytes (contents not kept). */
+static void *ws_grow(const model *m, void *p, size_t bytes) {
+    if (p) m->ops->dev_free(p);
+    void *q = m->ops->dev_alloc(bytes ? bytes : 1);
+    if (!q) {
+        fprintf(stderr, "%s: out of %s memory for %zu bytes of activations\n", m->dir,
+                m->ops->name, bytes);
+        exit(1);
+    }
+    return q;
+}
+
+static void qwen3_moe_workspace_reserve(const model *m, qwen3_moe_workspace *ws, int T) {
+    const model_config *c = &m->cfg;
     if (T <= ws->cap_T) return;
     size_t D = c->hidden_size, QD = (size_t)c->num_attention_heads * c->head_dim;
     size_t KVD = (size_t)c->num_key_value_heads * c->head_dim;
     size_t E = c->num_experts, K = c->num_experts_per_tok;
     size_t F = c->intermediate_size > 0 ? c->intermediate_size : 1;
-    ws->x = xrealloc(ws->x, T * D * sizeof(float));
-    ws->h = xrealloc(ws->h, T * D * sizeof(float));
-    ws->q = xrealloc(ws->q, T * QD * sizeof(float));
-    ws->k = xrealloc(ws->k, T * KVD * sizeof(float));
-    ws->v = xrealloc(ws->v, T * KVD * sizeof(float));
-    ws->att = xrealloc(ws->att, T * QD * sizeof(float));
-    ws->o = xrealloc(ws->o, T * D * sizeof(float));
-    ws->router = xrealloc(ws->router, T * (E ? E : 1) * sizeof(float));
-    ws->topk_ids = xrealloc(ws->topk_ids, T * (K ? K : 1) * sizeof(int32_t));
-    ws->topk_w = xrealloc(ws->topk_w, T * (K ? K : 1) * sizeof(float));
-    ws->expert_out = xrealloc(ws->expert_out, T * (K ? K : 1) * D * sizeof(float));
-    ws->gate = xrealloc(ws->gate, T * F * sizeof(float));
-    ws->up = xrealloc(ws->up, T * F * sizeof(float));
+    ws->x = ws_grow(m, ws->x, T * D * sizeof(float));
+    ws->h = ws_grow(m, ws->h, T * D * sizeof(float));
+    ws->q = ws_grow(m, ws->q, T * QD * sizeof(float));
+    ws->k = ws_grow(m, ws->k, T * KVD * sizeof(float));
+    ws->v = ws_grow(m, ws->v, T * KVD * sizeof(float));
+    ws->att = ws_grow(m, ws->att, T * QD * sizeof(float));
+    ws->o = ws_grow(m, ws->o, T * D * sizeof(float));
+    ws->router = ws_grow(m, ws->router, T * (E ? E : 1) * sizeof(float));
+    ws->topk_ids = ws_grow(m, ws->topk_ids, T * (K ? K : 1) * sizeof(int32_t));
+    ws->topk_w = ws_grow(m, ws->topk_w, T * (K ? K : 1) * sizeof(float));
+    ws->expert_out = ws_grow(m, ws->expert_out, T * (K ? K : 1) * D * sizeof(float));
+    ws->gate = ws_grow(m, ws->gate, T * F * sizeof(float));
+    ws->up = ws_grow(m, ws->up, T * F * sizeof(float));
     ws->cap_T = T;
 }
 
@@ -174,16 +196,12 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
     const ops *op = m->ops;
     int D = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok;
     int F = c->moe_intermediate_size;
-    moe_experts experts = {.E = m->expert_end - m->expert_begin,
-                           .gate = l->expert_gate,
-                           .up = l->expert_up,
-                           .down = l->expert_down};
     if (T > 0) {
         op->linear(ws->router, ws->h, l->router, T, E, D);
         op->router_topk(ws->topk_ids, ws->topk_w, ws->router, T, E, K, c->norm_topk_prob);
     }
     if (!m->a2a) {
-        op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &experts, T, K, D, F);
+        op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &l->experts, T, K, D, F);
     } else {
         if (a2a_dispatch(m->a2a, ws->h, ws->topk_ids, ws->topk_w, T, runtime_max, m->err,
                          sizeof m->err))
@@ -191,10 +209,10 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
         a2a_received rv = a2a_get_received(m->a2a);
         size_t need = (size_t)rv.n * K * D;
         if (need > ws->cap_recv) {
-            ws->recv_out = xrealloc(ws->recv_out, need * sizeof(float));
+            ws->recv_out = ws_grow(m, ws->recv_out, need * sizeof(float));
             ws->cap_recv = need;
         }
-        op->moe_experts(ws->recv_out, rv.x, rv.ids, &experts, rv.n, K, D, F);
+        op->moe_experts(ws->recv_out, rv.x, rv.ids, &l->experts, rv.n, K, D, F);
         if (a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err)) return -1;
     }
     op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
@@ -219,7 +237,7 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
     int Dh = c->head_dim;
     float eps = c->rms_norm_eps, scale = 1.0f / sqrtf((float)Dh);
     if (T == 0) return m->a2a ? qwen3_moe_forward_empty(m, b) : 0;
-    qwen3_moe_workspace_reserve(c, ws, T > b->n_logits ? T : b->n_logits);
+    qwen3_moe_workspace_reserve(m, ws, T > b->n_logits ? T : b->n_logits);
 
     op->embedding(ws->x, w->embed, b->ids, T, D);
     for (int i = 0; i < c->num_hidden_layers; i++) {
@@ -252,8 +270,7 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
     }
     if (b->n_logits == 0) return 0;
     /* Only the rows that sample or score go through the final norm and lm_head. */
-    for (int r = 0; r < b->n_logits; r++)
-        memcpy(ws->h + (size_t)r * D, ws->x + (size_t)b->logit_rows[r] * D, D * sizeof(float));
+    op->gather_rows(ws->h, ws->x, b->logit_rows, b->n_logits, D);
     op->rmsnorm(ws->h, ws->h, w->norm, b->n_logits, D, eps);
     op->linear(logits, ws->h, w->lm_head, b->n_logits, c->vocab_size, D);
     return 0;
@@ -263,21 +280,23 @@ static void qwen3_moe_free(model *m) {
     qwen3_moe_weights *w = m->weights;
     if (w) {
         for (int i = 0; w->layers && i < m->cfg.num_hidden_layers; i++) {
-            free(w->layers[i].expert_gate);
-            free(w->layers[i].expert_up);
-            free(w->layers[i].expert_down);
+            qwen3_moe_layer *l = &w->layers[i];
+            if (l->experts.gate_up) m->ops->dev_free(l->experts.gate_up);
+            if (l->experts.down_all) m->ops->dev_free(l->experts.down_all);
+            free(l->expert_gate);
+            free(l->expert_up);
+            free(l->expert_down);
         }
         free(w->layers);
         free(w);
     }
     qwen3_moe_workspace *ws = m->workspace;
     if (ws) {
-        float *bufs[] = {ws->x,     ws->h,      ws->q,          ws->k,    ws->v,
-                         ws->att,   ws->o,      ws->router,     ws->topk_w, ws->expert_out,
-                         ws->gate,  ws->up};
-        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-        free(ws->topk_ids);
-        free(ws->recv_out);
+        void *bufs[] = {ws->x,          ws->h,        ws->q,    ws->k,      ws->v,
+                        ws->att,        ws->o,        ws->router, ws->topk_w, ws->expert_out,
+                        ws->gate,       ws->up,       ws->topk_ids, ws->recv_out};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            if (bufs[i]) m->ops->dev_free(bufs[i]);
         free(ws);
     }
     m->weights = m->workspace = NULL;

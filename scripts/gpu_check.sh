@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA backend in one command, run ON the GPU machine from the repository
+# root with the build carried there (build here: `make -j2 && scripts/gpu_bundle.sh`; then carry
+# build/ — or the binaries below and build/gpu-libs — and run this script there).
+#   1. every CUDA op test (build/tests/test_cuda_*): CUDA against the CPU reference
+#   2. the whole model: teacher-forced logprobs of `moeserve generate --device cuda` against
+#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared
+#   3. the server over HTTP with --device cuda
+# Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
+set -u
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=${BUILD:-build}/gpu-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export NCCL_NVLS_ENABLE=0
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+bin=${BUILD:-build}/moeserve
+pass=0
+fail=0
+ok() { echo "ok   $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; fail=$((fail + 1)); }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+missing=$(ldd "$bin" | grep 'not found')
+[ -z "$missing" ] || { echo "$missing"; bad "libraries ($bin)"; }
+
+# 1. op tests
+for t in ${BUILD:-build}/tests/test_cuda_*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    timeout 300 "$t" > "$out/$name.log" 2>&1
+    rc=$?
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$out/$name.log" | tail -n 1)
+    echo "$name: ${line:-no summary} (exit $rc)"
+    p=${line%% passed*}
+    f=${line#*, }
+    f=${f%% failed*}
+    if [ -z "$line" ] || [ "$rc" -ne 0 ]; then bad "$name"; tail -n 20 "$out/$name.log"; continue; fi
+    pass=$((pass + p))
+    fail=$((fail + f))
+    [ "$f" -eq 0 ] || grep -E 'FAIL' "$out/$name.log" | head -n 20
+done
+
+# 2. whole model, CUDA against CPU
+model=tests/data/tiny-qwen3-moe
+ids=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(2051)) for _ in range(300)))")
+for dev in cpu cuda; do
+    timeout 120 "$bin" generate --model-path "$model" --device "$dev" --input-ids "$ids" \
+        --max-new-tokens 32 --temperature 0 --return-logprob --logprob-start-len 0 \
+        > "$out/generate-$dev.json" 2> "$out/generate-$dev.log" || bad "generate --device $dev"
+done
+python3 - "$out/generate-cpu.json" "$out/generate-cuda.json" <<'PY' && ok "whole model: CUDA logprobs within 2e-2 of the CPU" || bad "whole model: CUDA against CPU"
+import json, math, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+la = [x[0] for x in a["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+lb = [x[0] for x in b["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+n_in = len(a["meta_info"]["input_token_logprobs"]) - 1
+worst_in = max(abs(x - y) for x, y in zip(la[:n_in], lb[:n_in]))
+same = sum(x == y for x, y in zip(a["output_ids"], b["output_ids"]))
+first_diff = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), None)
+# output logprobs are comparable up to the first differing token
+n_cmp = len(a["output_ids"]) if first_diff is None else first_diff
+worst_out = max([abs(x - y) for x, y in zip(la[n_in:n_in + n_cmp], lb[n_in:n_in + n_cmp])] + [0.0])
+print(f"prompt logprobs: worst |cuda - cpu| = {worst_in:.3g} over {n_in}; greedy tokens equal: {same}/{len(a['output_ids'])}; output logprobs worst {worst_out:.3g} over {n_cmp}")
+sys.exit(0 if max(worst_in, worst_out) < 2e-2 else 1)
+PY
+
+# 3. the server over HTTP
+port=39100
+"$bin" serve --model-path "$model" --device cuda --port $port > "$out/serve.log" 2>&1 &
+spid=$!
+for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
+body='{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
+if curl -sf "localhost:$port/generate" -H 'Content-Type: application/json' -d "$body" > "$out/serve-answer.json" &&
+    python3 -c "import json,sys; j=json.load(open(sys.argv[1])); assert len(j['output_ids']) == 16" "$out/serve-answer.json"; then
+    ok "serve --device cuda answers /generate"
+else
+    bad "serve --device cuda answers /generate"
+    tail -n 20 "$out/serve.log"
+fi
+kill -TERM $spid 2>/dev/null
+wait $spid 2>/dev/null
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
