@@ -6,12 +6,15 @@
  * Checks: statuses, bodies and content types come through; the routed header, method, path, body
  * and Authorization reach the upstream; stream events arrive in order and before the last one is
  * produced; a closed port gives 502 naming the rank; a client that hangs up mid-stream cancels
- * the upstream exchange; done runs once per relay; 30 concurrent relays complete; proxy_free
- * with relays in flight ends their streams and returns. */
+ * the upstream exchange, also before its headers; done runs once per relay; 30 concurrent relays
+ * complete; proxy_free with relays in flight ends their streams and returns. A raw socket
+ * upstream breaks its answers off: an empty reply and a cut whole body give 502, a cut stream an
+ * error event. */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -133,6 +136,17 @@ static void up_start_stream(http_exchange *x, int n_events, int interval_ms, boo
     pthread_attr_destroy(&attr);
 }
 
+/* /hang: deferred and never answered; its close is counted. */
+static atomic_int g_hang_closed, g_hang_incomplete;
+static int g_hang_ctx;
+
+static void up_hang_poll(void *ctx, http_exchange *x) {}
+
+static void up_hang_close(void *ctx, bool completed) {
+    if (!completed) atomic_fetch_add(&g_hang_incomplete, 1);
+    atomic_fetch_add(&g_hang_closed, 1);
+}
+
 static void up_reply_json(http_exchange *x, int status, cJSON *o) {
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
@@ -164,6 +178,8 @@ static void up_on_request(void *app, http_exchange *x) {
     } else if (!strcmp(path, "/slow_stream")) {
         atomic_fetch_add(&g_slow_started, 1);
         up_start_stream(x, 400, 25, true);
+    } else if (!strcmp(path, "/hang")) {
+        http_defer(x, &g_hang_ctx, up_hang_poll, up_hang_close);
     } else if (!strcmp(path, "/big")) {
         size_t n = 3u << 20;
         char *b = xmalloc(n);
@@ -191,18 +207,85 @@ static void up_on_request(void *app, http_exchange *x) {
     }
 }
 
+/* ---- a raw upstream that breaks its answers off ---- */
+
+static int g_raw_fd = -1;
+static atomic_bool g_raw_stop;
+
+static void raw_write(int fd, const char *s) {
+    size_t n = strlen(s), off = 0;
+    while (off < n) {
+        ssize_t w = send(fd, s + off, n - off, MSG_NOSIGNAL);
+        if (w <= 0) return;
+        off += (size_t)w;
+    }
+}
+
+/* One connection: read the request head (and a body of its Content-Length), answer by path. */
+static void raw_serve(int fd) {
+    char req[16384];
+    size_t len = 0;
+    char *end = NULL;
+    while (len < sizeof req - 1 && !(end = strstr(req, "\r\n\r\n"))) {
+        ssize_t n = recv(fd, req + len, sizeof req - 1 - len, 0);
+        if (n <= 0) return;
+        len += (size_t)n;
+        req[len] = '\0';
+    }
+    if (!end) return;
+    const char *cl = strcasestr(req, "Content-Length:");
+    size_t want = (size_t)(end + 4 - req) + (cl && cl < end ? strtoul(cl + 15, NULL, 10) : 0);
+    while (len < want && len < sizeof req - 1) {
+        ssize_t n = recv(fd, req + len, sizeof req - 1 - len, 0);
+        if (n <= 0) return;
+        len += (size_t)n;
+    }
+    req[len] = '\0';
+    if (strstr(req, " /raw/body_cut ")) {
+        raw_write(fd, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 100\r\n\r\n{\"partial\"");
+    } else if (strstr(req, " /raw/stream_cut ")) {
+        raw_write(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                      "Transfer-Encoding: chunked\r\n\r\n"
+                      "10\r\ndata: {\"i\": 0}\n\n\r\n");
+        sleep_ms(100);
+    } /* anything else (/raw/empty): no answer at all */
+}
+
+static void *raw_main(void *arg) {
+    while (!atomic_load(&g_raw_stop)) {
+        struct pollfd pfd = {.fd = g_raw_fd, .events = POLLIN};
+        if (poll(&pfd, 1, 50) <= 0) continue;
+        int fd = accept(g_raw_fd, NULL, NULL);
+        if (fd < 0) continue;
+        raw_serve(fd);
+        close(fd);
+    }
+    return NULL;
+}
+
+/* Listen on a free loopback port; its number. */
+static int raw_listen(void) {
+    g_raw_fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (bind(g_raw_fd, (struct sockaddr *)&a, sizeof a) || listen(g_raw_fd, 16)) return -1;
+    socklen_t alen = sizeof a;
+    getsockname(g_raw_fd, (struct sockaddr *)&a, &alen);
+    return ntohs(a.sin_port);
+}
+
 /* ---- the front ---- */
 
 static pthread_mutex_t g_front_mu = PTHREAD_MUTEX_INITIALIZER;
 static proxy *g_proxy; /* NULL once freed: the front then answers 503 */
-static char g_up_url[64], g_dead_url[64];
+static char g_up_url[64], g_dead_url[64], g_raw_url[64];
 static atomic_int g_n_forwarded, g_n_done, g_done_bad;
 static atomic_int g_done_count[MAX_RELAYS];
 
 static void front_done(void *ctx, int to_rank) {
     intptr_t i = (intptr_t)ctx;
     if (atomic_fetch_add(&g_done_count[i], 1) != 0) atomic_fetch_add(&g_done_bad, 1);
-    if (to_rank != 1 && to_rank != 2) atomic_fetch_add(&g_done_bad, 1);
+    if (to_rank < 1 || to_rank > 3) atomic_fetch_add(&g_done_bad, 1);
     atomic_fetch_add(&g_n_done, 1);
 }
 
@@ -214,9 +297,13 @@ static void front_on_request(void *app, http_exchange *x) {
     } else {
         int i = atomic_fetch_add(&g_n_forwarded, 1);
         MS_ASSERT(i < MAX_RELAYS);
-        bool dead = !strncmp(http_path(x), "/dead", 5);
-        proxy_forward(g_proxy, x, dead ? g_dead_url : g_up_url, 0, dead ? 2 : 1, front_done,
-                      (void *)(intptr_t)i);
+        const char *path = http_path(x);
+        int to = !strncmp(path, "/dead", 5) ? 2 : !strncmp(path, "/raw", 4) ? 3 : 1;
+        proxy_forward(g_proxy, x,
+                      to == 2   ? g_dead_url
+                      : to == 3 ? g_raw_url
+                                : g_up_url,
+                      0, to, front_done, (void *)(intptr_t)i);
     }
     pthread_mutex_unlock(&g_front_mu);
 }
@@ -233,6 +320,7 @@ typedef struct {
     /* streaming */
     int produced_at_first; /* g_stream_produced when the first event arrived (-1: none yet) */
     bool hang_up_after_first;
+    long timeout_ms; /* 0: 30 s */
 } client_result;
 
 static size_t client_on_body(char *buf, size_t size, size_t n, void *ud) {
@@ -248,6 +336,7 @@ static size_t client_on_body(char *buf, size_t size, size_t n, void *ud) {
 /* method, path on the front, body (NULL: none), extra headers (NULL-terminated list or NULL). */
 static void client_do(client_result *c, const char *method, const char *path, const char *body,
                       size_t body_len, const char *const *headers) {
+    long timeout_ms = c->timeout_ms;
     memset(c, 0, sizeof *c);
     c->produced_at_first = -1;
     CURL *e = curl_easy_init();
@@ -256,7 +345,7 @@ static void client_do(client_result *c, const char *method, const char *path, co
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_PROXY, "");
-    curl_easy_setopt(e, CURLOPT_TIMEOUT, 30L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms ? timeout_ms : 30000L);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, client_on_body);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, c);
     if (body) {
@@ -307,7 +396,7 @@ static void check_done_all(const char *what) {
 /* ---- tests ---- */
 
 static void test_whole_answers(void) {
-    client_result c;
+    client_result c = {0};
     client_do(&c, "GET", "/json", NULL, 0, NULL);
     CHECK(c.rc == CURLE_OK && c.status == 200, "json: rc %d status %ld", c.rc, c.status);
     CHECK(!strcmp(c.body.data, "{\"ok\": true, \"n\": 1}"), "json body: %s", c.body.data);
@@ -339,7 +428,7 @@ static void test_echo(void) {
     const char *body = "{\"text\": \"hello\", \"stream\": false}";
     const char *const headers[] = {"Content-Type: application/json", "Authorization: Bearer k123",
                                    "Accept: application/json", "X-Other: dropped", NULL};
-    client_result c;
+    client_result c = {0};
     client_do(&c, "POST", "/echo", body, strlen(body), headers);
     CHECK(c.status == 201, "echo: status %ld (%s)", c.status, c.body.data);
     cJSON *o = cJSON_Parse(c.body.data);
@@ -408,7 +497,7 @@ static bool stream_ok(const char *body, int n) {
 
 static void test_stream(void) {
     atomic_store(&g_stream_produced, 0);
-    client_result c;
+    client_result c = {0};
     client_do(&c, "POST", "/stream", "{\"stream\": true}", 16, NULL);
     CHECK(c.rc == CURLE_OK && c.status == 200, "stream: rc %d status %ld", c.rc, c.status);
     CHECK(!strcmp(c.content_type, "text/event-stream; charset=utf-8"), "stream type: %s",
@@ -422,7 +511,7 @@ static void test_stream(void) {
 }
 
 static void test_unreachable(void) {
-    client_result c;
+    client_result c = {0};
     client_do(&c, "POST", "/dead/generate", "{}", 2, NULL);
     CHECK(c.status == 502, "dead: status %ld", c.status);
     CHECK(!strcmp(c.content_type, "application/json"), "dead type: %s", c.content_type);
@@ -486,7 +575,7 @@ static void *conc_main(void *p) {
     conc_arg *a = p;
     char body[64];
     int n = snprintf(body, sizeof body, "{\"client\": %d}", a->id);
-    client_result c;
+    client_result c = {0};
     client_do(&c, "POST", "/echo", body, (size_t)n, NULL);
     cJSON *o = cJSON_Parse(c.body.data);
     const cJSON *b = o ? cJSON_GetObjectItemCaseSensitive(o, "body") : NULL;
@@ -522,6 +611,48 @@ static void test_concurrent(void) {
     check_done_all("concurrent");
 }
 
+/* A client that gives up while the upstream has not answered: the relay is cancelled and the
+ * upstream exchange ends. */
+static void test_client_gone_before_headers(void) {
+    client_result c = {.timeout_ms = 300};
+    client_do(&c, "POST", "/hang", "{}", 2, NULL);
+    CHECK(c.rc == CURLE_OPERATION_TIMEDOUT, "hang: rc %d status %ld", c.rc, c.status);
+    client_free(&c);
+    CHECK(wait_int(&g_hang_closed, 1, 3.0),
+          "the deferred upstream exchange was not ended within 3 s");
+    CHECK(atomic_load(&g_hang_incomplete) == 1, "upstream close saw completed = true");
+    check_done_all("client gone before headers");
+}
+
+/* Answers broken off by the upstream. */
+static void test_broken_upstream(void) {
+    client_result c = {0};
+    client_do(&c, "GET", "/raw/empty", NULL, 0, NULL);
+    char want[128];
+    snprintf(want, sizeof want, "rank 3 at %s could not be reached: ", g_raw_url);
+    CHECK(c.status == 502 && strstr(c.body.data, want), "empty reply: %ld %s", c.status,
+          c.body.data);
+    client_free(&c);
+
+    client_do(&c, "GET", "/raw/body_cut", NULL, 0, NULL);
+    snprintf(want, sizeof want, "rank 3 at %s failed before its answer was complete: ", g_raw_url);
+    CHECK(c.status == 502 && strstr(c.body.data, want) && !strstr(c.body.data, "partial"),
+          "cut body: %ld %s", c.status, c.body.data);
+    CHECK(!strcmp(c.content_type, "application/json"), "cut body type: %s", c.content_type);
+    client_free(&c);
+
+    client_do(&c, "POST", "/raw/stream_cut", "{\"stream\": true}", 16, NULL);
+    snprintf(want, sizeof want, "rank 3 at %s failed mid-stream: ", g_raw_url);
+    const char *ev = strstr(c.body.data, "data: {\"error\":");
+    CHECK(c.rc == CURLE_OK && c.status == 200 &&
+              !strncmp(c.body.data, "data: {\"i\": 0}\n\n", 16) && ev && strstr(ev, want) &&
+              strstr(ev, "\"code\":502") && !strcmp(ev + strlen(ev) - 3, "}\n\n"),
+          "cut stream: rc %d %ld %s", c.rc, c.status, c.body.data);
+    CHECK(!strcmp(c.content_type, "text/event-stream"), "cut stream type: %s", c.content_type);
+    client_free(&c);
+    check_done_all("broken upstream");
+}
+
 static void *slow_client_main(void *p) {
     client_result *c = p;
     client_do(c, "GET", "/slow_stream", NULL, 0, NULL);
@@ -534,7 +665,7 @@ static void test_free_in_flight(void) {
     atomic_store(&g_slow_closed, 0);
     atomic_store(&g_slow_started, 0);
     pthread_t t[N];
-    client_result c[N];
+    client_result c[N] = {0};
     for (int i = 0; i < N; i++)
         pthread_create(&t[i], NULL, slow_client_main, &c[i]);
     CHECK(wait_int(&g_slow_started, N, 5.0), "only %d slow streams started",
@@ -568,7 +699,7 @@ static void test_free_in_flight(void) {
           atomic_load(&g_n_done), atomic_load(&g_n_forwarded));
     CHECK(wait_int(&g_slow_closed, N, 3.0), "%d of %d upstream streams ended",
           atomic_load(&g_slow_closed), N);
-    client_result after;
+    client_result after = {0};
     client_do(&after, "GET", "/json", NULL, 0, NULL);
     CHECK(after.status == 503, "after proxy_free: %ld", after.status);
     client_free(&after);
@@ -615,6 +746,11 @@ int main(void) {
     g_front_port = http_server_port(front);
     snprintf(g_up_url, sizeof g_up_url, "http://127.0.0.1:%d", http_server_port(g_up));
     snprintf(g_dead_url, sizeof g_dead_url, "http://127.0.0.1:%d", closed_port());
+    int raw_port = raw_listen();
+    CHECK(raw_port > 0, "raw upstream: cannot listen");
+    snprintf(g_raw_url, sizeof g_raw_url, "http://127.0.0.1:%d", raw_port);
+    pthread_t raw_thread;
+    pthread_create(&raw_thread, NULL, raw_main, NULL);
 
     test_create_free(front);
     g_proxy = proxy_create(front, err, sizeof err);
@@ -626,12 +762,17 @@ int main(void) {
     test_stream();
     test_unreachable();
     test_client_gone();
+    test_client_gone_before_headers();
+    test_broken_upstream();
     test_concurrent();
     test_free_in_flight();
 
     http_server_stop(front, 2.0);
     CHECK(wait_int(&g_helpers, 0, 5.0), "%d helper threads left", atomic_load(&g_helpers));
     http_server_stop(g_up, 2.0);
+    atomic_store(&g_raw_stop, true);
+    pthread_join(raw_thread, NULL);
+    close(g_raw_fd);
     curl_global_cleanup();
     CHECK_SUMMARY();
 }
