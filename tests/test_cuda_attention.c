@@ -1,0 +1,601 @@
+/* Tests of the CUDA paged attention (kernels/cuda/attention.cu) against the CPU reference
+ * (kernels/cpu/attention.c), and its decode timing.
+ *
+ * Random paged caches (pages handed to the sequences in random order, every cache value random in
+ * [-1, 1) and never zero, unused page-table entries -1) and batches of decode tokens, prefill
+ * chunks over cached prefixes, and both mixed; fp32 on both sides. Tolerance per output element:
+ * |cuda - cpu| <= 1e-4 * max|v| (the output is a convex combination of v rows). Exact
+ * (bit-identical): each token of a batch of 64 against the same token alone, and decode of a
+ * position against the same position inside a prefill chunk.
+ *
+ *   test_cuda_attention           run the tests (skipped without a CUDA build or a GPU)
+ *   test_cuda_attention --bench   then time decode at Qwen3-30B-A3B's attention shape (H 32,
+ *                                 Hkv 4, Dh 128, S 16) against a 1 GiB device-to-device copy */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/ops.h"
+#include "tests/check.h"
+
+#ifndef MOESERVE_CUDA
+
+int main(void) {
+    printf("skipped: built without CUDA\n");
+    printf("0 passed, 0 failed\n");
+    return 0;
+}
+
+#else
+
+/* The few CUDA runtime calls the timing needs. C files are built without CUDA's include path;
+ * these are the runtime library's C entry points (linked into every CUDA build), with the enum
+ * arguments and results as int and the stream as a pointer. */
+typedef struct CUevent_st *cuda_event;
+extern int cudaEventCreate(cuda_event *event);
+extern int cudaEventRecord(cuda_event event, void *stream);
+extern int cudaEventSynchronize(cuda_event event);
+extern int cudaEventElapsedTime(float *ms, cuda_event start, cuda_event end);
+extern int cudaEventDestroy(cuda_event event);
+extern int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, void *stream);
+enum { CUDA_MEMCPY_DEVICE_TO_DEVICE = 3 };
+void *cuda_stream(void); /* kernels/cuda/ops_cuda.cu: the stream every op runs on */
+
+static const ops *cpu, *gpu;
+
+/* ---- random inputs ---- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng_next(void) { /* splitmix64 */
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1), never exactly zero. */
+static float rng_uniform(void) {
+    float f;
+    do {
+        f = (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+    } while (f == 0.0f);
+    return f;
+}
+
+static int rng_int(int n) { return (int)(rng_next() % (uint64_t)n); }
+
+/* 1..max, log-uniform: short and long sequences alike. */
+static int rng_len(int max) {
+    const int l = (int)exp(log((double)max) * (double)(rng_next() >> 11) / 9007199254740992.0);
+    return l < 1 ? 1 : l > max ? max : l;
+}
+
+static void fill_uniform(float *p, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++)
+        p[i] = rng_uniform() * scale;
+}
+
+/* ---- a paged cache on both sides ---- */
+
+typedef struct {
+    int H, Hkv, Dh, S;
+    int n_seq, max_pages, P;
+    int *len;           /* [n_seq] positions stored */
+    int32_t *pt;        /* [n_seq, max_pages] host page table, -1 where unused */
+    float *k, *v;       /* host [P, S, Hkv, Dh] */
+    int32_t *dpt;       /* device copies */
+    float *dk, *dv;
+} paged_cache;
+
+/* n_seq sequences holding len[s] positions each, room for max_pages pages each; the pages of all
+ * sequences are one random permutation of the cache (plus two spare pages no one owns). */
+static paged_cache cache_make(int H, int Hkv, int Dh, int S, int n_seq, const int *len,
+                              int max_pages) {
+    paged_cache c = {.H = H, .Hkv = Hkv, .Dh = Dh, .S = S, .n_seq = n_seq,
+                     .max_pages = max_pages};
+    c.len = xmalloc((size_t)n_seq * sizeof(int));
+    memcpy(c.len, len, (size_t)n_seq * sizeof(int));
+    int P = 2;
+    for (int s = 0; s < n_seq; s++) {
+        MS_ASSERT(len[s] >= 1 && (len[s] + S - 1) / S <= max_pages);
+        P += (len[s] + S - 1) / S;
+    }
+    c.P = P;
+    int32_t *perm = xmalloc((size_t)P * sizeof(int32_t));
+    for (int i = 0; i < P; i++)
+        perm[i] = i;
+    for (int i = P - 1; i > 0; i--) {
+        const int j = rng_int(i + 1);
+        const int32_t x = perm[i];
+        perm[i] = perm[j];
+        perm[j] = x;
+    }
+    c.pt = xmalloc((size_t)n_seq * max_pages * sizeof(int32_t));
+    int next = 0;
+    for (int s = 0; s < n_seq; s++)
+        for (int j = 0; j < max_pages; j++)
+            c.pt[(size_t)s * max_pages + j] = j < (len[s] + S - 1) / S ? perm[next++] : -1;
+    free(perm);
+    const int64_t n = (int64_t)P * S * Hkv * Dh;
+    c.k = xmalloc((size_t)n * sizeof(float));
+    c.v = xmalloc((size_t)n * sizeof(float));
+    fill_uniform(c.k, n, 1.0f);
+    fill_uniform(c.v, n, 1.0f);
+    c.dk = gpu->dev_alloc((size_t)n * sizeof(float));
+    c.dv = gpu->dev_alloc((size_t)n * sizeof(float));
+    c.dpt = gpu->dev_alloc((size_t)n_seq * max_pages * sizeof(int32_t));
+    MS_ASSERT(c.dk && c.dv && c.dpt);
+    gpu->to_device(c.dk, c.k, (size_t)n * sizeof(float));
+    gpu->to_device(c.dv, c.v, (size_t)n * sizeof(float));
+    gpu->to_device(c.dpt, c.pt, (size_t)n_seq * max_pages * sizeof(int32_t));
+    return c;
+}
+
+static void cache_free(paged_cache *c) {
+    gpu->dev_free(c->dk);
+    gpu->dev_free(c->dv);
+    gpu->dev_free(c->dpt);
+    free(c->len);
+    free(c->pt);
+    free(c->k);
+    free(c->v);
+}
+
+/* ---- batches ---- */
+
+typedef struct {
+    int T, cap;
+    int32_t *seq, *pos; /* [T] */
+    float *q;           /* [T, H, Dh] */
+} batch;
+
+static void batch_add(batch *b, const paged_cache *c, int seq, int pos, float qscale) {
+    const int HD = c->H * c->Dh;
+    if (b->T == b->cap) {
+        b->cap = b->cap ? 2 * b->cap : 64;
+        b->seq = realloc(b->seq, (size_t)b->cap * sizeof(int32_t));
+        b->pos = realloc(b->pos, (size_t)b->cap * sizeof(int32_t));
+        b->q = realloc(b->q, (size_t)b->cap * HD * sizeof(float));
+        MS_ASSERT(b->seq && b->pos && b->q);
+    }
+    MS_ASSERT(pos >= 0 && pos < c->len[seq]);
+    b->seq[b->T] = seq;
+    b->pos[b->T] = pos;
+    fill_uniform(b->q + (size_t)b->T * HD, HD, qscale);
+    b->T++;
+}
+
+/* Token `from` of src, with its q, appended to dst. */
+static void batch_copy_token(batch *dst, const paged_cache *c, const batch *src, int from) {
+    const int HD = c->H * c->Dh;
+    batch_add(dst, c, src->seq[from], src->pos[from], 1.0f);
+    memcpy(dst->q + (size_t)(dst->T - 1) * HD, src->q + (size_t)from * HD, HD * sizeof(float));
+}
+
+/* Positions lo..hi-1 of sequence seq (a prefill chunk, or a decode token when hi = lo + 1). */
+static void batch_add_range(batch *b, const paged_cache *c, int seq, int lo, int hi, float qscale) {
+    for (int p = lo; p < hi; p++)
+        batch_add(b, c, seq, p, qscale);
+}
+
+static void batch_free(batch *b) {
+    free(b->seq);
+    free(b->pos);
+    free(b->q);
+    memset(b, 0, sizeof *b);
+}
+
+static float attn_scale(const paged_cache *c) { return 1.0f / sqrtf((float)c->Dh); }
+
+/* out [T, H, Dh] from the CPU backend. */
+static void run_cpu(float *out, const paged_cache *c, const batch *b) {
+    attn_batch ab = {.T = b->T, .pos = b->pos, .seq = b->seq, .page_table = c->pt,
+                     .max_pages = c->max_pages, .page_size = c->S};
+    kv_layer kv = {.k = c->k, .v = c->v};
+    cpu->attention(out, b->q, kv, &ab, c->H, c->Hkv, c->Dh, attn_scale(c));
+}
+
+/* out [T, H, Dh] from the CUDA backend (inputs copied over, output copied back). */
+static void run_gpu(float *out, const paged_cache *c, const batch *b) {
+    const size_t qbytes = (size_t)b->T * c->H * c->Dh * sizeof(float);
+    float *dq = gpu->dev_alloc(qbytes), *dout = gpu->dev_alloc(qbytes);
+    int32_t *dpos = gpu->dev_alloc((size_t)b->T * sizeof(int32_t));
+    int32_t *dseq = gpu->dev_alloc((size_t)b->T * sizeof(int32_t));
+    MS_ASSERT(dq && dout && dpos && dseq);
+    gpu->to_device(dq, b->q, qbytes);
+    gpu->to_device(dpos, b->pos, (size_t)b->T * sizeof(int32_t));
+    gpu->to_device(dseq, b->seq, (size_t)b->T * sizeof(int32_t));
+    attn_batch ab = {.T = b->T, .pos = dpos, .seq = dseq, .page_table = c->dpt,
+                     .max_pages = c->max_pages, .page_size = c->S};
+    kv_layer kv = {.k = c->dk, .v = c->dv};
+    gpu->attention(dout, dq, kv, &ab, c->H, c->Hkv, c->Dh, attn_scale(c));
+    gpu->to_host(out, dout, qbytes);
+    gpu->dev_free(dq);
+    gpu->dev_free(dout);
+    gpu->dev_free(dpos);
+    gpu->dev_free(dseq);
+}
+
+/* ---- comparison ---- */
+
+static const double ATTN_TOL = 1e-4; /* times max|v| of the cache */
+
+/* CUDA against the CPU reference over a whole batch: one CHECK, worst error printed. */
+static void check_case(const char *what, const paged_cache *c, const batch *b) {
+    const int64_t n = (int64_t)b->T * c->H * c->Dh;
+    float *want = xmalloc((size_t)n * sizeof(float)), *got = xmalloc((size_t)n * sizeof(float));
+    run_cpu(want, c, b);
+    run_gpu(got, c, b);
+    double vmax = 0.0, omax = 0.0, max_err = 0.0;
+    for (int64_t i = 0; i < (int64_t)c->P * c->S * c->Hkv * c->Dh; i++)
+        if (fabs(c->v[i]) > vmax) vmax = fabs(c->v[i]);
+    const double tol = ATTN_TOL * vmax;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)got[i] - want[i]);
+        if (fabs(want[i]) > omax) omax = fabs(want[i]);
+        if (isnan(err) || err > max_err) max_err = isnan(err) ? INFINITY : err;
+        if (!(err <= tol)) {
+            if (bad < 5) {
+                const int64_t t = i / ((int64_t)c->H * c->Dh);
+                fprintf(stderr, "  %s: token %lld (seq %d pos %d) head %lld d %lld: got %.9g want "
+                        "%.9g\n", what, (long long)t, b->seq[t], b->pos[t],
+                        (long long)(i / c->Dh % c->H), (long long)(i % c->Dh), got[i], want[i]);
+            }
+            bad++;
+        }
+    }
+    printf("  %-62s T=%-5d worst |err| %.3g (%.2g of max|out| %.3g), tol %.1e\n", what, b->T,
+           max_err, omax > 0 ? max_err / omax : 0.0, omax, tol);
+    CHECK(bad == 0, "%s: %lld of %lld elements off by more than %g, worst %.3g", what,
+          (long long)bad, (long long)n, tol, max_err);
+    free(want);
+    free(got);
+}
+
+static int64_t count_diff(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++)
+        d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+
+/* ---- correctness cases ---- */
+
+/* Decode only: one token per sequence, at its last stored position. */
+static void test_decode(const char *what, int H, int Hkv, int Dh, int S, int n_seq, int max_len,
+                        float qscale) {
+    int *len = xmalloc((size_t)n_seq * sizeof(int));
+    /* the edges of the chunking first, then log-uniform lengths */
+    const int edges[] = {1, 2, 255, 256, 257, 511, 512, 513, 4096, max_len};
+    for (int s = 0; s < n_seq; s++) {
+        len[s] = s < (int)(sizeof edges / sizeof edges[0]) ? edges[s] : rng_len(max_len);
+        if (len[s] > max_len) len[s] = max_len;
+    }
+    const int max_pages = (max_len + S - 1) / S;
+    paged_cache c = cache_make(H, Hkv, Dh, S, n_seq, len, max_pages);
+    batch b = {0};
+    for (int s = 0; s < n_seq; s++)
+        batch_add(&b, &c, s, len[s] - 1, qscale);
+    check_case(what, &c, &b);
+    batch_free(&b);
+    cache_free(&c);
+    free(len);
+}
+
+/* Prefill only: chunks [lo, hi) of three sequences after cached prefixes [0, lo). */
+static void test_prefill(const char *what, int H, int Hkv, int Dh, int S, const int lo[3],
+                         const int hi[3], int max_len, float qscale) {
+    const int max_pages = (max_len + S - 1) / S;
+    paged_cache c = cache_make(H, Hkv, Dh, S, 3, hi, max_pages);
+    batch b = {0};
+    for (int s = 0; s < 3; s++)
+        batch_add_range(&b, &c, s, lo[s], hi[s], qscale);
+    check_case(what, &c, &b);
+    batch_free(&b);
+    cache_free(&c);
+}
+
+/* Mixed: decode tokens of n_dec sequences, then prefill chunks of n_pre more sequences. */
+static void test_mixed(const char *what, int H, int Hkv, int Dh, int S, int n_dec, int n_pre,
+                       int max_len, int max_chunk) {
+    const int n_seq = n_dec + n_pre;
+    int *len = xmalloc((size_t)n_seq * sizeof(int)), *lo = xmalloc((size_t)n_seq * sizeof(int));
+    for (int s = 0; s < n_seq; s++) {
+        len[s] = rng_len(max_len);
+        if (s < n_dec) {
+            lo[s] = len[s] - 1;
+        } else {
+            int chunk = rng_len(max_chunk);
+            if (chunk > len[s]) chunk = len[s];
+            lo[s] = len[s] - chunk;
+        }
+    }
+    paged_cache c = cache_make(H, Hkv, Dh, S, n_seq, len, (max_len + S - 1) / S);
+    batch b = {0};
+    for (int s = 0; s < n_seq; s++)
+        batch_add_range(&b, &c, s, lo[s], len[s], s % 2 ? 3.0f : 1.0f);
+    check_case(what, &c, &b);
+    batch_free(&b);
+    cache_free(&c);
+    free(len);
+    free(lo);
+}
+
+/* A batch of 64 tokens (decodes of long and short sequences and a prefill chunk): each token's
+ * output alone equals its output in the batch, bit for bit. */
+static void test_batch_invariance(const char *what, int H, int Hkv, int Dh, int S, int max_len) {
+    const int n_dec = 40, n_seq = n_dec + 1;
+    int len[41];
+    for (int s = 0; s < n_seq; s++)
+        len[s] = s == 0 ? max_len : rng_len(max_len);
+    paged_cache c = cache_make(H, Hkv, Dh, S, n_seq, len, (max_len + S - 1) / S);
+    batch b = {0};
+    for (int s = 1; s < n_seq; s++)
+        batch_add(&b, &c, s, len[s] - 1, 1.0f);
+    batch_add_range(&b, &c, 0, max_len - (64 - n_dec), max_len, 1.0f); /* 24-token chunk */
+    MS_ASSERT(b.T == 64);
+    const int HD = H * Dh;
+    float *all = xmalloc((size_t)b.T * HD * sizeof(float)), *one = xmalloc(HD * sizeof(float));
+    run_gpu(all, &c, &b);
+    int64_t diff = 0;
+    int bad_tokens = 0;
+    for (int t = 0; t < b.T; t++) {
+        batch solo = {0};
+        batch_copy_token(&solo, &c, &b, t);
+        run_gpu(one, &c, &solo);
+        const int64_t d = count_diff(one, all + (size_t)t * HD, HD);
+        if (d && bad_tokens++ < 3)
+            fprintf(stderr, "  %s: token %d (seq %d pos %d) alone differs in %lld elements\n",
+                    what, t, b.seq[t], b.pos[t], (long long)d);
+        diff += d;
+        batch_free(&solo);
+    }
+    printf("  %-62s %s\n", what, diff ? "DIFFERS" : "bit-identical");
+    CHECK(diff == 0, "%s: %d of 64 tokens differ alone", what, bad_tokens);
+    free(all);
+    free(one);
+    batch_free(&b);
+    cache_free(&c);
+}
+
+/* Prefill of positions 0..L-1 of one sequence against decode steps of some of those positions
+ * (each alone, with the same q): bit-identical rows. Also against the CPU reference. */
+static void test_decode_vs_prefill(const char *what, int H, int Hkv, int Dh, int S, int L) {
+    paged_cache c = cache_make(H, Hkv, Dh, S, 1, &L, (L + S - 1) / S + 1);
+    batch pre = {0};
+    batch_add_range(&pre, &c, 0, 0, L, 1.0f);
+    const int HD = H * Dh;
+    float *all = xmalloc((size_t)L * HD * sizeof(float)), *one = xmalloc(HD * sizeof(float));
+    run_gpu(all, &c, &pre);
+    const int probe[] = {L - 1, 0, L / 2, 255, 256, 257, L - 2};
+    int64_t diff = 0;
+    for (size_t i = 0; i < sizeof probe / sizeof probe[0]; i++) {
+        const int p = probe[i];
+        if (p < 0 || p >= L) continue;
+        batch dec = {0};
+        batch_copy_token(&dec, &c, &pre, p);
+        run_gpu(one, &c, &dec);
+        const int64_t d = count_diff(one, all + (size_t)p * HD, HD);
+        if (d) fprintf(stderr, "  %s: position %d differs in %lld elements\n", what, p, (long long)d);
+        diff += d;
+        batch_free(&dec);
+    }
+    printf("  %-62s %s\n", what, diff ? "DIFFERS" : "bit-identical");
+    CHECK(diff == 0, "%s: decode differs from prefill", what);
+    free(all);
+    free(one);
+    batch_free(&pre);
+    cache_free(&c);
+}
+
+static void run_tests(void) {
+    printf("decode only\n");
+    test_decode("decode 1 seq len 1, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 1, 1, 1.0f);
+    test_decode("decode 256 seqs len 1..8192, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 256, 8192, 1.0f);
+    test_decode("decode 256 seqs len 1..8192, q x4, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 256, 8192,
+                4.0f);
+    test_decode("decode 64 seqs len 1..8192, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 64, 8192, 1.0f);
+    test_decode("decode 32 seqs len 1..3000, H8 Hkv1 Dh16 S1", 8, 1, 16, 1, 32, 3000, 2.0f);
+    test_decode("decode 32 seqs len 1..3000, H16 Hkv16 Dh64 S7", 16, 16, 64, 7, 32, 3000, 2.0f);
+    test_decode("decode 16 seqs len 1..3000, H16 Hkv1 Dh256 S300", 16, 1, 256, 300, 16, 3000, 2.0f);
+    test_decode("decode 16 seqs len 1..3000, H32 Hkv2 Dh128 S64", 32, 2, 128, 64, 16, 3000, 2.0f);
+
+    printf("prefill only (chunks after cached prefixes)\n");
+    {
+        const int lo[3] = {3000, 0, 100}, hi[3] = {5048, 1, 800};
+        test_prefill("prefill 2048+1+700 tokens, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, lo, hi, 8192,
+                     1.0f);
+        test_prefill("prefill 2048+1+700 tokens, q x4, H4 Hkv2 Dh16 S16", 4, 2, 16, 16, lo, hi,
+                     8192, 4.0f);
+    }
+    {
+        /* 8192 positions of room: 532 KB of chunk results a token, so 2 slices */
+        const int lo[3] = {1000, 0, 0}, hi[3] = {1512, 1, 37};
+        test_prefill("prefill 512+1+37 tokens, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, lo, hi, 8192,
+                     1.0f);
+    }
+
+    printf("mixed (decode tokens and prefill chunks in one batch)\n");
+    test_mixed("mixed 48 decodes + 4 chunks, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 48, 4, 8192, 1024);
+    test_mixed("mixed 16 decodes + 2 chunks, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 16, 2, 4096, 300);
+    test_mixed("mixed 8 decodes + 2 chunks, H8 Hkv8 Dh64 S5", 8, 8, 64, 5, 8, 2, 2000, 600);
+
+    printf("batch invariance (each of 64 tokens alone == in the batch)\n");
+    test_batch_invariance("alone vs batch of 64, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 8192);
+    test_batch_invariance("alone vs batch of 64, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 4096);
+
+    printf("decode == prefill of the same positions\n");
+    test_decode_vs_prefill("decode vs prefill L=1000, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 1000);
+    test_decode_vs_prefill("decode vs prefill L=4097, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 4097);
+    test_decode_vs_prefill("decode vs prefill L=3000, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 3000);
+    test_decode_vs_prefill("decode vs prefill L=600, H16 Hkv1 Dh256 S16", 16, 1, 256, 16, 600);
+}
+
+/* ---- timing ---- */
+
+static double event_ms(cuda_event a, cuda_event b) {
+    float ms = 0.0f;
+    MS_ASSERT(cudaEventSynchronize(b) == 0 && cudaEventElapsedTime(&ms, a, b) == 0);
+    return ms;
+}
+
+/* Device-to-device copy of 1 GiB: bytes read + written per second. */
+static double bench_copy(cuda_event e0, cuda_event e1) {
+    const size_t bytes = (size_t)1 << 30;
+    void *a = gpu->dev_alloc(bytes), *b = gpu->dev_alloc(bytes);
+    MS_ASSERT(a && b);
+    gpu->dev_zero(a, bytes);
+    void *st = cuda_stream();
+    for (int i = 0; i < 2; i++)
+        MS_ASSERT(cudaMemcpyAsync(b, a, bytes, CUDA_MEMCPY_DEVICE_TO_DEVICE, st) == 0);
+    const int iters = 10;
+    cudaEventRecord(e0, st);
+    for (int i = 0; i < iters; i++)
+        cudaMemcpyAsync(b, a, bytes, CUDA_MEMCPY_DEVICE_TO_DEVICE, st);
+    cudaEventRecord(e1, st);
+    const double s = event_ms(e0, e1) / 1e3 / iters;
+    gpu->dev_free(a);
+    gpu->dev_free(b);
+    const double gbs = 2.0 * bytes / s / 1e9;
+    printf("device copy 1 GiB: %.1f us, %.0f GB/s (read + write)\n", s * 1e6, gbs);
+    return gbs;
+}
+
+static void bench(void) {
+    const int H = 32, Hkv = 4, Dh = 128, S = 16, max_len = 8192, max_b = 256;
+    const int max_pages = max_len / S, P = max_b * max_pages;
+    const float scale = 1.0f / sqrtf((float)Dh);
+    cuda_event e0, e1;
+    MS_ASSERT(cudaEventCreate(&e0) == 0 && cudaEventCreate(&e1) == 0);
+    printf("timing (CUDA events after warm-up), H %d Hkv %d Dh %d S %d, fp32 KV\n", H, Hkv, Dh, S);
+    const double copy_gbs = bench_copy(e0, e1);
+
+    /* the cache: 256 sequences of 8192 positions, pages in random order, filled from a random
+     * 64 MiB block */
+    const size_t kv_bytes = (size_t)P * S * Hkv * Dh * sizeof(float);
+    float *dk = gpu->dev_alloc(kv_bytes), *dv = gpu->dev_alloc(kv_bytes);
+    MS_ASSERT(dk && dv);
+    {
+        const size_t blk = (size_t)64 << 20;
+        float *h = xmalloc(blk), *d = gpu->dev_alloc(blk);
+        fill_uniform(h, blk / sizeof(float), 1.0f);
+        gpu->to_device(d, h, blk);
+        for (size_t off = 0; off < kv_bytes; off += blk) {
+            const size_t n = kv_bytes - off < blk ? kv_bytes - off : blk;
+            cudaMemcpyAsync((char *)dk + off, d, n, CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_stream());
+            cudaMemcpyAsync((char *)dv + off, d, n, CUDA_MEMCPY_DEVICE_TO_DEVICE, cuda_stream());
+        }
+        gpu->sync();
+        gpu->dev_free(d);
+        free(h);
+    }
+    int32_t *pt = xmalloc((size_t)P * sizeof(int32_t));
+    for (int i = 0; i < P; i++)
+        pt[i] = i;
+    for (int i = P - 1; i > 0; i--) {
+        const int j = rng_int(i + 1);
+        const int32_t x = pt[i];
+        pt[i] = pt[j];
+        pt[j] = x;
+    }
+    int32_t *dpt = gpu->dev_alloc((size_t)P * sizeof(int32_t));
+    gpu->to_device(dpt, pt, (size_t)P * sizeof(int32_t));
+    kv_layer kv = {.k = dk, .v = dv};
+
+    const int max_t = 2048;
+    const size_t qbytes = (size_t)max_t * H * Dh * sizeof(float);
+    float *hq = xmalloc(qbytes);
+    fill_uniform(hq, (int64_t)max_t * H * Dh, 1.0f);
+    float *dq = gpu->dev_alloc(qbytes), *dout = gpu->dev_alloc(qbytes);
+    int32_t *hpos = xmalloc(max_t * sizeof(int32_t)), *hseq = xmalloc(max_t * sizeof(int32_t));
+    int32_t *dpos = gpu->dev_alloc(max_t * sizeof(int32_t));
+    int32_t *dseq = gpu->dev_alloc(max_t * sizeof(int32_t));
+    gpu->to_device(dq, hq, qbytes);
+
+    const int batches[] = {1, 8, 64, 256}, ctxs[] = {2048, 8192};
+    for (int ci = 0; ci < 2; ci++)
+        for (int bi = 0; bi < 4; bi++) {
+            const int B = batches[bi], ctx = ctxs[ci];
+            for (int t = 0; t < B; t++) {
+                hseq[t] = t;
+                hpos[t] = ctx - 1;
+            }
+            gpu->to_device(dpos, hpos, B * sizeof(int32_t));
+            gpu->to_device(dseq, hseq, B * sizeof(int32_t));
+            attn_batch ab = {.T = B, .pos = dpos, .seq = dseq, .page_table = dpt,
+                             .max_pages = max_pages, .page_size = S};
+            const double bytes = (double)B * ctx * Hkv * Dh * sizeof(float) * 2;
+            int iters = (int)(3e-2 * 4e12 / bytes);
+            iters = iters < 10 ? 10 : iters > 2000 ? 2000 : iters;
+            for (int i = 0; i < 3; i++)
+                gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+            cudaEventRecord(e0, cuda_stream());
+            for (int i = 0; i < iters; i++)
+                gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+            cudaEventRecord(e1, cuda_stream());
+            const double s = event_ms(e0, e1) / 1e3 / iters;
+            printf("decode B=%-3d ctx=%-5d %9.1f us  KV %8.1f MB  %6.0f GB/s  %5.1f%% of copy\n", B,
+                   ctx, s * 1e6, bytes / 1e6, bytes / s / 1e9, 100.0 * bytes / s / 1e9 / copy_gbs);
+        }
+
+    /* a prefill chunk: 2048 tokens of one sequence at positions 2048..4095 */
+    {
+        const int Tp = 2048, lo = 2048;
+        double pairs = 0.0;
+        for (int t = 0; t < Tp; t++) {
+            hseq[t] = 0;
+            hpos[t] = lo + t;
+            pairs += lo + t + 1;
+        }
+        gpu->to_device(dpos, hpos, Tp * sizeof(int32_t));
+        gpu->to_device(dseq, hseq, Tp * sizeof(int32_t));
+        attn_batch ab = {.T = Tp, .pos = dpos, .seq = dseq, .page_table = dpt,
+                         .max_pages = max_pages, .page_size = S};
+        gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+        const int iters = 5;
+        cudaEventRecord(e0, cuda_stream());
+        for (int i = 0; i < iters; i++)
+            gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+        cudaEventRecord(e1, cuda_stream());
+        const double s = event_ms(e0, e1) / 1e3 / iters;
+        const double flop = 4.0 * pairs * H * Dh; /* q.k and p.v, 2 flop a multiply-add */
+        printf("prefill chunk T=%d at positions %d..%d: %9.1f us  %.1f TFLOP/s (fp32 CUDA cores)\n",
+               Tp, lo, lo + Tp - 1, s * 1e6, flop / s / 1e12);
+    }
+
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    gpu->dev_free(dk);
+    gpu->dev_free(dv);
+    gpu->dev_free(dpt);
+    gpu->dev_free(dq);
+    gpu->dev_free(dout);
+    gpu->dev_free(dpos);
+    gpu->dev_free(dseq);
+    free(pt);
+    free(hq);
+    free(hpos);
+    free(hseq);
+}
+
+int main(int argc, char **argv) {
+    char err[256] = "";
+    cpu = ops_cpu();
+    gpu = ops_cuda(0, err, sizeof err);
+    if (!gpu) {
+        printf("skipped: %s\n", err);
+        printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    printf("CUDA paged attention against the CPU reference (tolerance %.0e x max|v|)\n", ATTN_TOL);
+    run_tests();
+    if (argc > 1 && strcmp(argv[1], "--bench") == 0) bench();
+    CHECK_SUMMARY();
+}
+
+#endif
