@@ -1,10 +1,662 @@
-// Placeholder: the MoE grouped GEMM lands here (see cuda_ops.h).
+// The routed experts of a MoE layer on the GPU: tokens grouped by expert, two grouped GEMMs in BF16
+// on the tensor cores (mma.sync m16n8k16, fp32 accumulation), nothing copied back to the host.
+//
+// prepare_experts packs each layer's per-expert host tensors into two device arrays in BF16:
+// gate_up [E, 2F, D] (expert e: its F gate rows, then its F up rows) and down [E, D, F]. F16 and
+// F32 checkpoints are converted on the host while they pass through a pinned staging buffer.
+//
+// moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream:
+//   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D]):
+//      count the (t, k) pairs per expert, prefix sums into offsets[E + 1], scatter the pair ids
+//      grouped by expert into pairs[n] (within an expert in (t, k) order, by a stable counting sort
+//      with per-warp segments, so nothing depends on thread timing), and cut each expert's rows into
+//      tiles of BM rows: tiles[i] = {expert, first row, end row}, n_tiles. All of it stays on the
+//      device.
+//   2. GEMM 1: h[n, F] = silu(xb_e gate_e^T) * (xb_e up_e^T) in BF16. A block is one (tile,
+//      N-block); it reads its expert and rows from tiles[blockIdx.x] and exits when blockIdx.x >=
+//      n_tiles. The grid is the host's upper bound on the tile count (from T*K, E and BM). Each warp's
+//      B tile holds matching gate and up rows, so SiLU x up happens in registers. The A rows are
+//      gathered from xb through pairs (t = pair / K).
+//   3. GEMM 2: y[n, D] = h down_e^T, each row written in fp32 straight to out[t, k, :].
+// Skipped slots (negative ids) never enter the grouping, so their rows of out stay as they were.
+//
+// GEMM mainloop: a STAGES-deep cp.async pipeline of BM x BK and BN x BK BF16 tiles in shared memory
+// (16-byte chunks XOR-swizzled by row so ldmatrix is conflict-free), ldmatrix.x4 fragments, one
+// mma.sync per 16x8 output tile per k16 step. Three tile shapes, picked from the mean pairs per
+// expert: decode (BM 16, memory-bound on the weights), middle and prefill (BM 128). An output
+// element always sums its k16 products in increasing k into one fp32 accumulator: no split-K, so a
+// token's result is bit-identical whatever the batch, the routing of the others or the tile shape.
+//
+// Shape letters as in kernels/ops.h; n = the pairs routed to local experts (<= T*K). D and F must be
+// multiples of 8 (16-byte rows for cp.async); every model this serves has multiples of 64.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
 #include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
-int cuda_prepare_experts(moe_experts *, char *err, size_t errlen) {
-    return set_err(err, errlen, "CUDA: the MoE kernels are not implemented yet");
+
+typedef __nv_bfloat16 bf16;
+
+// ---------------------------------------------------------------------------------------------
+// prepare_experts
+// ---------------------------------------------------------------------------------------------
+
+#define MOE_STAGING_BYTES (32u << 20) /* each of the two pinned staging buffers */
+
+// Checks one expert tensor: 2-D [rows, cols], a dtype we convert, data present.
+static int check_expert_tensor(const tensor *t, int64_t rows, int64_t cols, const char *what,
+                               int e, char *err, size_t errlen) {
+    if (!t->data || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
+        return set_err(err, errlen, "CUDA: expert %d %s must be [%lld, %lld]", e, what,
+                       (long long)rows, (long long)cols);
+    if (t->dtype != DTYPE_BF16 && t->dtype != DTYPE_F16 && t->dtype != DTYPE_F32)
+        return set_err(err, errlen, "CUDA: expert %d %s has dtype %s (BF16, F16 or F32 expected)",
+                       e, what, dtype_name(t->dtype));
+    if (t->device == DEVICE_CUDA && t->dtype != DTYPE_BF16)
+        return set_err(err, errlen, "CUDA: expert %d %s is on the device in %s (BF16 expected)", e,
+                       what, dtype_name(t->dtype));
+    return 0;
 }
-void cuda_moe_experts(float *, const float *, const int32_t *, const moe_experts *, int, int, int,
-                      int) {
-    cuda_fail(__FILE__, __LINE__, "moe_experts", "not implemented yet");
+
+// Copies host tensors into device BF16 arrays through two pinned buffers: while the DMA engine
+// drains one, the host fills (or converts into) the other.
+typedef struct {
+    uint16_t *buf[2];
+    cudaEvent_t done[2];
+    int next;
+} moe_stager;
+
+static void stager_free(moe_stager *s) {
+    for (int i = 0; i < 2; i++) {
+        if (s->buf[i]) cudaFreeHost(s->buf[i]);
+        if (s->done[i]) cudaEventDestroy(s->done[i]);
+    }
+}
+
+static int stager_init(moe_stager *s) {
+    memset(s, 0, sizeof *s);
+    for (int i = 0; i < 2; i++)
+        if (cudaHostAlloc((void **)&s->buf[i], MOE_STAGING_BYTES, cudaHostAllocDefault) !=
+                cudaSuccess ||
+            cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming) != cudaSuccess) {
+            cudaGetLastError();
+            stager_free(s);
+            memset(s, 0, sizeof *s);
+            return -1;
+        }
+    return 0;
+}
+
+// dst[0 .. numel) (device, BF16) = t's elements as BF16. 0, or a CUDA error.
+static cudaError_t stage_tensor(moe_stager *s, bf16 *dst, const tensor *t) {
+    const int64_t numel = tensor_numel(t);
+    cudaStream_t st = cuda_stream();
+    if (t->device == DEVICE_CUDA) // already BF16 (checked)
+        return cudaMemcpyAsync(dst, t->data, (size_t)numel * 2, cudaMemcpyDeviceToDevice, st);
+    if (!s->buf[0] && t->dtype == DTYPE_BF16) // no pinned memory: a plain pageable copy
+        return cudaMemcpy(dst, t->data, (size_t)numel * 2, cudaMemcpyHostToDevice);
+    const int64_t chunk = MOE_STAGING_BYTES / 2;
+    for (int64_t i0 = 0; i0 < numel; i0 += chunk) {
+        const int64_t n = std::min(chunk, numel - i0);
+        const int k = s->next; // the staging buffer this chunk goes through
+        uint16_t *b;
+        if (s->buf[0]) {
+            cudaError_t e = cudaEventSynchronize(s->done[k]); // its previous copy has finished
+            if (e != cudaSuccess) return e;
+            b = s->buf[k];
+            s->next ^= 1;
+        } else {
+            b = (uint16_t *)xmalloc((size_t)n * 2);
+        }
+        if (t->dtype == DTYPE_BF16) {
+            memcpy(b, (const uint16_t *)t->data + i0, (size_t)n * 2);
+        } else if (t->dtype == DTYPE_F16) {
+            const uint16_t *p = (const uint16_t *)t->data + i0;
+            for (int64_t j = 0; j < n; j++)
+                b[j] = f32_to_bf16(f16_to_f32(p[j]));
+        } else {
+            const float *p = (const float *)t->data + i0;
+            for (int64_t j = 0; j < n; j++)
+                b[j] = f32_to_bf16(p[j]);
+        }
+        cudaError_t e;
+        if (s->buf[0]) {
+            e = cudaMemcpyAsync(dst + i0, b, (size_t)n * 2, cudaMemcpyHostToDevice, st);
+            if (e == cudaSuccess) e = cudaEventRecord(s->done[k], st);
+        } else {
+            e = cudaMemcpy(dst + i0, b, (size_t)n * 2, cudaMemcpyHostToDevice);
+            free(b);
+        }
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen) {
+    if (w->gate_up && w->down_all) return 0;
+    const int E = w->E;
+    if (E <= 0 || !w->gate || !w->up || !w->down)
+        return set_err(err, errlen, "CUDA: prepare_experts needs E > 0 and the expert tensors");
+    const int64_t F = w->gate[0].shape[0], D = w->gate[0].ndim == 2 ? w->gate[0].shape[1] : 0;
+    for (int e = 0; e < E; e++)
+        if (check_expert_tensor(&w->gate[e], F, D, "gate", e, err, errlen) ||
+            check_expert_tensor(&w->up[e], F, D, "up", e, err, errlen) ||
+            check_expert_tensor(&w->down[e], D, F, "down", e, err, errlen))
+            return -1;
+    if (D % 8 || F % 8)
+        return set_err(err, errlen, "CUDA: expert sizes D=%lld F=%lld must be multiples of 8",
+                       (long long)D, (long long)F);
+
+    const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
+    bf16 *gate_up = nullptr, *down = nullptr;
+    if (cudaMalloc(&gate_up, (size_t)E * 2 * mat * 2) != cudaSuccess ||
+        cudaMalloc(&down, (size_t)E * mat * 2) != cudaSuccess) {
+        cudaGetLastError();
+        if (gate_up) cudaFree(gate_up);
+        return set_err(err, errlen,
+                       "CUDA: out of device memory for %d experts of D=%lld F=%lld in BF16 "
+                       "(%.2f GiB)",
+                       E, (long long)D, (long long)F, (double)E * 3 * mat * 2 / (1 << 30));
+    }
+    moe_stager s;
+    stager_init(&s); // without pinned memory the copies go straight from pageable memory
+    cudaError_t ce = cudaSuccess;
+    for (int e = 0; e < E && ce == cudaSuccess; e++) {
+        ce = stage_tensor(&s, gate_up + (size_t)e * 2 * mat, &w->gate[e]);
+        if (ce == cudaSuccess) ce = stage_tensor(&s, gate_up + (size_t)e * 2 * mat + mat, &w->up[e]);
+        if (ce == cudaSuccess) ce = stage_tensor(&s, down + (size_t)e * mat, &w->down[e]);
+    }
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
+    stager_free(&s);
+    if (ce != cudaSuccess) {
+        cudaFree(gate_up);
+        cudaFree(down);
+        return set_err(err, errlen, "CUDA: copying the expert weights to the device: %s",
+                       cudaGetErrorString(ce));
+    }
+    w->gate_up = gate_up;
+    w->down_all = down;
+    w->wdtype = DTYPE_BF16;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_experts: the grouping (prepare kernel)
+// ---------------------------------------------------------------------------------------------
+
+#define MOE_PREP_THREADS   1024
+#define MOE_PREP_SMEM_INTS 12000 /* dynamic shared memory of block 0, under the 48 KB default */
+
+typedef struct {
+    int32_t *offsets;        // [E + 1] first grouped row of each expert; offsets[E] = n
+    int32_t *pairs;          // [T*K] pair id (t * K + k) of each grouped row, rows [0, n)
+    int4 *tiles;             // [max_tiles] {expert, row0, row1, 0}
+    int32_t *n_tiles;        // [1]
+    bf16 *xb;                // [T, D] x in BF16
+    const float *x;          // [T, D]
+    const int32_t *topk_ids; // [T, K]
+    int64_t n_x8;            // T * D / 8
+    int n_pairs;             // T * K
+    int E, BM, S;            // S: warps that each count and scatter one segment of the pairs
+} moe_prep_args;
+
+// Exclusive prefix sum of v over the block's threads in thread order; *sum = the block's total.
+// Every thread must call it.
+__device__ int block_exclusive_scan(int v, int *scratch /* [33] */, int *sum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const int s = lane < nw ? scratch[lane] : 0;
+        int si = s;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, si, o);
+            if (lane >= o) si += n;
+        }
+        if (lane < nw) scratch[lane] = si - s;
+        if (lane == 31) scratch[32] = si;
+    }
+    __syncthreads();
+    const int r = scratch[warp] + inc - v;
+    *sum = scratch[32];
+    __syncthreads(); // scratch is reused by the next call
+    return r;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&b);
+}
+
+// Block 0 groups the pairs by expert; blocks 1.. convert x to BF16 meanwhile.
+__global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_args a) {
+    if (blockIdx.x > 0) {
+        const int64_t step = (int64_t)(gridDim.x - 1) * blockDim.x;
+        for (int64_t i = (int64_t)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < a.n_x8;
+             i += step) {
+            const float4 lo = reinterpret_cast<const float4 *>(a.x)[2 * i];
+            const float4 hi = reinterpret_cast<const float4 *>(a.x)[2 * i + 1];
+            uint4 v;
+            v.x = pack_bf16x2(lo.x, lo.y);
+            v.y = pack_bf16x2(lo.z, lo.w);
+            v.z = pack_bf16x2(hi.x, hi.y);
+            v.w = pack_bf16x2(hi.z, hi.w);
+            reinterpret_cast<uint4 *>(a.xb)[i] = v;
+        }
+        return;
+    }
+    extern __shared__ int sm[];
+    __shared__ int scratch[33];
+    const int E = a.E, S = a.S, tid = threadIdx.x, nthr = blockDim.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    int *cnt = sm;             // [S, E] pairs of segment s for expert e, then its first row
+    int *off = cnt + S * E;    // [E + 1] pairs per expert, then first row per expert
+    int *toff = off + E + 1;   // [E + 1] first tile per expert
+    for (int i = tid; i < S * E; i += nthr)
+        cnt[i] = 0;
+    __syncthreads();
+
+    // 1. count per (segment, expert)
+    const int seg = (a.n_pairs + S - 1) / S;
+    const int s0 = warp * seg, s1 = min(a.n_pairs, s0 + seg);
+    if (warp < S)
+        for (int i = s0 + lane; i < s1; i += 32) {
+            const int e = a.topk_ids[i];
+            if (e >= 0) {
+                if (e >= E) __trap(); // broken invariant: ids index the local experts
+                atomicAdd(&cnt[warp * E + e], 1);
+            }
+        }
+    __syncthreads();
+
+    // 2. per expert: segment bases (exclusive, in segment order), then prefix sums over experts
+    for (int e = tid; e < E; e += nthr) {
+        int run = 0;
+        for (int s = 0; s < S; s++) {
+            const int c = cnt[s * E + e];
+            cnt[s * E + e] = run;
+            run += c;
+        }
+        off[e] = run;
+    }
+    __syncthreads();
+    int carry_rows = 0, carry_tiles = 0;
+    for (int e0 = 0; e0 < E; e0 += nthr) {
+        const int e = e0 + tid;
+        const int c = e < E ? off[e] : 0;
+        int sum_rows, sum_tiles;
+        const int pr = block_exclusive_scan(c, scratch, &sum_rows);
+        const int pt = block_exclusive_scan((c + a.BM - 1) / a.BM, scratch, &sum_tiles);
+        if (e < E) {
+            off[e] = carry_rows + pr;
+            toff[e] = carry_tiles + pt;
+        }
+        carry_rows += sum_rows;
+        carry_tiles += sum_tiles;
+    }
+    if (tid == 0) {
+        off[E] = carry_rows;
+        toff[E] = carry_tiles;
+    }
+    __syncthreads();
+    for (int e = tid; e <= E; e += nthr)
+        a.offsets[e] = off[e];
+    if (tid == 0) *a.n_tiles = toff[E];
+
+    // 3. the tile table: tile i belongs to the last expert whose first tile is <= i
+    const int n_tiles = toff[E];
+    for (int i = tid; i < n_tiles; i += nthr) {
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (toff[mid] <= i)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const int r0 = off[lo] + (i - toff[lo]) * a.BM;
+        a.tiles[i] = make_int4(lo, r0, min(r0 + a.BM, off[lo + 1]), 0);
+    }
+
+    // 4. scatter: each warp walks its segment in order, 32 pairs at a time; lanes with the same
+    //    expert take consecutive rows in lane order (a stable counting sort)
+    if (warp < S)
+        for (int base = s0; base < s1; base += 32) {
+            const int i = base + lane;
+            const int e = i < s1 ? a.topk_ids[i] : -1;
+            const unsigned same = __match_any_sync(0xffffffffu, e);
+            const int rank = __popc(same & ((1u << lane) - 1u));
+            if (e >= 0) a.pairs[off[e] + cnt[warp * E + e] + rank] = i;
+            __syncwarp();
+            if (e >= 0 && rank == 0) cnt[warp * E + e] += __popc(same);
+            __syncwarp();
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_experts: the grouped GEMMs
+// ---------------------------------------------------------------------------------------------
+
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_> struct moe_tile_cfg {
+    static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
+                         STAGES = STAGES_;
+    static constexpr int threads = WARPS_M * WARPS_N * 32;
+    static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N; // one warp's output tile
+    static constexpr int MI = WM / 16, NI = WN / 8;            // its m16 and n8 tiles
+    static constexpr int CPR = BK / 8;                         // 16-byte chunks per tile row
+    static constexpr int ROWS_PER_PASS = threads / CPR;        // tile rows one load pass covers
+    static constexpr int A_ITERS = BM / ROWS_PER_PASS, B_ITERS = BN / ROWS_PER_PASS;
+    static constexpr size_t smem = (size_t)STAGES * (BM + BN) * BK * sizeof(bf16);
+    static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile: m16 rows, pairs of n8 columns");
+    static_assert(BK % 16 == 0 && CPR >= 8 && threads % CPR == 0, "k tile");
+    static_assert(BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0, "load passes");
+    static_assert(STAGES >= 2, "pipeline");
+};
+
+// Decode: few rows per expert, the weights stream through once; many blocks, deep prefetch.
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 4> moe_cfg_decode;
+// Between: tens of rows per expert.
+typedef moe_tile_cfg<64, 128, 64, 2, 4, 4> moe_cfg_mid;
+// Prefill: hundreds of rows per expert, bound by the tensor cores.
+typedef moe_tile_cfg<128, 128, 64, 2, 4, 4> moe_cfg_prefill;
+
+typedef struct {
+    const bf16 *act;       // GATE_UP: xb [T, Kd] (rows gathered through pairs); else h [n, Kd]
+    const bf16 *w;         // GATE_UP: gate_up [E, 2N, Kd]; else down [E, N, Kd]
+    const int4 *tiles;     // [n_tiles]
+    const int32_t *n_tiles;
+    const int32_t *pairs;  // [n]
+    bf16 *h;               // GATE_UP's output [n, N]
+    float *out;            // the down GEMM's output [T*K, N], rows addressed by pair id
+    int Kd, N, topk;       // reduction length; output columns (F or D); K of top-k
+} moe_gemm_args;
+
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16_16816(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Element offset of 16-byte chunk ch of row r in a [rows, BK] tile: chunks XOR-swizzled by r % 8.
+template <int BK> __device__ __forceinline__ int swz(int r, int ch) {
+    return r * BK + ((ch ^ (r & 7)) << 3);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
+// GATE_UP: the block's BN weight rows are, per warp, WN/2 gate rows then the WN/2 up rows of the
+// same h columns, so a thread holds g and u of the same (row, column) and writes silu(g) * u.
+template <class C, bool GATE_UP>
+__global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
+    constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
+    if ((int)blockIdx.x >= *a.n_tiles) return; // idle block of the upper-bound grid
+    const int4 ti = a.tiles[blockIdx.x];
+    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+
+    extern __shared__ __align__(128) unsigned char moe_smem[];
+    const uint32_t sA = (uint32_t)__cvta_generic_to_shared(moe_smem); // [STAGES, BM, BK]
+    const uint32_t sB = sA + STAGES * BM * BK * 2;                      // [STAGES, BN, BK]
+
+    // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
+    const int kc = tid % C::CPR, r_first = tid / C::CPR;
+    const bf16 *a_src[C::A_ITERS];
+    const bf16 *b_src[C::B_ITERS];
+#pragma unroll
+    for (int i = 0; i < C::A_ITERS; i++) {
+        const int r = r_first + i * C::ROWS_PER_PASS;
+        a_src[i] = nullptr;
+        if (r < rows) {
+            const int64_t src_row = GATE_UP ? a.pairs[row0 + r] / a.topk : row0 + r;
+            a_src[i] = a.act + src_row * a.Kd;
+        }
+    }
+    const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
+    const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
+#pragma unroll
+    for (int i = 0; i < C::B_ITERS; i++) {
+        const int r = r_first + i * C::ROWS_PER_PASS;
+        int col, wrow;
+        if (GATE_UP) {
+            constexpr int HALF = C::WN / 2;
+            const int j = r % C::WN;
+            col = blockIdx.y * (BN / 2) + (r / C::WN) * HALF + j % HALF;
+            wrow = (j < HALF ? 0 : a.N) + col;
+        } else {
+            col = blockIdx.y * BN + r;
+            wrow = col;
+        }
+        b_src[i] = col < a.N ? w_e + (int64_t)wrow * a.Kd : nullptr;
+    }
+
+    auto load_stage = [&](int slot, int kt) {
+        const int k = kt * BK + kc * 8;
+        const bool k_ok = k < a.Kd;
+#pragma unroll
+        for (int i = 0; i < C::A_ITERS; i++) {
+            const int r = r_first + i * C::ROWS_PER_PASS;
+            const bool ok = k_ok && a_src[i];
+            cp_async16(sA + (slot * BM * BK + swz<BK>(r, kc)) * 2, ok ? a_src[i] + k : a.act,
+                       ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < C::B_ITERS; i++) {
+            const int r = r_first + i * C::ROWS_PER_PASS;
+            const bool ok = k_ok && b_src[i];
+            cp_async16(sB + (slot * BN * BK + swz<BK>(r, kc)) * 2, ok ? b_src[i] + k : a.w,
+                       ok ? 16 : 0);
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                acc[mi][ni][q] = 0.0f;
+
+    const int nk = (a.Kd + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nk) load_stage(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
+        __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
+        const int nxt = kt + STAGES - 1;
+        if (nxt < nk) load_stage(nxt % STAGES, nxt);
+        cp_async_commit();
+
+        const int slot = kt % STAGES;
+        const uint32_t a_base = sA + slot * BM * BK * 2, b_base = sB + slot * BN * BK * 2;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            uint32_t af[MI][4], bfr[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                const int r = wm * C::WM + mi * 16 + (lane & 15);
+                ldmatrix_x4(af[mi], a_base + swz<BK>(r, kk * 2 + (lane >> 4)) * 2);
+            }
+#pragma unroll
+            for (int p = 0; p < NI / 2; p++) {
+                const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
+                uint32_t t[4];
+                ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
+                bfr[2 * p][0] = t[0];
+                bfr[2 * p][1] = t[1];
+                bfr[2 * p + 1][0] = t[2];
+                bfr[2 * p + 1][1] = t[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++)
+                    mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue. Accumulator q of n8 tile ni: row lane / 4 (+ 8 for q >= 2), column
+    // 2 * (lane % 4) + (q & 1).
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int r = wm * C::WM + mi * 16 + (lane >> 2) + hr * 8;
+            if (r >= rows) continue;
+            if (GATE_UP) {
+                bf16 *dst = a.h + (int64_t)(row0 + r) * a.N;
+#pragma unroll
+                for (int ni = 0; ni < NI / 2; ni++) {
+                    const int col = blockIdx.y * (BN / 2) + wn * (C::WN / 2) + ni * 8 + 2 * (lane & 3);
+                    if (col >= a.N) continue;
+                    const float *g = &acc[mi][ni][2 * hr], *u = &acc[mi][ni + NI / 2][2 * hr];
+                    *reinterpret_cast<uint32_t *>(dst + col) =
+                        pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]);
+                }
+            } else {
+                float *dst = a.out + (int64_t)a.pairs[row0 + r] * a.N;
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    const int col = blockIdx.y * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
+                    if (col >= a.N) continue;
+                    *reinterpret_cast<float2 *>(dst + col) =
+                        make_float2(acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]);
+                }
+            }
+        }
+}
+
+template <class C, bool GATE_UP>
+static void launch_gemm(const moe_gemm_args &a, int max_tiles, int n_col_blocks) {
+    static bool attr_set = false; // one device per process
+    if (!attr_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)C::smem));
+        attr_set = true;
+    }
+    moe_gemm_kernel<C, GATE_UP>
+        <<<dim3(max_tiles, n_col_blocks), C::threads, C::smem, cuda_stream()>>>(a);
+    CUDA_CHECK_LAUNCH();
+}
+
+// The scratch of moe_experts: device memory grown on demand and kept for the process.
+static unsigned char *g_ws;
+static size_t g_ws_bytes;
+
+static unsigned char *moe_workspace(size_t bytes) {
+    if (bytes <= g_ws_bytes) return g_ws;
+    if (g_ws) {
+        CUDA_CHECK(cudaStreamSynchronize(cuda_stream())); // queued kernels may still use it
+        CUDA_CHECK(cudaFree(g_ws));
+    }
+    g_ws = nullptr;
+    g_ws_bytes = 0;
+    const size_t grown = bytes + bytes / 4;
+    CUDA_CHECK(cudaMalloc(&g_ws, grown));
+    g_ws_bytes = grown;
+    return g_ws;
+}
+
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+template <class C>
+static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                    int T, int K, int D, int F) {
+    const int E = w->E, BM = C::BM;
+    const int64_t n_pairs = (int64_t)T * K;
+    // Tiles: sum over busy experts of ceil(c_e / BM) <= (n + busy * (BM - 1)) / BM, and <= n.
+    const int64_t busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (BM - 1)) / BM);
+
+    const size_t o_off = 0, o_nt = align256(o_off + (size_t)(E + 1) * 4);
+    const size_t o_pairs = align256(o_nt + 4);
+    const size_t o_tiles = align256(o_pairs + (size_t)n_pairs * 4);
+    const size_t o_xb = align256(o_tiles + (size_t)max_tiles * sizeof(int4));
+    const size_t o_h = align256(o_xb + (size_t)T * D * 2);
+    const size_t total = align256(o_h + (size_t)n_pairs * F * 2);
+    unsigned char *ws = moe_workspace(total);
+
+    moe_prep_args p;
+    p.offsets = (int32_t *)(ws + o_off);
+    p.n_tiles = (int32_t *)(ws + o_nt);
+    p.pairs = (int32_t *)(ws + o_pairs);
+    p.tiles = (int4 *)(ws + o_tiles);
+    p.xb = (bf16 *)(ws + o_xb);
+    p.x = x;
+    p.topk_ids = topk_ids;
+    p.n_x8 = (int64_t)T * D / 8;
+    p.n_pairs = (int)n_pairs;
+    p.E = E;
+    p.BM = BM;
+    p.S = std::min(32, (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / E);
+    MS_ASSERT(p.S >= 1); // E up to ~4000 local experts
+    const int conv_blocks =
+        (int)std::min<int64_t>((p.n_x8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS, 264);
+    const size_t prep_smem = (size_t)(p.S * E + 2 * (E + 1)) * sizeof(int);
+    moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+
+    moe_gemm_args g;
+    g.tiles = p.tiles;
+    g.n_tiles = p.n_tiles;
+    g.pairs = p.pairs;
+    g.topk = K;
+    g.out = out;
+    g.h = (bf16 *)(ws + o_h);
+
+    g.act = p.xb;
+    g.w = (const bf16 *)w->gate_up;
+    g.Kd = D;
+    g.N = F;
+    launch_gemm<C, true>(g, max_tiles, (F + C::BN / 2 - 1) / (C::BN / 2));
+
+    g.act = g.h;
+    g.w = (const bf16 *)w->down_all;
+    g.Kd = F;
+    g.N = D;
+    launch_gemm<C, false>(g, max_tiles, (D + C::BN - 1) / C::BN);
+}
+
+void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                      int T, int K, int D, int F) {
+    if (T <= 0 || K <= 0) return;
+    MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
+    MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
+    // The tile shape follows the mean pairs per expert; the result does not depend on it.
+    const int64_t n_pairs = (int64_t)T * K;
+    if (n_pairs <= 24 * (int64_t)w->E)
+        moe_run<moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F);
+    else if (n_pairs <= 96 * (int64_t)w->E)
+        moe_run<moe_cfg_mid>(out, x, topk_ids, w, T, K, D, F);
+    else
+        moe_run<moe_cfg_prefill>(out, x, topk_ids, w, T, K, D, F);
 }

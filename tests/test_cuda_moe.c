@@ -1,0 +1,755 @@
+/* CUDA moe_experts against the CPU reference, and its speed.
+ *
+ * ops_cuda()->prepare_experts + ->moe_experts on device buffers against ops_cpu()->moe_experts on
+ * the same host tensors: random BF16 expert weights (windows at different offsets into one random
+ * pool per model, so hundreds of experts cost little host memory while every expert differs),
+ * random fp32 x (never zeros), routing random (K distinct experts per token), balanced (every
+ * expert T*K/E pairs), skewed (every slot to one expert), with skipped slots (negative ids), all
+ * slots skipped, T = 0. Shapes: small odd ones (E=3, D=40, F=24, K=2, T=1..37, also F32 and F16
+ * weights), the tiny test model's (E=8, D=64, F=64, K=2), Qwen3-30B-A3B's (E=128, D=2048, F=768,
+ * K=8) and a DeepSeek-V3-like one (E=256, D=7168, F=2048, K=8) where memory allows. Large batches
+ * are compared on a spread subset of their tokens (a token's result does not depend on the others).
+ *
+ * Tolerance. The GPU rounds x and the hidden h = silu(g) * u to BF16 (relative error <= 2^-9 each,
+ * about 2^-9 / sqrt(3) rms); the CPU keeps both in fp32; both read the same BF16 weights and
+ * accumulate in fp32. The roundings enter dot products of random-sign terms, so an output element's
+ * error spreads like a few 1e-3 of its row's rms, and the largest of D of them stays within about 4
+ * spreads. Allowed: max |gpu - cpu| over a row <= 2^-5 * rms(cpu row) (F32 / F16 weights also round
+ * each weight to BF16 once: the same bound). Exact: skipped rows keep their sentinel bit for bit;
+ * a token run alone gives bit-identical rows (batch invariance, across tile shapes); the same call
+ * twice gives bit-identical output.
+ *
+ * Timing (CUDA events on the backend's stream, after warm-up, median): microseconds per call; for
+ * decode sizes the bytes of expert weights the routing touches (busy experts x 3 F D x 2) over the
+ * time, against the device copy bandwidth measured here (cudaMemcpyAsync device to device of 1 GiB,
+ * bytes read + written); routings rotate among 8 sets so the weights do not sit in L2. For T = 4096
+ * with balanced routing: TFLOP/s (6 T K D F flops) beside cuBLAS run per expert on the same
+ * grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then down, 2 E launches; it gets its
+ * tokens pre-gathered and does no SiLU, gather or scatter).
+ *
+ *   test_cuda_moe           everything
+ *   test_cuda_moe --small   only the small and tiny shapes (quick; for compute-sanitizer)
+ *
+ * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/tensor.h"
+#include "kernels/ops.h"
+#include "tests/check.h"
+
+#ifndef MOESERVE_CUDA
+
+int main(void) {
+    printf("skipped: built without CUDA\n");
+    printf("0 passed, 0 failed\n");
+    return 0;
+}
+
+#else
+
+/* The C tests build without the CUDA include path: the few runtime and cuBLAS entry points this test
+ * calls, with their C signatures from cuda_runtime_api.h and cublas_api.h (enums as int). */
+typedef struct CUstream_st *cudaStream_t;
+typedef struct CUevent_st *cudaEvent_t;
+typedef struct cublasContext *cublasHandle_t;
+int cudaEventCreate(cudaEvent_t *ev);
+int cudaEventDestroy(cudaEvent_t ev);
+int cudaEventRecord(cudaEvent_t ev, cudaStream_t s);
+int cudaEventSynchronize(cudaEvent_t ev);
+int cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
+int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, cudaStream_t s);
+int cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
+const char *cudaGetErrorString(int e);
+int cublasCreate_v2(cublasHandle_t *h);
+int cublasDestroy_v2(cublasHandle_t h);
+int cublasSetStream_v2(cublasHandle_t h, cudaStream_t s);
+int cublasGemmEx(cublasHandle_t h, int transa, int transb, int m, int n, int k, const void *alpha,
+                 const void *A, int Atype, int lda, const void *B, int Btype, int ldb,
+                 const void *beta, void *C, int Ctype, int ldc, int compute_type, int algo);
+#define CUDA_MEMCPY_D2D     3
+#define CUBLAS_OP_N_        0
+#define CUBLAS_OP_T_        1
+#define CUDA_R_32F_         0
+#define CUDA_R_16BF_        14
+#define CUBLAS_COMPUTE_32F_ 68
+#define CUBLAS_GEMM_DEFAULT_ (-1)
+/* kernels/cuda/cuda_ops.h: the stream every op of the backend runs on. */
+cudaStream_t cuda_stream(void);
+
+#define TOL_ROW_RMS 0.03125 /* 2^-5 */
+#define SENTINEL    (-7.25f)
+#define POOL_SPREAD (1 << 20) /* elements past one matrix that expert windows start within */
+
+static const ops *gpu, *cpu;
+
+/* ---- random inputs ---- */
+
+static uint64_t rng_state = 0x853c49e6748fea9bull;
+
+static uint64_t rng_next(void) { /* splitmix64 */
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1), never exactly zero. */
+static float rng_uniform(void) {
+    float f;
+    do {
+        f = (float)((double)(rng_next() >> 40) * (1.0 / 8388608.0) - 1.0);
+    } while (f == 0.0f);
+    return f;
+}
+
+static double rng_unit(void) { return (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0); }
+
+/* float32 -> IEEE half, round to nearest even; values under the half normal range become zero. */
+static uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const int exp = (int)((u >> 23) & 0xffu) - 127 + 15;
+    const uint32_t mant = u & 0x7fffffu;
+    if (exp <= 0) return sign;
+    if (exp >= 31) return sign | 0x7c00u;
+    uint32_t h = ((uint32_t)exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- a model's experts ---- */
+
+typedef struct {
+    const char *name;
+    int E, D, F, K;
+    dtype dt;
+    moe_experts w;
+    tensor *gate, *up, *down; /* [E] host tensors, windows into the pools */
+    void *pool_in, *pool_out; /* gate/up values scaled by sqrt(3/D), down values by sqrt(3/F) */
+} model;
+
+static void *make_pool(dtype dt, size_t n, float scale) {
+    void *p = xmalloc(n * dtype_size(dt));
+    for (size_t i = 0; i < n; i++) {
+        const float v = rng_uniform() * scale;
+        if (dt == DTYPE_BF16)
+            ((uint16_t *)p)[i] = f32_to_bf16(v);
+        else if (dt == DTYPE_F16)
+            ((uint16_t *)p)[i] = f32_to_f16(v);
+        else
+            ((float *)p)[i] = v;
+    }
+    return p;
+}
+
+/* Window idx of a pool: a multiple of 8 elements in [0, POOL_SPREAD). */
+static void *pool_window(void *pool, dtype dt, int idx) {
+    const size_t off = ((size_t)idx * 104729u * 8u) % POOL_SPREAD;
+    return (char *)pool + off * dtype_size(dt);
+}
+
+static void model_init(model *m, const char *name, int E, int D, int F, int K, dtype dt) {
+    memset(m, 0, sizeof *m);
+    m->name = name;
+    m->E = E;
+    m->D = D;
+    m->F = F;
+    m->K = K;
+    m->dt = dt;
+    const size_t n = (size_t)F * D + POOL_SPREAD;
+    m->pool_in = make_pool(dt, n, sqrtf(3.0f / D));
+    m->pool_out = make_pool(dt, n, sqrtf(3.0f / F));
+    m->gate = xcalloc((size_t)E, sizeof(tensor));
+    m->up = xcalloc((size_t)E, sizeof(tensor));
+    m->down = xcalloc((size_t)E, sizeof(tensor));
+    for (int e = 0; e < E; e++) {
+        tensor *g = &m->gate[e], *u = &m->up[e], *d = &m->down[e];
+        g->dtype = u->dtype = d->dtype = dt;
+        g->ndim = u->ndim = d->ndim = 2;
+        g->device = u->device = d->device = DEVICE_CPU;
+        g->shape[0] = u->shape[0] = F;
+        g->shape[1] = u->shape[1] = D;
+        d->shape[0] = D;
+        d->shape[1] = F;
+        g->data = pool_window(m->pool_in, dt, 2 * e);
+        u->data = pool_window(m->pool_in, dt, 2 * e + 1);
+        d->data = pool_window(m->pool_out, dt, e);
+    }
+    m->w.E = E;
+    m->w.gate = m->gate;
+    m->w.up = m->up;
+    m->w.down = m->down;
+}
+
+/* 0 when the experts are on the device. */
+static int model_prepare(model *m) {
+    char err[256] = "";
+    const double t0 = now_s();
+    const int rc = gpu->prepare_experts(&m->w, err, sizeof err);
+    const double dt = now_s() - t0;
+    CHECK(rc == 0, "%s: prepare_experts: %s", m->name, err);
+    if (rc) return -1;
+    CHECK(m->w.gate_up && m->w.down_all && m->w.wdtype == DTYPE_BF16, "%s: backend copies",
+          m->name);
+    const double gib = (double)m->E * 3 * m->F * m->D * 2 / (1 << 30);
+    printf("%s: prepare_experts (%s weights): %.2f GiB of BF16 in %.2f s (%.1f GB/s)\n", m->name,
+           dtype_name(m->dt), gib, dt, gib * 1.073741824 / dt);
+    return 0;
+}
+
+static void model_free(model *m) {
+    if (m->w.gate_up) gpu->dev_free(m->w.gate_up);
+    if (m->w.down_all) gpu->dev_free(m->w.down_all);
+    free(m->gate);
+    free(m->up);
+    free(m->down);
+    free(m->pool_in);
+    free(m->pool_out);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- routing ---- */
+
+enum { ROUTE_RANDOM, ROUTE_BALANCED, ROUTE_ONE, ROUTE_NONE };
+static const char *route_name[] = {"random", "balanced", "one", "none"};
+
+/* ids[T, K]: random = K distinct experts per token; balanced = (t K + k) mod E; one = every slot
+ * to expert E - 1; none = every slot skipped. Then each slot is skipped (a negative id) with
+ * probability skip. */
+static void make_routing(int32_t *ids, int T, int K, int E, int mode, double skip) {
+    int *perm = xmalloc((size_t)E * sizeof(int));
+    for (int e = 0; e < E; e++)
+        perm[e] = e;
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++) {
+            int32_t id;
+            if (mode == ROUTE_RANDOM) {
+                const int j = k + (int)(rng_next() % (uint64_t)(E - k));
+                const int tmp = perm[k];
+                perm[k] = perm[j];
+                perm[j] = tmp;
+                id = perm[k];
+            } else if (mode == ROUTE_BALANCED) {
+                id = (int32_t)(((int64_t)t * K + k) % E);
+            } else if (mode == ROUTE_ONE) {
+                id = E - 1;
+            } else {
+                id = -1;
+            }
+            if (skip > 0 && rng_unit() < skip) id = -1 - (int32_t)(rng_next() % 3);
+            ids[(int64_t)t * K + k] = id;
+        }
+    free(perm);
+}
+
+/* Experts with at least one routed slot. */
+static int busy_experts(const int32_t *ids, int64_t n, int E) {
+    char *seen = xcalloc((size_t)E, 1);
+    int busy = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && !seen[ids[i]]) {
+            seen[ids[i]] = 1;
+            busy++;
+        }
+    free(seen);
+    return busy;
+}
+
+/* ---- the GPU op on host arrays ---- */
+
+static void *dev_alloc_checked(size_t bytes) {
+    void *p = gpu->dev_alloc(bytes);
+    if (!p) {
+        fprintf(stderr, "FAIL: out of device memory for %zu bytes\n", bytes);
+        printf("%d passed, %d failed\n", check_passed, check_failed + 1);
+        exit(1);
+    }
+    return p;
+}
+
+/* out_h[T, K, D] = the GPU's moe_experts with out starting as SENTINEL everywhere. */
+static void gpu_moe(const model *m, float *out_h, const float *x_h, const int32_t *ids_h, int T) {
+    const size_t nx = (size_t)T * m->D, no = (size_t)T * m->K * m->D, ni = (size_t)T * m->K;
+    float *x = dev_alloc_checked(nx * 4 + 4), *out = dev_alloc_checked(no * 4 + 4);
+    int32_t *ids = dev_alloc_checked(ni * 4 + 4);
+    for (size_t i = 0; i < no; i++)
+        out_h[i] = SENTINEL;
+    gpu->to_device(out, out_h, no * 4);
+    gpu->to_device(x, x_h, nx * 4);
+    gpu->to_device(ids, ids_h, ni * 4);
+    gpu->moe_experts(out, x, ids, &m->w, T, m->K, m->D, m->F);
+    gpu->to_host(out_h, out, no * 4);
+    gpu->dev_free(x);
+    gpu->dev_free(out);
+    gpu->dev_free(ids);
+}
+
+static bool is_sentinel_row(const float *row, int D) {
+    const float s = SENTINEL;
+    for (int d = 0; d < D; d++)
+        if (memcmp(&row[d], &s, sizeof s) != 0) return false;
+    return true;
+}
+
+/* One batch: the GPU over all T tokens against the CPU on up to max_check tokens spread over the
+ * batch (first and last included); skipped rows, batch invariance (token T-1 alone) and, when
+ * repeat, a second identical call. Returns the worst max|err| / rms over the compared rows. */
+static double run_case(const model *m, int T, int mode, double skip, int max_check, bool repeat) {
+    const int K = m->K, D = m->D;
+    const int64_t n_pairs = (int64_t)T * K;
+    float *x = xmalloc(((size_t)T * D + 1) * sizeof(float));
+    int32_t *ids = xmalloc(((size_t)n_pairs + 1) * sizeof(int32_t));
+    float *out = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
+    for (int64_t i = 0; i < (int64_t)T * D; i++)
+        x[i] = rng_uniform();
+    make_routing(ids, T, K, m->E, mode, skip);
+    gpu_moe(m, out, x, ids, T);
+
+    /* every row: skipped ones keep the sentinel, computed ones are finite */
+    int64_t bad_skip = 0, bad_kept = 0;
+    for (int64_t p = 0; p < n_pairs; p++) {
+        const float *row = out + p * D;
+        if (ids[p] < 0) {
+            bad_skip += !is_sentinel_row(row, D);
+        } else {
+            bool ok = !is_sentinel_row(row, D);
+            for (int d = 0; d < D && ok; d++)
+                ok = isfinite(row[d]);
+            bad_kept += !ok;
+        }
+    }
+    CHECK(bad_skip == 0, "%s T=%d %s: %lld skipped rows were written", m->name, T,
+          route_name[mode], (long long)bad_skip);
+    CHECK(bad_kept == 0, "%s T=%d %s: %lld computed rows unwritten or not finite", m->name, T,
+          route_name[mode], (long long)bad_kept);
+
+    /* the CPU reference on a spread subset of the tokens */
+    double worst = 0.0;
+    int n_rows = 0, n_bad = 0;
+    const int ns = T < max_check ? T : max_check;
+    if (ns > 0) {
+        float *xs = xmalloc((size_t)ns * D * sizeof(float));
+        int32_t *is = xmalloc((size_t)ns * K * sizeof(int32_t));
+        float *ref = xmalloc((size_t)ns * K * D * sizeof(float));
+        int *tok = xmalloc((size_t)ns * sizeof(int));
+        for (int i = 0; i < ns; i++) {
+            tok[i] = ns == 1 ? T - 1 : (int)((int64_t)i * (T - 1) / (ns - 1));
+            memcpy(xs + (size_t)i * D, x + (size_t)tok[i] * D, (size_t)D * sizeof(float));
+            memcpy(is + (size_t)i * K, ids + (size_t)tok[i] * K, (size_t)K * sizeof(int32_t));
+        }
+        for (size_t i = 0; i < (size_t)ns * K * D; i++)
+            ref[i] = SENTINEL;
+        cpu->moe_experts(ref, xs, is, &m->w, ns, K, D, m->F);
+        for (int i = 0; i < ns; i++)
+            for (int k = 0; k < K; k++) {
+                if (is[i * K + k] < 0) continue;
+                const float *r = ref + ((size_t)i * K + k) * D;
+                const float *g = out + ((size_t)tok[i] * K + k) * D;
+                double ss = 0.0, err = 0.0;
+                int at = 0;
+                for (int d = 0; d < D; d++) {
+                    ss += (double)r[d] * r[d];
+                    const double e = fabs((double)g[d] - r[d]);
+                    if (!(e <= err)) {
+                        err = e;
+                        at = d;
+                    }
+                }
+                const double rms = sqrt(ss / D);
+                const double ratio = err / rms;
+                n_rows++;
+                if (!(ratio <= worst)) worst = ratio;
+                if (!(err <= TOL_ROW_RMS * rms)) {
+                    if (n_bad < 5)
+                        fprintf(stderr,
+                                "  mismatch %s T=%d t=%d k=%d expert %d d=%d: gpu %.6g cpu %.6g "
+                                "(row rms %.4g)\n",
+                                m->name, T, tok[i], k, is[i * K + k], at, g[at], r[at], rms);
+                    n_bad++;
+                }
+            }
+        free(xs);
+        free(is);
+        free(ref);
+        free(tok);
+    }
+    CHECK(n_bad == 0, "%s T=%d %s skip %.2f: %d of %d rows over 2^-5 * rms (worst %.3g)", m->name,
+          T, route_name[mode], skip, n_bad, n_rows, worst);
+
+    /* batch invariance: the last token alone gives the same bits */
+    if (T > 1) {
+        float *one = xmalloc((size_t)K * D * sizeof(float));
+        gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
+        CHECK(memcmp(one, out + (size_t)(T - 1) * K * D, (size_t)K * D * sizeof(float)) == 0,
+              "%s T=%d %s: token T-1 alone differs from its rows in the batch", m->name, T,
+              route_name[mode]);
+        free(one);
+    }
+    /* run to run: the same call gives the same bits */
+    if (repeat) {
+        float *again = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
+        gpu_moe(m, again, x, ids, T);
+        CHECK(memcmp(again, out, (size_t)n_pairs * D * sizeof(float)) == 0,
+              "%s T=%d %s: a second identical call differs", m->name, T, route_name[mode]);
+        free(again);
+    }
+    printf("  %-14s T=%-5d %-8s skip %.2f: worst max|gpu-cpu|/rms %.2e (tol %.2e) over %d rows "
+           "of %d tokens\n",
+           m->name, T, route_name[mode], skip, worst, TOL_ROW_RMS, n_rows, ns);
+    free(x);
+    free(ids);
+    free(out);
+    return worst;
+}
+
+/* T = 0 and every slot skipped leave out untouched. */
+static void run_empty_cases(const model *m) {
+    const int K = m->K, D = m->D, T = 5;
+    float *x = xmalloc((size_t)T * D * sizeof(float)), *out = xmalloc((size_t)T * K * D * 4);
+    int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+    for (int i = 0; i < T * D; i++)
+        x[i] = rng_uniform();
+    make_routing(ids, T, K, m->E, ROUTE_NONE, 0.0);
+    gpu_moe(m, out, x, ids, T);
+    bool all = true;
+    for (int p = 0; p < T * K; p++)
+        all = all && is_sentinel_row(out + (size_t)p * D, D);
+    CHECK(all, "%s: every slot skipped: out was written", m->name);
+    gpu_moe(m, out, x, ids, 0); /* T = 0: nothing to do, nothing touched */
+    float *dout = dev_alloc_checked((size_t)T * K * D * 4);
+    for (int i = 0; i < T * K * D; i++)
+        out[i] = SENTINEL;
+    gpu->to_device(dout, out, (size_t)T * K * D * 4);
+    make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
+    gpu->moe_experts(dout, x /* not read */, ids /* not read */, &m->w, 0, K, D, m->F);
+    gpu->to_host(out, dout, (size_t)T * K * D * 4);
+    all = true;
+    for (int p = 0; p < T * K; p++)
+        all = all && is_sentinel_row(out + (size_t)p * D, D);
+    CHECK(all, "%s: T = 0 wrote to out", m->name);
+    gpu->dev_free(dout);
+    free(x);
+    free(out);
+    free(ids);
+}
+
+/* ---- timing ---- */
+
+typedef struct {
+    char label[48];
+    int T;
+    double us, weight_gb, gbs, pct, tflops;   /* ours */
+    double cublas_us, cublas_tflops;          /* per-expert cuBLAS (prefill rows only) */
+} timing_row;
+
+static timing_row rows[32];
+static int n_rows;
+static double copy_gbs;
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median milliseconds of iters timed runs of fn(i) after warm warm-up runs. */
+static float time_median(void (*fn)(void *, int), void *ctx, int warm, int iters) {
+    for (int i = 0; i < warm; i++)
+        fn(ctx, i);
+    cudaEvent_t *ev = xmalloc((size_t)iters * 2 * sizeof(cudaEvent_t));
+    float *ms = xmalloc((size_t)iters * sizeof(float));
+    for (int i = 0; i < 2 * iters; i++)
+        cudaEventCreate(&ev[i]);
+    for (int i = 0; i < iters; i++) {
+        cudaEventRecord(ev[2 * i], cuda_stream());
+        fn(ctx, warm + i);
+        cudaEventRecord(ev[2 * i + 1], cuda_stream());
+    }
+    cudaEventSynchronize(ev[2 * iters - 1]);
+    for (int i = 0; i < iters; i++)
+        cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]);
+    for (int i = 0; i < 2 * iters; i++)
+        cudaEventDestroy(ev[i]);
+    qsort(ms, (size_t)iters, sizeof(float), cmp_float);
+    const float med = ms[iters / 2];
+    free(ev);
+    free(ms);
+    return med;
+}
+
+typedef struct {
+    void *dst, *src;
+    size_t bytes;
+} copy_ctx;
+
+static void copy_once(void *c, int i) {
+    (void)i;
+    copy_ctx *cc = c;
+    cudaMemcpyAsync(cc->dst, cc->src, cc->bytes, CUDA_MEMCPY_D2D, cuda_stream());
+}
+
+static double measure_copy_bandwidth(void) {
+    copy_ctx c = {dev_alloc_checked(1u << 30), dev_alloc_checked(1u << 30), 1u << 30};
+    const float ms = time_median(copy_once, &c, 2, 7);
+    gpu->dev_free(c.dst);
+    gpu->dev_free(c.src);
+    return 2.0 * (double)c.bytes / (ms * 1e-3) / 1e9;
+}
+
+typedef struct {
+    const model *m;
+    float *out, *x;
+    int32_t *ids; /* [n_sets, T, K] */
+    int T, n_sets;
+} moe_ctx;
+
+static void moe_once(void *c, int i) {
+    moe_ctx *mc = c;
+    const model *m = mc->m;
+    gpu->moe_experts(mc->out, mc->x, mc->ids + (size_t)(i % mc->n_sets) * mc->T * m->K, &m->w,
+                     mc->T, m->K, m->D, m->F);
+}
+
+/* Times moe_experts at T tokens over n_sets routings of the given mode; adds a timing row. */
+static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int iters) {
+    const int K = m->K, D = m->D;
+    const size_t nx = (size_t)T * D, ni = (size_t)T * K;
+    float *x_h = xmalloc(nx * sizeof(float));
+    int32_t *ids_h = xmalloc(ni * n_sets * sizeof(int32_t));
+    for (size_t i = 0; i < nx; i++)
+        x_h[i] = rng_uniform();
+    double busy = 0;
+    for (int s = 0; s < n_sets; s++) {
+        make_routing(ids_h + s * ni, T, K, m->E, mode, 0.0);
+        busy += busy_experts(ids_h + s * ni, (int64_t)ni, m->E);
+    }
+    busy /= n_sets;
+    moe_ctx c = {m, dev_alloc_checked(ni * D * 4), dev_alloc_checked(nx * 4),
+                 dev_alloc_checked(ni * n_sets * 4), T, n_sets};
+    gpu->to_device(c.x, x_h, nx * 4);
+    gpu->to_device(c.ids, ids_h, ni * n_sets * 4);
+    const float ms = time_median(moe_once, &c, 3, iters);
+    gpu->dev_free(c.out);
+    gpu->dev_free(c.x);
+    gpu->dev_free(c.ids);
+    free(x_h);
+    free(ids_h);
+
+    timing_row *r = &rows[n_rows++];
+    memset(r, 0, sizeof *r);
+    snprintf(r->label, sizeof r->label, "%s %s", m->name, route_name[mode]);
+    r->T = T;
+    r->us = ms * 1e3;
+    r->weight_gb = busy * 3.0 * m->F * m->D * 2 / 1e9;
+    r->gbs = r->weight_gb / (ms * 1e-3);
+    r->pct = 100.0 * r->gbs / copy_gbs;
+    r->tflops = 6.0 * T * K * (double)D * m->F / (ms * 1e-3) / 1e12;
+    return r;
+}
+
+typedef struct {
+    const model *m;
+    cublasHandle_t h;
+    void *a, *hid, *y; /* a [n, D] bf16 grouped tokens, hid [n, 2F] bf16, y [n, D] fp32 */
+    int per_expert;    /* rows per expert */
+    int status;        /* first non-zero cuBLAS status */
+} cublas_ctx;
+
+static void cublas_once(void *c, int it) {
+    (void)it;
+    cublas_ctx *cc = c;
+    const model *m = cc->m;
+    const int D = m->D, F = m->F, n = cc->per_expert;
+    const float one = 1.0f, zero = 0.0f;
+    for (int e = 0; e < m->E; e++) {
+        const uint16_t *w1 = (const uint16_t *)m->w.gate_up + (size_t)e * 2 * F * D;
+        const uint16_t *w2 = (const uint16_t *)m->w.down_all + (size_t)e * D * F;
+        const uint16_t *a = (const uint16_t *)cc->a + (size_t)e * n * D;
+        uint16_t *hid = (uint16_t *)cc->hid + (size_t)e * n * 2 * F;
+        float *y = (float *)cc->y + (size_t)e * n * D;
+        /* column-major view: hid^T [2F, n] = W1 [2F, D] a^T [D, n]; y^T [D, n] = W2 [D, F] h^T */
+        int s = cublasGemmEx(cc->h, CUBLAS_OP_T_, CUBLAS_OP_N_, 2 * F, n, D, &one, w1,
+                             CUDA_R_16BF_, D, a, CUDA_R_16BF_, D, &zero, hid, CUDA_R_16BF_, 2 * F,
+                             CUBLAS_COMPUTE_32F_, CUBLAS_GEMM_DEFAULT_);
+        if (s && !cc->status) cc->status = s;
+        s = cublasGemmEx(cc->h, CUBLAS_OP_T_, CUBLAS_OP_N_, D, n, F, &one, w2, CUDA_R_16BF_, F,
+                         hid, CUDA_R_16BF_, 2 * F, &zero, y, CUDA_R_32F_, D, CUBLAS_COMPUTE_32F_,
+                         CUBLAS_GEMM_DEFAULT_);
+        if (s && !cc->status) cc->status = s;
+    }
+}
+
+/* cuBLAS per expert on balanced routing at T tokens, into row r. */
+static void time_cublas(const model *m, int T, timing_row *r) {
+    const int K = m->K, D = m->D, F = m->F;
+    const size_t n = (size_t)T * K;
+    cublas_ctx c = {m, NULL, NULL, NULL, NULL, (int)(n / m->E), 0};
+    if (n % m->E || cublasCreate_v2(&c.h) != 0 || cublasSetStream_v2(c.h, cuda_stream()) != 0) {
+        CHECK(false, "%s: cuBLAS could not start", m->name);
+        return;
+    }
+    uint16_t *a_h = xmalloc(n * D * 2);
+    for (size_t i = 0; i < n * D; i++)
+        a_h[i] = f32_to_bf16(rng_uniform());
+    c.a = dev_alloc_checked(n * D * 2);
+    c.hid = dev_alloc_checked(n * 2 * F * 2);
+    c.y = dev_alloc_checked(n * D * 4);
+    gpu->to_device(c.a, a_h, n * D * 2);
+    free(a_h);
+    const float ms = time_median(cublas_once, &c, 2, 5);
+    CHECK(c.status == 0, "%s: cublasGemmEx status %d", m->name, c.status);
+    r->cublas_us = ms * 1e3;
+    r->cublas_tflops = 6.0 * n * (double)D * F / (ms * 1e-3) / 1e12;
+    gpu->dev_free(c.a);
+    gpu->dev_free(c.hid);
+    gpu->dev_free(c.y);
+    cublasDestroy_v2(c.h);
+}
+
+static void print_timings(void) {
+    printf("\ndevice copy bandwidth (1 GiB device to device, read + write): %.0f GB/s\n",
+           copy_gbs);
+    printf("%-26s %6s %10s %10s %9s %7s %9s %12s %10s\n", "moe_experts", "T", "us", "weight GB",
+           "GB/s", "% copy", "TFLOP/s", "cuBLAS/exp us", "TFLOP/s");
+    for (int i = 0; i < n_rows; i++) {
+        const timing_row *r = &rows[i];
+        printf("%-26s %6d %10.1f %10.3f %9.0f %6.1f%% %9.1f", r->label, r->T, r->us, r->weight_gb,
+               r->gbs, r->pct, r->tflops);
+        if (r->cublas_us > 0)
+            printf(" %12.1f %10.1f", r->cublas_us, r->cublas_tflops);
+        printf("\n");
+    }
+}
+
+/* ---- the shapes ---- */
+
+static void test_prepare_errors(void) {
+    model m;
+    model_init(&m, "bad", 2, 16, 8, 1, DTYPE_BF16);
+    m.down[1].shape[0] = 8; /* [8, 8] where [16, 8] belongs */
+    char err[256] = "";
+    CHECK(gpu->prepare_experts(&m.w, err, sizeof err) == -1 && err[0] && !m.w.gate_up,
+          "a misshapen down tensor is refused (%s)", err);
+    model_free(&m);
+}
+
+static void test_small(void) {
+    model m;
+    model_init(&m, "small", 3, 40, 24, 2, DTYPE_BF16);
+    if (model_prepare(&m) == 0) {
+        double worst = 0;
+        for (int T = 1; T <= 37; T++) {
+            const double w = run_case(&m, T, ROUTE_RANDOM, T % 2 ? 0.0 : 0.2, 64, T == 37);
+            if (w > worst) worst = w;
+        }
+        printf("  small: T = 1..37 worst %.2e\n", worst);
+        run_case(&m, 64, ROUTE_ONE, 0.1, 64, true);
+        run_empty_cases(&m);
+    }
+    model_free(&m);
+    const dtype other[] = {DTYPE_F32, DTYPE_F16};
+    for (int i = 0; i < 2; i++) {
+        model_init(&m, i ? "small-f16" : "small-f32", 3, 40, 24, 2, other[i]);
+        if (model_prepare(&m) == 0) {
+            run_case(&m, 17, ROUTE_RANDOM, 0.0, 64, false);
+            run_case(&m, 150, ROUTE_RANDOM, 0.2, 150, false);
+        }
+        model_free(&m);
+    }
+}
+
+static void test_tiny(void) {
+    model m;
+    model_init(&m, "tiny", 8, 64, 64, 2, DTYPE_BF16);
+    if (model_prepare(&m) == 0) {
+        const int Ts[] = {1, 2, 7, 64, 96, 300, 500, 1000};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 1000, true);
+        run_case(&m, 77, ROUTE_RANDOM, 0.3, 1000, true);
+        run_case(&m, 600, ROUTE_RANDOM, 0.5, 1000, true);
+        run_case(&m, 200, ROUTE_ONE, 0.0, 200, true);
+        run_case(&m, 1000, ROUTE_ONE, 0.2, 1000, true);
+        run_case(&m, 512, ROUTE_BALANCED, 0.0, 512, true);
+        run_empty_cases(&m);
+    }
+    model_free(&m);
+}
+
+static void test_qwen3(void) {
+    model m;
+    model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
+    if (model_prepare(&m) == 0) {
+        const int Ts[] = {1, 8, 64, 256, 1024, 2048};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256);
+        run_case(&m, 64, ROUTE_RANDOM, 0.25, 64, true);
+        run_case(&m, 256, ROUTE_ONE, 0.0, 32, false);
+        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 32, false);
+        run_empty_cases(&m);
+        const int Tt[] = {1, 8, 64, 256, 2048};
+        for (size_t i = 0; i < sizeof Tt / sizeof Tt[0]; i++)
+            time_moe(&m, Tt[i], ROUTE_RANDOM, 8, Tt[i] <= 256 ? 50 : 10);
+        time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 10));
+    }
+    model_free(&m);
+}
+
+static void test_deepseek(void) {
+    const int E = 256, D = 7168, F = 2048, K = 8;
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    const size_t need = (size_t)E * 3 * F * D * 2 + ((size_t)6 << 30);
+    if (free_b < need) {
+        printf("deepseek-v3-like: skipped, %.1f GiB free on the device, %.1f GiB needed\n",
+               free_b / 1073741824.0, need / 1073741824.0);
+        return;
+    }
+    model m;
+    model_init(&m, "deepseek-v3-like", E, D, F, K, DTYPE_BF16);
+    if (model_prepare(&m) == 0) {
+        run_case(&m, 1, ROUTE_RANDOM, 0.0, 1, false);
+        run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, false);
+        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 16, false);
+        time_moe(&m, 1, ROUTE_RANDOM, 8, 50);
+        time_moe(&m, 64, ROUTE_RANDOM, 8, 20);
+        time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 5));
+    }
+    model_free(&m);
+}
+
+int main(int argc, char **argv) {
+    const bool small_only = argc > 1 && strcmp(argv[1], "--small") == 0;
+    char err[256] = "";
+    gpu = ops_cuda(0, err, sizeof err);
+    if (!gpu) {
+        printf("skipped: %s\n", err);
+        printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    cpu = ops_cpu();
+    test_prepare_errors();
+    test_small();
+    test_tiny();
+    if (!small_only) {
+        copy_gbs = measure_copy_bandwidth();
+        test_qwen3();
+        test_deepseek();
+        print_timings();
+    }
+    CHECK_SUMMARY();
+}
+
+#endif
