@@ -196,6 +196,7 @@ class Group:
         self.log = None
         self.rank_pids = []
         self.cmd = []
+        self.n_sent = 0  # /generate requests sent to it so far
 
     @property
     def ports(self):
@@ -211,7 +212,8 @@ class Group:
     def launch(self):
         self.base = free_port_block(self.n_ranks)
         self.cmd = self.command(self.base)
-        self.log = tempfile.NamedTemporaryFile(prefix="moeserve-ep-%s-" % self.name, suffix=".log", delete=False)
+        tag = re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-")
+        self.log = tempfile.NamedTemporaryFile(prefix="moeserve-ep-%s-" % tag, suffix=".log", delete=False)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -411,6 +413,7 @@ def run_requests(group, plan):
     """plan: [(rank, request index, delay s)]; all started together in threads, each waiting its
     delay first. Returns [(status, body or raw text)] in plan order."""
     out = [None] * len(plan)
+    group.n_sent += len(plan)
 
     def one(i, rank, ri, delay):
         if delay:
@@ -572,6 +575,18 @@ def done_counts(g):
     return [int(s.get("n_requests_done", 0)) for s in states]
 
 
+def settled_counts(g):
+    """n_requests_done per rank once they account for every request sent so far (a rank counts a
+    request a moment after its answer has gone, and peers' counts come with their reports), or
+    whatever they are after SETTLE_TIMEOUT."""
+    deadline = time.time() + SETTLE_TIMEOUT
+    while True:
+        now = done_counts(g)
+        if sum(now) >= g.n_sent or time.time() > deadline:
+            return now
+        time.sleep(0.1)
+
+
 def settled_deltas(g, before, expected_total):
     """Per-rank n_requests_done increases since before, once they add up to expected_total (the
     reports come with the ranks' steps) or SETTLE_TIMEOUT has passed."""
@@ -593,7 +608,7 @@ def case_spread(g):
 def case_all_to_last_rank(g):
     """Without balancing, everything sent to the last rank runs there and only there."""
     last = g.n_ranks - 1
-    before = done_counts(g)
+    before = settled_counts(g)
     plan = [(last, i, 0) for i in range(len(REQUESTS))]
     check_plan("%s: all requests sent to rank %d match one process" % (g.name, last), g, plan, g.model)
     deltas = settled_deltas(g, before, len(plan))
@@ -614,7 +629,7 @@ def case_lone_rank2(g):
 
 def case_balanced_from_rank0(g):
     """With balancing, requests all sent to rank 0 end up on more than one rank."""
-    before = done_counts(g)
+    before = settled_counts(g)
     plan = [(0, i % len(REQUESTS), 0) for i in range(3 * len(REQUESTS))]
     check_plan("%s: all requests sent to rank 0 match one process" % g.name, g, plan, g.model)
     deltas = settled_deltas(g, before, len(plan))
@@ -645,6 +660,23 @@ def case_kill_rank1(g):
     pids = [int(s["pid"]) for s in states]
     if not check("%s: rank pids known" % g.name, len(pids) == 3 and all(pid_alive(p) for p in pids), pids):
         return
+    # requests in flight when it dies (one streamed, one not, on each survivor's port) must be
+    # answered, with their result or an error, not left hanging
+    answers = {}
+    long_req = {"input_ids": list(range(5, 105)), "sampling_params": {"max_new_tokens": 400, "temperature": 0,
+                                                                       "ignore_eos": True}}
+
+    def in_flight(rank, stream):
+        try:
+            status, body, raw = g.generate(rank, dict(long_req, stream=stream), timeout=KILL_DEADLINE + 5)
+            answers[(rank, stream)] = (status, raw)
+        except Exception as e:
+            answers[(rank, stream)] = (0, "%s: %s" % (type(e).__name__, e))
+
+    threads = [threading.Thread(target=in_flight, args=(r, st), daemon=True) for r in (0, 2) for st in (False, True)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.time()
     survivors = [pids[0], pids[2]]
@@ -653,18 +685,35 @@ def case_kill_rank1(g):
     took = time.time() - t0
     left = [p for p in survivors if pid_alive(p)]
     check("%s: ranks 0 and 2 exit within %g s of rank 1's SIGKILL" % (g.name, KILL_DEADLINE), not left,
-          "%.1f s; still alive: %s\n    %s" % (took, left, g.log_tail()))
+          "%.1f s" % took if not left else "%.1f s; still alive: %s\n    %s" % (took, left, g.log_tail()))
     check("%s: mpirun exits within %g s, non-zero" % (g.name, KILL_DEADLINE),
           not g.alive() and g.proc.returncode != 0, "%.1f s, exit %s" % (took, g.proc.poll()))
+    for t in threads:
+        t.join(max(0.1, KILL_DEADLINE + 10 - (time.time() - t0)))
+    bad = []
+    for key in sorted(answers) + [k for k in [(r, st) for r in (0, 2) for st in (False, True)] if k not in answers]:
+        status, raw = answers.get(key, (0, "no answer"))
+        finished = status == 200 and ('"finish_reason":{"type"' in raw.replace(" ", ""))
+        errored = status >= 400 or (status == 200 and '"error"' in raw)
+        if not (finished or errored):
+            bad.append("rank %d %s: HTTP %d %s" % (key[0], "stream" if key[1] else "whole", status, short(raw[-200:], 200)))
+    summary = ", ".join("rank %d %s: %d" % (k[0], "stream" if k[1] else "whole", v[0]) for k, v in sorted(answers.items()))
+    check("%s: requests in flight are answered (result or error), none left hanging" % g.name, not bad,
+          summary if not bad else "; ".join(bad))
     text = g.log_text()
-    lost = re.compile(r"\brank 1\b.*\b(exited|has exited|gone|lost|did not answer|died|dead|killed|failed)\b", re.I)
+    # "rank 1 (pid P) has exited", or any line naming rank 1 or its pid as gone
+    lost = re.compile(r"(\brank 1\b|\bpid %d\b).*\b(exited|gone|lost|did not answer|died|dead|killed)\b" % pids[1],
+                      re.I)
     for r in (0, 2):
-        tag = re.compile(r"^\[\d+,%d\]<std(out|err)>:" % r)
+        # mpirun --tag-output's "[job,rank]<stderr>:" or the log prefix "[time LEVEL rank R ...]"
+        tag = re.compile(r"^(\[\d+,%d\]<std(out|err)>:|\[[^\]]*\brank %d\b[^\]]*\])" % (r, r))
         lines = [ln for ln in text.splitlines() if tag.match(ln) and lost.search(ln)]
+        said = [ln for ln in text.splitlines() if tag.match(ln) and re.search(r"exited|ERROR|WARN|gone", ln)]
         check("%s: rank %d says rank 1 is gone" % (g.name, r), bool(lines),
-              lines[0] if lines else "no line from rank %d matches %s; log:\n    %s" % (r, lost.pattern, g.log_tail(25)))
+              lines[0] if lines else "no line from rank %d matches %s; what it said:\n    %s\n  log:\n    %s"
+              % (r, lost.pattern, "\n    ".join(said) or "nothing", g.log_tail(12)))
     mp = [ln for ln in text.splitlines() if not ln.startswith("[") and re.search(r"rank 1\b", ln)]
-    check("%s: mpirun reports rank 1" % g.name, bool(mp), "no untagged line names rank 1")
+    check("%s: mpirun reports rank 1" % g.name, bool(mp), mp[0] if mp else "no untagged line names rank 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -684,8 +733,11 @@ def start_fails(name, np, flags, must_match, timeout=60):
         text = g.log_text()
         ok = g.proc.returncode != 0 and "serving on" not in text
         missing = [p for p in must_match if not re.search(p, text, re.I | re.M)]
-        check("%s: start-up fails with a message matching %s" % (name, " and ".join(must_match)),
-              ok and not missing, "exit %s, unmatched %s\n    %s" % (g.proc.returncode, missing, g.log_tail()))
+        good = ok and not missing
+        said = [ln.strip() for ln in text.splitlines() if re.search(must_match[0], ln, re.I)]
+        check("%s: start-up fails with a message matching %s" % (name, " and ".join(must_match)), good,
+              "exit %s: %s" % (g.proc.returncode, short(said[0], 200)) if good and said else
+              "exit %s, unmatched %s\n    %s" % (g.proc.returncode, missing, g.log_tail()))
         return text
     finally:
         g.stop()
@@ -717,8 +769,63 @@ def test_flags():
 # ---------------------------------------------------------------------------------------------
 
 
+def section_np(np):
+    """np ranks without balancing: each request runs where it is sent."""
+    g = Group("np %d --no-load-balance" % np, np, flags=["--no-load-balance"])
+    cases = [lambda g: case_server_info(g, False, "none" if g.n_ranks == 1 else "shm")]
+    if np == 3:
+        cases.append(case_lone_rank2)
+    cases += [case_spread, case_all_to_last_rank]
+    run_group(g, cases)
+
+
+def section_balance():
+    run_group(Group("np 3 balanced", 3), [
+        lambda g: case_server_info(g, True, "shm"),
+        case_balanced_from_rank0, case_40_concurrent, case_staggered])
+
+
+def section_mpi():
+    """The mpi transport, and SGLang's size flags given as the world size."""
+    flags = ["--moe-a2a-backend", "mpi", "--tp", "2", "--ep-size", "2", "--dp", "2", "--enable-dp-attention"]
+    run_group(Group("np 2 mpi backend, --tp 2 --ep-size 2 --dp 2", 2, flags=flags), [
+        lambda g: case_server_info(g, True, "mpi"), case_spread, case_staggered])
+
+
+def section_skew(tmp):
+    skew = os.path.join(tmp, "tiny-qwen3-moe-skewed")
+    n = make_skewed_copy(MODEL, skew)
+    routers = router_tensors(skew)
+    ok = n > 0 and n == len(routers) and all(z for _, z in routers.values())
+    check("skewed copy: every router zero (%d tensors, %s)" % (n, ",".join(sorted({d for d, _ in routers.values()}))),
+          ok, "" if ok else routers)
+    if not need_reference(skew, "skewed"):
+        return
+    if MODEL in REFERENCE:
+        same = [a["output_ids"] == b["output_ids"] for a, b in zip(REFERENCE[MODEL], REFERENCE[skew])]
+        check("skewed copy: routing changes the greedy outputs", not all(same), same)
+    for np in (2, 3, 4):
+        run_group(Group("np %d skewed" % np, np, model=skew, flags=["--no-load-balance"]),
+                  [case_spread, case_staggered])
+
+
+def section_kill():
+    run_group(Group("np 3 kill", 3, flags=["--dist-timeout", "20"], mpirun_flags=["--tag-output"]),
+              [case_kill_rank1])
+
+
+def run_section(name, fn, *args):
+    """A section that breaks counts one failure; the next one still runs."""
+    try:
+        fn(*args)
+    except Exception as e:
+        check("%s runs" % name, False, "%s: %s" % (type(e).__name__, e))
+    finally:
+        stop_all()
+
+
 def main(argv):
-    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "skew", "mpi", "kill", "flags"]
+    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "skew", "kill", "flags"]
     groups = [a for a in argv if not a.startswith("-")] or all_groups
     unknown = [a for a in groups if a not in all_groups]
     if unknown:
@@ -735,46 +842,23 @@ def main(argv):
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix="moeserve-ep-")
     try:
-        if "ref" in groups or any(g in groups for g in ("np1", "np2", "np3", "np4", "balance", "mpi")):
-            if not need_reference(MODEL, "tiny-qwen3-moe"):
+        if any(g in groups for g in ("ref", "np1", "np2", "np3", "np4", "balance", "mpi")):
+            run_section("reference", need_reference, MODEL, "tiny-qwen3-moe")
+            if MODEL not in REFERENCE:
                 groups = [g for g in groups if g in ("skew", "kill", "flags")]
         for np in (1, 2, 3, 4):
-            if "np%d" % np not in groups:
-                continue
-            g = Group("np %d --no-load-balance" % np, np, flags=["--no-load-balance"])
-            cases = [lambda g: case_server_info(g, False, "none" if g.n_ranks == 1 else "shm")]
-            if np == 3:
-                cases.append(case_lone_rank2)
-            cases += [case_spread, case_all_to_last_rank]
-            run_group(g, cases)
+            if "np%d" % np in groups:
+                run_section("np %d" % np, section_np, np)
         if "balance" in groups:
-            run_group(Group("np 3 balanced", 3), [
-                lambda g: case_server_info(g, True, "shm"),
-                case_balanced_from_rank0, case_40_concurrent, case_staggered])
+            run_section("balance", section_balance)
         if "mpi" in groups:
-            flags = ["--moe-a2a-backend", "mpi", "--tp", "2", "--ep-size", "2", "--dp", "2", "--enable-dp-attention"]
-            run_group(Group("np 2 mpi backend, --tp/--ep/--dp 2", 2, flags=flags), [
-                lambda g: case_server_info(g, True, "mpi"), case_spread, case_staggered])
+            run_section("mpi", section_mpi)
         if "skew" in groups:
-            skew = os.path.join(tmp, "tiny-qwen3-moe-skewed")
-            n = make_skewed_copy(MODEL, skew)
-            routers = router_tensors(skew)
-            check("skewed copy: every router zero (%d tensors, %s)"
-                  % (n, ",".join(sorted({d for d, _ in routers.values()}))),
-                  n > 0 and n == len(routers) and all(z for _, z in routers.values()),
-                  "" if n > 0 and all(z for _, z in routers.values()) else routers)
-            if need_reference(skew, "skewed"):
-                if MODEL in REFERENCE:
-                    same = [a["output_ids"] == b["output_ids"] for a, b in zip(REFERENCE[MODEL], REFERENCE[skew])]
-                    check("skewed copy: routing changes the greedy outputs", not all(same), same)
-                for np in (2, 3, 4):
-                    run_group(Group("np %d skewed" % np, np, model=skew, flags=["--no-load-balance"]),
-                              [case_spread, case_staggered])
+            run_section("skew", section_skew, tmp)
         if "kill" in groups:
-            run_group(Group("np 3 kill", 3, flags=["--dist-timeout", "20"], mpirun_flags=["--tag-output"]),
-                      [case_kill_rank1])
+            run_section("kill", section_kill)
         if "flags" in groups:
-            test_flags()
+            run_section("flags", test_flags)
     finally:
         stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
