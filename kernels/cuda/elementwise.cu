@@ -1,18 +1,446 @@
-// Placeholder: the elementwise kernels land here (see cuda_ops.h). Calling one before then is a
-// broken invariant and aborts with its name.
+// Elementwise and per-row kernels of the CUDA backend: embedding, rmsnorm, rope, kv_store,
+// router_topk, moe_finalize, silu_mul, add. Each matches the CPU op of the same name in
+// kernels/cpu/ (tests/test_cuda_ops.c compares them, tolerances stated there).
+//
+// Choices:
+// - Arithmetic that the CPU does as separate fp32 multiplies and adds is written here with
+//   __fmul_rn / __fadd_rn, so nvcc does not contract it into FMAs: rmsnorm, rope, moe_finalize and
+//   add then give the CPU's bits exactly (the CPU is built as ISO C, which contracts nothing).
+// - rmsnorm: one warp per row. Lane l sums the squares of 4-element chunks l, l + 32, ... in
+//   double (as the CPU does), then the lanes are added by an xor butterfly, which leaves every lane
+//   with the same sum. The order depends on C only, never on R or on the pointer's alignment (the
+//   aligned and unaligned paths read the same chunks), so a row's result does not depend on the
+//   batch.
+// - rope: the inverse frequencies are computed on the host with the CPU's exact powf formula and
+//   passed in the kernel's arguments; cos and sin of the fp32 angle are taken in double and
+//   rounded, which is the correctly rounded value the CPU's cosf/sinf give in all but rare cases.
+// - router_topk: one warp per token. exp in double rounded to fp32 (the CPU's expf is correctly
+//   rounded in practice), the softmax sum added by one lane in expert order like the CPU, then K
+//   rounds of a warp argmax ordered by (probability descending, expert id ascending): the CPU's tie
+//   rule, so the ids agree exactly.
+// - silu_mul uses the device expf (at most 2 ulp from the CPU's); this is the only op here that is
+//   not bit-identical to the CPU by construction.
+// - Streaming ops take 16-byte accesses when every pointer is 16-byte aligned and fall back to
+//   scalar ones otherwise; the arithmetic per element is the same on both paths.
+// - An index a request could not have produced (a token id outside the vocabulary, a KV position
+//   past the page table) is a broken invariant: the kernel traps and the next CUDA_CHECK aborts.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+
+#include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
-#define NOT_YET(name) cuda_fail(__FILE__, __LINE__, name, "not implemented yet")
-void cuda_embedding(float *, const tensor *, const int32_t *, int, int) { NOT_YET("embedding"); }
-void cuda_rmsnorm(float *, const float *, const tensor *, int, int, float) { NOT_YET("rmsnorm"); }
-void cuda_rope(float *, float *, const int32_t *, int, int, int, int, double) { NOT_YET("rope"); }
-void cuda_kv_store(kv_layer, const float *, const float *, const attn_batch *, int, int) {
-    NOT_YET("kv_store");
+
+#define EW_THREADS    256       /* threads per block of the streaming kernels */
+#define EW_MAX_BLOCKS (1 << 16) /* grid cap; the kernels loop over what is left */
+#define NORM_WARPS    4         /* rows per rmsnorm block (one warp each) */
+#define ROUTER_WARPS  4         /* tokens per router block (one warp each) */
+#define ROPE_MAX_HALF 256       /* Dh / 2 at most (the frequencies travel in the arguments) */
+#define FULL_MASK     0xffffffffu
+
+__host__ __device__ static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+static inline int ew_blocks(int64_t n) {
+    int64_t b = (n + EW_THREADS - 1) / EW_THREADS;
+    return (int)(b < EW_MAX_BLOCKS ? (b > 0 ? b : 1) : EW_MAX_BLOCKS);
 }
-void cuda_router_topk(int32_t *, float *, const float *, int, int, int, bool) {
-    NOT_YET("router_topk");
+
+// Element i of a weight of dtype DT (F32, BF16 or F16), widened exactly to fp32.
+template <int DT> __device__ __forceinline__ float load_w(const void *p, int64_t i) {
+    if constexpr (DT == DTYPE_F32) return ((const float *)p)[i];
+    if constexpr (DT == DTYPE_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    return __half2float(((const __half *)p)[i]);
 }
-void cuda_moe_finalize(float *, const float *, const float *, int, int, int) {
-    NOT_YET("moe_finalize");
+
+// The three weight dtypes the kernels read; anything else reaching them is a loader bug.
+static void assert_weight(const tensor *w, const char *op) {
+    if (w->device != DEVICE_CUDA ||
+        (w->dtype != DTYPE_F32 && w->dtype != DTYPE_BF16 && w->dtype != DTYPE_F16)) {
+        char msg[160];
+        snprintf(msg, sizeof msg,
+                 "weight of dtype %s on device %d; expected an uploaded F32, BF16 "
+                 "or F16 tensor",
+                 dtype_name(w->dtype), (int)w->device);
+        cuda_fail(__FILE__, __LINE__, op, msg);
+    }
 }
-void cuda_silu_mul(float *, const float *, const float *, int, int) { NOT_YET("silu_mul"); }
-void cuda_add(float *, const float *, const float *, int64_t) { NOT_YET("add"); }
+
+// ---- embedding: out[T, D] = table[ids[t], :] ----
+
+template <int DT>
+__global__ void embedding_kernel(float *out, const void *table, const int32_t *ids, int64_t V,
+                                 int D) {
+    const int32_t id = ids[blockIdx.x];
+    if (id < 0 || id >= V) __trap(); // ids are checked where requests enter the server
+    const int64_t row = (int64_t)id * D;
+    float *o = out + (int64_t)blockIdx.x * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        o[d] = load_w<DT>(table, row + d);
+}
+
+void cuda_embedding(float *out, const tensor *table, const int32_t *ids, int T, int D) {
+    if (T <= 0) return;
+    assert_weight(table, "embedding");
+    MS_ASSERT(table->ndim == 2 && table->shape[1] == D);
+    const int64_t V = table->shape[0];
+    cudaStream_t s = cuda_stream();
+    switch (table->dtype) {
+    case DTYPE_F32:
+        embedding_kernel<DTYPE_F32><<<T, EW_THREADS, 0, s>>>(out, table->data, ids, V, D);
+        break;
+    case DTYPE_BF16:
+        embedding_kernel<DTYPE_BF16><<<T, EW_THREADS, 0, s>>>(out, table->data, ids, V, D);
+        break;
+    default:
+        embedding_kernel<DTYPE_F16><<<T, EW_THREADS, 0, s>>>(out, table->data, ids, V, D);
+        break;
+    }
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- rmsnorm: out[R, C] = x / sqrt(mean(x^2) + eps) * w ----
+
+// One warp per row; VEC reads the 4-element chunks as float4 (x and out 16-byte aligned, C % 4 ==
+// 0). out may equal x: each lane writes only the elements it read itself, after the reduction.
+template <int DT, bool VEC>
+__global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R, int C, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
+    if (row >= R) return;
+    const float *xr = x + row * C;
+    float *o = out + row * C;
+    const int n_chunks = (C + 3) / 4;
+
+    double ss = 0.0;
+    for (int ch = lane; ch < n_chunks; ch += 32) {
+        if constexpr (VEC) {
+            const float4 v = ((const float4 *)xr)[ch];
+            ss += (double)v.x * v.x;
+            ss += (double)v.y * v.y;
+            ss += (double)v.z * v.z;
+            ss += (double)v.w * v.w;
+        } else {
+            const int c1 = min(4 * ch + 4, C);
+            for (int c = 4 * ch; c < c1; c++)
+                ss += (double)xr[c] * xr[c];
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1)
+        ss += __shfl_xor_sync(FULL_MASK, ss, off);
+    const float ms = (float)(ss / C);
+    const float inv = 1.0f / sqrtf(ms + eps); // IEEE division and square root (no fast math)
+
+    for (int ch = lane; ch < n_chunks; ch += 32) {
+        if constexpr (VEC) {
+            const float4 v = ((const float4 *)xr)[ch];
+            const int c = 4 * ch;
+            float4 r;
+            r.x = __fmul_rn(__fmul_rn(v.x, inv), load_w<DT>(w, c));
+            r.y = __fmul_rn(__fmul_rn(v.y, inv), load_w<DT>(w, c + 1));
+            r.z = __fmul_rn(__fmul_rn(v.z, inv), load_w<DT>(w, c + 2));
+            r.w = __fmul_rn(__fmul_rn(v.w, inv), load_w<DT>(w, c + 3));
+            ((float4 *)o)[ch] = r;
+        } else {
+            const int c1 = min(4 * ch + 4, C);
+            for (int c = 4 * ch; c < c1; c++)
+                o[c] = __fmul_rn(__fmul_rn(xr[c], inv), load_w<DT>(w, c));
+        }
+    }
+}
+
+template <int DT>
+static void rmsnorm_launch(float *out, const float *x, const void *w, int R, int C, float eps) {
+    const int blocks = (R + NORM_WARPS - 1) / NORM_WARPS;
+    if (C % 4 == 0 && aligned16(x) && aligned16(out))
+        rmsnorm_kernel<DT, true>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+    else
+        rmsnorm_kernel<DT, false>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+}
+
+void cuda_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, float eps) {
+    if (R <= 0) return;
+    assert_weight(w, "rmsnorm");
+    MS_ASSERT(tensor_numel(w) == C);
+    switch (w->dtype) {
+    case DTYPE_F32: rmsnorm_launch<DTYPE_F32>(out, x, w->data, R, C, eps); break;
+    case DTYPE_BF16: rmsnorm_launch<DTYPE_BF16>(out, x, w->data, R, C, eps); break;
+    default: rmsnorm_launch<DTYPE_F16>(out, x, w->data, R, C, eps); break;
+    }
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- rope: rotate-half, in place, at positions pos[T] ----
+
+struct rope_freqs {
+    float inv_freq[ROPE_MAX_HALF]; // [Dh / 2], the CPU's fp32 values
+};
+
+// Rotate n_heads heads of x[n_heads, Dh] by cs/sn [Dh / 2], threads striding over (head, j).
+__device__ __forceinline__ void rope_rotate(float *x, const float *cs, const float *sn, int n_heads,
+                                            int half) {
+    const int Dh = 2 * half;
+    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+        const int h = i / half, j = i - h * half;
+        float *a = x + (int64_t)h * Dh;
+        const float x0 = a[j], x1 = a[j + half];
+        a[j] = __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j]));
+        a[j + half] = __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j]));
+    }
+}
+
+// One block per token: cos/sin of its Dh / 2 angles into shared memory, then every head of q, k.
+__global__ void rope_kernel(float *q, float *k, const int32_t *pos, int H, int Hkv, int half,
+                            const __grid_constant__ rope_freqs f) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    const int t = blockIdx.x;
+    const float p = (float)pos[t];
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const float angle = __fmul_rn(p, f.inv_freq[j]);
+        double s, c;
+        sincos((double)angle, &s, &c);
+        cs[j] = (float)c;
+        sn[j] = (float)s;
+    }
+    __syncthreads();
+    rope_rotate(q + (int64_t)t * H * 2 * half, cs, sn, H, half);
+    rope_rotate(k + (int64_t)t * Hkv * 2 * half, cs, sn, Hkv, half);
+}
+
+void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
+               double theta) {
+    if (T <= 0) return;
+    MS_ASSERT(Dh % 2 == 0 && Dh / 2 <= ROPE_MAX_HALF);
+    const int half = Dh / 2;
+    // kernels/cpu/rope.c's formula, step by step in fp32. Kept for the last (theta, Dh): a model
+    // uses one pair, so the powf calls run once.
+    static rope_freqs f;
+    static double f_theta = -1.0;
+    static int f_dh = -1;
+    if (theta != f_theta || Dh != f_dh) {
+        const float theta_f = (float)theta;
+        for (int j = 0; j < half; j++) {
+            const float e = (float)(2 * j) / (float)Dh;
+            f.inv_freq[j] = 1.0f / powf(theta_f, e);
+        }
+        f_theta = theta;
+        f_dh = Dh;
+    }
+    const int threads = half * (H > Hkv ? H : Hkv) >= 512 ? 512 : 128;
+    rope_kernel<<<T, threads, 0, cuda_stream()>>>(q, k, pos, H, Hkv, half, f);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- kv_store: k, v [T, Hkv, Dh] into the paged cache at (seq[t], pos[t]) ----
+
+__global__ void kv_store_kernel(float *kc, float *vc, const float *k, const float *v, attn_batch b,
+                                int row) {
+    const int t = blockIdx.x;
+    const int p = b.pos[t];
+    if (p < 0 || p / b.page_size >= b.max_pages) __trap();
+    const int page = b.page_table[(int64_t)b.seq[t] * b.max_pages + p / b.page_size];
+    const int64_t slot = (int64_t)page * b.page_size + p % b.page_size;
+    const float *ks = k + (int64_t)t * row, *vs = v + (int64_t)t * row;
+    float *kd = kc + slot * row, *vd = vc + slot * row;
+    if ((row & 3) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
+        for (int i = threadIdx.x; i < row / 4; i += blockDim.x) {
+            ((float4 *)kd)[i] = ((const float4 *)ks)[i];
+            ((float4 *)vd)[i] = ((const float4 *)vs)[i];
+        }
+    } else {
+        for (int i = threadIdx.x; i < row; i += blockDim.x) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    }
+}
+
+void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
+                   int Dh) {
+    if (b->T <= 0) return;
+    kv_store_kernel<<<b->T, 128, 0, cuda_stream()>>>(kv.k, kv.v, k, v, *b, Hkv * Dh);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- router_topk: softmax over E in fp32, the K largest, ties to the lower id ----
+
+// One warp per token. Shared memory per warp: probs [E], then the chosen weights [K].
+__global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float *logits, int T,
+                                   int E, int K, bool norm) {
+    extern __shared__ float router_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;
+    float *probs = router_smem + (int64_t)warp * (E + K);
+    float *chosen = probs + E;
+    const float *l = logits + t * E;
+
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32)
+        m = fmaxf(m, l[e]);
+    for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    for (int e = lane; e < E; e += 32)
+        probs[e] = (float)exp((double)__fsub_rn(l[e], m));
+    __syncwarp();
+    float sum = 0.0f;
+    if (lane == 0)
+        for (int e = 0; e < E; e++)
+            sum = __fadd_rn(sum, probs[e]);
+    sum = __shfl_sync(FULL_MASK, sum, 0);
+    for (int e = lane; e < E; e += 32)
+        probs[e] = __fdiv_rn(probs[e], sum);
+
+    // Probabilities are >= 0, so -1 marks an expert already taken.
+    for (int k = 0; k < K; k++) {
+        float bp = -1.0f;
+        int be = E;
+        for (int e = lane; e < E; e += 32)
+            if (probs[e] > bp) { // strict: the lowest id of equal values stays
+                bp = probs[e];
+                be = e;
+            }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float op = __shfl_xor_sync(FULL_MASK, bp, off);
+            const int oe = __shfl_xor_sync(FULL_MASK, be, off);
+            if (op > bp || (op == bp && oe < be)) {
+                bp = op;
+                be = oe;
+            }
+        }
+        if (be < E && lane == (be & 31)) probs[be] = -1.0f; // the lane that owns expert be
+        if (lane == 0) {
+            topk_ids[t * K + k] = be;
+            chosen[k] = bp;
+        }
+    }
+    if (lane == 0) {
+        float s = 0.0f;
+        if (norm)
+            for (int k = 0; k < K; k++)
+                s = __fadd_rn(s, chosen[k]);
+        for (int k = 0; k < K; k++)
+            topk_w[t * K + k] = norm ? __fdiv_rn(chosen[k], s) : chosen[k];
+    }
+}
+
+void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
+                      bool norm) {
+    if (T <= 0) return;
+    MS_ASSERT(K >= 1 && K <= E);
+    const size_t smem = (size_t)ROUTER_WARPS * (E + K) * sizeof(float);
+    MS_ASSERT(smem <= 48 * 1024); // E up to ~3000: far above any router
+    const int blocks = (T + ROUTER_WARPS - 1) / ROUTER_WARPS;
+    router_topk_kernel<<<blocks, 32 * ROUTER_WARPS, smem, cuda_stream()>>>(topk_ids, topk_w, logits,
+                                                                           T, E, K, norm);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- moe_finalize: out[T, D] = sum over k = 0..K-1 of topk_w[t, k] * expert_out[t, k, :] ----
+
+template <bool VEC>
+__global__ void moe_finalize_kernel(float *out, const float *eo, const float *topk_w, int T, int K,
+                                    int D) {
+    const int W = VEC ? 4 : 1; // elements per thread step
+    const int64_t per_row = D / W, n = (int64_t)T * per_row;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / per_row, d = (i - t * per_row) * W;
+        const float *w = topk_w + t * K;
+        const float *src = eo + t * K * D + d;
+        if constexpr (VEC) {
+            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int k = 0; k < K; k++) {
+                const float wk = w[k];
+                const float4 v = *(const float4 *)(src + (int64_t)k * D);
+                o.x = __fadd_rn(o.x, __fmul_rn(wk, v.x));
+                o.y = __fadd_rn(o.y, __fmul_rn(wk, v.y));
+                o.z = __fadd_rn(o.z, __fmul_rn(wk, v.z));
+                o.w = __fadd_rn(o.w, __fmul_rn(wk, v.w));
+            }
+            *(float4 *)(out + t * D + d) = o;
+        } else {
+            float o = 0.0f;
+            for (int k = 0; k < K; k++)
+                o = __fadd_rn(o, __fmul_rn(w[k], src[(int64_t)k * D]));
+            out[t * D + d] = o;
+        }
+    }
+}
+
+void cuda_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
+                       int D) {
+    if (T <= 0 || D <= 0) return;
+    if (D % 4 == 0 && aligned16(out) && aligned16(expert_out))
+        moe_finalize_kernel<true><<<ew_blocks((int64_t)T * D / 4), EW_THREADS, 0, cuda_stream()>>>(
+            out, expert_out, topk_w, T, K, D);
+    else
+        moe_finalize_kernel<false><<<ew_blocks((int64_t)T * D), EW_THREADS, 0, cuda_stream()>>>(
+            out, expert_out, topk_w, T, K, D);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- silu_mul and add: flat passes over n elements ----
+
+__device__ __forceinline__ float silu_mul_one(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+template <bool VEC>
+__global__ void silu_mul_kernel(float *out, const float *gate, const float *up, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if constexpr (VEC) {
+        for (; i < n / 4; i += stride) {
+            const float4 g = ((const float4 *)gate)[i], u = ((const float4 *)up)[i];
+            ((float4 *)out)[i] = make_float4(silu_mul_one(g.x, u.x), silu_mul_one(g.y, u.y),
+                                             silu_mul_one(g.z, u.z), silu_mul_one(g.w, u.w));
+        }
+        i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; // the tail, < 4 elements
+        if (i < n) out[i] = silu_mul_one(gate[i], up[i]);
+    } else {
+        for (; i < n; i += stride)
+            out[i] = silu_mul_one(gate[i], up[i]);
+    }
+}
+
+void cuda_silu_mul(float *out, const float *gate, const float *up, int T, int F) {
+    const int64_t n = (int64_t)T * F;
+    if (n <= 0) return;
+    if (aligned16(out) && aligned16(gate) && aligned16(up))
+        silu_mul_kernel<true><<<ew_blocks(n / 4), EW_THREADS, 0, cuda_stream()>>>(out, gate, up, n);
+    else
+        silu_mul_kernel<false><<<ew_blocks(n), EW_THREADS, 0, cuda_stream()>>>(out, gate, up, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+template <bool VEC>
+__global__ void add_kernel(float *out, const float *a, const float *b, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if constexpr (VEC) {
+        for (; i < n / 4; i += stride) {
+            const float4 x = ((const float4 *)a)[i], y = ((const float4 *)b)[i];
+            ((float4 *)out)[i] = make_float4(__fadd_rn(x.x, y.x), __fadd_rn(x.y, y.y),
+                                             __fadd_rn(x.z, y.z), __fadd_rn(x.w, y.w));
+        }
+        i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) out[i] = __fadd_rn(a[i], b[i]);
+    } else {
+        for (; i < n; i += stride)
+            out[i] = __fadd_rn(a[i], b[i]);
+    }
+}
+
+void cuda_add(float *out, const float *a, const float *b, int64_t n) {
+    if (n <= 0) return;
+    if (aligned16(out) && aligned16(a) && aligned16(b))
+        add_kernel<true><<<ew_blocks(n / 4), EW_THREADS, 0, cuda_stream()>>>(out, a, b, n);
+    else
+        add_kernel<false><<<ew_blocks(n), EW_THREADS, 0, cuda_stream()>>>(out, a, b, n);
+    CUDA_CHECK_LAUNCH();
+}
