@@ -696,9 +696,11 @@ static float *gpu_random_f32(int64_t n) {
 
 #define POOL_BYTES ((int64_t)768 << 20) /* weight pool: many times the 60 MB L2 */
 
-/* Time per call of linear with BF16 weights [N, Kin] at T tokens. Each call reads another copy
- * of the weights from a pool larger than the L2, so the weights come from device memory as they
- * do in a model's forward. */
+/* Time per call of linear with BF16 weights [N, Kin] at T tokens, two ways: calls issued one by
+ * one (eager: what the runner does today; below ~15 us the host's launch cost sets the pace) and
+ * the same calls captured in one CUDA graph and replayed (the device's own time). Each call reads
+ * another copy of the weights from a pool larger than the L2, so the weights come from device
+ * memory as they do in a model's forward. Bandwidth and TFLOP/s are from the graph time. */
 static void time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
     const int64_t wbytes = (int64_t)N * Kin * 2, stride = (wbytes + 255) / 256 * 256;
     const int copies = (int)(POOL_BYTES / stride);
@@ -708,23 +710,49 @@ static void time_linear(const char *name, uint16_t *pool, int T, int N, int Kin)
     MS_ASSERT(gout);
     tensor w = {.dtype = DTYPE_BF16, .ndim = 2, .shape = {N, Kin}, .device = DEVICE_CUDA};
     const int warm = 3, reps = 40;
+    cudaStream_t st = cuda_stream();
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     for (int r = 0; r < warm + reps; r++) {
-        if (r == warm) cudaEventRecord(e0, cuda_stream());
+        if (r == warm) cudaEventRecord(e0, st);
         w.data = (char *)pool + (int64_t)(r % copies) * stride;
         gpu->linear(gout, gx, &w, T, N, Kin);
     }
-    cudaEventRecord(e1, cuda_stream());
+    cudaEventRecord(e1, st);
     cudaEventSynchronize(e1);
     float ms = 0.0f;
     cudaEventElapsedTime(&ms, e0, e1);
-    const double s = ms / 1e3 / reps;
+    const double eager = ms / 1e3 / reps;
+
+    double graph = NAN;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        for (int r = 0; r < reps; r++) {
+            w.data = (char *)pool + (int64_t)(r % copies) * stride;
+            gpu->linear(gout, gx, &w, T, N, Kin);
+        }
+        if (cudaStreamEndCapture(st, &g) == cudaSuccess &&
+            cudaGraphInstantiate(&ge, g, 0) == cudaSuccess) {
+            cudaGraphLaunch(ge, st); /* warm-up */
+            cudaEventRecord(e0, st);
+            cudaGraphLaunch(ge, st);
+            cudaEventRecord(e1, st);
+            if (cudaEventSynchronize(e1) == cudaSuccess &&
+                cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
+                graph = ms / 1e3 / reps;
+        }
+    }
+    if (isnan(graph))
+        printf("  (graph capture failed: %s)\n", cudaGetErrorString(cudaGetLastError()));
+    if (ge) cudaGraphExecDestroy(ge);
+    if (g) cudaGraphDestroy(g);
+
     const double bytes = (double)wbytes + 4.0 * T * Kin + 4.0 * T * N;
     const double flops = 2.0 * T * N * Kin;
-    printf("  %-9s T=%-5d N=%-6d Kin=%-5d %9.1f us  %7.0f GB/s  %6.1f TFLOP/s\n", name, T, N, Kin,
-           s * 1e6, bytes / s / 1e9, flops / s / 1e12);
+    printf("  %-9s T=%-5d N=%-6d Kin=%-5d %8.1f us %8.1f us  %6.0f GB/s  %6.1f TFLOP/s\n", name, T,
+           N, Kin, eager * 1e6, graph * 1e6, bytes / graph / 1e9, flops / graph / 1e12);
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     gpu->dev_free(gx);
@@ -824,14 +852,15 @@ static void time_gemm_bf16(uint16_t *pool) {
 }
 
 static void figures(void) {
-    printf("\nfigures (BF16 weights; time per call = mean of 40 calls after 3 warm-up calls, "
-           "cudaEvent; bytes = weights + x fp32 + out fp32)\n");
+    printf("\nfigures (BF16 weights; time per call = mean of 40 calls after warm-up, cudaEvent; "
+           "bytes = weights + x fp32 + out fp32)\n");
     uint16_t *pool = gpu_random_bf16(POOL_BYTES / 2);
     printf("ceilings\n");
     time_copy(pool);
     time_gemm_bf16(pool);
+    printf("linear (per call: eager, then graph replay; GB/s and TFLOP/s from the graph time)\n");
     time_linear("linear", pool, 8192, 8192, 8192);
-    printf("linear, Qwen3-30B-A3B shapes\n");
+    printf("linear, Qwen3-30B-A3B shapes (same columns)\n");
     static const struct {
         const char *name;
         int N, Kin;
@@ -859,6 +888,7 @@ static void summary(void) {
 }
 
 int main(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* in order with the log lines on stderr */
     char err[256];
     gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {
@@ -867,6 +897,7 @@ int main(void) {
         return 0;
     }
     cpu = ops_cpu();
+    log_threshold = LOG_LEVEL_DEBUG; /* linear logs the algorithm cuBLASLt chose for each shape */
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
         printf("device 0: %s, %d SMs, %.0f MB L2, %.1f GiB; CPU threads %d\n", prop.name,

@@ -151,6 +151,25 @@ static linear_plan *plan_get(int T, int N, int Kin, dtype dt, uint16_t aw, uint1
         cuda_fail(__FILE__, __LINE__, "linear", msg);
     }
     p->algo = res.algo;
+    if (log_threshold <= LOG_LEVEL_DEBUG) { // what cuBLASLt chose, for the batch-invariance work
+        int32_t id = 0, split = 0;
+        uint32_t tile = 0, stages = 0, reduction = 0;
+        cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id,
+                                             nullptr);
+        cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                             sizeof tile, nullptr);
+        cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
+                                             sizeof stages, nullptr);
+        cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
+                                             sizeof split, nullptr);
+        cublasLtMatmulAlgoConfigGetAttribute(&res.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                             &reduction, sizeof reduction, nullptr);
+        LOG_DEBUG("linear",
+                  "plan T=%d N=%d Kin=%d %s: algo %d tile %u stages %u split-k %d reduction %u "
+                  "workspace %zu waves %.2f",
+                  T, N, Kin, dtype_name(dt), id, tile, stages, split, reduction, res.workspaceSize,
+                  res.wavesCount);
+    }
     p->T = T;
     p->N = N;
     p->Kin = Kin;
