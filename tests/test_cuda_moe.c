@@ -10,12 +10,13 @@
  * K=8) and a DeepSeek-V3-like one (E=256, D=7168, F=2048, K=8) where memory allows. Large batches
  * are compared on a spread subset of their tokens (a token's result does not depend on the others).
  *
- * Tolerance. The GPU rounds x and the hidden h = silu(g) * u to BF16 (relative error <= 2^-9 each,
- * about 2^-9 / sqrt(3) rms); the CPU keeps both in fp32; both read the same BF16 weights and
- * accumulate in fp32. The roundings enter dot products of random-sign terms, so an output element's
- * error spreads like a few 1e-3 of its row's rms, and the largest of D of them stays within about 4
- * spreads. Allowed: max |gpu - cpu| over a row <= 2^-5 * rms(cpu row) (F32 / F16 weights also round
- * each weight to BF16 once: the same bound). Exact: skipped rows keep their sentinel bit for bit;
+ * Tolerance. The GPU rounds x and the hidden h = silu(g) * u to BF16 (8 significant bits: relative
+ * error <= 2^-8 each, about 2^-8 / sqrt(3) = 2.3e-3 rms); the CPU keeps both in fp32; both read the
+ * same BF16 weights and accumulate in fp32. The roundings enter dot products of random-sign terms,
+ * so an output element's error spreads like 3e-3 to 4e-3 of its row's rms (x's rounding reaches y
+ * through g and u, h's directly), and the largest of D of them stays within about 4 to 5 spreads
+ * (1.2e-2 to 1.5e-2 seen on every shape here). Allowed: max |gpu - cpu| over a row <= 2^-5 *
+ * rms(cpu row), about twice that (F32 / F16 weights also round each weight to BF16 once). Exact: skipped rows keep their sentinel bit for bit;
  * a token run alone gives bit-identical rows (batch invariance, across tile shapes); the same call
  * twice gives bit-identical output.
  *
@@ -29,6 +30,7 @@
  *
  *   test_cuda_moe           everything
  *   test_cuda_moe --small   only the small and tiny shapes (quick; for compute-sanitizer)
+ *   test_cuda_moe --timing  only the Qwen3 timings, no comparisons (quick; for a profiler)
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -47,8 +49,7 @@
 
 int main(void) {
     printf("skipped: built without CUDA\n");
-    printf("0 passed, 0 failed\n");
-    return 0;
+    CHECK_SUMMARY();
 }
 
 #else
@@ -688,10 +689,10 @@ static void test_tiny(void) {
     model_free(&m);
 }
 
-static void test_qwen3(void) {
+static void test_qwen3(bool compare) {
     model m;
     model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
-    if (model_prepare(&m) == 0) {
+    if (model_prepare(&m) == 0 && compare) {
         const int Ts[] = {1, 8, 64, 256, 1024, 2048};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
             run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256);
@@ -699,6 +700,8 @@ static void test_qwen3(void) {
         run_case(&m, 256, ROUTE_ONE, 0.0, 32, false);
         run_case(&m, 4096, ROUTE_BALANCED, 0.0, 32, false);
         run_empty_cases(&m);
+    }
+    if (m.w.gate_up) {
         const int Tt[] = {1, 8, 64, 256, 2048};
         for (size_t i = 0; i < sizeof Tt / sizeof Tt[0]; i++)
             time_moe(&m, Tt[i], ROUTE_RANDOM, 8, Tt[i] <= 256 ? 50 : 10);
@@ -732,6 +735,7 @@ static void test_deepseek(void) {
 
 int main(int argc, char **argv) {
     const bool small_only = argc > 1 && strcmp(argv[1], "--small") == 0;
+    const bool timing_only = argc > 1 && strcmp(argv[1], "--timing") == 0;
     char err[256] = "";
     gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {
@@ -740,13 +744,15 @@ int main(int argc, char **argv) {
         return 0;
     }
     cpu = ops_cpu();
-    test_prepare_errors();
-    test_small();
-    test_tiny();
+    if (!timing_only) {
+        test_prepare_errors();
+        test_small();
+        test_tiny();
+    }
     if (!small_only) {
         copy_gbs = measure_copy_bandwidth();
-        test_qwen3();
-        test_deepseek();
+        test_qwen3(!timing_only);
+        if (!timing_only) test_deepseek();
         print_timings();
     }
     CHECK_SUMMARY();

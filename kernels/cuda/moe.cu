@@ -13,11 +13,13 @@
 //      tiles of BM rows: tiles[i] = {expert, first row, end row}, n_tiles. All of it stays on the
 //      device.
 //   2. GEMM 1: h[n, F] = silu(xb_e gate_e^T) * (xb_e up_e^T) in BF16. A block is one (tile,
-//      N-block); it reads its expert and rows from tiles[blockIdx.x] and exits when blockIdx.x >=
-//      n_tiles. The grid is the host's upper bound on the tile count (from T*K, E and BM). Each warp's
-//      B tile holds matching gate and up rows, so SiLU x up happens in registers. The A rows are
-//      gathered from xb through pairs (t = pair / K).
+//      N-block); it reads its expert and rows from the tile table and exits when its tile is past
+//      n_tiles. The grid is the host's upper bound on the tile count (from T*K, E and BM) times the
+//      N-blocks. Each warp's B tile holds matching gate and up rows, so SiLU x up happens in
+//      registers. The A rows are gathered from xb through pairs (t = pair / K).
 //   3. GEMM 2: y[n, D] = h down_e^T, each row written in fp32 straight to out[t, k, :].
+// The GEMMs are launched with programmatic dependent launch: each starts on the SMs while the
+// kernel before it drains, and GEMM 2 fetches its first weight tiles before h is ready.
 // Skipped slots (negative ids) never enter the grouping, so their rows of out stay as they were.
 //
 // GEMM mainloop: a STAGES-deep cp.async pipeline of BM x BK and BN x BK BF16 tiles in shared memory
@@ -231,6 +233,16 @@ __device__ int block_exclusive_scan(int v, int *scratch /* [33] */, int *sum) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while the
+// previous one finishes; griddepcontrol.wait blocks until that one has completed and its writes are
+// visible; launch_dependents lets the next kernel start once every block of this one has passed it.
+__device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&b);
@@ -238,6 +250,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 // Block 0 groups the pairs by expert; blocks 1.. convert x to BF16 meanwhile.
 __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_args a) {
+    grid_launch_dependents(); // GEMM 1 may take its place on the SMs; it waits for this grid
     if (blockIdx.x > 0) {
         const int64_t step = (int64_t)(gridDim.x - 1) * blockDim.x;
         for (int64_t i = (int64_t)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < a.n_x8;
@@ -365,8 +378,9 @@ template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_> st
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4> moe_cfg_decode;
 // Between: tens of rows per expert.
 typedef moe_tile_cfg<64, 128, 64, 2, 4, 4> moe_cfg_mid;
-// Prefill: hundreds of rows per expert, bound by the tensor cores.
-typedef moe_tile_cfg<128, 128, 64, 2, 4, 4> moe_cfg_prefill;
+// Prefill: hundreds of rows per expert, bound by the tensor cores; 64 x 64 warp tiles keep the
+// ldmatrix traffic under the mma rate.
+typedef moe_tile_cfg<128, 256, 64, 2, 4, 4> moe_cfg_prefill;
 
 typedef struct {
     const bf16 *act;       // GATE_UP: xb [T, Kd] (rows gathered through pairs); else h [n, Kd]
@@ -377,6 +391,7 @@ typedef struct {
     bf16 *h;               // GATE_UP's output [n, N]
     float *out;            // the down GEMM's output [T*K, N], rows addressed by pair id
     int Kd, N, topk;       // reduction length; output columns (F or D); K of top-k
+    int n_col_blocks;      // N-blocks per tile
 } moe_gemm_args;
 
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
@@ -407,16 +422,29 @@ template <int BK> __device__ __forceinline__ int swz(int r, int ch) {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
+// Block b of the 1-D grid is N-block b % n_col_blocks of tile b / n_col_blocks: the blocks that
+// run together share their A rows (and an expert's tiles follow each other), so A is read from
+// L2 and the weights from memory about once.
 // GATE_UP: the block's BN weight rows are, per warp, WN/2 gate rows then the WN/2 up rows of the
 // same h columns, so a thread holds g and u of the same (row, column) and writes silu(g) * u.
+// Launched with PDL: GEMM 1 waits for the prepare kernel before anything; GEMM 2 starts during
+// GEMM 1's tail, reads its tile (written by the prepare kernel, complete before any GEMM 1 block
+// let it start) and prefetches its first weight stages, then waits for h.
 template <class C, bool GATE_UP>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
-    if ((int)blockIdx.x >= *a.n_tiles) return; // idle block of the upper-bound grid
-    const int4 ti = a.tiles[blockIdx.x];
+    if (GATE_UP) {
+        grid_dependency_wait();
+        grid_launch_dependents();
+    }
+    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
+    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
+    const int4 ti = __ldcg(&a.tiles[tile]);
     const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+    // m16 row tiles of this warp that hold rows (warp-uniform): the rest are skipped
+    const int mi_busy = min(MI, max(0, (rows - wm * C::WM + 15) / 16));
 
     extern __shared__ __align__(128) unsigned char moe_smem[];
     const uint32_t sA = (uint32_t)__cvta_generic_to_shared(moe_smem); // [STAGES, BM, BK]
@@ -425,35 +453,33 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
     const bf16 *a_src[C::A_ITERS];
-    const bf16 *b_src[C::B_ITERS];
 #pragma unroll
     for (int i = 0; i < C::A_ITERS; i++) {
         const int r = r_first + i * C::ROWS_PER_PASS;
         a_src[i] = nullptr;
         if (r < rows) {
-            const int64_t src_row = GATE_UP ? a.pairs[row0 + r] / a.topk : row0 + r;
+            const int64_t src_row = GATE_UP ? __ldcg(&a.pairs[row0 + r]) / a.topk : row0 + r;
             a_src[i] = a.act + src_row * a.Kd;
         }
     }
     const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
     const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
-#pragma unroll
-    for (int i = 0; i < C::B_ITERS; i++) {
-        const int r = r_first + i * C::ROWS_PER_PASS;
+    // Weight row of B tile row r, or -1 past the last column.
+    auto b_row = [&](int r) -> int {
         int col, wrow;
         if (GATE_UP) {
             constexpr int HALF = C::WN / 2;
             const int j = r % C::WN;
-            col = blockIdx.y * (BN / 2) + (r / C::WN) * HALF + j % HALF;
+            col = nb * (BN / 2) + (r / C::WN) * HALF + j % HALF;
             wrow = (j < HALF ? 0 : a.N) + col;
         } else {
-            col = blockIdx.y * BN + r;
+            col = nb * BN + r;
             wrow = col;
         }
-        b_src[i] = col < a.N ? w_e + (int64_t)wrow * a.Kd : nullptr;
-    }
+        return col < a.N ? wrow : -1;
+    };
 
-    auto load_stage = [&](int slot, int kt) {
+    auto load_a = [&](int slot, int kt) {
         const int k = kt * BK + kc * 8;
         const bool k_ok = k < a.Kd;
 #pragma unroll
@@ -463,12 +489,17 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             cp_async16(sA + (slot * BM * BK + swz<BK>(r, kc)) * 2, ok ? a_src[i] + k : a.act,
                        ok ? 16 : 0);
         }
+    };
+    auto load_b = [&](int slot, int kt) {
+        const int k = kt * BK + kc * 8;
+        const bool k_ok = k < a.Kd;
 #pragma unroll
         for (int i = 0; i < C::B_ITERS; i++) {
             const int r = r_first + i * C::ROWS_PER_PASS;
-            const bool ok = k_ok && b_src[i];
-            cp_async16(sB + (slot * BN * BK + swz<BK>(r, kc)) * 2, ok ? b_src[i] + k : a.w,
-                       ok ? 16 : 0);
+            const int wrow = b_row(r);
+            const bool ok = k_ok && wrow >= 0;
+            cp_async16(sB + (slot * BN * BK + swz<BK>(r, kc)) * 2,
+                       ok ? w_e + (int64_t)wrow * a.Kd + k : a.w, ok ? 16 : 0);
         }
     };
 
@@ -481,17 +512,33 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             for (int q = 0; q < 4; q++)
                 acc[mi][ni][q] = 0.0f;
 
+    // Prologue: STAGES - 1 k tiles in flight. GEMM 2 issues its weights before waiting for h
+    // (one more commit group: [B 0..S-2], [A 0], ..., [A S-2]); either way k tile kt is complete
+    // once all but the newest STAGES - 2 groups are.
     const int nk = (a.Kd + BK - 1) / BK;
+    if (!GATE_UP) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < nk) load_b(s, s);
+        cp_async_commit();
+        grid_dependency_wait();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < nk) load_stage(s, s);
+        if (s < nk) {
+            load_a(s, s);
+            if (GATE_UP) load_b(s, s);
+        }
         cp_async_commit();
     }
     for (int kt = 0; kt < nk; kt++) {
         cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
         __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
         const int nxt = kt + STAGES - 1;
-        if (nxt < nk) load_stage(nxt % STAGES, nxt);
+        if (nxt < nk) {
+            load_a(nxt % STAGES, nxt);
+            load_b(nxt % STAGES, nxt);
+        }
         cp_async_commit();
 
         const int slot = kt % STAGES;
@@ -502,7 +549,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
                 const int r = wm * C::WM + mi * 16 + (lane & 15);
-                ldmatrix_x4(af[mi], a_base + swz<BK>(r, kk * 2 + (lane >> 4)) * 2);
+                if (mi < mi_busy)
+                    ldmatrix_x4(af[mi], a_base + swz<BK>(r, kk * 2 + (lane >> 4)) * 2);
             }
 #pragma unroll
             for (int p = 0; p < NI / 2; p++) {
@@ -516,9 +564,10 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
+                if (mi < mi_busy)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++)
-                    mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni]);
+                    for (int ni = 0; ni < NI; ni++)
+                        mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni]);
         }
     }
     cp_async_wait<0>();
@@ -535,17 +584,17 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 bf16 *dst = a.h + (int64_t)(row0 + r) * a.N;
 #pragma unroll
                 for (int ni = 0; ni < NI / 2; ni++) {
-                    const int col = blockIdx.y * (BN / 2) + wn * (C::WN / 2) + ni * 8 + 2 * (lane & 3);
+                    const int col = nb * (BN / 2) + wn * (C::WN / 2) + ni * 8 + 2 * (lane & 3);
                     if (col >= a.N) continue;
                     const float *g = &acc[mi][ni][2 * hr], *u = &acc[mi][ni + NI / 2][2 * hr];
                     *reinterpret_cast<uint32_t *>(dst + col) =
                         pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]);
                 }
             } else {
-                float *dst = a.out + (int64_t)a.pairs[row0 + r] * a.N;
+                float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N;
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++) {
-                    const int col = blockIdx.y * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
+                    const int col = nb * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
                     if (col >= a.N) continue;
                     *reinterpret_cast<float2 *>(dst + col) =
                         make_float2(acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]);
@@ -554,8 +603,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
 }
 
-template <class C, bool GATE_UP>
-static void launch_gemm(const moe_gemm_args &a, int max_tiles, int n_col_blocks) {
+// Launches one grouped GEMM with the PDL attribute on the backend's stream.
+template <class C, bool GATE_UP> static void launch_gemm(moe_gemm_args a, int max_tiles) {
     static bool attr_set = false; // one device per process
     if (!attr_set) {
         CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP>,
@@ -563,9 +612,19 @@ static void launch_gemm(const moe_gemm_args &a, int max_tiles, int n_col_blocks)
                                         (int)C::smem));
         attr_set = true;
     }
-    moe_gemm_kernel<C, GATE_UP>
-        <<<dim3(max_tiles, n_col_blocks), C::threads, C::smem, cuda_stream()>>>(a);
-    CUDA_CHECK_LAUNCH();
+    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
+    MS_ASSERT(blocks < INT32_MAX);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3(C::threads);
+    cfg.dynamicSmemBytes = C::smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gemm_kernel<C, GATE_UP>, a));
 }
 
 // The scratch of moe_experts: device memory grown on demand and kept for the process.
@@ -617,8 +676,10 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     p.n_pairs = (int)n_pairs;
     p.E = E;
     p.BM = BM;
-    p.S = std::min(32, (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / E);
-    MS_ASSERT(p.S >= 1); // E up to ~4000 local experts
+    // Segments of about 64 pairs (one per warp, at most 32), within the shared memory.
+    const int s_fit = (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / E;
+    MS_ASSERT(s_fit >= 1); // E up to ~4000 local experts
+    p.S = (int)std::min<int64_t>({32, (int64_t)s_fit, (n_pairs + 63) / 64});
     const int conv_blocks =
         (int)std::min<int64_t>((p.n_x8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS, 264);
     const size_t prep_smem = (size_t)(p.S * E + 2 * (E + 1)) * sizeof(int);
@@ -637,13 +698,15 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.w = (const bf16 *)w->gate_up;
     g.Kd = D;
     g.N = F;
-    launch_gemm<C, true>(g, max_tiles, (F + C::BN / 2 - 1) / (C::BN / 2));
+    g.n_col_blocks = (F + C::BN / 2 - 1) / (C::BN / 2);
+    launch_gemm<C, true>(g, max_tiles);
 
     g.act = g.h;
     g.w = (const bf16 *)w->down_all;
     g.Kd = F;
     g.N = D;
-    launch_gemm<C, false>(g, max_tiles, (D + C::BN - 1) / C::BN);
+    g.n_col_blocks = (D + C::BN - 1) / C::BN;
+    launch_gemm<C, false>(g, max_tiles);
 }
 
 void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
