@@ -851,6 +851,94 @@ static void time_gemm_bf16(uint16_t *pool) {
     gpu->dev_free(ws);
 }
 
+/* Mean time per call of `call` over 20 calls after 2 warm-up calls, and the bandwidth of `bytes`
+ * (each input read once, each output written once) in that time. */
+#define TIME_OP(label, bytes, call)                                                                \
+    do {                                                                                           \
+        cudaEvent_t e0_, e1_;                                                                      \
+        cudaEventCreate(&e0_);                                                                     \
+        cudaEventCreate(&e1_);                                                                     \
+        for (int r_ = 0; r_ < 22; r_++) {                                                          \
+            if (r_ == 2) cudaEventRecord(e0_, cuda_stream());                                      \
+            call;                                                                                  \
+        }                                                                                          \
+        cudaEventRecord(e1_, cuda_stream());                                                       \
+        cudaEventSynchronize(e1_);                                                                 \
+        float ms_ = 0.0f;                                                                          \
+        cudaEventElapsedTime(&ms_, e0_, e1_);                                                      \
+        const double s_ = ms_ / 1e3 / 20;                                                          \
+        printf("  %-44s %8.1f us  %6.0f GB/s\n", (label), s_ * 1e6, (double)(bytes) / s_ / 1e9);   \
+        cudaEventDestroy(e0_);                                                                     \
+        cudaEventDestroy(e1_);                                                                     \
+    } while (0)
+
+/* The other ops at prefill sizes of Qwen3-30B-A3B (T = 8192 tokens; K = 8 of 128 experts, expert
+ * FFN 768): memory-bound passes, compared with the copy ceiling. */
+static void time_elementwise(void) {
+    printf("other ops at T = 8192 (bytes: inputs read once + outputs written once)\n");
+    const int T = 8192, D = 2048, H = 32, Hkv = 4, Dh = 128, E = 128, K = 8, F = 768;
+    const int64_t big = (int64_t)T * K * D; /* the largest buffer: expert outputs [T, K, D] */
+    float *a = gpu_random_f32(big), *b = gpu_random_f32(big), *o = gpu_random_f32(big);
+    tensor hw = make_weight(DTYPE_BF16, 1, D, 1.0f), hq = make_weight(DTYPE_BF16, 1, Dh, 1.0f);
+    hw.ndim = hq.ndim = 1;
+    hw.shape[0] = D;
+    hq.shape[0] = Dh;
+    tensor w = gpu_weight(&hw), wq = gpu_weight(&hq);
+    tensor htab = make_weight(DTYPE_BF16, 151936, D, 1.0f), tab = gpu_weight(&htab);
+    int32_t *ids = xmalloc(sizeof(int32_t) * T), *pos = xmalloc(sizeof(int32_t) * T);
+    int32_t *seq = xmalloc(sizeof(int32_t) * T), *table = xmalloc(sizeof(int32_t) * 1024);
+    for (int t = 0; t < T; t++) {
+        ids[t] = rng_int(151936);
+        seq[t] = t / 1024; /* 8 sequences of 1024 tokens, pages of 16: 64 pages each */
+        pos[t] = t % 1024;
+    }
+    for (int i = 0; i < 1024; i++)
+        table[i] = (i * 37) % 1024; /* scattered pages, a permutation */
+    int32_t *gids = gdup(ids, sizeof(int32_t) * T), *gpos = gdup(pos, sizeof(int32_t) * T);
+    int32_t *gseq = gdup(seq, sizeof(int32_t) * T), *gtable = gdup(table, sizeof(int32_t) * 1024);
+    int32_t *tk = gpu->dev_alloc(sizeof(int32_t) * T * K);
+    float *kc = gpu->dev_alloc(sizeof(float) * 1024 * 16 * Hkv * Dh);
+    float *vc = gpu->dev_alloc(sizeof(float) * 1024 * 16 * Hkv * Dh);
+    MS_ASSERT(tk && kc && vc);
+    attn_batch ab = {
+        .T = T, .pos = gpos, .seq = gseq, .page_table = gtable, .max_pages = 128, .page_size = 16};
+    const double f4 = sizeof(float);
+    TIME_OP("embedding BF16 D=2048", T * D * (2 + f4), gpu->embedding(o, &tab, gids, T, D));
+    TIME_OP("rmsnorm R=8192 C=2048", 2 * f4 * T * D, gpu->rmsnorm(o, a, &w, T, D, 1e-6f));
+    TIME_OP("rmsnorm R=262144 C=128 (q heads)", 2 * f4 * T * H * Dh,
+            gpu->rmsnorm(o, a, &wq, T * H, Dh, 1e-6f));
+    TIME_OP("rope H=32 Hkv=4 Dh=128", 2 * f4 * T * (H + Hkv) * Dh,
+            gpu->rope(a, b, gpos, T, H, Hkv, Dh, 1e6));
+    TIME_OP("kv_store Hkv=4 Dh=128", 4 * f4 * T * Hkv * Dh,
+            gpu->kv_store((kv_layer){kc, vc}, a, b, &ab, Hkv, Dh));
+    TIME_OP("router_topk E=128 K=8", f4 * T * E + 8.0 * T * K,
+            gpu->router_topk(tk, o, a, T, E, K, true));
+    TIME_OP("moe_finalize K=8 D=2048", f4 * (T * K * D + T * K + T * D),
+            gpu->moe_finalize(o, a, b, T, K, D));
+    TIME_OP("silu_mul T*K=65536 F=768", 3 * f4 * T * K * F, gpu->silu_mul(o, a, b, T * K, F));
+    TIME_OP("add n=8192*2048", 3 * f4 * T * D, gpu->add(o, a, b, (int64_t)T * D));
+    free(ids);
+    free(pos);
+    free(seq);
+    free(table);
+    free(hw.data);
+    free(hq.data);
+    free(htab.data);
+    gpu->dev_free(w.data);
+    gpu->dev_free(wq.data);
+    gpu->dev_free(tab.data);
+    gpu->dev_free(gids);
+    gpu->dev_free(gpos);
+    gpu->dev_free(gseq);
+    gpu->dev_free(gtable);
+    gpu->dev_free(tk);
+    gpu->dev_free(kc);
+    gpu->dev_free(vc);
+    gpu->dev_free(a);
+    gpu->dev_free(b);
+    gpu->dev_free(o);
+}
+
 static void figures(void) {
     printf("\nfigures (BF16 weights; time per call = mean of 40 calls after warm-up, cudaEvent; "
            "bytes = weights + x fp32 + out fp32)\n");
@@ -876,6 +964,7 @@ static void figures(void) {
             time_linear(shapes[s].name, pool, Ts[t], shapes[s].N, shapes[s].Kin);
         }
     gpu->dev_free(pool);
+    time_elementwise();
 }
 
 static void summary(void) {
