@@ -18,8 +18,9 @@
 //   rounded in practice), the softmax sum added by one lane in expert order like the CPU, then K
 //   rounds of a warp argmax ordered by (probability descending, expert id ascending): the CPU's tie
 //   rule, so the ids agree exactly.
-// - silu_mul uses the device expf (at most 2 ulp from the CPU's); this is the only op here that is
-//   not bit-identical to the CPU by construction.
+// - silu_mul uses the device expf (at most 2 ulp from the CPU's). It and rope (whose cos/sin can
+//   still land an ulp from glibc's) are the ops here that may differ from the CPU in the last bit;
+//   the others gave the CPU's bits on every test input.
 // - Streaming ops take 16-byte accesses when every pointer is 16-byte aligned and fall back to
 //   scalar ones otherwise; the arithmetic per element is the same on both paths.
 // - An index a request could not have produced (a token id outside the vocabulary, a KV position

@@ -14,7 +14,8 @@
 //   The algorithm comes from cublasLtMatmulAlgoGetHeuristic (the first answer) and is cached per
 //   (T, N, Kin, dtype, pointer alignments), with its descriptors, in a direct-mapped table: a
 //   serving run sees one shape per layer kind and batch size, and a collision only costs a new
-//   query. Not thread-safe: one engine thread per process calls the ops.
+//   query. Each new plan logs cuBLASLt's choice (algorithm, tile, stages, split-K, reduction) at
+//   debug level. Not thread-safe: one engine thread per process calls the ops.
 //
 // Batch invariance (what the deterministic mode will need): for one cached algorithm the result
 // is the same bits on every run. Across T, though, the heuristic may pick another tile shape, a
