@@ -392,32 +392,11 @@ typedef struct {
     float *out;            // the down GEMM's output [T*K, N], rows addressed by pair id
     int Kd, N, topk;       // reduction length; output columns (F or D); K of top-k
     int n_col_blocks;      // N-blocks per tile
-    // Decode hints (0 = off): bytes of each of the block's weight rows to prefetch into L2 before
-    // waiting for the previous kernel. GEMM 1 guesses its expert from topk_ids[n_pairs] (the
-    // tile-th smallest routed id, right while every busy expert fits one tile; n_pairs <= 32).
-    int prefetch_row_bytes;
-    const int32_t *topk_ids;
-    int n_pairs;
 } moe_gemm_args;
 
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
                  "r"(src_bytes));
-}
-// 16-byte copy whose L2 line is marked evict-first (weights read once at decode).
-__device__ __forceinline__ void cp_async16_evict_first(uint32_t saddr, const void *g,
-                                                       int src_bytes, uint64_t policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(saddr),
-                 "l"(g), "r"(src_bytes), "l"(policy));
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-    uint64_t p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-// Bulk prefetch of bytes (a multiple of 16) at a 16-byte aligned global address into L2.
-__device__ __forceinline__ void prefetch_l2_bulk(const void *g, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(g), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -454,50 +433,11 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 template <class C, bool GATE_UP>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
-    constexpr bool DECODE = BM == 16;
-    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
-    const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
-    // Weight row of B tile row r, or -1 past the last column.
-    auto b_row = [&](int r) -> int {
-        int col, wrow;
-        if (GATE_UP) {
-            constexpr int HALF = C::WN / 2;
-            const int j = r % C::WN;
-            col = nb * (BN / 2) + (r / C::WN) * HALF + j % HALF;
-            wrow = (j < HALF ? 0 : a.N) + col;
-        } else {
-            col = nb * BN + r;
-            wrow = col;
-        }
-        return col < a.N ? wrow : -1;
-    };
-    // L2 prefetch of the first prefetch_row_bytes of each of this block's weight rows of expert e.
-    auto prefetch_rows = [&](int e, int r_begin, int r_step) {
-        const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
-        for (int r = r_begin; r < BN; r += r_step) {
-            const int wrow = b_row(r);
-            if (wrow >= 0) prefetch_l2_bulk(w_e + (int64_t)wrow * a.Kd, a.prefetch_row_bytes);
-        }
-    };
     if (GATE_UP) {
-        // topk_ids was complete before the prepare kernel started, hence before this block did.
-        if (DECODE && a.prefetch_row_bytes && threadIdx.x < 32) {
-            const int lane = threadIdx.x;
-            const int id = lane < a.n_pairs ? a.topk_ids[lane] : -1;
-            const unsigned same = __match_any_sync(0xffffffffu, id);
-            const bool first = id >= 0 && __ffs(same) - 1 == lane; // first lane with this id
-            const unsigned firsts = __ballot_sync(0xffffffffu, first);
-            int rank = 0; // distinct routed ids below this one
-            for (int j = 0; j < 32; j++) {
-                const int idj = __shfl_sync(0xffffffffu, id, j);
-                rank += ((firsts >> j) & 1u) && idj < id;
-            }
-            const unsigned hit = __ballot_sync(0xffffffffu, first && rank == tile);
-            if (hit) prefetch_rows(__shfl_sync(0xffffffffu, id, __ffs(hit) - 1), lane, 32);
-        }
         grid_dependency_wait();
         grid_launch_dependents();
     }
+    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
     if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
     const int4 ti = __ldcg(&a.tiles[tile]);
     const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
@@ -522,11 +462,22 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             a_src[i] = a.act + src_row * a.Kd;
         }
     }
+    const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
     const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
-    // With the prefetch hints on (the smallest batches: every weight byte read once), the weights
-    // streamed through shared memory are marked evict-first so the prefetched ones stay in L2.
-    const bool evict_first = DECODE && a.prefetch_row_bytes;
-    const uint64_t policy = evict_first ? l2_policy_evict_first() : 0;
+    // Weight row of B tile row r, or -1 past the last column.
+    auto b_row = [&](int r) -> int {
+        int col, wrow;
+        if (GATE_UP) {
+            constexpr int HALF = C::WN / 2;
+            const int j = r % C::WN;
+            col = nb * (BN / 2) + (r / C::WN) * HALF + j % HALF;
+            wrow = (j < HALF ? 0 : a.N) + col;
+        } else {
+            col = nb * BN + r;
+            wrow = col;
+        }
+        return col < a.N ? wrow : -1;
+    };
 
     auto load_a = [&](int slot, int kt) {
         const int k = kt * BK + kc * 8;
@@ -547,12 +498,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             const int r = r_first + i * C::ROWS_PER_PASS;
             const int wrow = b_row(r);
             const bool ok = k_ok && wrow >= 0;
-            const uint32_t dst = sB + (slot * BN * BK + swz<BK>(r, kc)) * 2;
-            const bf16 *src = ok ? w_e + (int64_t)wrow * a.Kd + k : a.w;
-            if (evict_first)
-                cp_async16_evict_first(dst, src, ok ? 16 : 0, policy);
-            else
-                cp_async16(dst, src, ok ? 16 : 0);
+            cp_async16(sB + (slot * BN * BK + swz<BK>(r, kc)) * 2,
+                       ok ? w_e + (int64_t)wrow * a.Kd + k : a.w, ok ? 16 : 0);
         }
     };
 
@@ -570,7 +517,6 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // once all but the newest STAGES - 2 groups are.
     const int nk = (a.Kd + BK - 1) / BK;
     if (!GATE_UP) {
-        if (DECODE && a.prefetch_row_bytes) prefetch_rows(e, tid, C::threads);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; s++)
             if (s < nk) load_b(s, s);
@@ -701,18 +647,6 @@ static unsigned char *moe_workspace(size_t bytes) {
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-// Decode only: bytes of each weight row a GEMM block prefetches into L2 before it waits for the
-// kernel before it, so the weight stream starts while that kernel drains. All blocks together
-// stay within budget (a share of L2); 0 when that leaves under 256 bytes a row.
-template <class C>
-static int prefetch_row_bytes(int max_tiles, int n_col_blocks, int rows_per_block, int Kd,
-                              size_t budget) {
-    if (C::BM != 16) return 0;
-    const size_t rows = (size_t)max_tiles * n_col_blocks * rows_per_block;
-    const size_t per_row = std::min((size_t)Kd * 2, budget / rows) & ~(size_t)15;
-    return per_row >= 256 ? (int)per_row : 0;
-}
-
 template <class C>
 static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                     int T, int K, int D, int F) {
@@ -764,11 +698,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.w = (const bf16 *)w->gate_up;
     g.Kd = D;
     g.N = F;
-    g.topk_ids = topk_ids;
-    g.n_pairs = (int)n_pairs;
     g.n_col_blocks = (F + C::BN / 2 - 1) / (C::BN / 2);
-    g.prefetch_row_bytes =
-        n_pairs <= 32 ? prefetch_row_bytes<C>(max_tiles, g.n_col_blocks, C::BN, D, 24u << 20) : 0;
     launch_gemm<C, true>(g, max_tiles);
 
     g.act = g.h;
@@ -776,7 +706,6 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.Kd = F;
     g.N = D;
     g.n_col_blocks = (D + C::BN - 1) / C::BN;
-    g.prefetch_row_bytes = prefetch_row_bytes<C>(max_tiles, g.n_col_blocks, C::BN, F, 16u << 20);
     launch_gemm<C, false>(g, max_tiles);
 }
 
