@@ -15,8 +15,10 @@
  * same BF16 weights and accumulate in fp32. The roundings enter dot products of random-sign terms,
  * so an output element's error spreads like 3e-3 to 4e-3 of its row's rms (x's rounding reaches y
  * through g and u, h's directly), and the largest of D of them stays within about 4 to 5 spreads
- * (1.2e-2 to 1.5e-2 seen on every shape here). Allowed: max |gpu - cpu| over a row <= 2^-5 *
- * rms(cpu row), about twice that (F32 / F16 weights also round each weight to BF16 once). Exact: skipped rows keep their sentinel bit for bit;
+ * (1.2e-2 to 1.5e-2 seen on the shapes with D >= 64, up to 1.9e-2 with D = 40). Allowed:
+ * max |gpu - cpu| over a row <= 2^-5 * rms(cpu row). F32 / F16 weights are rounded to BF16 in the
+ * device copy while the CPU reads them as they are: a third rounding, in every term of both dot
+ * products (2.5e-2 seen at D = 40): allowed 2^-4 * rms. Exact: skipped rows keep their sentinel bit for bit;
  * a token run alone gives bit-identical rows (batch invariance, across tile shapes); the same call
  * twice gives bit-identical output.
  *
@@ -83,7 +85,8 @@ int cublasGemmEx(cublasHandle_t h, int transa, int transb, int m, int n, int k, 
 /* kernels/cuda/cuda_ops.h: the stream every op of the backend runs on. */
 cudaStream_t cuda_stream(void);
 
-#define TOL_ROW_RMS 0.03125 /* 2^-5 */
+#define TOL_ROW_RMS           0.03125 /* 2^-5: BF16 weights, x and h rounded */
+#define TOL_ROW_RMS_CONVERTED 0.0625  /* 2^-4: F32 / F16 weights rounded to BF16 as well */
 #define SENTINEL    (-7.25f)
 #define POOL_SPREAD (1 << 20) /* elements past one matrix that expert windows start within */
 
@@ -312,6 +315,7 @@ static bool is_sentinel_row(const float *row, int D) {
 static double run_case(const model *m, int T, int mode, double skip, int max_check, bool repeat) {
     const int K = m->K, D = m->D;
     const int64_t n_pairs = (int64_t)T * K;
+    const double tol = m->dt == DTYPE_BF16 ? TOL_ROW_RMS : TOL_ROW_RMS_CONVERTED;
     float *x = xmalloc(((size_t)T * D + 1) * sizeof(float));
     int32_t *ids = xmalloc(((size_t)n_pairs + 1) * sizeof(int32_t));
     float *out = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
@@ -374,7 +378,7 @@ static double run_case(const model *m, int T, int mode, double skip, int max_che
                 const double ratio = err / rms;
                 n_rows++;
                 if (!(ratio <= worst)) worst = ratio;
-                if (!(err <= TOL_ROW_RMS * rms)) {
+                if (!(err <= tol * rms)) {
                     if (n_bad < 5)
                         fprintf(stderr,
                                 "  mismatch %s T=%d t=%d k=%d expert %d d=%d: gpu %.6g cpu %.6g "
@@ -388,8 +392,8 @@ static double run_case(const model *m, int T, int mode, double skip, int max_che
         free(ref);
         free(tok);
     }
-    CHECK(n_bad == 0, "%s T=%d %s skip %.2f: %d of %d rows over 2^-5 * rms (worst %.3g)", m->name,
-          T, route_name[mode], skip, n_bad, n_rows, worst);
+    CHECK(n_bad == 0, "%s T=%d %s skip %.2f: %d of %d rows over %.3g * rms (worst %.3g)", m->name,
+          T, route_name[mode], skip, n_bad, n_rows, tol, worst);
 
     /* batch invariance: the last token alone gives the same bits */
     if (T > 1) {
@@ -410,7 +414,7 @@ static double run_case(const model *m, int T, int mode, double skip, int max_che
     }
     printf("  %-14s T=%-5d %-8s skip %.2f: worst max|gpu-cpu|/rms %.2e (tol %.2e) over %d rows "
            "of %d tokens\n",
-           m->name, T, route_name[mode], skip, worst, TOL_ROW_RMS, n_rows, ns);
+           m->name, T, route_name[mode], skip, worst, tol, n_rows, ns);
     free(x);
     free(ids);
     free(out);
