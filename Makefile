@@ -26,7 +26,7 @@ ifneq ($(NVCC),)
   ifneq ($(CU_SRCS),)
     CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
     NVCCFLAGS ?= -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -I.
-    CFLAGS    += -DMOESERVE_CUDA=1
+    CFLAGS    += -DMOESERVE_CUDA=1 -I$(CUDA_HOME)/include
     LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
     CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
   endif
