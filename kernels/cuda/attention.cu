@@ -17,10 +17,18 @@
 //   keeps this arithmetic is left for later.
 // - GQA: one block serves G query heads that share one kv head (G = H / Hkv, or a divisor of it when
 //   G * Dh would not fit the registers), so each K/V row is read once per group.
-// - Inside a chunk: a warp takes 32 contiguous positions. Scores: 8 lanes share a position (16-byte
-//   loads, coalesced), each lane does a sequential fma chain over its elements, then a 3-step xor
-//   butterfly; q comes from shared memory. Weighted V: lanes own head-dim slices (one 16-byte load per
-//   lane per row), positions in increasing order, then the warps' sums are added in warp order.
+// - Inside a chunk: a warp takes 32 contiguous positions and goes through them on its own (no
+//   block barrier until its partial sums are done). Scores: 8 lanes share a position (16-byte
+//   loads, coalesced), each lane runs a sequential fma chain over its elements, then a 3-step xor
+//   butterfly; q comes from shared memory. Softmax over the warp's positions (m_w, l_w), the warp's
+//   first V rows already requested. Weighted V: lanes own head-dim slices (one 16-byte load per lane
+//   per row), positions in increasing order. The block then merges its warps in warp order:
+//   m = max m_w, o = sum_w exp(m_w - m) o_w, l likewise.
+// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV): decode reads the cache at about
+//   70% of the device copy rate (read + write) from batch 64 up; see tests/test_cuda_attention.c
+//   --bench. Three blocks a multiprocessor (80 registers) beat two; requesting the next batch of
+//   rows before computing on the current one (two register buffers, two blocks) was slower, and
+//   the softmax over the whole chunk behind block barriers was about 9% slower at large batch.
 // - Positions live on the device and are not read back: the grid is sized from the upper bound
 //   max_pages * S / ATTN_CHUNK chunks per token; blocks past a token's length exit at once. The chunk
 //   results go to a workspace that grows on demand (stream-ordered); a batch whose workspace would pass
@@ -40,6 +48,33 @@ enum {
 };
 static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of chunk results per slice
 
+// The lane layout of a chunk block for head dim DH; a warp requests DEPTH 16-byte pieces a lane
+// at once (K rows in the scores, V rows in the weighted sum).
+template <int DH> struct attn_layout {
+    static constexpr int DEPTH = 8;
+    // scores: LK lanes per position, each with DH / LK elements in FK 16-byte pieces
+    static constexpr int LK = DH >= 32 ? 8 : DH / 4;
+    static constexpr int FK = DH / LK / 4;
+    static constexpr int PK = 32 / LK; // positions per warp step
+    static constexpr int UK0 = DEPTH / FK > 0 ? DEPTH / FK : 1;
+    static constexpr int UK = UK0 * PK <= ATTN_WARP_POS ? UK0 : ATTN_WARP_POS / PK; // steps at once
+    // weighted V: LV lanes per row, each with FV 16-byte pieces
+    static constexpr int LV = DH / 4 < 32 ? DH / 4 : 32;
+    static constexpr int FV = DH / (4 * LV);
+    static constexpr int RV = 32 / LV; // rows per warp step
+    static constexpr int UV0 = DEPTH / FV > 0 ? DEPTH / FV : 1;
+    static constexpr int UV = UV0 * RV <= ATTN_WARP_POS ? UV0 : ATTN_WARP_POS / RV; // steps at once
+};
+
+// Blocks per multiprocessor to ask the compiler for: what the live registers allow (V sums and
+// V rows in flight, or K rows in flight and the scores).
+template <int DH, int G> constexpr int attn_min_blocks() {
+    using L = attn_layout<DH>;
+    constexpr int rv = 4 * L::FV * (G + L::UV), rk = 4 * L::FK * L::UK + G;
+    constexpr int regs = rv > rk ? rv : rk;
+    return regs <= 64 ? 3 : regs <= 96 ? 2 : 1;
+}
+
 static __device__ __forceinline__ void fma4(float &acc, float4 a, float4 b) {
     acc = fmaf(a.x, b.x, acc);
     acc = fmaf(a.y, b.y, acc);
@@ -51,26 +86,19 @@ static __device__ __forceinline__ void fma4(float &acc, float4 a, float4 b) {
 //   part_o  [Ts, H / G, NC, G, DH]  unnormalized weighted V of each chunk
 //   part_ml [Ts, H / G, NC, 2, G]   chunk max score m, then sum of exp l
 //   q [T, H, DH], kc / vc [P, S, Hkv, DH], pos / seq [T], page_table [n_seq, max_pages]
-template <int DH, int G>
-__global__ void __launch_bounds__(ATTN_THREADS)
+template <int DH, int G, int MINB>
+__global__ void __launch_bounds__(ATTN_THREADS, MINB)
     attn_chunk_kernel(float *__restrict__ part_o, float *__restrict__ part_ml,
                       const float *__restrict__ q, const float *__restrict__ kc,
                       const float *__restrict__ vc, const int32_t *__restrict__ pos,
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                       int t0, int H, int Hkv, int max_pages, int S, int NC, float scale) {
-    // scores: LK lanes per position, each with EK = DH / LK elements in FK 16-byte pieces
-    constexpr int LK = DH >= 32 ? 8 : DH / 4;
-    constexpr int FK = DH / LK / 4;
-    constexpr int PK = 32 / LK;                 // positions per warp step
-    constexpr int UK = (FK >= 8 ? 1 : 8 / FK) * PK <= ATTN_WARP_POS ? (FK >= 8 ? 1 : 8 / FK)
-                                                                    : ATTN_WARP_POS / PK; // steps loaded together
-    // weighted V: LV lanes per row, each with FV 16-byte pieces
-    constexpr int LV = DH / 4 < 32 ? DH / 4 : 32;
-    constexpr int FV = DH / (4 * LV);
-    constexpr int RV = 32 / LV;                 // rows per warp step
-    constexpr int UV = 8 / FV * RV <= ATTN_WARP_POS ? 8 / FV : ATTN_WARP_POS / RV; // steps loaded together
+    using L = attn_layout<DH>;
+    constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = L::UK;
+    constexpr int LV = L::LV, FV = L::FV, RV = L::RV, UV = L::UV;
+    constexpr int KSTEP = PK * UK, VSTEP = RV * UV; // positions a batch of rows covers
     static_assert(DH % 16 == 0 && DH <= 256, "head dim");
-    static_assert(ATTN_WARP_POS % (PK * UK) == 0 && ATTN_WARP_POS % (RV * UV) == 0, "steps");
+    static_assert(ATTN_WARP_POS % KSTEP == 0 && ATTN_WARP_POS % VSTEP == 0, "steps");
     static_assert(G * DH <= 2048, "accumulators per lane");
 
     const int tl = blockIdx.x, hg = blockIdx.y, c = blockIdx.z;
@@ -81,10 +109,11 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     const int nv = min(ATTN_CHUNK, n - p0); // valid positions of this chunk
     const int g = hg * G / (H / Hkv);       // kv head
 
-    __shared__ int rows[ATTN_CHUNK];                         // cache row (page * S + slot)
-    __shared__ __align__(16) float s[ATTN_CHUNK * G];        // scores, then exp weights [p][h]
-    __shared__ __align__(16) float buf[G * DH];              // q [G][DH], then the V sum
-    __shared__ float sm[G], sl[G];
+    __shared__ int rows[ATTN_CHUNK];                  // cache row (page * S + slot)
+    __shared__ __align__(16) float s[ATTN_CHUNK * G]; // scores, then exp weights [p][h]
+    __shared__ __align__(16) float buf[G * DH];       // q [G][DH], then the V sum
+    __shared__ float sm[G], sl[G];                    // the chunk's m and l
+    __shared__ float wm[ATTN_WARPS * G], wl[ATTN_WARPS * G], wf[ATTN_WARPS * G]; // per warp
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int32_t *pt = page_table + (int64_t)seq[t] * max_pages;
@@ -97,93 +126,74 @@ __global__ void __launch_bounds__(ATTN_THREADS)
         reinterpret_cast<float4 *>(buf)[i] = qt[i];
     __syncthreads();
 
+    // A warp takes positions [wbeg, wend) of the chunk, in batches of rows.
     const int64_t rs = (int64_t)Hkv * DH; // floats per cache row
     const float *kg = kc + (int64_t)g * DH;
     const float *vg = vc + (int64_t)g * DH;
     const int wbeg = w * ATTN_WARP_POS, wend = min(wbeg + ATTN_WARP_POS, nv);
+    const int nkb = wbeg < wend ? (wend - wbeg + KSTEP - 1) / KSTEP : 0; // K batches
+    const int nvb = wbeg < wend ? (wend - wbeg + VSTEP - 1) / VSTEP : 0; // V batches
 
-    // ---- scores s[p][h] = (q_h . k_p) * scale ----
-    {
-        const int sub = lane % LK, pp = lane / LK;
-        const float4 *q4 = reinterpret_cast<const float4 *>(buf);
-        for (int i0 = wbeg; i0 < wend; i0 += PK * UK) {
-            float4 kr[UK][FK];
+    // scores: LK lanes share a position, lane `sub` takes pieces sub, sub + LK, ...
+    const int sub = lane % LK, pp = lane / LK;
+    const float4 *q4 = reinterpret_cast<const float4 *>(buf);
+    auto load_k = [&](float4(&kr)[UK][FK], int i0) {
 #pragma unroll
-            for (int u = 0; u < UK; u++) {
-                const int i = i0 + u * PK + pp;
-                const float4 *kp = reinterpret_cast<const float4 *>(kg + (int64_t)rows[i < wend ? i : wbeg] * rs);
+        for (int u = 0; u < UK; u++) {
+            const int i = i0 + u * PK + pp;
+            const float4 *kp =
+                reinterpret_cast<const float4 *>(kg + (int64_t)rows[i < wend ? i : wbeg] * rs);
+#pragma unroll
+            for (int f = 0; f < FK; f++)
+                kr[u][f] = i < wend ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    // s[p][h] = (q_h . k_p) * scale: a sequential fma chain over the lane's pieces, then an xor
+    // butterfly over the LK lanes (the same sum in each)
+    auto score = [&](const float4(&kr)[UK][FK], int i0) {
+#pragma unroll
+        for (int u = 0; u < UK; u++) {
+            float acc[G];
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+                acc[h] = 0.0f;
 #pragma unroll
                 for (int f = 0; f < FK; f++)
-                    kr[u][f] = i < wend ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    fma4(acc[h], q4[h * (DH / 4) + f * LK + sub], kr[u][f]);
             }
 #pragma unroll
-            for (int u = 0; u < UK; u++) {
-                float acc[G];
+            for (int off = LK / 2; off > 0; off /= 2)
 #pragma unroll
-                for (int h = 0; h < G; h++) {
-                    acc[h] = 0.0f;
+                for (int h = 0; h < G; h++)
+                    acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+            const int i = i0 + u * PK + pp;
+            if (i < wend) {
 #pragma unroll
-                    for (int f = 0; f < FK; f++)
-                        fma4(acc[h], q4[h * (DH / 4) + f * LK + sub], kr[u][f]);
-                }
-#pragma unroll
-                for (int off = LK / 2; off > 0; off /= 2)
-#pragma unroll
-                    for (int h = 0; h < G; h++)
-                        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
-                const int i = i0 + u * PK + pp;
-                if (i < wend) {
-#pragma unroll
-                    for (int h = 0; h < G; h++)
-                        if (h % LK == sub) s[i * G + h] = acc[h] * scale;
-                }
+                for (int h = 0; h < G; h++)
+                    if (h % LK == sub) s[i * G + h] = acc[h] * scale;
             }
         }
-    }
-    __syncthreads();
-
-    // ---- per head: m = max s, weights exp(s - m) in place, l = their sum ----
-    for (int h = w; h < G; h += ATTN_WARPS) {
-        float m = -INFINITY;
-        for (int i = lane; i < nv; i += 32)
-            m = fmaxf(m, s[i * G + h]);
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        float l = 0.0f;
-        for (int i = lane; i < nv; i += 32) {
-            const float e = expf(s[i * G + h] - m);
-            s[i * G + h] = e;
-            l += e;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2)
-            l += __shfl_xor_sync(0xffffffffu, l, off);
-        if (lane == 0) {
-            sm[h] = m;
-            sl[h] = l;
-        }
-    }
-    __syncthreads();
-
-    // ---- o[h] = sum over the warp's positions of e[p][h] v_p, in increasing p ----
+    };
+    // weighted V: LV lanes share a row, lane group rv takes rows wbeg + rv, + RV, ...
     const int subv = lane % LV, rv = lane / LV;
+    auto load_v = [&](float4(&vr)[UV][FV], int i0) {
+#pragma unroll
+        for (int u = 0; u < UV; u++) {
+            const int i = i0 + u * RV + rv;
+            const float4 *vp =
+                reinterpret_cast<const float4 *>(vg + (int64_t)rows[i < wend ? i : wbeg] * rs);
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                vr[u][f] = i < wend ? __ldg(vp + f * LV + subv) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
     float4 acc[G][FV];
 #pragma unroll
     for (int h = 0; h < G; h++)
 #pragma unroll
         for (int f = 0; f < FV; f++)
             acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = wbeg; i0 < wend; i0 += RV * UV) {
-        float4 vr[UV][FV];
-#pragma unroll
-        for (int u = 0; u < UV; u++) {
-            const int i = i0 + u * RV + rv;
-            const float4 *vp = reinterpret_cast<const float4 *>(vg + (int64_t)rows[i < wend ? i : wbeg] * rs);
-#pragma unroll
-            for (int f = 0; f < FV; f++)
-                vr[u][f] = i < wend ? __ldg(vp + f * LV + subv) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    auto accumulate = [&](const float4(&vr)[UV][FV], int i0) {
 #pragma unroll
         for (int u = 0; u < UV; u++) {
             const int i = i0 + u * RV + rv;
@@ -211,6 +221,50 @@ __global__ void __launch_bounds__(ATTN_THREADS)
                     }
             }
         }
+    };
+
+    // ---- scores of the warp's positions; then its first V rows are requested, to arrive during
+    // the softmax ----
+    for (int j = 0; j < nkb; j++) {
+        float4 kr[UK][FK];
+        load_k(kr, wbeg + j * KSTEP);
+        score(kr, wbeg + j * KSTEP);
+    }
+    float4 vr[UV][FV];
+    if (nvb > 0) load_v(vr, wbeg);
+    __syncwarp();
+
+    // ---- per head, over the warp's positions: m_w = max s, weights exp(s - m_w) in place,
+    // l_w = their sum (no block barrier: each warp goes on at its own pace) ----
+    if (wbeg < wend) {
+        for (int h = 0; h < G; h++) {
+            float m = -INFINITY;
+            for (int i = wbeg + lane; i < wend; i += 32)
+                m = fmaxf(m, s[i * G + h]);
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2)
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+            float l = 0.0f;
+            for (int i = wbeg + lane; i < wend; i += 32) {
+                const float e = expf(s[i * G + h] - m);
+                s[i * G + h] = e;
+                l += e;
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2)
+                l += __shfl_xor_sync(0xffffffffu, l, off);
+            if (lane == 0) {
+                wm[w * G + h] = m;
+                wl[w * G + h] = l;
+            }
+        }
+    }
+    __syncwarp();
+
+    // ---- o_w[h] = sum over the warp's positions of e[p][h] v_p, in increasing p ----
+    for (int j = 0; j < nvb; j++) {
+        if (j > 0) load_v(vr, wbeg + j * VSTEP);
+        accumulate(vr, wbeg + j * VSTEP);
     }
     // rows taken by the RV lane groups of the warp: xor butterfly (the same sum in every lane)
 #pragma unroll
@@ -224,23 +278,45 @@ __global__ void __launch_bounds__(ATTN_THREADS)
                 acc[h][f].z += __shfl_xor_sync(0xffffffffu, acc[h][f].z, off);
                 acc[h][f].w += __shfl_xor_sync(0xffffffffu, acc[h][f].w, off);
             }
-    // the warps' sums, in warp order, into buf (q is no longer read: a barrier passed since)
-    const int nw = (nv + ATTN_WARP_POS - 1) / ATTN_WARP_POS; // warps that had positions
+
+    // ---- the chunk: m = max_w m_w, l = sum_w l_w exp(m_w - m), o = sum_w exp(m_w - m) o_w,
+    // warps in order; only the nw warps that had positions take part ----
+    const int nw = (nv + ATTN_WARP_POS - 1) / ATTN_WARP_POS;
+    __syncthreads(); // every warp's m_w, l_w; every warp is past its scores, so buf (q) is free
+    if (tid < G) {
+        float m = -INFINITY;
+        for (int ww = 0; ww < nw; ww++)
+            m = fmaxf(m, wm[ww * G + tid]);
+        float l = 0.0f;
+        for (int ww = 0; ww < nw; ww++) {
+            const float fw = expf(wm[ww * G + tid] - m);
+            wf[ww * G + tid] = fw;
+            l = fmaf(wl[ww * G + tid], fw, l);
+        }
+        sm[tid] = m;
+        sl[tid] = l;
+    }
+    __syncthreads();
     for (int ww = 0; ww < nw; ww++) {
         if (w == ww && rv == 0) {
 #pragma unroll
-            for (int h = 0; h < G; h++)
+            for (int h = 0; h < G; h++) {
+                const float fw = wf[ww * G + h];
 #pragma unroll
                 for (int f = 0; f < FV; f++) {
                     float4 *b = reinterpret_cast<float4 *>(buf) + h * (DH / 4) + f * LV + subv;
+                    const float4 a = acc[h][f];
+                    float4 x;
                     if (ww == 0) {
-                        *b = acc[h][f];
+                        x = make_float4(fw * a.x, fw * a.y, fw * a.z, fw * a.w);
                     } else {
-                        float4 x = *b;
-                        x.x += acc[h][f].x, x.y += acc[h][f].y, x.z += acc[h][f].z, x.w += acc[h][f].w;
-                        *b = x;
+                        x = *b;
+                        x = make_float4(fmaf(fw, a.x, x.x), fmaf(fw, a.y, x.y), fmaf(fw, a.z, x.z),
+                                        fmaf(fw, a.w, x.w));
                     }
+                    *b = x;
                 }
+            }
         }
         __syncthreads();
     }
@@ -320,8 +396,8 @@ template <int DH, int G>
 static void launch_chunks(float *part_o, float *part_ml, const float *q, kv_layer kv,
                           const attn_batch *b, int t0, int Ts, int H, int Hkv, int NC,
                           float scale) {
-    dim3 grid(Ts, H / G, NC);
-    attn_chunk_kernel<DH, G><<<grid, ATTN_THREADS, 0, cuda_stream()>>>(
+    const dim3 grid(Ts, H / G, NC);
+    attn_chunk_kernel<DH, G, attn_min_blocks<DH, G>()><<<grid, ATTN_THREADS, 0, cuda_stream()>>>(
         part_o, part_ml, q, kv.k, kv.v, b->pos, b->seq, b->page_table, t0, H, Hkv, b->max_pages,
         b->page_size, NC, scale);
     CUDA_CHECK_LAUNCH();
