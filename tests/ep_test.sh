@@ -4,7 +4,9 @@
 # rank, balancing, 40 concurrent, staggered arrivals, a checkpoint whose routers send every token
 # to rank 0), a rank killed with SIGKILL, and the rank-group flags. Ranks beyond the cores
 # oversubscribe them (one engine thread per rank, OpenMPI yields when idle).
-# Skips, with a line saying so and "0 passed, 0 failed", when mpirun is not installed.
+# Arguments go to test_ep.py (groups; `tests/ep_test.sh kill-all` also wants every surviving rank,
+# not only rank 0, to name the killed one). Skips, with a line saying so and "0 passed, 0 failed",
+# when mpirun is not installed.
 # Whatever happens (failure, timeout, Ctrl-C), every process the test started is killed: the
 # Python side keeps the ids of the process groups and ranks it has running in a file, and the
 # trap below kills whatever is still listed there.
