@@ -29,10 +29,10 @@ static void check_summary(const bench_summary *s, const double want[7], const ch
 
 static void test_summaries(void) {
     /* odd count, unsorted */
-    const double v[] = {0.012, 0.0031, 0.0457, 0.0199, 0.0072, 0.0305,
+    const double v[] = {0.012,  0.0031, 0.0457, 0.0199, 0.0072, 0.0305,
                         0.0101, 0.0255, 0.0088, 0.0413, 0.0166};
-    const double want_v[7] = {0.020063636363636363, 0.0166, 0.013494461673878235, 0.0413,
-                              0.0435, 0.04526, 0.0457};
+    const double want_v[7] = {
+        0.020063636363636363, 0.0166, 0.013494461673878235, 0.0413, 0.0435, 0.04526, 0.0457};
     bench_summary s;
     bench_summarize(v, 11, &s);
     check_summary(&s, want_v, "11 values");
@@ -40,8 +40,13 @@ static void test_summaries(void) {
     /* even count: the median is the mean of the middle two; P95 and P99 interpolate from the
      * upper end (t >= 0.5), P90 from the lower */
     const double w[] = {0.25, 0.5, 0.125, 1.0};
-    const double want_w[7] = {0.46875, 0.375, 0.33511891546136274, 0.8500000000000001,
-                              0.9249999999999998, 0.9849999999999999, 1.0};
+    const double want_w[7] = {0.46875,
+                              0.375,
+                              0.33511891546136274,
+                              0.8500000000000001,
+                              0.9249999999999998,
+                              0.9849999999999999,
+                              1.0};
     bench_summarize(w, 4, &s);
     check_summary(&s, want_w, "4 values");
 
@@ -49,8 +54,9 @@ static void test_summaries(void) {
     double big[300];
     for (int i = 0; i < 300; i++)
         big[i] = ((i * 37) % 101) / 1000.0 + i * 1e-6;
-    const double want_big[7] = {0.05004283333333334, 0.0500655, 0.029163550232077177,
-                                0.0901381, 0.09531940000000001, 0.09926968, 0.100232};
+    const double want_big[7] = {
+        0.05004283333333334, 0.0500655, 0.029163550232077177, 0.0901381, 0.09531940000000001,
+        0.09926968,          0.100232};
     bench_summarize(big, 300, &s);
     check_summary(&s, want_big, "300 values");
     CHECK_CLOSE(bench_sum(big, 300), 15.012850000000002, 0, RTOL, "pairwise sum of 300");
@@ -78,8 +84,12 @@ static void test_summaries(void) {
 /* a successful request of recorded timings */
 static bench_request recorded(double start, double ttft, double latency, int prompt_len,
                               int output_len, const double *itl, int n_itl) {
-    bench_request r = {.ok = 1, .start = start, .ttft = ttft, .latency = latency,
-                       .prompt_len = prompt_len, .output_len = output_len};
+    bench_request r = {.ok = 1,
+                       .start = start,
+                       .ttft = ttft,
+                       .latency = latency,
+                       .prompt_len = prompt_len,
+                       .output_len = output_len};
     for (int i = 0; i < n_itl; i++)
         bench_request_add_itl(&r, itl[i]);
     return r;
@@ -91,8 +101,8 @@ static void test_serving_metrics(void) {
     reqs[0] = recorded(0.0, 0.10, 0.50, 10, 5, itl0, 4);
     reqs[1] = recorded(0.05, 0.20, 0.80, 20, 4, itl1, 3);
     reqs[2] = recorded(1.2, 0.05, 0.30, 7, 1, NULL, 0); /* one token: no TPOT */
-    reqs[3] = (bench_request){.ok = 0, .error = strdup("HTTP 400: context exceeded"),
-                              .prompt_len = 99, .output_len = 99};
+    reqs[3] = (bench_request){
+        .ok = 0, .error = strdup("HTTP 400: context exceeded"), .prompt_len = 99, .output_len = 99};
     bench_serving_metrics m;
     bench_serving_compute(reqs, 4, 1.6, &m);
     CHECK(m.completed == 3, "completed %d", m.completed);
@@ -109,8 +119,8 @@ static void test_serving_metrics(void) {
     /* numpy over e2e [0.5, 0.8, 0.3], ttft [0.1, 0.2, 0.05], tpot [(0.5-0.1)/4, (0.8-0.2)/3],
      * itl [0.1]*4 + [0.2]*3 */
     const double e2e[7] = {0.5333333333333333, 0.5, 0.20548046676563259, 0.74, 0.77, 0.794, 0.8};
-    const double ttft[7] = {0.11666666666666668, 0.1, 0.062360956446232366, 0.18000000000000002,
-                            0.19, 0.198, 0.2};
+    const double ttft[7] = {
+        0.11666666666666668, 0.1, 0.062360956446232366, 0.18000000000000002, 0.19, 0.198, 0.2};
     const double tpot[7] = {0.15000000000000002, 0.15000000000000002, 0.05000000000000002,
                             0.19000000000000003, 0.19500000000000003, 0.19900000000000004,
                             0.20000000000000004};
@@ -153,8 +163,7 @@ static void test_stream_generate(void) {
     feed(&s, "data: [DONE]", 100.46);
     bench_stream_end(&s, 200, NULL, NULL);
     CHECK(r.ok, "ok (%s)", r.error ? r.error : "");
-    CHECK(r.prompt_len == 12 && r.prompt_counted, "prompt tokens from meta_info: %d",
-          r.prompt_len);
+    CHECK(r.prompt_len == 12 && r.prompt_counted, "prompt tokens from meta_info: %d", r.prompt_len);
     CHECK(r.output_len == 4 && r.output_counted, "output tokens = last completion_tokens: %d",
           r.output_len);
     CHECK_CLOSE(r.ttft, 100.30 - 100.0, 0, RTOL, "TTFT at the first chunk with text");
@@ -256,31 +265,30 @@ static void test_print(void) {
     FILE *f = open_memstream(&text, &len);
     bench_serving_print(f, &m, "sglang", INFINITY, 0);
     fclose(f);
-    static const char *const want[] = {
-        "\n============ Serving Benchmark Result ============\n",
-        "Backend:                                 sglang    \n",
-        "Traffic request rate:                    inf       \n",
-        "Max request concurrency:                 not set   \n",
-        "Successful requests:                     1         \n",
-        "Failed requests:                         0         \n",
-        "Benchmark duration (s):                  0.50      \n",
-        "Total input tokens:                      10        \n",
-        "Total generated tokens:                  5         \n",
-        "Request throughput (req/s):              2.00      \n",
-        "Input token throughput (tok/s):          20.00     \n",
-        "Output token throughput (tok/s):         10.00     \n",
-        "Total token throughput (tok/s):          30.00     \n",
-        "Concurrency:                             1.00      \n",
-        "----------------End-to-End Latency----------------\n",
-        "Mean E2E Latency (ms):                   500.00    \n",
-        "P90 E2E Latency (ms):                    500.00    \n",
-        "---------------Time to First Token----------------\n",
-        "Median TTFT (ms):                        100.00    \n",
-        "-----Time per Output Token (excl. 1st token)------\n",
-        "P99 TPOT (ms):                           100.00    \n",
-        "---------------Inter-Token Latency----------------\n",
-        "Max ITL (ms):                            100.00    \n",
-        "\n==================================================\n"};
+    static const char *const want[] = {"\n============ Serving Benchmark Result ============\n",
+                                       "Backend:                                 sglang    \n",
+                                       "Traffic request rate:                    inf       \n",
+                                       "Max request concurrency:                 not set   \n",
+                                       "Successful requests:                     1         \n",
+                                       "Failed requests:                         0         \n",
+                                       "Benchmark duration (s):                  0.50      \n",
+                                       "Total input tokens:                      10        \n",
+                                       "Total generated tokens:                  5         \n",
+                                       "Request throughput (req/s):              2.00      \n",
+                                       "Input token throughput (tok/s):          20.00     \n",
+                                       "Output token throughput (tok/s):         10.00     \n",
+                                       "Total token throughput (tok/s):          30.00     \n",
+                                       "Concurrency:                             1.00      \n",
+                                       "----------------End-to-End Latency----------------\n",
+                                       "Mean E2E Latency (ms):                   500.00    \n",
+                                       "P90 E2E Latency (ms):                    500.00    \n",
+                                       "---------------Time to First Token----------------\n",
+                                       "Median TTFT (ms):                        100.00    \n",
+                                       "-----Time per Output Token (excl. 1st token)------\n",
+                                       "P99 TPOT (ms):                           100.00    \n",
+                                       "---------------Inter-Token Latency----------------\n",
+                                       "Max ITL (ms):                            100.00    \n",
+                                       "\n==================================================\n"};
     for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
         CHECK(strstr(text, want[k]) != NULL, "result block has \"%s\"", want[k]);
     free(text);
@@ -315,7 +323,7 @@ static void test_gsm8k(void) {
     check_value("It fell to -5 degrees", "5"); /* \d+ has no sign, as in SGLang */
     check_value("3.75", "75");
     check_value("0", "0");
-    check_value("00", "0"); /* ast.literal_eval("00") == 0 */
+    check_value("00", "0");               /* ast.literal_eval("00") == 0 */
     check_value("the code is 007", NULL); /* ast.literal_eval("007") is a SyntaxError */
     check_value("no number here", NULL);
     check_value("", NULL);

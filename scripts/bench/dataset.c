@@ -7,18 +7,17 @@
 
 /* common English words; in most tokenizers each is one or two tokens */
 static const char *const bench_words[] = {
-    "the",    "of",     "and",    "to",     "in",     "is",     "you",    "that",   "it",
-    "he",     "was",    "for",    "on",     "are",    "as",     "with",   "his",    "they",
-    "at",     "be",     "this",   "have",   "from",   "or",     "one",    "had",    "by",
-    "word",   "but",    "not",    "what",   "all",    "were",   "we",     "when",   "your",
-    "can",    "said",   "there",  "use",    "an",     "each",   "which",  "she",    "do",
-    "how",    "their",  "if",     "will",   "up",     "other",  "about",  "out",    "many",
-    "then",   "them",   "these",  "so",     "some",   "her",    "would",  "make",   "like",
-    "him",    "into",   "time",   "has",    "look",   "two",    "more",   "write",  "go",
-    "see",    "number", "no",     "way",    "could",  "people", "my",     "than",   "first",
-    "water",  "been",   "call",   "who",    "oil",    "its",    "now",    "find",   "long",
-    "down",   "day",    "did",    "get",    "come",   "made",   "may",    "part",   "money",
-    "apples", "store",  "week",   "price",  "total",  "half",   "bread",  "garden", "left"};
+    "the",   "of",    "and",   "to",     "in",   "is",    "you",    "that",   "it",    "he",
+    "was",   "for",   "on",    "are",    "as",   "with",  "his",    "they",   "at",    "be",
+    "this",  "have",  "from",  "or",     "one",  "had",   "by",     "word",   "but",   "not",
+    "what",  "all",   "were",  "we",     "when", "your",  "can",    "said",   "there", "use",
+    "an",    "each",  "which", "she",    "do",   "how",   "their",  "if",     "will",  "up",
+    "other", "about", "out",   "many",   "then", "them",  "these",  "so",     "some",  "her",
+    "would", "make",  "like",  "him",    "into", "time",  "has",    "look",   "two",   "more",
+    "write", "go",    "see",   "number", "no",   "way",   "could",  "people", "my",    "than",
+    "first", "water", "been",  "call",   "who",  "oil",   "its",    "now",    "find",  "long",
+    "down",  "day",   "did",   "get",    "come", "made",  "may",    "part",   "money", "apples",
+    "store", "week",  "price", "total",  "half", "bread", "garden", "left"};
 #define BENCH_N_WORDS ((int)(sizeof bench_words / sizeof bench_words[0]))
 
 void bench_random_lens(bench_rng *r, int *out, int n, int full, double ratio, int lo_min) {
@@ -41,7 +40,8 @@ static bench_prompt *bench_prompts_new(int n) {
 
 bench_prompt *bench_dataset_random_ids(bench_rng *r, int n, int input_len, int output_len,
                                        double ratio, int vocab_size) {
-    if (vocab_size <= 0) bench_die("random-ids needs the tokenizer's vocabulary size (--vocab-size)");
+    if (vocab_size <= 0)
+        bench_die("random-ids needs the tokenizer's vocabulary size (--vocab-size)");
     int *in = bench_malloc((size_t)n * sizeof *in), *out = bench_malloc((size_t)n * sizeof *out);
     bench_random_lens(r, in, n, input_len, ratio, 1);
     bench_random_lens(r, out, n, output_len, ratio, 0);

@@ -20,8 +20,8 @@
 #include "scripts/bench/util.h"
 
 typedef struct {
-    char *text;     /* the prompt as text, or NULL when it is ids */
-    int *ids;       /* the prompt as token ids (n_ids), or NULL */
+    char *text; /* the prompt as text, or NULL when it is ids */
+    int *ids;   /* the prompt as token ids (n_ids), or NULL */
     int n_ids;
     int prompt_len; /* tokens for ids; words for text (an estimate until the server counts) */
     int output_len; /* tokens to generate */

@@ -19,7 +19,7 @@
 #include "scripts/bench/http.h"
 #include "scripts/bench/util.h"
 
-#define GSM8K_MAX_URLS 64
+#define GSM8K_MAX_URLS  64
 #define GSM8K_VALUE_LEN 64
 
 typedef struct {
@@ -35,35 +35,42 @@ static const char gsm8k_usage[] =
     "\n"
     "SGLang's GSM8K few-shot benchmark (benchmark/gsm8k/bench_sglang.py): the first --num-shots\n"
     "rows of FILE as examples, then each of the first --num-questions questions, greedy, stop at\n"
-    "\"Question\"; the answer is the last number of the text. Prints Accuracy, Invalid, Latency\n"
-    "and Output throughput. Exit status 0 when every request succeeded, 1 when one failed, 2 for\n"
-    "a usage error.\n"
+    "\"Question\"; the answer is the last number of the text. Prints Accuracy, Invalid, Latency "
+    "and\n"
+    "Output throughput. Exit status 0 when every request succeeded, 1 when one failed, 2 for a\n"
+    "usage error.\n"
     "\n"
-    "  --data-path FILE       GSM8K JSONL, rows {\"question\", \"answer\"} (the public test set:\n"
-    "                         grade_school_math/data/test.jsonl of github.com/openai/grade-school-math)\n"
-    "  --url URL              a server, http://HOST:PORT; repeat it once per rank: requests go to\n"
-    "                         the URL with the fewest running (default http://127.0.0.1:30000;\n"
-    "                         --host H --port P make one too)\n"
-    "  --backend NAME         sglang (POST /generate) or openai (POST /v1/completions)\n"
-    "                         (default sglang; srt is taken as sglang)\n"
-    "  --num-shots K          examples before each question (default 8)\n"
-    "  --num-questions N      questions, from the file's start (default 200)\n"
-    "  --parallel P           requests at once (default 64)\n"
-    "  --max-new-tokens N     output tokens per answer at most (default 512)\n"
-    "  --temperature T        sampling temperature (default 0: greedy)\n"
-    "  --model NAME           the \"model\" of OpenAI requests (default: the first id of\n"
-    "                         GET /v1/models)\n"
-    "  --api-key KEY          sent as a Bearer token (default $OPENAI_API_KEY)\n"
-    "  --timeout S            seconds one request may take (default 21600)\n"
-    "  --output-file F        append one JSON line with the settings and results to F\n"
-    "                         (--result-file is the same flag)\n"
-    "  --disable-progress     no progress bar (it is drawn on stderr only when that is a terminal)\n"
-    "  --help                 this text\n";
+    "  --data-path FILE    GSM8K JSONL, rows {\"question\", \"answer\"} (the public test set:\n"
+    "                      grade_school_math/data/test.jsonl of\n"
+    "                      github.com/openai/grade-school-math)\n"
+    "  --url URL           a server, http://HOST:PORT; repeat it once per rank: each request goes\n"
+    "                      to the URL with the fewest running (default http://127.0.0.1:30000;\n"
+    "                      --host H --port P make one too)\n"
+    "  --backend NAME      sglang (POST /generate) or openai (POST /v1/completions) (default\n"
+    "                      sglang; srt is taken as sglang)\n"
+    "  --num-shots K       examples before each question (default 8)\n"
+    "  --num-questions N   questions, from the file's start (default 200)\n"
+    "  --parallel P        requests at once (default 64)\n"
+    "  --max-new-tokens N  output tokens per answer at most (default 512)\n"
+    "  --temperature T     sampling temperature (default 0: greedy)\n"
+    "  --model NAME        the \"model\" of OpenAI requests (default: the first id of GET\n"
+    "                      /v1/models)\n"
+    "  --api-key KEY       sent as a Bearer token (default $OPENAI_API_KEY)\n"
+    "  --timeout S         seconds one request may take (default 21600)\n"
+    "  --output-file F     append one JSON line with the settings and results to F (--result-file\n"
+    "                      is the same flag)\n"
+    "  --disable-progress  no progress bar (it is drawn on stderr only when that is a terminal)\n"
+    "  --help              this text\n";
 
 static void gsm8k_parse(int argc, char **argv, gsm8k_args *a) {
-    *a = (gsm8k_args){.backend = "sglang", .num_shots = 8, .num_questions = 200,
-                      .parallel = 64, .max_new_tokens = 512, .progress = 1,
-                      .timeout_s = 21600, .api_key = getenv("OPENAI_API_KEY")};
+    *a = (gsm8k_args){.backend = "sglang",
+                      .num_shots = 8,
+                      .num_questions = 200,
+                      .parallel = 64,
+                      .max_new_tokens = 512,
+                      .progress = 1,
+                      .timeout_s = 21600,
+                      .api_key = getenv("OPENAI_API_KEY")};
     const char *host = NULL, *port = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -110,8 +117,7 @@ static void gsm8k_parse(int argc, char **argv, gsm8k_args *a) {
         } else if (!strcmp(argv[i], "--disable-progress") || !strcmp(argv[i], "--disable-tqdm")) {
             a->progress = 0;
         } else {
-            bench_die("gsm8k: unknown flag '%s' (moeserve-bench gsm8k --help lists them)",
-                      argv[i]);
+            bench_die("gsm8k: unknown flag '%s' (moeserve-bench gsm8k --help lists them)", argv[i]);
         }
     }
     if (host || port) {
@@ -123,7 +129,8 @@ static void gsm8k_parse(int argc, char **argv, gsm8k_args *a) {
     }
     if (a->n_urls == 0) a->urls[a->n_urls++] = bench_base_url("http://127.0.0.1:30000");
     if (!a->data_path)
-        bench_die("gsm8k needs --data-path FILE (GSM8K test.jsonl, see moeserve-bench gsm8k --help)");
+        bench_die(
+            "gsm8k needs --data-path FILE (GSM8K test.jsonl, see moeserve-bench gsm8k --help)");
 }
 
 /* one question's answer */
@@ -160,8 +167,7 @@ static int gsm8k_on_done(bench_http_job *job, double now) {
         const cJSON *n = cJSON_GetObjectItemCaseSensitive(counts, "completion_tokens");
         if (!cJSON_IsString(text) || !cJSON_IsNumber(n)) {
             bench_buf_appendf(&err, "an answer without %s: %.300s",
-                              ans->openai ? "choices[0].text and usage"
-                                                   : "text and meta_info",
+                              ans->openai ? "choices[0].text and usage" : "text and meta_info",
                               job->body_in.data ? job->body_in.data : "");
         } else {
             ans->text = bench_strdup(text->valuestring);
@@ -207,7 +213,8 @@ int bench_gsm8k_main(int argc, char **argv) {
             bench_die("%s: row %d: the answer has no number to compare with", a.data_path, i + 1);
 
     char *model = NULL;
-    if (a.openai) model = a.model ? bench_strdup(a.model) : bench_http_model_id(a.urls[0], a.api_key);
+    if (a.openai)
+        model = a.model ? bench_strdup(a.model) : bench_http_model_id(a.urls[0], a.api_key);
 
     bench_http_job *jobs = calloc((size_t)n, sizeof *jobs);
     gsm8k_answer *ans = calloc((size_t)n, sizeof *ans);
@@ -242,9 +249,13 @@ int bench_gsm8k_main(int argc, char **argv) {
 
     bench_progress progress;
     bench_progress_start(&progress, n, "gsm8k", a.progress);
-    bench_http_opts o = {.urls = a.urls, .n_urls = a.n_urls, .max_concurrency = a.parallel,
-                         .timeout_s = a.timeout_s, .api_key = a.api_key,
-                         .on_done = gsm8k_on_done, .progress = &progress};
+    bench_http_opts o = {.urls = a.urls,
+                         .n_urls = a.n_urls,
+                         .max_concurrency = a.parallel,
+                         .timeout_s = a.timeout_s,
+                         .api_key = a.api_key,
+                         .on_done = gsm8k_on_done,
+                         .progress = &progress};
     double tic = bench_now();
     bench_http_run(&o, jobs, n, tic);
     double latency = bench_now() - tic;

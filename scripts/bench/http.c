@@ -16,9 +16,9 @@
 #include <string.h>
 #include <sys/resource.h>
 
-#define BENCH_HTTP_MAX_BODY (64u << 20) /* bytes of an answer kept; more is cut */
+#define BENCH_HTTP_MAX_BODY           (64u << 20) /* bytes of an answer kept; more is cut */
 #define BENCH_HTTP_CONNECT_TIMEOUT_MS 10000L
-#define BENCH_HTTP_POLL_MS 100
+#define BENCH_HTTP_POLL_MS            100
 
 typedef struct {
     const bench_http_opts *o;
@@ -58,7 +58,8 @@ static size_t bench_http_write(char *ptr, size_t size, size_t nmemb, void *ud) {
     long status = 0;
     curl_easy_getinfo((CURL *)job->easy, CURLINFO_RESPONSE_CODE, &status);
     if (!s->o->on_line || status != 200) {
-        size_t room = BENCH_HTTP_MAX_BODY > job->body_in.len ? BENCH_HTTP_MAX_BODY - job->body_in.len : 0;
+        size_t room =
+            BENCH_HTTP_MAX_BODY > job->body_in.len ? BENCH_HTTP_MAX_BODY - job->body_in.len : 0;
         bench_buf_append(&job->body_in, ptr, n < room ? n : room);
         return n;
     }
@@ -234,7 +235,8 @@ char *bench_http_model_id(const char *url, const char *api_key) {
     cJSON *root = cJSON_Parse(body.data);
     const cJSON *data = cJSON_GetObjectItemCaseSensitive(root, "data");
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(data, 0), "id");
-    if (!cJSON_IsString(id)) bench_die("GET %s: no model id in the answer (or use --model)", u.data);
+    if (!cJSON_IsString(id))
+        bench_die("GET %s: no model id in the answer (or use --model)", u.data);
     char *out = bench_strdup(id->valuestring);
     cJSON_Delete(root);
     bench_buf_free(&u);

@@ -52,7 +52,8 @@ void bench_http_run(const bench_http_opts *o, bench_http_job *jobs, int n, doubl
 long bench_http_get(const char *url, const char *api_key, double timeout_s, bench_buf *out,
                     char *err, size_t errlen);
 
-/* The first model id of GET url/v1/models (a fresh string); stops the program when there is none. */
+/* The first model id of GET url/v1/models (a fresh string); stops the program when there is none.
+ */
 char *bench_http_model_id(const char *url, const char *api_key);
 
 /* curl_global_init once, and the file limit raised for many connections. */

@@ -55,59 +55,71 @@ typedef struct {
 static const char serving_usage[] =
     "usage: moeserve-bench serving [flags]\n"
     "\n"
-    "SGLang's bench_serving against moeserve (or SGLang, or any server of the same API): streaming\n"
-    "requests with ignore_eos, timings taken from the stream, the \"Serving Benchmark Result\"\n"
-    "block on stdout. Exit status 0 when every request succeeded, 1 when one failed (the first\n"
-    "error is printed), 2 for a usage error.\n"
+    "SGLang's bench_serving against moeserve (or SGLang, or any server of the same API):\n"
+    "streaming requests with ignore_eos, timings taken from the stream, the \"Serving Benchmark\n"
+    "Result\" block on stdout. Exit status 0 when every request succeeded, 1 when one failed (the\n"
+    "first error is printed), 2 for a usage error.\n"
     "\n"
-    "  --url URL                 a server, http://HOST:PORT; repeat it once per rank: requests go\n"
-    "                            to the URL with the fewest running (default http://127.0.0.1:30000;\n"
-    "                            --base-url is the same flag; --host H --port P make one too)\n"
-    "  --backend NAME            sglang (POST /generate), openai (POST /v1/completions) or\n"
-    "                            openai-chat (POST /v1/chat/completions); bench_serving's names\n"
-    "                            sglang-native, sglang-oai, sglang-oai-chat, vllm, vllm-chat are\n"
-    "                            taken too (default sglang)\n"
-    "  --dataset NAME            random (text of random words, or of --dataset-path's text, cut or\n"
-    "                            repeated to the input length in words), random-ids (token ids,\n"
-    "                            exact lengths; needs --vocab-size; not with openai-chat) or jsonl\n"
-    "                            (rows of --dataset-path with \"prompt\", \"text\", \"question\" or\n"
-    "                            \"conversations\", and an optional \"output_len\") (default random;\n"
-    "                            --dataset-name is the same flag)\n"
-    "  --dataset-path FILE       text or JSONL for random and jsonl\n"
-    "  --num-prompts N           requests in the timed run (default 1000)\n"
-    "  --random-input-len L      prompt length: tokens for random-ids, words for random (default 1024)\n"
-    "  --random-output-len L     output tokens per request (default 1024)\n"
-    "  --random-range-ratio R    lengths drawn uniformly from [int(L*R), L] (input at least 1)\n"
-    "                            (default 0.0)\n"
-    "  --vocab-size V            token ids of random-ids are below V: the tokenizer's vocab_size\n"
-    "                            (2048 for tests/data/tiny-qwen3-moe)\n"
-    "  --request-rate R          requests per second, Poisson arrivals; inf sends all at once\n"
-    "                            (default inf)\n"
-    "  --max-concurrency C       at most C requests running at once (default no limit)\n"
-    "  --seed S                  seed of the lengths, prompts and arrivals (default 42)\n"
-    "  --warmup-requests N       untimed requests (the first prompt, at most 32 output tokens)\n"
-    "                            before the run (default 1)\n"
-    "  --flush-cache             POST /flush_cache to every URL after the warm-up\n"
-    "  --disable-ignore-eos      let requests stop at the end-of-sequence token\n"
-    "  --extra-request-body JSON keys merged into every request body\n"
-    "  --model NAME              the \"model\" of OpenAI requests (default: the first id of\n"
-    "                            GET /v1/models)\n"
-    "  --api-key KEY             sent as a Bearer token (default $OPENAI_API_KEY)\n"
-    "  --timeout S               seconds one request may take (default 21600)\n"
-    "  --output-file F           append one JSON line with the settings and results to F\n"
-    "  --disable-progress        no progress bar (it is drawn on stderr only when that is a\n"
-    "                            terminal; --disable-tqdm is the same flag)\n"
-    "  --help                    this text\n"
+    "  --url URL               a server, http://HOST:PORT; repeat it once per rank: each request\n"
+    "                          goes to the URL with the fewest running (default\n"
+    "                          http://127.0.0.1:30000; --base-url is the same flag; --host H\n"
+    "                          --port P make one too)\n"
+    "  --backend NAME          sglang (POST /generate), openai (POST /v1/completions) or\n"
+    "                          openai-chat (POST /v1/chat/completions); bench_serving's names\n"
+    "                          sglang-native, sglang-oai, sglang-oai-chat, vllm and vllm-chat are\n"
+    "                          taken too (default sglang)\n"
+    "  --dataset NAME          random (text of random words, or of --dataset-path's text, cut or\n"
+    "                          repeated to the input length in words), random-ids (token ids of\n"
+    "                          exact lengths; needs --vocab-size; not with openai-chat) or jsonl\n"
+    "                          (rows of --dataset-path with \"prompt\", \"text\", \"question\" or\n"
+    "                          \"conversations\", and an optional \"output_len\") (default "
+    "random;\n"
+    "                          --dataset-name is the same flag)\n"
+    "  --dataset-path FILE     text or JSONL for random and jsonl\n"
+    "  --num-prompts N         requests in the timed run (default 1000)\n"
+    "  --random-input-len L    prompt length: tokens for random-ids, words for random (default\n"
+    "                          1024)\n"
+    "  --random-output-len L   output tokens per request (default 1024)\n"
+    "  --random-range-ratio R  lengths drawn uniformly from [int(L*R), L], input at least 1\n"
+    "                          (default 0.0)\n"
+    "  --vocab-size V          token ids of random-ids are below V: the tokenizer's vocab_size\n"
+    "                          (2048 for tests/data/tiny-qwen3-moe)\n"
+    "  --request-rate R        requests per second, Poisson arrivals; inf sends all at once\n"
+    "                          (default inf)\n"
+    "  --max-concurrency C     at most C requests running at once (default no limit)\n"
+    "  --seed S                seed of the lengths, prompts and arrivals (default 42)\n"
+    "  --warmup-requests N     untimed requests (the first prompt, at most 32 output tokens)\n"
+    "                          before the run (default 1)\n"
+    "  --flush-cache           POST /flush_cache to every URL after the warm-up\n"
+    "  --disable-ignore-eos    let requests stop at the end-of-sequence token\n"
+    "  --extra-request-body JSON\n"
+    "                          keys merged into every request body\n"
+    "  --model NAME            the \"model\" of OpenAI requests (default: the first id of GET\n"
+    "                          /v1/models)\n"
+    "  --api-key KEY           sent as a Bearer token (default $OPENAI_API_KEY)\n"
+    "  --timeout S             seconds one request may take (default 21600)\n"
+    "  --output-file F         append one JSON line with the settings and results to F\n"
+    "  --disable-progress      no progress bar (it is drawn on stderr only when that is a\n"
+    "                          terminal; --disable-tqdm is the same flag)\n"
+    "  --help                  this text\n"
     "\n"
     "Token counts are the server's: prompt_tokens and completion_tokens of meta_info (sglang) or\n"
     "of the usage chunk (openai, asked for with stream_options.include_usage).\n";
 
 static void serving_parse(int argc, char **argv, serving_args *a) {
-    *a = (serving_args){.backend_name = "sglang", .api = BENCH_API_GENERATE,
-                        .dataset = SERVING_DATA_RANDOM, .dataset_name = "random",
-                        .num_prompts = 1000, .input_len = 1024, .output_len = 1024,
-                        .request_rate = INFINITY, .warmup_requests = 1, .ignore_eos = 1,
-                        .progress = 1, .seed = 42, .timeout_s = 21600,
+    *a = (serving_args){.backend_name = "sglang",
+                        .api = BENCH_API_GENERATE,
+                        .dataset = SERVING_DATA_RANDOM,
+                        .dataset_name = "random",
+                        .num_prompts = 1000,
+                        .input_len = 1024,
+                        .output_len = 1024,
+                        .request_rate = INFINITY,
+                        .warmup_requests = 1,
+                        .ignore_eos = 1,
+                        .progress = 1,
+                        .seed = 42,
+                        .timeout_s = 21600,
                         .api_key = getenv("OPENAI_API_KEY")};
     const char *host = NULL, *port = NULL;
     for (int i = 1; i < argc; i++) {
@@ -311,17 +323,21 @@ static void serving_send(const serving_args *a, const char *model, const cJSON *
     for (int i = 0; i < count; i++) {
         const bench_prompt *p = &prompts[i % n_prompts];
         int out = out_cap >= 0 && p->output_len > out_cap ? out_cap : p->output_len;
-        sj[i] = (serving_job){.req = &reqs[i], .prompt = p, .output_len = out, .api = a->api,
-                              .t0 = t0};
+        sj[i] =
+            (serving_job){.req = &reqs[i], .prompt = p, .output_len = out, .api = a->api, .t0 = t0};
         jobs[i] = (bench_http_job){.path = serving_path(a->api),
                                    .body = serving_body(a, model, p, out, extra),
                                    .arrival = arrivals ? arrivals[i] : 0,
                                    .user = &sj[i]};
     }
-    bench_http_opts o = {.urls = a->urls, .n_urls = a->n_urls,
-                         .max_concurrency = a->max_concurrency, .timeout_s = a->timeout_s,
-                         .api_key = a->api_key, .on_start = serving_on_start,
-                         .on_line = serving_on_line, .on_done = serving_on_done,
+    bench_http_opts o = {.urls = a->urls,
+                         .n_urls = a->n_urls,
+                         .max_concurrency = a->max_concurrency,
+                         .timeout_s = a->timeout_s,
+                         .api_key = a->api_key,
+                         .on_start = serving_on_start,
+                         .on_line = serving_on_line,
+                         .on_done = serving_on_done,
                          .progress = progress};
     bench_http_run(&o, jobs, count, t0);
     for (int i = 0; i < count; i++)
@@ -333,8 +349,8 @@ static void serving_send(const serving_args *a, const char *model, const cJSON *
 static void serving_flush_cache(const serving_args *a) {
     for (int u = 0; u < a->n_urls; u++) {
         bench_http_job job = {.path = "/flush_cache", .body = "{}"};
-        bench_http_opts o = {.urls = &a->urls[u], .n_urls = 1, .timeout_s = 60,
-                             .api_key = a->api_key};
+        bench_http_opts o = {
+            .urls = &a->urls[u], .n_urls = 1, .timeout_s = 60, .api_key = a->api_key};
         bench_http_run(&o, &job, 1, bench_now());
         if (job.status != 200)
             fprintf(stderr, "moeserve-bench: POST %s/flush_cache: %s%ld\n", a->urls[u],
@@ -343,8 +359,7 @@ static void serving_flush_cache(const serving_args *a) {
     }
 }
 
-static void serving_json_summary(cJSON *o, const char *name, const bench_summary *s,
-                                 int with_max) {
+static void serving_json_summary(cJSON *o, const char *name, const bench_summary *s, int with_max) {
     char key[64];
     struct {
         const char *what;
@@ -422,8 +437,8 @@ int bench_serving_main(int argc, char **argv) {
                                            a.range_ratio, a.vocab_size);
         break;
     case SERVING_DATA_JSONL:
-        prompts = bench_dataset_jsonl(&rng, a.num_prompts, a.dataset_path, a.output_len,
-                                      a.range_ratio);
+        prompts =
+            bench_dataset_jsonl(&rng, a.num_prompts, a.dataset_path, a.output_len, a.range_ratio);
         break;
     default:
         prompts = bench_dataset_random_text(&rng, a.num_prompts, a.input_len, a.output_len,

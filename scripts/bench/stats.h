@@ -18,8 +18,8 @@ typedef struct {
     double latency; /* from start to the last line of the stream (E2E) */
     double *itl;    /* gaps between the later text chunks, spread over the tokens they add */
     int n_itl, cap_itl;
-    int prompt_len; /* prompt tokens: the server's count where it gave one */
-    int output_len; /* output tokens: the server's count where it gave one */
+    int prompt_len;                     /* prompt tokens: the server's count where it gave one */
+    int output_len;                     /* output tokens: the server's count where it gave one */
     int prompt_counted, output_counted; /* the server gave prompt_len / output_len */
 } bench_request;
 
@@ -44,11 +44,11 @@ typedef struct {
     long total_input, total_output;
     double duration; /* seconds, from the first request sent to the last one finished */
     double request_throughput, input_throughput, output_throughput, total_throughput;
-    double concurrency;            /* sum of E2E latencies / duration */
-    double peak_output_throughput; /* most output tokens seen in one whole second of the run */
-    int peak_concurrent;           /* most requests running during one second */
+    double concurrency;                 /* sum of E2E latencies / duration */
+    double peak_output_throughput;      /* most output tokens seen in one whole second of the run */
+    int peak_concurrent;                /* most requests running during one second */
     bench_summary e2e, ttft, tpot, itl; /* seconds */
-    const char *first_error;       /* the first failed request's error (borrowed), or NULL */
+    const char *first_error;            /* the first failed request's error (borrowed), or NULL */
 } bench_serving_metrics;
 
 /* Fold n requests of a run that took duration seconds. Failed requests count only in failed. */

@@ -125,9 +125,9 @@ void bench_stream_line(bench_stream *s, const char *line, size_t len, double now
                 has_text = bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(c0, "text"));
             } else {
                 const cJSON *delta = cJSON_GetObjectItemCaseSensitive(c0, "delta");
-                has_text =
-                    bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(delta, "content")) ||
-                    bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(delta, "reasoning_content"));
+                has_text = bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(delta, "content")) ||
+                           bench_str_nonempty(
+                               cJSON_GetObjectItemCaseSensitive(delta, "reasoning_content"));
             }
             if (has_text) bench_stream_text_chunk(s, now);
         }
@@ -136,8 +136,7 @@ done:
     cJSON_Delete(data);
 }
 
-void bench_stream_end(bench_stream *s, long status, const char *transport_error,
-                      const char *body) {
+void bench_stream_end(bench_stream *s, long status, const char *transport_error, const char *body) {
     bench_request *r = s->req;
     bench_buf b = {0};
     if (status != 200 && status != 0) {

@@ -40,7 +40,6 @@ void bench_stream_begin(bench_stream *s, bench_api api, bench_request *req, doub
 void bench_stream_line(bench_stream *s, const char *line, size_t len, double now);
 /* The transfer has ended: HTTP status (0: none), transport_error (NULL: none) and, for a status
  * other than 200, the answer's body. Sets req->ok, or req->error with the first cause. */
-void bench_stream_end(bench_stream *s, long status, const char *transport_error,
-                      const char *body);
+void bench_stream_end(bench_stream *s, long status, const char *transport_error, const char *body);
 
 #endif

@@ -226,8 +226,10 @@ static void bench_progress_draw(bench_progress *p, double now) {
 }
 
 void bench_progress_start(bench_progress *p, int total, const char *what, int enabled) {
-    *p = (bench_progress){.enabled = enabled && isatty(STDERR_FILENO), .total = total,
-                          .what = what, .t0 = bench_now()};
+    *p = (bench_progress){.enabled = enabled && isatty(STDERR_FILENO),
+                          .total = total,
+                          .what = what,
+                          .t0 = bench_now()};
     if (p->enabled) bench_progress_draw(p, p->t0);
 }
 

@@ -43,8 +43,8 @@ typedef struct {
 
 void bench_rng_init(bench_rng *r, uint64_t seed);
 uint64_t bench_rng_next(bench_rng *r);
-double bench_rng_uniform(bench_rng *r);               /* [0, 1) */
-long bench_rng_int(bench_rng *r, long lo, long hi);   /* lo..hi, both included; lo <= hi */
+double bench_rng_uniform(bench_rng *r);                  /* [0, 1) */
+long bench_rng_int(bench_rng *r, long lo, long hi);      /* lo..hi, both included; lo <= hi */
 double bench_rng_exponential(bench_rng *r, double mean); /* gap of a Poisson process */
 
 /* Every non-blank line of a JSONL file, parsed; *n_out gets the count. A line that is not a JSON
