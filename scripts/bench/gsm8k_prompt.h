@@ -7,7 +7,8 @@
  *   answer value  commas removed, the last run of decimal digits (re "\d+"), read as Python's
  *                 ast.literal_eval reads it: a minus sign is not part of it ("-5" gives 5), a
  *                 run with a leading zero and another digit after it ("007") is not a Python
- *                 integer and counts as invalid, as does text without a digit. */
+ *                 integer and counts as invalid, as does text without a digit. (Python's "\d"
+ *                 also takes non-ASCII decimal digits; only ASCII ones are taken here.) */
 #ifndef MOESERVE_BENCH_GSM8K_PROMPT_H
 #define MOESERVE_BENCH_GSM8K_PROMPT_H
 
