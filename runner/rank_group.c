@@ -250,14 +250,29 @@ static int pid_gone(int32_t pid) {
     return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
+/* Every peer found gone is named: when one rank dies, the ranks that notice it leave too, so a
+ * rank that looks later may find several gone and cannot tell which went first. */
 int rank_group_check_peers(rank_group *g, char *msg, size_t len) {
+    int gone[8], n_gone = 0, n_more = 0;
     for (int r = 0; r < g->size; r++) {
-        if (r == g->rank || !g->same_host[r]) continue;
-        if (pid_gone(g->pids[r]))
-            return set_err(msg, len, "rank %d (pid %d on %s) has exited", r, (int)g->pids[r],
-                           g->hostnames[r]);
+        if (r == g->rank || !g->same_host[r] || !pid_gone(g->pids[r])) continue;
+        if (n_gone < 8)
+            gone[n_gone++] = r;
+        else
+            n_more++;
     }
-    return 0;
+    if (n_gone == 0) return 0;
+    size_t used = 0;
+    for (int i = 0; i < n_gone && used < len; i++) {
+        int r = gone[i];
+        const char *sep = i == 0 ? "" : (i == n_gone - 1 && !n_more ? " and " : ", ");
+        used += (size_t)snprintf(msg + used, len - used, "%srank %d (pid %d on %s)", sep, r,
+                                 (int)g->pids[r], g->hostnames[r]);
+    }
+    if (n_more && used < len) used += (size_t)snprintf(msg + used, len - used, " and %d more", n_more);
+    if (used < len)
+        snprintf(msg + used, len - used, " %s exited", n_gone + n_more == 1 ? "has" : "have");
+    return -1;
 }
 
 int rank_group_check_peers_cb(void *ctx, char *msg, size_t len) {

@@ -23,9 +23,9 @@ top-2, 4 layers; 3 ranks split the experts 3,3,2):
 
 Standard library only. Run from the repository root or anywhere:
 `python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, mpi, skew, kill,
-kill-all, flags; the reference is made whenever a group needs it; all but kill-all by default).
-kill checks that rank 0 names the killed rank 1; kill-all wants rank 2 to name it as well, which
-it does not always do yet: when rank 0 has left first, rank 2 may name rank 0 instead. The binary
+kill-all, flags; the reference is made whenever a group needs it; all of them by default).
+kill checks that rank 0 names the killed rank 1; kill-all wants rank 2 to name it as well (when
+rank 0 has already left too, rank 2 names every rank it finds gone, rank 1 among them). The binary
 is ${BUILD:-build}/moeserve, mpirun comes from PATH. Each check prints one "ok name" or
 "FAIL name: detail" line; the last line is "N passed, M failed"; exit status 0 only when nothing
 failed.
@@ -834,7 +834,7 @@ def run_section(name, fn, *args):
 
 def main(argv):
     all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "skew", "kill", "kill-all", "flags"]
-    default = [x for x in all_groups if x != "kill-all"]
+    default = list(all_groups)
     groups = [a for a in argv if not a.startswith("-")] or default
     unknown = [a for a in groups if a not in all_groups]
     if unknown:
