@@ -53,7 +53,7 @@ TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 .PHONY: all test run bench asan format clean deps
 .SECONDARY:
-all: $(BUILD)/moeserve $(BUILD)/moeserve-bench $(TEST_BINS)
+all: $(BUILD)/moeserve $(BUILD)/moeserve-bench $(BUILD)/bench_step $(TEST_BINS)
 
 $(BUILD)/moeserve: $(BUILD)/server/main.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
@@ -110,6 +110,10 @@ A2A_MPIRUN_FLAGS := --allow-run-as-root --oversubscribe --mca mpi_yield_when_idl
 A2A_OBJS := $(BUILD)/kernels/a2a.o $(BUILD)/kernels/cpu/a2a_shm.o $(BUILD)/kernels/cpu/a2a_mpi.o \
             $(BUILD)/common/log.o
 $(BUILD)/bench_a2a: $(BUILD)/scripts/bench_a2a.o $(A2A_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+# Engine step benchmark (decode step time against the memory floor, prefill throughput).
+$(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/bench_membw: scripts/bench_membw.c

@@ -77,6 +77,11 @@ typedef struct ops {
     /* out[n, D] = x[rows[i], :] (rows on the device). */
     void (*gather_rows)(float *out, const float *x, const int32_t *rows, int n, int D);
 
+    /* p[i] = offset + scale * u(seed, i), i < n, for p of dtype dt (F32, BF16 or F16), where u is
+     * uniform in [-1, 1) from a counter-based hash of (seed, i), rounded once to dt (F32 or
+     * BF16): the same bits on every backend (dummy weights: --load-format dummy). */
+    void (*fill_random)(void *p, dtype dt, int64_t n, uint64_t seed, float offset, float scale);
+
     /* out[T, D] = table[ids[t], :] (table [V, D]). */
     void (*embedding)(float *out, const tensor *table, const int32_t *ids, int T, int D);
 
@@ -122,6 +127,21 @@ typedef struct ops {
     /* out[n] = a[n] + b[n]; out may equal a. */
     void (*add)(float *out, const float *a, const float *b, int64_t n);
 } ops;
+
+/* The hash behind fill_random: element i of stream seed as a uniform number in [-1, 1), with 24
+ * random bits. Shared by the backends so dummy weights are identical everywhere. */
+#ifdef __CUDACC__
+#define OPS_HOST_DEVICE __host__ __device__
+#else
+#define OPS_HOST_DEVICE
+#endif
+static inline OPS_HOST_DEVICE float ops_random_uniform(uint64_t seed, uint64_t i) {
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + i + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(int32_t)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
+}
 
 /* The CPU backend (kernels/cpu/). Threads: OpenMP, omp_get_max_threads(). */
 const ops *ops_cpu(void);

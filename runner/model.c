@@ -1,6 +1,7 @@
 /* Model loading: config, checkpoint, then the architecture named by model_type. */
 #include "runner/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -14,7 +15,15 @@ model *model_load(const char *dir, const ops *ops, char *err, size_t errlen) {
 
 model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, char *err,
                      size_t errlen) {
+    model_load_opts o = {.ep_rank = ep_rank, .ep_size = ep_size};
+    return model_load_with(dir, ops, &o, err, errlen);
+}
+
+model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o, char *err,
+                       size_t errlen) {
+    int ep_rank = o->ep_rank, ep_size = o->ep_size;
     model *m = xcalloc(1, sizeof *m);
+    m->dummy = o->dummy;
     m->dir = xstrdup(dir);
     m->ops = ops;
     if (model_config_load(&m->cfg, dir, err, errlen) != 0) goto fail;
@@ -43,7 +52,7 @@ model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, 
                 m->cfg.model_type);
         goto fail;
     }
-    if (checkpoint_open(&m->ckpt, dir, err, errlen) != 0) goto fail;
+    if (!m->dummy && checkpoint_open(&m->ckpt, dir, err, errlen) != 0) goto fail;
     if (m->arch->load(m, err, errlen) != 0) goto fail;
     return m;
 fail:
@@ -63,7 +72,7 @@ void model_free(model *m) {
     if (m->arch && m->arch->free) m->arch->free(m);
     for (struct model_tensor *mt = m->tensors, *nx; mt; mt = nx) {
         nx = mt->next;
-        if (mt->t.device != DEVICE_CPU) m->ops->dev_free(mt->t.data);
+        if ((mt->t.device != DEVICE_CPU || m->dummy) && mt->t.data) m->ops->dev_free(mt->t.data);
         free(mt);
     }
     checkpoint_close(&m->ckpt);
@@ -71,8 +80,47 @@ void model_free(model *m) {
     free(m);
 }
 
+uint64_t model_dummy_seed(const char *name) {
+    uint64_t h = 14695981039346656037ull; /* FNV-1a */
+    for (const unsigned char *p = (const unsigned char *)name; *p; p++) {
+        h ^= *p;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,
+                      int64_t in_features) {
+    float offset = ndim == 1 ? 1.0f : 0.0f;
+    float scale = ndim == 1 ? 0.05f : 1.0f / sqrtf((float)(in_features > 0 ? in_features : 1));
+    m->ops->fill_random(p, DTYPE_BF16, n, model_dummy_seed(name), offset, scale);
+}
+
+/* A dummy weight: BF16 on the backend's device, filled by model_dummy_fill. */
+static int dummy_weight(model *m, const char *name, int ndim, const int64_t *shape,
+                        struct model_tensor *mt, char *err, size_t errlen) {
+    mt->t = (tensor){.dtype = DTYPE_BF16, .ndim = ndim, .device = m->ops->device};
+    for (int i = 0; i < ndim; i++)
+        mt->t.shape[i] = shape[i];
+    size_t bytes = tensor_nbytes(&mt->t);
+    mt->t.data = m->ops->dev_alloc(bytes);
+    if (!mt->t.data)
+        return set_err(err, errlen, "%s: dummy tensor '%s': out of %s memory for %zu bytes",
+                       m->dir, name, m->ops->name, bytes);
+    model_dummy_fill(m, mt->t.data, name, tensor_numel(&mt->t), ndim, ndim > 1 ? shape[1] : 0);
+    return 0;
+}
+
 int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,
                  char *err, size_t errlen) {
+    if (m->dummy) {
+        struct model_tensor *mt = xcalloc(1, sizeof *mt);
+        mt->next = m->tensors;
+        m->tensors = mt;
+        if (dummy_weight(m, name, ndim, shape, mt, err, errlen)) return -1;
+        *out = &mt->t;
+        return 0;
+    }
     const tensor *view;
     if (model_weight_info(m, name, ndim, shape, &view, err, errlen)) return -1;
     struct model_tensor *mt = xcalloc(1, sizeof *mt);
@@ -88,6 +136,9 @@ int model_weight(model *m, const char *name, int ndim, const int64_t *shape, con
 
 int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen) {
+    if (m->dummy)
+        return set_err(err, errlen, "%s: tensor '%s': a dummy model has no checkpoint views",
+                       m->dir, name);
     const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
     if (!ct) return set_err(err, errlen, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
     bool same = ct->t.ndim == ndim;

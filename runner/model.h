@@ -50,6 +50,7 @@ struct model {
     int expert_begin, expert_end;
     a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
+    bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     char err[512]; /* why the last forward failed */
 };
 
@@ -60,6 +61,24 @@ model *model_load(const char *dir, const ops *ops, char *err, size_t errlen);
  * are kept (the others' bytes are never read: the checkpoint is memory-mapped). */
 model *model_load_ep(const char *dir, const ops *ops, int ep_rank, int ep_size, char *err,
                      size_t errlen);
+
+typedef struct {
+    int ep_rank, ep_size; /* 0 and 1 alone */
+    /* No checkpoint (SGLang's and vLLM's --load-format dummy): dir needs only config.json; every
+     * weight is BF16 made on the backend's device by fill_random, seeded by the tensor's name, so
+     * every rank and every backend makes the same model. Matrices are uniform in
+     * [-1/sqrt(in), 1/sqrt(in)), norm weights in [0.95, 1.05). */
+    bool dummy;
+} model_load_opts;
+model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o, char *err,
+                        size_t errlen);
+
+/* The seed of a dummy tensor: a hash of its name. */
+uint64_t model_dummy_seed(const char *name);
+/* Fill n elements at p (BF16, on the backend's device) as the dummy tensor `name` of the given
+ * input width has them (element i of the tensor = element i of the stream). */
+void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,
+                      int64_t in_features);
 void model_free(model *m);
 
 /* Look up a tensor by name and check its shape (ndim dims from shape[]) and dtype; ok -> 0 and

@@ -79,6 +79,8 @@ static const char usage_generate[] =
     "  --return-logprob         add input_token_logprobs and output_token_logprobs to meta_info\n"
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
+    "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
+    "                           weights from config.json alone (give --input-ids)\n"
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
     "                           OMP_WAIT_POLICY=active is set)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
@@ -244,7 +246,7 @@ static int cmd_generate(int argc, char **argv) {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
     int threads = 0;
-    const char *device = "cpu";
+    const char *device = "cpu", *load_format = "auto";
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
     for (int i = 0; i < argc; i++) {
@@ -302,6 +304,8 @@ static int cmd_generate(int argc, char **argv) {
             threads = (int)parse_long(a, v, 1, 4096);
         else if (!strcmp(a, "--device"))
             device = v;
+        else if (!strcmp(a, "--load-format"))
+            load_format = v;
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -331,7 +335,11 @@ static int cmd_generate(int argc, char **argv) {
     } else if (strcmp(device, "cpu")) {
         die("--device: '%s' is not one of cpu, cuda", device);
     }
-    model *m = model_load(model_path, backend, err, sizeof err);
+    if (strcmp(load_format, "auto") && strcmp(load_format, "safetensors") &&
+        strcmp(load_format, "dummy"))
+        die("--load-format: '%s' is not one of auto, safetensors, dummy", load_format);
+    model_load_opts lo = {.ep_rank = 0, .ep_size = 1, .dummy = !strcmp(load_format, "dummy")};
+    model *m = model_load_with(model_path, backend, &lo, err, sizeof err);
     if (!m) die("%s", err);
     tokenizer *tok = load_tokenizer(model_path, prompt != NULL || sw.n_stops > 0);
     int32_t *ids;

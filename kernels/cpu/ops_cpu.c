@@ -22,6 +22,18 @@ static void cpu_gather_rows(float *out, const float *x, const int32_t *rows, int
         memcpy(out + (size_t)i * D, x + (size_t)rows[i] * D, (size_t)D * sizeof(float));
 }
 
+static void cpu_fill_random(void *p, dtype dt, int64_t n, uint64_t seed, float offset,
+                            float scale) {
+#pragma omp parallel for schedule(static) if (n >= (1 << 16))
+    for (int64_t i = 0; i < n; i++) {
+        float v = offset + scale * ops_random_uniform(seed, (uint64_t)i);
+        if (dt == DTYPE_BF16)
+            ((uint16_t *)p)[i] = f32_to_bf16(v);
+        else
+            ((float *)p)[i] = v;
+    }
+}
+
 static const ops cpu_ops_table = {
     .name = "cpu",
     .device = DEVICE_CPU,
@@ -34,6 +46,7 @@ static const ops cpu_ops_table = {
     .prepare_experts = cpu_prepare_experts,
     .sync = cpu_sync,
     .gather_rows = cpu_gather_rows,
+    .fill_random = cpu_fill_random,
     .embedding = cpu_embedding,
     .rmsnorm = cpu_rmsnorm,
     .linear = cpu_linear,

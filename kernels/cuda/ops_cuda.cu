@@ -9,6 +9,8 @@
 #include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
 
+#include <cuda_bf16.h>
+
 static cudaStream_t g_stream;
 static int g_device = -1;
 
@@ -82,6 +84,30 @@ void cuda_gather_rows(float *out, const float *x, const int32_t *rows, int n, in
     CUDA_CHECK_LAUNCH();
 }
 
+__global__ void fill_random_kernel(void *p, int is_bf16, int64_t n, uint64_t seed, float offset,
+                                   float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        // no fused multiply-add: the CPU rounds the product and the sum separately
+        float v = __fadd_rn(offset, __fmul_rn(scale, ops_random_uniform(seed, (uint64_t)i)));
+        if (is_bf16)
+            ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+        else
+            ((float *)p)[i] = v;
+    }
+}
+
+static void cuda_fill_random(void *p, dtype dt, int64_t n, uint64_t seed, float offset,
+                             float scale) {
+    if (n <= 0) return;
+    if (dt != DTYPE_BF16 && dt != DTYPE_F32)
+        cuda_fail(__FILE__, __LINE__, "fill_random", "dtype must be F32 or BF16");
+    int64_t blocks = (n + 255) / 256;
+    fill_random_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, g_stream>>>(
+        p, dt == DTYPE_BF16, n, seed, offset, scale);
+    CUDA_CHECK_LAUNCH();
+}
+
 static const ops cuda_ops_table = {
     .name = "cuda",
     .device = DEVICE_CUDA,
@@ -94,6 +120,7 @@ static const ops cuda_ops_table = {
     .prepare_experts = cuda_prepare_experts,
     .sync = cuda_sync,
     .gather_rows = cuda_gather_rows,
+    .fill_random = cuda_fill_random,
     .embedding = cuda_embedding,
     .rmsnorm = cuda_rmsnorm,
     .linear = cuda_linear,

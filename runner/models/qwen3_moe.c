@@ -69,6 +69,55 @@ static int weight1(model *m, const char *name, int64_t d0, const tensor **out, c
     return model_weight(m, name, 1, &d0, out, err, errlen);
 }
 
+/* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
+ * makes it. A backend with its own memory gets its stacked copies (moe_experts) filled in place,
+ * with the same values the per-expert tensors would hold, so no expert exists twice. */
+static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *err,
+                                   size_t errlen) {
+    const model_config *c = &m->cfg;
+    int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
+    int64_t D = c->hidden_size, F = c->moe_intermediate_size;
+    int64_t fd[2] = {F, D}, df[2] = {D, F};
+    char name[256];
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    tensor *dst[3] = {l->expert_gate, l->expert_up, l->expert_down};
+    l->experts = (moe_experts){
+        .E = El, .gate = l->expert_gate, .up = l->expert_up, .down = l->expert_down};
+    if (m->ops->device == DEVICE_CPU) {
+        for (int e = 0; e < El; e++)
+            for (int p = 0; p < 3; p++) {
+                const tensor *t;
+                snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
+                         parts[p]);
+                if (model_weight(m, name, 2, p == 2 ? df : fd, &t, err, errlen)) return -1;
+                dst[p][e] = *t;
+            }
+        return 0;
+    }
+    size_t half = (size_t)F * D; /* elements of one gate, up or down matrix */
+    uint16_t *gate_up = m->ops->dev_alloc((size_t)El * 2 * half * sizeof(uint16_t));
+    uint16_t *down = m->ops->dev_alloc((size_t)El * half * sizeof(uint16_t));
+    l->experts.gate_up = gate_up;
+    l->experts.down_all = down;
+    l->experts.wdtype = DTYPE_BF16;
+    if (!gate_up || !down)
+        return set_err(err, errlen, "%s: layer %d: out of %s memory for %d dummy experts", m->dir,
+                       i, m->ops->name, El);
+    for (int e = 0; e < El; e++) {
+        for (int p = 0; p < 3; p++) {
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
+                     parts[p]);
+            uint16_t *at = p == 2 ? down + (size_t)e * half : gate_up + ((size_t)2 * e + p) * half;
+            model_dummy_fill(m, at, name, (int64_t)half, 2, p == 2 ? F : D);
+            /* the per-expert view: its shape, no data of its own (the backend reads the stack) */
+            dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device};
+            dst[p][e].shape[0] = p == 2 ? D : F;
+            dst[p][e].shape[1] = p == 2 ? F : D;
+        }
+    }
+    return 0;
+}
+
 static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
     const model_config *c = &m->cfg;
     int64_t D = c->hidden_size, H = c->num_attention_heads, Hkv = c->num_key_value_heads;
@@ -104,6 +153,7 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     l->expert_gate = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     l->expert_up = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     l->expert_down = xcalloc(El > 0 ? El : 1, sizeof(tensor));
+    if (m->dummy) return qwen3_moe_dummy_experts(m, i, l, err, errlen);
     for (int e = 0; e < E; e++) {
         const tensor *g, *u, *d;
         int64_t fd[2] = {F, D}, df[2] = {D, F};

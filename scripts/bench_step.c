@@ -1,0 +1,316 @@
+/* Engine step benchmark: decode step time at several batch sizes against the memory floor, and
+ * prefill throughput, on one device, with a real checkpoint or dummy weights.
+ *
+ *   build/bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]
+ *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
+ *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
+ *
+ * Decode: B sequences with a random prompt of --context tokens are prefilled, then --steps decode
+ * steps (one token per sequence, greedy) are timed one by one through engine_step, the program's
+ * own step core; the median is reported with the forward pass alone. The floor of a step is the
+ * bytes it must read over the device's measured bandwidth: every dense weight (attention, router,
+ * norms, lm_head), the experts the batch touches (expected distinct experts per layer under
+ * uniform routing, E (1 - (1 - K/E)^B)), and the KV cache of every sequence. Bandwidth: one 1 GiB
+ * device-to-device copy (bytes read + written over time), measured in the same run.
+ * Prefill: P prompts of --prefill-len tokens through steps of at most --chunk tokens; tokens/s. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "runner/engine.h"
+#include "runner/model.h"
+
+#ifdef MOESERVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int parse_list(const char *s, int *out, int cap) {
+    int n = 0;
+    while (*s && n < cap) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c) break;
+        s = c + 1;
+    }
+    return n;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Device copy bandwidth in GB/s (read + write), or 0 where it cannot be measured. */
+static double copy_bandwidth(const ops *o) {
+#ifdef MOESERVE_CUDA
+    if (o->device == DEVICE_CUDA) {
+        size_t n = (size_t)1 << 30;
+        void *a = o->dev_alloc(n), *b = o->dev_alloc(n);
+        if (!a || !b) return 0;
+        o->dev_zero(a, n);
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < 5; i++)
+            cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        o->dev_free(a);
+        o->dev_free(b);
+        return 5.0 * 2.0 * (double)n / (ms * 1e-3) / 1e9;
+    }
+#endif
+    (void)o;
+    return 0;
+}
+
+typedef struct {
+    engine *e;
+    int n;
+    gen_request *reqs;
+    engine_seq *seqs;
+    engine_seq **batch;
+    int32_t **prompts;
+    int32_t *outs;
+    int32_t *table;
+    int max_pages;
+} bench_set;
+
+static void set_init(bench_set *b, engine *e, int n, int prompt_len, int new_tokens,
+                     uint64_t seed) {
+    const model_config *c = &e->m->cfg;
+    int S = e->kv.page_size;
+    *b = (bench_set){.e = e, .n = n};
+    b->max_pages = (prompt_len + new_tokens + 1 + S - 1) / S;
+    b->reqs = xcalloc(n, sizeof *b->reqs);
+    b->seqs = xcalloc(n, sizeof *b->seqs);
+    b->batch = xcalloc(n, sizeof *b->batch);
+    b->prompts = xcalloc(n, sizeof *b->prompts);
+    b->outs = xcalloc((size_t)n * (new_tokens + 1), sizeof(int32_t));
+    b->table = xcalloc((size_t)n * b->max_pages, sizeof(int32_t));
+    for (int i = 0; i < n; i++) {
+        b->prompts[i] = xmalloc((size_t)prompt_len * sizeof(int32_t));
+        for (int j = 0; j < prompt_len; j++)
+            b->prompts[i][j] =
+                (int32_t)((ops_random_uniform(seed + (uint64_t)i, (uint64_t)j) + 1.0f) * 0.5f *
+                          (float)(c->vocab_size - 1));
+        gen_request *q = &b->reqs[i];
+        *q = (gen_request){.prompt = b->prompts[i],
+                           .n_prompt = prompt_len,
+                           .sampling = sampling_params_default(),
+                           .max_new_tokens = new_tokens,
+                           .ignore_eos = true,
+                           .logprob_start_len = -1};
+        q->sampling.temperature = 0;
+        engine_seq_init(&b->seqs[i], q, 0);
+        b->seqs[i].slot = i;
+        b->seqs[i].pages = b->table + (size_t)i * b->max_pages;
+        b->seqs[i].out_ids = b->outs + (size_t)i * (new_tokens + 1);
+    }
+}
+
+static void set_free(bench_set *b) {
+    for (int i = 0; i < b->n; i++) {
+        for (int j = 0; j < b->seqs[i].n_pages; j++)
+            kv_cache_release_page(&b->e->kv, b->seqs[i].pages[j]);
+        engine_seq_free(&b->seqs[i]);
+        free(b->prompts[i]);
+    }
+    free(b->reqs);
+    free(b->seqs);
+    free(b->batch);
+    free(b->prompts);
+    free(b->outs);
+    free(b->table);
+}
+
+/* One step: decode tokens of every sequence, then prompt chunks under chunk tokens. Returns the
+ * tokens forwarded (0: all done). */
+static int set_step(bench_set *b, int chunk) {
+    engine *e = b->e;
+    int S = e->kv.page_size, n_batch = 0, budget = chunk;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < b->n; i++) {
+            engine_seq *s = &b->seqs[i];
+            int left = s->n_tokens - s->n_computed;
+            bool decode = s->n_computed >= s->req->n_prompt;
+            if (s->finish != FINISH_NONE || left == 0 || decode != (pass == 0)) continue;
+            int cnt = decode ? left : (left < budget ? left : budget);
+            if (cnt <= 0) continue;
+            if (!decode) budget -= cnt;
+            while (s->n_pages < (s->n_computed + cnt + S - 1) / S) {
+                int32_t p = kv_cache_alloc_page(&e->kv);
+                if (p < 0) {
+                    fprintf(stderr, "bench_step: out of KV pages\n");
+                    exit(1);
+                }
+                s->pages[s->n_pages++] = p;
+            }
+            s->take = cnt;
+            b->batch[n_batch++] = s;
+        }
+    if (n_batch == 0) return 0;
+    int T = engine_step(e, b->batch, n_batch, b->table, b->max_pages);
+    if (T < 0) {
+        fprintf(stderr, "bench_step: forward failed: %s\n", e->m->err);
+        exit(1);
+    }
+    return T;
+}
+
+/* Bytes a decode step of B sequences at context ctx must read. */
+static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t kv_elem) {
+    double D = c->hidden_size, Dh = c->head_dim, H = c->num_attention_heads;
+    double Hkv = c->num_key_value_heads, E = c->num_experts, K = c->num_experts_per_tok;
+    double F = c->moe_intermediate_size, L = c->num_hidden_layers, V = c->vocab_size;
+    double attn = (H * Dh * D * 2 + Hkv * Dh * D * 2 + 2 * D + 2 * Dh) * 2; /* q o, k v, norms */
+    double experts = 0, dense = 0;
+    int n_moe = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        n_moe += c->layer_is_moe[l];
+    if (E > 0) experts = E * (1.0 - pow(1.0 - K / E, B)) * 3 * F * D * 2 + E * D * 2;
+    dense = 3.0 * c->intermediate_size * D * 2;
+    double weights = L * attn + n_moe * experts + (L - n_moe) * dense + V * D * 2 + D * 2;
+    double kv = (double)B * ctx * L * 2 * Hkv * Dh * (double)kv_elem;
+    return weights + kv;
+}
+
+int main(int argc, char **argv) {
+    const char *model_path = NULL, *device = "cuda", *load_format = "auto";
+    int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
+    int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            puts("usage: bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]\n"
+                 "       [--batches 1,8,64,256] [--context 1024] [--steps 16]\n"
+                 "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]");
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "bench_step: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--model-path")) model_path = v;
+        else if (!strcmp(a, "--device")) device = v;
+        else if (!strcmp(a, "--load-format")) load_format = v;
+        else if (!strcmp(a, "--batches")) n_batches = parse_list(v, batches, 16);
+        else if (!strcmp(a, "--prefill-prompts")) n_pre = parse_list(v, pre, 16);
+        else if (!strcmp(a, "--context")) context = atoi(v);
+        else if (!strcmp(a, "--steps")) steps = atoi(v);
+        else if (!strcmp(a, "--prefill-len")) prefill_len = atoi(v);
+        else if (!strcmp(a, "--chunk")) chunk = atoi(v);
+        else {
+            fprintf(stderr, "bench_step: unknown flag %s\n", a);
+            return 2;
+        }
+    }
+    if (!model_path || context < 1 || steps < 1 || prefill_len < 1 || chunk < 1) {
+        fprintf(stderr, "bench_step: --model-path is required (see --help)\n");
+        return 2;
+    }
+    char err[1024];
+    const ops *o = ops_cpu();
+    if (!strcmp(device, "cuda")) {
+        o = ops_cuda(0, err, sizeof err);
+        if (!o) {
+            fprintf(stderr, "bench_step: %s\n", err);
+            return 1;
+        }
+    }
+    model_load_opts lo = {.ep_rank = 0, .ep_size = 1, .dummy = !strcmp(load_format, "dummy")};
+    double t0 = now();
+    model *m = model_load_with(model_path, o, &lo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "bench_step: %s\n", err);
+        return 1;
+    }
+    o->sync();
+    const model_config *c = &m->cfg;
+    printf("model %s (%s weights) on %s, loaded in %.1f s\n", model_path,
+           lo.dummy ? "dummy" : "checkpoint", o->name, now() - t0);
+    double bw = copy_bandwidth(o);
+    if (bw > 0) printf("device copy bandwidth: %.0f GB/s (read + write)\n", bw);
+
+    int max_b = 1, max_p = 1;
+    for (int i = 0; i < n_batches; i++)
+        if (batches[i] > max_b) max_b = batches[i];
+    for (int i = 0; i < n_pre; i++)
+        if (pre[i] > max_p) max_p = pre[i];
+    int S = 16;
+    long need_dec = (long)max_b * ((context + steps + 2 + S - 1) / S);
+    long need_pre = (long)max_p * ((prefill_len + 2 + S - 1) / S);
+    int n_pages = (int)(need_dec > need_pre ? need_dec : need_pre);
+    engine e;
+    if (engine_init(&e, m, n_pages, S, chunk, err, sizeof err)) {
+        fprintf(stderr, "bench_step: %s\n", err);
+        return 1;
+    }
+
+    printf("\ndecode, context %d, %d timed steps (median)\n", context, steps);
+    printf("%6s %10s %10s %10s %12s %10s %8s\n", "batch", "step ms", "fwd ms", "tok/s",
+           "floor GB", "floor ms", "x floor");
+    for (int bi = 0; bi < n_batches; bi++) {
+        int B = batches[bi];
+        bench_set set;
+        set_init(&set, &e, B, context, steps + 2, 1000 + (uint64_t)B);
+        for (;;) { /* prefill every prompt */
+            bool pending = false;
+            for (int i = 0; i < B; i++)
+                pending = pending || set.seqs[i].n_computed < context;
+            if (!pending) break;
+            set_step(&set, chunk);
+        }
+        set_step(&set, chunk); /* warm-up decode step */
+        double *t_step = xcalloc(steps, sizeof(double)), *t_fwd = xcalloc(steps, sizeof(double));
+        for (int s = 0; s < steps; s++) {
+            double a = now();
+            set_step(&set, chunk);
+            t_step[s] = now() - a;
+            t_fwd[s] = e.last_forward_seconds;
+        }
+        qsort(t_step, steps, sizeof(double), cmp_double);
+        qsort(t_fwd, steps, sizeof(double), cmp_double);
+        double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
+        double bytes = decode_floor_bytes(c, B, context + steps / 2, sizeof(float));
+        double floor_s = bw > 0 ? bytes / (bw * 1e9 / 2.0) : 0;
+        printf("%6d %10.3f %10.3f %10.0f %12.2f %10.3f %8.2f\n", B, step * 1e3, fwd * 1e3,
+               B / step, bytes / 1e9, floor_s * 1e3, floor_s > 0 ? step / floor_s : 0);
+        free(t_step);
+        free(t_fwd);
+        set_free(&set);
+    }
+
+    printf("\nprefill, prompts of %d tokens, steps of at most %d tokens\n", prefill_len, chunk);
+    printf("%8s %10s %12s\n", "prompts", "seconds", "tokens/s");
+    for (int pi = 0; pi < n_pre; pi++) {
+        int P = pre[pi];
+        bench_set set;
+        set_init(&set, &e, P, prefill_len, 1, 5000 + (uint64_t)P);
+        o->sync();
+        double a = now();
+        while (set_step(&set, chunk) > 0 && set.seqs[P - 1].n_computed < prefill_len) {
+        }
+        o->sync();
+        double secs = now() - a;
+        printf("%8d %10.3f %12.0f\n", P, secs, (double)P * prefill_len / secs);
+        set_free(&set);
+    }
+    engine_free(&e);
+    model_free(m);
+    return 0;
+}
