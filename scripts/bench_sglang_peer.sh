@@ -93,8 +93,9 @@ group=
 cleanup() {
     if [ -n "$group" ]; then
         kill -TERM -- "-$group" 2>/dev/null
-        sleep 1
+        for _ in $(seq 100); do kill -0 -- "-$group" 2>/dev/null || break; sleep 0.1; done
         kill -KILL -- "-$group" 2>/dev/null
+        wait "$group" 2>/dev/null
     fi
     rm -rf "$tmp"
 }
