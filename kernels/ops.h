@@ -151,6 +151,19 @@ const ops *ops_cpu(void);
  * waits for them. */
 const ops *ops_cuda(int device, char *err, size_t errlen);
 
+/* How the CUDA backend multiplies fp32 activations by 16-bit (BF16, F16) weights in linear and the
+ * experts' GEMMs, named after PyTorch's float32 matmul precision; one setting per process, read on
+ * every call (set it before serving; ops_cuda need not have run). F32 weights always give fp32
+ * products (no TF32), and the CPU backend always computes in fp32.
+ *   high    the default: results faithful to fp32 x (fp32 products, or x carried as two 16-bit
+ *           parts on the tensor cores: relative error about 2^-16 per product).
+ *   medium  x rounded to the weight's dtype first (relative error 2^-8 per product with BF16):
+ *           fastest prefill, and what moved whole-model logprobs by up to 0.8 from the CPU's. */
+typedef enum { MATMUL_PRECISION_HIGH, MATMUL_PRECISION_MEDIUM } matmul_precision;
+/* "high" | "medium"; 0 or -1 with a message. */
+int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen);
+matmul_precision ops_cuda_matmul_precision(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -6,10 +6,14 @@
  * output), prints the first mismatches, and the worst error of each op is listed at the end;
  * top-k ids and pure copies (embedding, kv_store) must match exactly.
  *
- * Then, in the same run, figures: time per call of linear on Qwen3-30B-A3B's shapes (hidden 2048,
- * q 4096, kv 512, 128 experts, vocab 151936) at decode and prefill token counts, with the achieved
- * bandwidth and TFLOP/s, and two ceilings: a 1 GiB device-to-device copy and one 8192^3 BF16
- * GEMM through cuBLASLt.
+ * linear runs in both matmul precisions (ops_cuda_set_matmul_precision), each with its bound.
+ *
+ * Then, in the same run, figures: time per call of linear in both precisions on Qwen3-30B-A3B's
+ * shapes (hidden 2048, q 4096, kv 512, 128 experts, vocab 151936) at decode and prefill token
+ * counts, with the achieved bandwidth and TFLOP/s against two ceilings measured first: a 1 GiB
+ * device-to-device copy and one 8192^3 BF16 GEMM through cuBLASLt; and, for T = 1..64, high
+ * precision's decode kernel against its cuBLASLt path (where the threshold between them comes
+ * from).
  *
  *   test_cuda_ops     run on GPU 0; without CUDA in the build or without a usable GPU it prints
  *                     "skipped: <reason>" and "0 passed, 0 failed" */
@@ -149,7 +153,7 @@ static tensor gpu_weight(const tensor *h) {
 
 /* ---- comparison and the per-op summary ---- */
 
-#define MAX_OPS 16
+#define MAX_OPS 32
 static struct {
     char op[32];
     char tolerance[48];
@@ -572,105 +576,232 @@ static void test_add(void) {
     }
 }
 
-/* linear: the CPU multiplies fp32 x by the widened weights; the GPU first rounds x to the
- * weight's 16-bit dtype (unit roundoff u = 2^-8 for BF16, 2^-11 for F16, none for F32), and both
- * accumulate in fp32 in different orders. So per output, with S = sum_k |x_k||w_nk|:
- *   |got - want| <= (u + 2 Kin 2^-24) S,
- * the second term the worst-case fp32 accumulation error of each side. The worst err / S is
- * printed. */
+/* linear: the CPU multiplies fp32 x by the widened weights and sums in fp32. Per output, with
+ * S = sum_k |x_k||w_nk|, the GPU is within (u + 2 Kin 2^-24) S of it, where 2 Kin 2^-24 S bounds
+ * the fp32 accumulation error of each side and u is what happens to x first:
+ *   medium  x rounded to the weight's 16-bit dtype: u = 2^-8 (BF16), 2^-11 (F16)
+ *   high    x carried as hi + lo in 16 bits (stacked GEMM, two GEMMs): u = 2^-16 (BF16), 2^-22
+ *           (F16); the decode kernel keeps x in fp32 (u = 0) and is held to the same bound
+ *   F32 weights, either precision: u = 0.
+ * Every high-precision path is checked at every T it can take (the decode kernel up to T = 32,
+ * its largest tile), whatever the thresholds. The worst err / S is printed. A token's row from
+ * the decode kernel must be the same bits alone as in the batch (token 0 and token T - 1, each at
+ * T = 1); through cuBLASLt another T may bring another algorithm, so there the difference is only
+ * reported (see kernels/cuda/linear.cu). */
+
+/* kernels/cuda/linear.cu, for tests: with max_t >= 0, T up to max_t takes the decode kernel, or
+ * the stacked GEMM, in high precision; each returns the value in force before. */
+int cuda_linear_decode_max_t(int max_t);
+int cuda_linear_stack_max_t(int max_t);
+
+static const char *prec_name(matmul_precision p) {
+    return p == MATMUL_PRECISION_HIGH ? "high" : "medium";
+}
+
+static void set_precision(matmul_precision p) {
+    char err[128];
+    const int rc = ops_cuda_set_matmul_precision(prec_name(p), err, sizeof err);
+    CHECK(rc == 0 && ops_cuda_matmul_precision() == p, "set matmul precision %s: %s",
+          prec_name(p), err);
+}
+
+static double linear_u(dtype dt, matmul_precision p) {
+    if (dt == DTYPE_F32) return 0.0;
+    if (p == MATMUL_PRECISION_MEDIUM) return dt == DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
+    return dt == DTYPE_BF16 ? 0x1p-16 : 0x1p-22;
+}
+
+static const char *linear_u_name(dtype dt, matmul_precision p) {
+    if (dt == DTYPE_F32) return "0";
+    if (p == MATMUL_PRECISION_MEDIUM) return dt == DTYPE_BF16 ? "2^-8" : "2^-11";
+    return dt == DTYPE_BF16 ? "2^-16" : "2^-22";
+}
+
+/* One weight [N, Kin] of dtype dt, on both sides, with |w| in F32 for the bound. */
+typedef struct {
+    tensor w, gw, aw;
+    int N, Kin;
+} linear_weight;
+
+static linear_weight linear_weight_make(dtype dt, int N, int Kin) {
+    linear_weight lw = {.N = N, .Kin = Kin};
+    lw.w = make_weight(dt, N, Kin, 1.0f / sqrtf((float)(Kin > 0 ? Kin : 1)));
+    lw.gw = gpu_weight(&lw.w);
+    lw.aw = make_weight(DTYPE_F32, N, Kin, 1.0f);
+    float *awd = lw.aw.data;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (int64_t)N * Kin; i++)
+        awd[i] = fabsf(tensor_get_f32(&lw.w, i));
+    return lw;
+}
+
+static void linear_weight_free(linear_weight *lw) {
+    free(lw->w.data);
+    free(lw->aw.data);
+    gpu->dev_free(lw->gw.data);
+}
+
+/* Row `row` of the batch's result got[T, N] against the same token run alone (T = 1) from x's
+ * device copy gx (its rows at gx + t Kin). check: must be bit-identical; else reported. */
+static void linear_token_alone(const linear_weight *lw, const float *gx, const float *got, int T,
+                               int row, bool check, const char *label) {
+    const int N = lw->N, Kin = lw->Kin;
+    float *gone = galloc_poisoned(sizeof(float) * N);
+    gpu->linear(gone, gx + (int64_t)row * Kin, &lw->gw, 1, N, Kin);
+    float *one = gfetch(gone, sizeof(float) * N);
+    char what[128];
+    snprintf(what, sizeof what, "%s token %d alone == in the batch of T=%d", label, row, T);
+    if (check) {
+        compare_bits("linear batch invariance", what, one, got + (int64_t)row * N, N,
+                     sizeof(float));
+    } else {
+        int diff = 0;
+        double md = 0.0;
+        for (int i = 0; i < N; i++)
+            if (memcmp(&one[i], &got[(int64_t)row * N + i], sizeof(float)) != 0) {
+                diff++;
+                const double d = fabs((double)one[i] - got[(int64_t)row * N + i]);
+                if (d > md) md = d;
+            }
+        printf("  %-58s %d of %d differ (max %.3g; cuBLASLt, not checked)\n", what, diff, N, md);
+    }
+    free(one);
+    gpu->dev_free(gone);
+}
+
+/* The ways linear can run for 16-bit weights: high precision through each of its three paths
+ * (forced with the hooks of kernels/cuda/linear.cu, so each is checked at every T whatever the
+ * thresholds say), and medium. */
+typedef enum { LINEAR_DECODE, LINEAR_STACKED, LINEAR_TWO_GEMMS, LINEAR_MEDIUM } linear_path;
+static const char *const linear_path_names[] = {"high decode", "high stacked", "high 2 GEMMs",
+                                                "medium"};
+
+/* Puts the precision and the hooks so that T tokens take `path`; linear_path_reset undoes it. */
+static void linear_path_set(linear_path path) {
+    set_precision(path == LINEAR_MEDIUM ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH);
+    cuda_linear_decode_max_t(path == LINEAR_DECODE ? 32 : 0);
+    cuda_linear_stack_max_t(path == LINEAR_STACKED ? 1 << 30 : 0);
+}
+
+/* Back to the default: high precision, each path where kernels/cuda/linear.cu puts it. */
+static void linear_path_reset(void) {
+    set_precision(MATMUL_PRECISION_HIGH);
+    cuda_linear_decode_max_t(-1);
+    cuda_linear_stack_max_t(-1);
+}
+
+/* T random tokens through the weight on the CPU and on the GPU in every path (x and out `off`
+ * floats past 16-byte alignment; F32 weights: high and medium, both an fp32 GEMM). */
+static void linear_case(const linear_weight *lw, int T, int off) {
+    const int N = lw->N, Kin = lw->Kin;
+    const dtype dt = lw->w.dtype;
+    const int64_t nx = (int64_t)T * Kin, n = (int64_t)T * N;
+    float *x = rand_floats(nx, 2.0f);
+    float *want = xmalloc(sizeof(float) * (n + 1));
+    cpu->linear(want, x, &lw->w, T, N, Kin);
+    /* S = |x| |w|^T, by the same CPU op on absolute values (its own error is far below the
+     * tolerance) */
+    float *ax = xmalloc(sizeof(float) * (nx + 1));
+    for (int64_t i = 0; i < nx; i++)
+        ax[i] = fabsf(x[i]);
+    float *S = xmalloc(sizeof(float) * (n + 1));
+    cpu->linear(S, ax, &lw->aw, T, N, Kin);
+    float *gx = galloc_poisoned(sizeof(float) * (nx + 1));
+    gpu->to_device(gx + off, x, sizeof(float) * nx);
+    float *gout = galloc_poisoned(sizeof(float) * (n + 1));
+
+    for (int pi = 0; pi <= LINEAR_MEDIUM; pi++) {
+        const linear_path path = (linear_path)pi;
+        if (dt == DTYPE_F32 && path != LINEAR_STACKED && path != LINEAR_MEDIUM) continue;
+        if (path == LINEAR_DECODE && T > 32) continue; /* the decode kernel's largest tile */
+        linear_path_set(path);
+        const matmul_precision p =
+            path == LINEAR_MEDIUM ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH;
+        const double rel = linear_u(dt, p) + 2.0 * Kin * 0x1p-24;
+        gpoison(gout, sizeof(float) * (n + 1));
+        gpu->linear(gout + off, gx + off, &lw->gw, T, N, Kin);
+        float *got = gfetch(gout + off, sizeof(float) * n);
+        int64_t bad = 0;
+        double worst = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const double err = fabs((double)got[i] - want[i]);
+            const double lim = rel * S[i] + 1e-30;
+            if (!(err <= lim)) {
+                if (bad < 5)
+                    fprintf(stderr, "  linear: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
+                            (long long)i, got[i], want[i], err, lim);
+                bad++;
+            }
+            const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
+            if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
+        }
+        const char *pname = dt == DTYPE_F32 ? prec_name(p) : linear_path_names[path];
+        char what[128], op[48], tol[64];
+        snprintf(what, sizeof what, "linear %s %-12s T=%d N=%d Kin=%d%s", dtype_name(dt), pname, T,
+                 N, Kin, off ? " unaligned" : "");
+        printf("  %-62s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
+        snprintf(op, sizeof op, "linear %s %s", dtype_name(dt), pname);
+        snprintf(tol, sizeof tol, "(%s + 2 Kin 2^-24) S", linear_u_name(dt, p));
+        stat_add(op, tol, worst, worst / rel, n);
+        CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad, (long long)n);
+
+        /* a token alone (T = 1 takes the decode kernel in high precision whatever the hooks say
+         * above 0, so here with the decode hook at 32) against its row of the batch */
+        if (path == LINEAR_DECODE && T > 1) {
+            linear_token_alone(lw, gx + off, got, T, 0, true, "linear high decode");
+            linear_token_alone(lw, gx + off, got, T, T - 1, true, "linear high decode");
+        }
+        if (path == LINEAR_STACKED && T > 1 && dt != DTYPE_F32 && !off)
+            linear_token_alone(lw, gx, got, T, 0, false, "linear high stacked");
+        free(got);
+    }
+    linear_path_reset();
+    free(want);
+    free(x);
+    free(ax);
+    free(S);
+    gpu->dev_free(gx);
+    gpu->dev_free(gout);
+}
+
 static void test_linear(void) {
-    printf("linear (|err| <= (u + 2 Kin 2^-24) sum|x||w|; u = 2^-8 BF16, 2^-11 F16, 0 F32)\n");
+    printf("linear (|err| <= (u + 2 Kin 2^-24) sum|x||w|; u: medium 2^-8 BF16, 2^-11 F16; high "
+           "2^-16 BF16, 2^-22 F16; 0 F32; each high-precision path at every T it can take)\n");
+    /* odd shapes, every dtype: element loads (Kin % 8, unaligned x), tiny N, empty T */
     static const struct {
         int T, N, Kin, offset;
-    } cases[] = {{1, 4096, 2048, 0},   {37, 512, 2048, 0},  {5, 77, 129, 0},
-                 {0, 64, 64, 0},       {1, 1, 1, 0},        {7, 300, 257, 1},
-                 {256, 2048, 4096, 0}, {2, 151936, 2048, 0}};
+    } cases[] = {{1, 4096, 2048, 0}, {37, 512, 2048, 0}, {5, 77, 129, 0},   {0, 64, 64, 0},
+                 {1, 1, 1, 0},       {7, 300, 257, 1},   {16, 300, 264, 1}, {13, 520, 1000, 0},
+                 {3, 128, 8, 0},     {31, 136, 4096, 0}, {256, 2048, 4096, 0}};
     const dtype dts[] = {DTYPE_BF16, DTYPE_F16, DTYPE_F32};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         for (int di = 0; di < 3; di++) {
-            const int T = cases[c].T, N = cases[c].N, Kin = cases[c].Kin, off = cases[c].offset;
-            const dtype dt = dts[di];
-            if (N > 100000 && dt != DTYPE_BF16) continue; /* the vocabulary case in BF16 only */
-            const double u = dt == DTYPE_BF16 ? 0x1p-8 : dt == DTYPE_F16 ? 0x1p-11 : 0.0;
-            const double rel = u + 2.0 * Kin * 0x1p-24;
-            tensor w = make_weight(dt, N, Kin, 1.0f / sqrtf((float)Kin));
-            tensor gw = gpu_weight(&w);
-            const int64_t nx = (int64_t)T * Kin, n = (int64_t)T * N;
-            float *x = rand_floats(nx, 2.0f);
-            float *want = xmalloc(sizeof(float) * (n + 1));
-            cpu->linear(want, x, &w, T, N, Kin);
-            /* S = |x| |w|^T, by the same CPU op on absolute values (its own error is far below
-             * the tolerance) */
-            float *ax = xmalloc(sizeof(float) * (nx + 1));
-            for (int64_t i = 0; i < nx; i++)
-                ax[i] = fabsf(x[i]);
-            tensor aw = make_weight(DTYPE_F32, N, Kin, 1.0f);
-            float *awd = aw.data;
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < (int64_t)N * Kin; i++)
-                awd[i] = fabsf(tensor_get_f32(&w, i));
-            float *S = xmalloc(sizeof(float) * (n + 1));
-            cpu->linear(S, ax, &aw, T, N, Kin);
-
-            float *gx = galloc_poisoned(sizeof(float) * (nx + 1));
-            gpu->to_device(gx + off, x, sizeof(float) * nx);
-            float *gout = galloc_poisoned(sizeof(float) * (n + 1));
-            gpu->linear(gout + off, gx + off, &gw, T, N, Kin);
-            float *got = gfetch(gout + off, sizeof(float) * n);
-            int64_t bad = 0;
-            double worst = 0.0;
-            for (int64_t i = 0; i < n; i++) {
-                const double err = fabs((double)got[i] - want[i]);
-                const double lim = rel * S[i] + 1e-30;
-                if (!(err <= lim)) {
-                    if (bad < 5)
-                        fprintf(stderr, "  linear: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
-                                (long long)i, got[i], want[i], err, lim);
-                    bad++;
-                }
-                const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
-                if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
-            }
-            char what[96], op[32], tol[64];
-            snprintf(what, sizeof what, "linear %s T=%d N=%d Kin=%d%s", dtype_name(dt), T, N, Kin,
-                     off ? " unaligned" : "");
-            printf("  %-58s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
-            snprintf(op, sizeof op, "linear %s", dtype_name(dt));
-            snprintf(tol, sizeof tol, "(%s + 2 Kin 2^-24) S",
-                     dt == DTYPE_BF16  ? "2^-8"
-                     : dt == DTYPE_F16 ? "2^-11"
-                                       : "0");
-            stat_add(op, tol, worst, worst / rel, n);
-            CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad,
-                  (long long)n);
-
-            /* cuBLASLt may pick another algorithm for another T: how far token 0's row moves
-             * between T and T = 1 (reported, not checked; see kernels/cuda/linear.cu) */
-            if (T >= 37 && !off) {
-                gpu->linear(gout, gx, &gw, 1, N, Kin);
-                float *one = gfetch(gout, sizeof(float) * N);
-                int diff = 0;
-                double md = 0.0;
-                for (int i = 0; i < N; i++)
-                    if (memcmp(&one[i], &got[i], sizeof(float)) != 0) {
-                        diff++;
-                        if (fabs((double)one[i] - got[i]) > md) md = fabs((double)one[i] - got[i]);
-                    }
-                printf("  %-58s token 0 at T=1 vs T=%d: %d of %d differ (max %.3g)\n", "", T, diff,
-                       N, md);
-                free(one);
-            }
-            free(got);
-            free(want);
-            free(x);
-            free(ax);
-            free(S);
-            free(w.data);
-            free(aw.data);
-            gpu->dev_free(gx);
-            gpu->dev_free(gout);
-            gpu->dev_free(gw.data);
+            linear_weight lw = linear_weight_make(dts[di], cases[c].N, cases[c].Kin);
+            linear_case(&lw, cases[c].T, cases[c].offset);
+            linear_weight_free(&lw);
         }
+    /* Qwen3-30B-A3B's shapes in BF16, decode to prefill batch sizes (lm_head: sampled rows) */
+    static const struct {
+        int N, Kin, max_T;
+    } shapes[] = {{4096, 2048, 1 << 30}, {512, 2048, 1 << 30}, {2048, 4096, 1 << 30},
+                  {128, 2048, 1 << 30},  {151936, 2048, 64}};
+    static const int Ts[] = {1, 2, 7, 16, 17, 31, 64, 256, 2048};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        linear_weight lw = linear_weight_make(DTYPE_BF16, shapes[s].N, shapes[s].Kin);
+        for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++)
+            if (Ts[t] <= shapes[s].max_T) linear_case(&lw, Ts[t], 0);
+        linear_weight_free(&lw);
+    }
+    /* T from 17 to 32 in the decode kernel (its largest tile) on odd shapes too */
+    static const struct {
+        int T, N, Kin;
+        dtype dt;
+    } wide[] = {{32, 136, 4096, DTYPE_F16}, {24, 300, 257, DTYPE_BF16}};
+    for (size_t c = 0; c < sizeof wide / sizeof wide[0]; c++) {
+        linear_weight lw = linear_weight_make(wide[c].dt, wide[c].N, wide[c].Kin);
+        linear_case(&lw, wide[c].T, 0);
+        linear_weight_free(&lw);
+    }
 }
 
 /* ---- figures ---- */
@@ -696,12 +827,22 @@ static float *gpu_random_f32(int64_t n) {
 
 #define POOL_BYTES ((int64_t)768 << 20) /* weight pool: many times the 60 MB L2 */
 
-/* Time per call of linear with BF16 weights [N, Kin] at T tokens, two ways: calls issued one by
- * one (eager: what the runner does today; below ~15 us the host's launch cost sets the pace) and
- * the same calls captured in one CUDA graph and replayed (the device's own time). Each call reads
- * another copy of the weights from a pool larger than the L2, so the weights come from device
- * memory as they do in a model's forward. Bandwidth and TFLOP/s are from the graph time. */
-static void time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
+/* The ceilings measured in this run: device-to-device copy (GB/s, read + write) and the 8192^3
+ * BF16 GEMM (TFLOP/s). */
+static double ceiling_copy_gbs = NAN, ceiling_gemm_tflops = NAN;
+
+typedef struct {
+    double eager, graph; /* seconds per call */
+} linear_time;
+
+/* Time per call of linear with BF16 weights [N, Kin] at T tokens in the precision in force, two
+ * ways: calls issued one by one (eager: what the runner does today; below ~15 us the host's launch
+ * cost sets the pace) and the same calls captured in one CUDA graph and replayed (the device's own
+ * time). Each call reads another copy of the weights from a pool larger than the L2, so the
+ * weights come from device memory as they do in a model's forward. With a name, one line: times,
+ * then bandwidth and TFLOP/s from the graph time and their share of the ceilings (bytes = weights
+ * + x fp32 + out fp32; FLOPs = 2 T N Kin, the product's, whatever the precision costs). */
+static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
     const int64_t wbytes = (int64_t)N * Kin * 2, stride = (wbytes + 255) / 256 * 256;
     const int copies = (int)(POOL_BYTES / stride);
     MS_ASSERT(copies >= 1);
@@ -723,9 +864,8 @@ static void time_linear(const char *name, uint16_t *pool, int T, int N, int Kin)
     cudaEventSynchronize(e1);
     float ms = 0.0f;
     cudaEventElapsedTime(&ms, e0, e1);
-    const double eager = ms / 1e3 / reps;
+    linear_time lt = {.eager = ms / 1e3 / reps, .graph = NAN};
 
-    double graph = NAN;
     cudaGraph_t g = NULL;
     cudaGraphExec_t ge = NULL;
     if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
@@ -741,26 +881,32 @@ static void time_linear(const char *name, uint16_t *pool, int T, int N, int Kin)
             cudaEventRecord(e1, st);
             if (cudaEventSynchronize(e1) == cudaSuccess &&
                 cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
-                graph = ms / 1e3 / reps;
+                lt.graph = ms / 1e3 / reps;
         }
     }
-    if (isnan(graph))
+    if (isnan(lt.graph))
         printf("  (graph capture failed: %s)\n", cudaGetErrorString(cudaGetLastError()));
     if (ge) cudaGraphExecDestroy(ge);
     if (g) cudaGraphDestroy(g);
 
-    const double bytes = (double)wbytes + 4.0 * T * Kin + 4.0 * T * N;
-    const double flops = 2.0 * T * N * Kin;
-    printf("  %-9s T=%-5d N=%-6d Kin=%-5d %8.1f us %8.1f us  %6.0f GB/s  %6.1f TFLOP/s\n", name, T,
-           N, Kin, eager * 1e6, graph * 1e6, bytes / graph / 1e9, flops / graph / 1e12);
+    if (name) {
+        const double bytes = (double)wbytes + 4.0 * T * Kin + 4.0 * T * N;
+        const double gbs = bytes / lt.graph / 1e9, tflops = 2.0 * T * N * Kin / lt.graph / 1e12;
+        printf("  %-9s %-6s T=%-5d N=%-6d Kin=%-5d %8.1f us %8.1f us  %6.0f GB/s %3.0f%%  %6.1f "
+               "TFLOP/s %3.0f%%\n",
+               name, prec_name(ops_cuda_matmul_precision()), T, N, Kin, lt.eager * 1e6,
+               lt.graph * 1e6, gbs, 100.0 * gbs / ceiling_copy_gbs, tflops,
+               100.0 * tflops / ceiling_gemm_tflops);
+    }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     gpu->dev_free(gx);
     gpu->dev_free(gout);
+    return lt;
 }
 
-/* Device-to-device copy bandwidth (bytes read + written) of 1 GiB. */
-static void time_copy(const uint16_t *pool) {
+/* Device-to-device copy bandwidth (bytes read + written) of 1 GiB, in GB/s. */
+static double time_copy(const uint16_t *pool) {
     const size_t bytes = (size_t)1 << 30;
     void *a = gpu->dev_alloc(bytes), *b = gpu->dev_alloc(bytes);
     MS_ASSERT(a && b);
@@ -787,10 +933,12 @@ static void time_copy(const uint16_t *pool) {
     cudaEventDestroy(e1);
     gpu->dev_free(a);
     gpu->dev_free(b);
+    return 2.0 * bytes / s / 1e9;
 }
 
-/* One 8192^3 BF16 GEMM (BF16 in and out, fp32 accumulation) straight through cuBLASLt. */
-static void time_gemm_bf16(uint16_t *pool) {
+/* One 8192^3 BF16 GEMM (BF16 in and out, fp32 accumulation) straight through cuBLASLt, in
+ * TFLOP/s (NAN when cuBLASLt could not be set up). */
+static double time_gemm_bf16(uint16_t *pool) {
     const int n = 8192;
     const int64_t mat = (int64_t)n * n * 2;
     MS_ASSERT(2 * mat <= POOL_BYTES);
@@ -819,7 +967,7 @@ static void time_gemm_bf16(uint16_t *pool) {
         cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &n_res) == 0 &&
         n_res == 1;
     CHECK(ok, "cuBLASLt set-up for the 8192^3 BF16 GEMM");
-    if (!ok) return;
+    if (!ok) return NAN;
     const float alpha = 1.0f, beta = 0.0f;
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
@@ -849,6 +997,7 @@ static void time_gemm_bf16(uint16_t *pool) {
     cublasLtDestroy(lt);
     gpu->dev_free(C);
     gpu->dev_free(ws);
+    return 2.0 * n * n * (double)n / s / 1e12;
 }
 
 /* Mean time per call of `call` over 20 calls after 2 warm-up calls, and the bandwidth of `bytes`
@@ -944,10 +1093,15 @@ static void figures(void) {
            "bytes = weights + x fp32 + out fp32)\n");
     uint16_t *pool = gpu_random_bf16(POOL_BYTES / 2);
     printf("ceilings\n");
-    time_copy(pool);
-    time_gemm_bf16(pool);
-    printf("linear (per call: eager, then graph replay; GB/s and TFLOP/s from the graph time)\n");
-    time_linear("linear", pool, 8192, 8192, 8192);
+    ceiling_copy_gbs = time_copy(pool);
+    ceiling_gemm_tflops = time_gemm_bf16(pool);
+    printf("linear (per call: eager, then graph replay; GB/s and TFLOP/s from the graph time, "
+           "each with its share of the ceiling above)\n");
+    const matmul_precision precs[] = {MATMUL_PRECISION_HIGH, MATMUL_PRECISION_MEDIUM};
+    for (int pi = 0; pi < 2; pi++) {
+        set_precision(precs[pi]);
+        time_linear("linear", pool, 8192, 8192, 8192);
+    }
     printf("linear, Qwen3-30B-A3B shapes (same columns)\n");
     static const struct {
         const char *name;
@@ -957,12 +1111,62 @@ static void figures(void) {
                   {"o_proj", 2048, 4096},
                   {"router", 128, 2048},
                   {"lm_head", 151936, 2048}};
-    static const int Ts[] = {1, 8, 64, 256, 2048, 8192};
+    static const int Ts[] = {1, 8, 64, 256, 8192};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
-        for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++) {
-            if (shapes[s].N > 100000 && Ts[t] > 256) continue; /* lm_head: sampled positions */
-            time_linear(shapes[s].name, pool, Ts[t], shapes[s].N, shapes[s].Kin);
+        for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++)
+            for (int pi = 0; pi < 2; pi++) {
+                if (shapes[s].N > 100000 && Ts[t] > 256) continue; /* lm_head: sampled rows */
+                set_precision(precs[pi]);
+                time_linear(shapes[s].name, pool, Ts[t], shapes[s].N, shapes[s].Kin);
+            }
+
+    /* Where each high-precision path stops paying: the decode kernel (built up to T = 32)
+     * against the stacked hi + lo GEMM at small T, the stacked GEMM against two GEMMs at large T;
+     * medium for scale. Graph time per call. */
+    printf("high precision, small T: decode kernel vs stacked hi + lo GEMM; medium for scale "
+           "(graph time per call; decode: its share of the copy rate)\n");
+    static const int Tsmall[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t t = 0; t < sizeof Tsmall / sizeof Tsmall[0]; t++) {
+            const int T = Tsmall[t], N = shapes[s].N, Kin = shapes[s].Kin;
+            double dec = NAN;
+            if (T <= 32) {
+                linear_path_set(LINEAR_DECODE);
+                dec = time_linear(NULL, pool, T, N, Kin).graph;
+            }
+            linear_path_set(LINEAR_STACKED);
+            const double stk = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_MEDIUM);
+            const double med = time_linear(NULL, pool, T, N, Kin).graph;
+            const double bytes = 2.0 * N * Kin + 4.0 * T * Kin + 4.0 * T * N;
+            char d[48] = "      -          ";
+            if (!isnan(dec))
+                snprintf(d, sizeof d, "%7.1f us (%3.0f%%)", dec * 1e6,
+                         100.0 * bytes / dec / 1e9 / ceiling_copy_gbs);
+            printf("  %-9s T=%-3d N=%-6d Kin=%-5d  decode %s  stacked %7.1f us  medium %7.1f "
+                   "us%s\n",
+                   shapes[s].name, T, N, Kin, d, stk * 1e6, med * 1e6,
+                   !isnan(dec) && dec < stk ? "  (decode faster)" : "");
         }
+    printf("high precision, large T: stacked hi + lo GEMM vs two GEMMs; medium for scale (graph "
+           "time per call)\n");
+    static const int Tlarge[] = {64, 128, 256, 512, 1024, 2048, 8192};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t t = 0; t < sizeof Tlarge / sizeof Tlarge[0]; t++) {
+            const int T = Tlarge[t], N = shapes[s].N, Kin = shapes[s].Kin;
+            if (N > 100000 && T > 2048) continue;
+            linear_path_set(LINEAR_STACKED);
+            const double stk = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_TWO_GEMMS);
+            const double two = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_MEDIUM);
+            const double med = time_linear(NULL, pool, T, N, Kin).graph;
+            printf("  %-9s T=%-5d N=%-6d Kin=%-5d  stacked %8.1f us  2 GEMMs %8.1f us  medium "
+                   "%8.1f us  (high / medium %.2f)%s\n",
+                   shapes[s].name, T, N, Kin, stk * 1e6, two * 1e6, med * 1e6,
+                   (stk < two ? stk : two) / med, stk < two ? "  (stacked faster)" : "");
+        }
+    linear_path_reset();
     gpu->dev_free(pool);
     time_elementwise();
 }

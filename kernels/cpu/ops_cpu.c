@@ -68,4 +68,21 @@ const ops *ops_cuda(int device, char *err, size_t errlen) {
             "this build has no CUDA backend (build where nvcc is found, without CUDA=0)");
     return NULL;
 }
+
+/* The setting is kept so a caller can set and read it in any build; the CPU computes in fp32
+ * whatever it says. */
+static matmul_precision cpu_build_matmul_precision = MATMUL_PRECISION_HIGH;
+
+int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen) {
+    if (name && strcmp(name, "high") == 0)
+        cpu_build_matmul_precision = MATMUL_PRECISION_HIGH;
+    else if (name && strcmp(name, "medium") == 0)
+        cpu_build_matmul_precision = MATMUL_PRECISION_MEDIUM;
+    else
+        return set_err(err, errlen, "unknown matmul precision '%s' (high or medium)",
+                       name ? name : "(null)");
+    return 0;
+}
+
+matmul_precision ops_cuda_matmul_precision(void) { return cpu_build_matmul_precision; }
 #endif

@@ -1,12 +1,55 @@
-// linear on the GPU through cuBLASLt: out[T, N] fp32 = x[T, Kin] fp32 . w[N, Kin]^T.
+// linear on the GPU: out[T, N] fp32 = x[T, Kin] fp32 . w[N, Kin]^T.
 //
-// Choices:
-// - 16-bit weights (BF16, F16): x is rounded to the weight's dtype (nearest even) into a device
-//   scratch buffer, grown as needed and kept, and the product runs on the tensor cores with fp32
-//   accumulation and fp32 output. The rounding of x is the one loss against the CPU, which
-//   multiplies fp32 x by the widened weights: at most 2^-8 (BF16) or 2^-11 (F16) of
-//   sum_k |x_k||w_nk| per output (the tolerance tests/test_cuda_ops.c states).
-// - F32 weights: an fp32 GEMM with CUBLAS_COMPUTE_32F, which excludes TF32, for accuracy.
+// Matmul precision (16-bit weights, BF16 or F16). The weights are exact; what differs is how much
+// of the fp32 activations x the product sees. One process-wide setting, named after PyTorch's
+// float32 matmul precision and read on every call (ops_cuda_set_matmul_precision; the grouped
+// GEMM of moe.cu reads it too):
+// - medium: x is rounded to the weight's dtype (nearest even) into a device scratch buffer and
+//   the product runs on the tensor cores with fp32 accumulation and fp32 output. The rounding of x
+//   is the one loss against the CPU, which multiplies fp32 x by the widened weights: at most 2^-8
+//   (BF16) or 2^-11 (F16) of S = sum_k |x_k||w_nk| per output. Through the whole model (test
+//   checkpoint, H200) that moved teacher-forced logprobs by up to 0.8 from the CPU backend's.
+// - high (the default): faithful to fp32 x, three ways by batch size (the thresholds, from H200
+//   timings, are decode_max_t and stack_max_t below):
+//   * decode (T <= 2 to 16, by the weight's bytes): decode_kernel multiplies fp32 x by the widened
+//     weights in fp32 FMAs on the CUDA cores, as the CPU does but in another fixed order (below):
+//     only fp32 rounding, at most about 2 Kin 2^-24 S against the CPU. A decode step is bound by
+//     the weight bytes, so this is faster than medium's GEMM there (q_proj, T = 1: 6.6 us against
+//     8.4); from some T on, the T FMAs per weight make it slower than the tensor cores.
+//   * stacked GEMM (up to T = Kin / 8): x = hi + lo with hi = rn(x), lo = rn(x - hi) in the
+//     weight's dtype (x - hi is exact in fp32), so hi + lo holds x to 2^-16 (BF16; F16 2^-22).
+//     [hi; lo] is stacked as 2T rows of one cuBLASLt GEMM, so the weights are read once, into an
+//     fp32 scratch [2T, N], and a small kernel adds each token's two rows into out. Bounded
+//     scratch: at most LINEAR_STACK_T tokens a pass, and the rows of w cut into blocks so the fp32
+//     scratch stays under LINEAR_STACK_BYTES (lm_head).
+//   * two GEMMs (larger T, compute-bound): out = w hi, then out += w lo in the second GEMM's
+//     epilogue (beta = 1): the weights are read twice, the scratch round trip is saved.
+//   Either GEMM way, the error is about 2^-16 S instead of 2^-8 S, for twice the tensor-core work:
+//   prefill takes about twice medium's time (1.6 to 2.1 times at T = 8192 on Qwen3-30B-A3B's
+//   shapes). For F16, lo is scaled by 2^11 before the rounding (and back after the GEMM, exactly)
+//   so it does not fall into F16's subnormals; x beyond F16's range (65504) overflows here as it
+//   does in medium.
+// - F32 weights, either precision: an fp32 GEMM with CUBLAS_COMPUTE_32F, which excludes TF32.
+//
+// The decode kernel (shape letters as in kernels/ops.h):
+// - A lane owns 8-wide k vectors (one 16-byte load of weights, nc, no L1 allocation) of R rows,
+//   strided by the lanes of its row group; x is read in fp32 through L1 (small, reused by every
+//   block). All T tokens of the call are done at once (R x TT accumulators per lane, TT = T rounded
+//   up to a power of two; tokens T..TT-1 repeat token T - 1 and are not stored, which keeps the
+//   loop free of branches on T), so every weight byte is read once per call.
+// - A row group is wpr warps (1, 2, 4 or 8, from N and Kin only, see decode_wpr): the rows are
+//   few at N = 512, so Kin is split over more lanes to keep every multiprocessor busy (128 to 256
+//   blocks of 8 warps there), and each lane keeps at least one vector.
+// - Sums, per output: each lane runs through its vectors in increasing k, 8 FMAs a vector in k
+//   order; then the 32 lanes of a warp are added pairwise (lanes l and l ^ 16, then ^ 8, ^ 4, ^ 2,
+//   ^ 1; carried out as a reduce-scatter, whose pairings are those of the plain butterfly, and fp32
+//   addition commutes); then the warps of the row group in warp order. All of it depends on N and
+//   Kin only, never on T or on the token's place in the batch, so a token's row is bit-identical
+//   alone or in any batch the kernel takes (tests/test_cuda_ops.c checks it up to T = 32).
+//   Unaligned x or w, or Kin % 8 != 0, take the same kernel with element loads (k >= Kin as
+//   zeros): the same order.
+//
+// cuBLASLt calls:
 // - Row-major to column-major: cuBLASLt sees w as a column-major [Kin, N] matrix and x as
 //   [Kin, T], and computes out^T [N, T] = op(w)^T . x (transa = T, transb = N: the "TN" layout the
 //   tensor-core kernels prefer), which is out [T, N] row-major.
@@ -16,26 +59,31 @@
 //   serving run sees one shape per layer kind and batch size, and a collision only costs a new
 //   query. Each new plan logs cuBLASLt's choice (algorithm, tile, stages, split-K, reduction) at
 //   debug level. Not thread-safe: one engine thread per process calls the ops.
-//
-// Batch invariance (what the deterministic mode will need): for one cached algorithm the result
-// is the same bits on every run. Across T, though, the heuristic may pick another tile shape, a
-// split-K with any of its reduction schemes, or a stream-K kernel, each of which sums the Kin
-// products in another order, so a token's row may differ in its last bits between batch sizes.
-// Nothing here picks split-K by T; the deterministic mode will have to pin one algorithm per
-// (N, Kin, dtype) with no split (CUBLASLT_ALGO_CONFIG_SPLITK_NUM = 1, reduction scheme NONE) and
-// use it for every T.
+// - Batch invariance: for one cached algorithm the result is the same bits on every run. Across
+//   T, though, the heuristic may pick another tile shape, a split-K with any of its reduction
+//   schemes, or a stream-K kernel, each of which sums the Kin products in another order, so a
+//   token's row may differ in its last bits between batch sizes that take a GEMM (in high
+//   precision above the decode kernel's threshold, in medium at any T). The deterministic mode
+//   will have to pin one algorithm per (N, Kin, dtype) with no split
+//   (CUBLASLT_ALGO_CONFIG_SPLITK_NUM = 1, reduction scheme NONE) for every T.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <type_traits>
 
 #include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
 
 #define LINEAR_WORKSPACE_BYTES ((size_t)32 << 20)
 #define LINEAR_PLAN_SLOTS      1024 /* cached (shape, dtype, alignment) plans */
+#define LINEAR_DECODE_TT_MAX   32   /* the largest token tile the decode kernel is built for */
+#define LINEAR_STACK_T         4096 /* tokens per stacked GEMM */
+#define LINEAR_STACK_BYTES     ((size_t)64 << 20) /* its fp32 output scratch [2T, N block] */
+#define DECODE_WARPS           8    /* warps per block of the decode kernel */
 
 #define LT_CHECK(call)                                                                             \
     do {                                                                                           \
@@ -43,6 +91,68 @@
         if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
             cuda_fail(__FILE__, __LINE__, #call, cublasLtGetStatusString(s_));                     \
     } while (0)
+
+// ---- the precision setting ----
+
+static matmul_precision g_precision = MATMUL_PRECISION_HIGH;
+static int g_decode_override = -1, g_stack_override = -1; // the test hooks below; -1: none
+
+// High precision: the largest T that takes the decode kernel, by the weight's bytes. From the
+// H200 timings of tests/test_cuda_ops.c (CUDA graph replay, per call, against the stacked GEMM):
+// - up to 4 MiB (k/v_proj 2 MiB, router 0.5 MiB): T <= 16. k/v_proj 4.3 us against 8.0 at T = 16,
+//   9.4 against 8.0 at T = 24; the router still wins at T = 32 (5.2 against 7.4).
+// - up to 64 MiB (q_proj, o_proj 16 MiB): T <= 8. At T = 4 q_proj 7.1 us against 10.0, o_proj 6.6
+//   against 11.1; at T = 8 q_proj 9.8 against 9.5, o_proj 9.7 against 11.3; at T = 12 both lose
+//   (16.4 and 15.9 against 9.4 and 11.3).
+// - larger (lm_head, 594 MiB, many waves of blocks): T <= 2, 142.9 us against 156.9 at T = 2.
+//   From T = 3 (token tile 4: 2 blocks a multiprocessor by registers, not 4) the kernel streams
+//   at 91% of the copy rate, not 102%, and the stacked GEMM is as fast: 160.0 against 158.8 us.
+static int decode_max_t(int N, int Kin) {
+    if (g_decode_override >= 0) return g_decode_override;
+    const int64_t wbytes = (int64_t)N * Kin * 2;
+    return wbytes <= ((int64_t)4 << 20) ? 16 : wbytes <= ((int64_t)64 << 20) ? 8 : 2;
+}
+
+// High precision above the decode kernel: the stacked GEMM up to T = Kin / 8, two GEMMs above. By
+// bytes alone the two break even at T = Kin / 4: the stacked GEMM moves 8 T N bytes more through
+// its fp32 scratch, the two GEMMs read the 2 N Kin bytes of weights twice. Measured (H200, as
+// above), the crossover came near Kin / 8: q_proj (Kin 2048) 19.5 us either way at T = 256, 34.5
+// stacked against 31.0 at 512; o_proj (Kin 4096) 32.4 against 37.9 at 512, 60.7 against 58.6 at
+// 1024; lm_head 315 against 388 us at 128, 603 against 558 at 256.
+static int stack_max_t(int Kin) { return g_stack_override >= 0 ? g_stack_override : Kin / 8; }
+
+int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen) {
+    if (name && strcmp(name, "high") == 0)
+        g_precision = MATMUL_PRECISION_HIGH;
+    else if (name && strcmp(name, "medium") == 0)
+        g_precision = MATMUL_PRECISION_MEDIUM;
+    else
+        return set_err(err, errlen, "unknown matmul precision '%s' (high or medium)",
+                       name ? name : "(null)");
+    return 0;
+}
+
+matmul_precision ops_cuda_matmul_precision(void) { return g_precision; }
+
+// For tests/test_cuda_ops.c (which declares them), to check and time every high-precision path
+// at the same T: with max_t >= 0, T up to max_t takes the decode kernel (at most
+// LINEAR_DECODE_TT_MAX), or the stacked GEMM, for every weight from now on; with -1, the choice
+// above again. Each returns the value in force before the call (-1: the choice above).
+extern "C" int cuda_linear_decode_max_t(int max_t);
+extern "C" int cuda_linear_stack_max_t(int max_t);
+int cuda_linear_decode_max_t(int max_t) {
+    const int old = g_decode_override;
+    g_decode_override = max_t < LINEAR_DECODE_TT_MAX ? max_t : LINEAR_DECODE_TT_MAX;
+    if (g_decode_override < 0) g_decode_override = -1;
+    return old;
+}
+int cuda_linear_stack_max_t(int max_t) {
+    const int old = g_stack_override;
+    g_stack_override = max_t < 0 ? -1 : max_t;
+    return old;
+}
+
+// ---- cuBLASLt plans ----
 
 // Everything one matmul of one shape needs, made once.
 struct linear_plan {
@@ -55,10 +165,16 @@ struct linear_plan {
     cublasLtMatmulAlgo_t algo;
 };
 
+// A device buffer grown as needed and kept.
+struct linear_scratch {
+    void *p;
+    size_t bytes;
+};
+
 static cublasLtHandle_t g_lt;
 static void *g_workspace;
-static void *g_xs; // x in the weight's 16-bit dtype [T, Kin]
-static size_t g_xs_bytes;
+static linear_scratch g_xs; // x in the weight's 16-bit dtype: [T, Kin], high: [2T, Kin]
+static linear_scratch g_ys; // high, stacked GEMM: its fp32 output [2T, N block]
 static linear_plan g_plans[LINEAR_PLAN_SLOTS];
 
 // The largest power of two up to 256 that divides the address (cuBLASLt's alignment classes).
@@ -75,18 +191,19 @@ static void linear_init(void) {
     CUDA_CHECK(cudaMalloc(&g_workspace, LINEAR_WORKSPACE_BYTES));
 }
 
-// The scratch for x in 16 bits, at least `bytes`. Growing frees the old buffer only after the
-// work queued on it is done.
-static void *linear_scratch(size_t bytes) {
-    if (bytes <= g_xs_bytes) return g_xs;
-    size_t want = g_xs_bytes * 2 > bytes ? g_xs_bytes * 2 : bytes;
-    if (g_xs) {
+// The scratch buffer s, at least `bytes`. Growing frees the old buffer only after the work queued
+// on it is done (so never while a CUDA graph is being captured: the eager calls before a capture
+// have sized it).
+static void *scratch_get(linear_scratch *s, size_t bytes) {
+    if (bytes <= s->bytes) return s->p;
+    size_t want = s->bytes * 2 > bytes ? s->bytes * 2 : bytes;
+    if (s->p) {
         CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-        CUDA_CHECK(cudaFree(g_xs));
+        CUDA_CHECK(cudaFree(s->p));
     }
-    CUDA_CHECK(cudaMalloc(&g_xs, want));
-    g_xs_bytes = want;
-    return g_xs;
+    CUDA_CHECK(cudaMalloc(&s->p, want));
+    s->bytes = want;
+    return s->p;
 }
 
 static void plan_destroy(linear_plan *p) {
@@ -182,49 +299,377 @@ static linear_plan *plan_get(int T, int N, int Kin, dtype dt, uint16_t aw, uint1
     return p;
 }
 
-// xs[n] = x[n] rounded to nearest even in OUT (__nv_bfloat16 or __half); 4 at a time when x is
-// 16-byte aligned (xs, from cudaMalloc, always is).
+// One cuBLASLt matmul of a plan: y[M, n] = alpha xin[M, Kin] . w[n, Kin]^T + beta y (M, n as in
+// the plan; beta = 0: y is only written).
+static void plan_run(const linear_plan *p, const void *w, const void *xin, float *y, float alpha,
+                     float beta) {
+    LT_CHECK(cublasLtMatmul(g_lt, p->desc, &alpha, w, p->lw, xin, p->lx, &beta, y, p->lout, y,
+                            p->lout, &p->algo, g_workspace, LINEAR_WORKSPACE_BYTES, cuda_stream()));
+}
+
+// ---- x in 16 bits: medium (rounded) and high (hi and lo parts) ----
+
 template <typename OUT> __device__ __forceinline__ OUT narrow(float f);
 template <> __device__ __forceinline__ __nv_bfloat16 narrow(float f) {
     return __float2bfloat16_rn(f);
 }
 template <> __device__ __forceinline__ __half narrow(float f) { return __float2half_rn(f); }
 
-template <typename OUT> struct alignas(8) narrow4 { OUT v[4]; };
+__device__ __forceinline__ float widen(__nv_bfloat16 h) { return __bfloat162float(h); }
+__device__ __forceinline__ float widen(__half h) { return __half2float(h); }
 
-template <typename OUT, bool VEC>
-__global__ void narrow_kernel(OUT *xs, const float *x, int64_t n) {
+template <typename OUT> struct alignas(8) narrow4 {
+    OUT v[4];
+};
+
+// xs[i] = rn(x[i]) in OUT; with lo: also lo[i] = rn((x[i] - xs[i]) * lo_scale), the part of x
+// that xs missed (x - xs is exact in fp32). 4 at a time when x is 16-byte aligned (xs and lo, in
+// the scratch at multiples of 4 elements from its start, then are 8-byte aligned).
+template <typename OUT, bool VEC, bool LO>
+__global__ void narrow_kernel(OUT *xs, OUT *lo, const float *x, int64_t n, float lo_scale) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    auto one = [&](float f, OUT *h, OUT *l) {
+        *h = narrow<OUT>(f);
+        if constexpr (LO) *l = narrow<OUT>(__fmul_rn(__fsub_rn(f, widen(*h)), lo_scale));
+    };
     if constexpr (VEC) {
         for (; i < n / 4; i += stride) {
             const float4 v = ((const float4 *)x)[i];
-            narrow4<OUT> o;
-            o.v[0] = narrow<OUT>(v.x);
-            o.v[1] = narrow<OUT>(v.y);
-            o.v[2] = narrow<OUT>(v.z);
-            o.v[3] = narrow<OUT>(v.w);
-            ((narrow4<OUT> *)xs)[i] = o; // one 8-byte store
+            narrow4<OUT> h, l;
+            one(v.x, &h.v[0], &l.v[0]);
+            one(v.y, &h.v[1], &l.v[1]);
+            one(v.z, &h.v[2], &l.v[2]);
+            one(v.w, &h.v[3], &l.v[3]);
+            ((narrow4<OUT> *)xs)[i] = h; // one 8-byte store
+            if constexpr (LO) ((narrow4<OUT> *)lo)[i] = l;
         }
         i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-        if (i < n) xs[i] = narrow<OUT>(x[i]);
+        if (i < n) one(x[i], &xs[i], LO ? &lo[i] : nullptr);
     } else {
         for (; i < n; i += stride)
-            xs[i] = narrow<OUT>(x[i]);
+            one(x[i], &xs[i], LO ? &lo[i] : nullptr);
     }
 }
 
-template <typename OUT> static void narrow_launch(void *xs, const float *x, int64_t n) {
-    const bool vec = ((uintptr_t)x & 15) == 0;
+template <typename OUT, bool LO>
+static void narrow_launch(void *xs, void *lo, const float *x, int64_t n, float lo_scale) {
+    const bool vec = ((uintptr_t)x & 15) == 0 && (!LO || n % 4 == 0);
     const int64_t work = vec ? (n + 3) / 4 : n;
     int64_t blocks = (work + 255) / 256;
     if (blocks > (1 << 16)) blocks = 1 << 16;
+    if (blocks < 1) blocks = 1;
     if (vec)
-        narrow_kernel<OUT, true><<<(int)blocks, 256, 0, cuda_stream()>>>((OUT *)xs, x, n);
+        narrow_kernel<OUT, true, LO>
+            <<<(int)blocks, 256, 0, cuda_stream()>>>((OUT *)xs, (OUT *)lo, x, n, lo_scale);
     else
-        narrow_kernel<OUT, false><<<(int)blocks, 256, 0, cuda_stream()>>>((OUT *)xs, x, n);
+        narrow_kernel<OUT, false, LO>
+            <<<(int)blocks, 256, 0, cuda_stream()>>>((OUT *)xs, (OUT *)lo, x, n, lo_scale);
     CUDA_CHECK_LAUNCH();
 }
+
+// ---- high precision, larger T: the stacked GEMM ----
+
+// out[t, j] (row stride ldo) = y[t, j] + y[tc + t, j] * lo_inv for y [2 tc, nc]: each token's hi
+// and lo rows of the stacked product. fma of an exact power-of-two scaling: one rounding.
+template <bool VEC>
+__global__ void stack_sum_kernel(float *out, const float *y, int tc, int nc, int64_t ldo,
+                                 float lo_inv) {
+    const int cols = VEC ? nc / 4 : nc;
+    const int64_t n = (int64_t)tc * cols, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t lo_off = (int64_t)tc * nc;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const int64_t t = i / cols;
+        const int j = (int)(i - t * cols);
+        if constexpr (VEC) {
+            const float4 h = ((const float4 *)y)[i], l = ((const float4 *)(y + lo_off))[i];
+            float4 o;
+            o.x = __fmaf_rn(l.x, lo_inv, h.x);
+            o.y = __fmaf_rn(l.y, lo_inv, h.y);
+            o.z = __fmaf_rn(l.z, lo_inv, h.z);
+            o.w = __fmaf_rn(l.w, lo_inv, h.w);
+            *(float4 *)(out + t * ldo + 4 * j) = o;
+        } else {
+            out[t * ldo + j] = __fmaf_rn(y[lo_off + i], lo_inv, y[i]);
+        }
+    }
+}
+
+template <typename OUT>
+static void linear_stacked(float *out, const float *x, const tensor *w, int T, int N, int Kin) {
+    const float lo_scale = std::is_same<OUT, __half>::value ? 2048.0f : 1.0f;
+    const size_t wrow = (size_t)Kin * sizeof(OUT);
+    for (int t0 = 0; t0 < T; t0 += LINEAR_STACK_T) {
+        const int tc = T - t0 < LINEAR_STACK_T ? T - t0 : LINEAR_STACK_T;
+        OUT *xs = (OUT *)scratch_get(&g_xs, (size_t)2 * tc * wrow);
+        narrow_launch<OUT, true>(xs, xs + (size_t)tc * Kin, x + (int64_t)t0 * Kin,
+                                 (int64_t)tc * Kin, lo_scale);
+        // rows of w per GEMM: all of them, or a multiple of 128 that keeps y under the budget
+        int64_t nc = (int64_t)(LINEAR_STACK_BYTES / ((size_t)8 * tc)) / 128 * 128;
+        if (nc < 128) nc = 128;
+        if (nc > N) nc = N;
+        float *y = (float *)scratch_get(&g_ys, (size_t)2 * tc * nc * sizeof(float));
+        for (int n0 = 0; n0 < N; n0 += (int)nc) {
+            const int ncur = N - n0 < nc ? N - n0 : (int)nc;
+            const void *wb = (const char *)w->data + (size_t)n0 * wrow;
+            const linear_plan *p =
+                plan_get(2 * tc, ncur, Kin, w->dtype, ptr_align(wb), ptr_align(xs), ptr_align(y));
+            plan_run(p, wb, xs, y, 1.0f, 0.0f);
+            float *o = out + (int64_t)t0 * N + n0;
+            const bool vec = ncur % 4 == 0 && N % 4 == 0 && ((uintptr_t)o & 15) == 0;
+            const int64_t work = (int64_t)tc * (vec ? ncur / 4 : ncur);
+            int64_t blocks = (work + 255) / 256;
+            if (blocks > (1 << 16)) blocks = 1 << 16;
+            if (vec)
+                stack_sum_kernel<true>
+                    <<<(int)blocks, 256, 0, cuda_stream()>>>(o, y, tc, ncur, N, 1.0f / lo_scale);
+            else
+                stack_sum_kernel<false>
+                    <<<(int)blocks, 256, 0, cuda_stream()>>>(o, y, tc, ncur, N, 1.0f / lo_scale);
+            CUDA_CHECK_LAUNCH();
+        }
+    }
+}
+
+// Prefill: out = w hi, then out += w lo in the second GEMM's epilogue (beta = 1). The weights are
+// read twice, which costs little once the GEMM is bound by the tensor cores, and no fp32 scratch
+// is written and read back.
+template <typename OUT>
+static void linear_two_gemms(float *out, const float *x, const tensor *w, int T, int N, int Kin) {
+    const float lo_scale = std::is_same<OUT, __half>::value ? 2048.0f : 1.0f;
+    const int64_t n = (int64_t)T * Kin;
+    OUT *xs = (OUT *)scratch_get(&g_xs, (size_t)2 * n * sizeof(OUT));
+    narrow_launch<OUT, true>(xs, xs + n, x, n, lo_scale);
+    const uint16_t aw = ptr_align(w->data), ao = ptr_align(out);
+    // each plan is used before the next plan_get, which may take its slot
+    plan_run(plan_get(T, N, Kin, w->dtype, aw, ptr_align(xs), ao), w->data, xs, out, 1.0f, 0.0f);
+    plan_run(plan_get(T, N, Kin, w->dtype, aw, ptr_align(xs + n), ao), w->data, xs + n, out,
+             1.0f / lo_scale, 1.0f);
+}
+
+// ---- high precision, small T: the decode kernel ----
+
+// Rows per row group for a token tile of TT (R x TT accumulators per lane: x is reused across R
+// rows from registers, and 64 accumulators is as many as leave room for the weights in flight),
+// and weight vectors per row loaded ahead (U x R 16-byte loads in flight per lane).
+template <int TT> struct decode_shape {
+    static constexpr int R = TT <= 2 ? 2 : TT <= 16 ? 4 : 2;
+    static constexpr int V = R * TT; // accumulators per lane, a power of two
+    static constexpr int U = 8 / R;
+    // blocks per multiprocessor the registers must allow (64 and 128 registers a thread): all the
+    // blocks of q_proj (N 4096) in one wave at T <= 8
+    static constexpr int MIN_BLOCKS = TT <= 2 ? 4 : TT <= 8 ? 2 : 1;
+    static constexpr int LOG_V = V >= 64   ? 6
+                                 : V >= 32 ? 5
+                                 : V >= 16 ? 4
+                                 : V >= 8  ? 3
+                                 : V >= 4  ? 2
+                                           : 1;
+};
+
+// 16 bytes of weights that are read once: no L1 allocation, so x keeps L1 for itself.
+__device__ __forceinline__ uint4 ld_weights16(const void *p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// Two 16-bit weights (element 2i in the low half) as fp32, exactly.
+template <typename W> __device__ __forceinline__ float2 widen2(uint32_t u);
+template <> __device__ __forceinline__ float2 widen2<__nv_bfloat16>(uint32_t u) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 widen2<__half>(uint32_t u) {
+    return __half22float2(*reinterpret_cast<const __half2 *>(&u));
+}
+
+// One level of the warp's pairwise sums, lanes paired by xor (16 >> LVL). While a lane holds
+// cnt >= 2 values it keeps one half (by its lane bit) and sends the other: a reduce-scatter, after
+// which lane l holds the outputs from l * V / 32 on (V >= 32) or output l >> (5 - log2 V)
+// (V < 32; the lanes that differ in the low bits hold copies). Each output's pairings are those
+// of the plain butterfly, so its bits do not depend on V.
+template <int V, int LVL> __device__ __forceinline__ void warp_sums(float *acc, int lane) {
+    if constexpr (LVL < 5) {
+        constexpr int m = 16 >> LVL, cnt = V >> LVL;
+        if constexpr (cnt >= 2) {
+            const bool upper = lane & m;
+#pragma unroll
+            for (int i = 0; i < cnt / 2; i++) {
+                const float send = upper ? acc[i] : acc[i + cnt / 2];
+                const float keep = upper ? acc[i + cnt / 2] : acc[i];
+                acc[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, m));
+            }
+        } else {
+            acc[0] = __fadd_rn(acc[0], __shfl_xor_sync(0xffffffffu, acc[0], m));
+        }
+        warp_sums<V, LVL + 1>(acc, lane);
+    }
+}
+
+// out[T, N] = x[T, Kin] . w[N, Kin]^T for T <= TT, fp32 FMAs on widened 16-bit weights.
+// Block: DECODE_WARPS warps = DECODE_WARPS / wpr row groups of R rows; a row group's 32 wpr lanes
+// split Kin in 8-wide vectors (lane s of the group: vectors s, s + 32 wpr, ...). The order of
+// every sum is in the file's header. VEC: 16-byte loads (Kin % 8 == 0, x and w 16-byte aligned);
+// otherwise element loads with k >= Kin read as zeros, in the same order.
+template <typename W, int TT, bool VEC>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCKS)
+    decode_kernel(float *__restrict__ out, const float *__restrict__ x,
+                  const uint16_t *__restrict__ w, int T, int N, int Kin, int wpr) {
+    using shape = decode_shape<TT>;
+    constexpr int R = shape::R, V = shape::V, U = shape::U;
+    __shared__ float red[DECODE_WARPS][V]; // per warp, its lane sums (wpr > 1)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int groups = DECODE_WARPS / wpr, group = warp / wpr;
+    const int n0 = (blockIdx.x * groups + group) * R; // the group's first row
+    const int lanes = 32 * wpr, slice = (warp - group * wpr) * 32 + lane;
+    const int nvec = (Kin + 7) >> 3;
+
+    float acc[V]; // [R][TT]
+#pragma unroll
+    for (int i = 0; i < V; i++)
+        acc[i] = 0.0f;
+
+    for (int v0 = slice; v0 < nvec; v0 += lanes * U) {
+        uint4 wv[U][R]; // all loads first: U x R in flight
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int v = v0 + u * lanes, n = n0 + r;
+                uint4 q = make_uint4(0, 0, 0, 0);
+                if (v < nvec && n < N) {
+                    const uint16_t *p = w + (int64_t)n * Kin + (int64_t)v * 8;
+                    if constexpr (VEC) {
+                        q = ld_weights16(p);
+                    } else {
+                        uint32_t e[8];
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            e[j] = v * 8 + j < Kin ? p[j] : 0u;
+                        q = make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16,
+                                       e[6] | e[7] << 16);
+                    }
+                }
+                wv[u][r] = q;
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int v = v0 + u * lanes;
+            if (v >= nvec) break;
+            float wf[R][8];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const uint32_t q[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    const float2 f = widen2<W>(q[h]);
+                    wf[r][2 * h] = f.x;
+                    wf[r][2 * h + 1] = f.y;
+                }
+            }
+            const float *xv = x + (int64_t)v * 8;
+#pragma unroll
+            for (int t = 0; t < TT; t++) {
+                // Tokens T..TT-1 of the tile read token T - 1 and sum into accumulators that are
+                // never stored: no branch on T, so the loads of all tokens can be in flight
+                // together.
+                float xf[8];
+                const float *xt = xv + (int64_t)(t < T ? t : T - 1) * Kin;
+                if constexpr (VEC) {
+                    const float4 a = __ldg((const float4 *)xt), b = __ldg((const float4 *)xt + 1);
+                    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
+                    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        xf[j] = v * 8 + j < Kin ? __ldg(xt + j) : 0.0f;
+                }
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        acc[r * TT + t] = __fmaf_rn(xf[j], wf[r][j], acc[r * TT + t]);
+            }
+        }
+    }
+
+    warp_sums<V, 0>(acc, lane);
+
+    // output o = r * TT + t of row group g: row (blockIdx.x * groups + g) * R + r, token t
+    auto store = [&](int g, int o, float val) {
+        const int n = (blockIdx.x * groups + g) * R + o / TT, t = o % TT;
+        if (t < T && n < N) out[(int64_t)t * N + n] = val;
+    };
+    constexpr int PER = V >= 32 ? V / 32 : 1; // outputs held per lane
+    constexpr int SHIFT = V >= 32 ? 0 : 5 - shape::LOG_V;
+    const bool holder = V >= 32 || (lane & ((1 << SHIFT) - 1)) == 0;
+    const int o0 = V >= 32 ? lane * PER : lane >> SHIFT;
+    if (wpr == 1) {
+        if (holder)
+#pragma unroll
+            for (int i = 0; i < PER; i++)
+                store(group, o0 + i, acc[i]);
+        return;
+    }
+    if (holder)
+#pragma unroll
+        for (int i = 0; i < PER; i++)
+            red[warp][o0 + i] = acc[i];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < groups * V; idx += blockDim.x) {
+        const int g = idx / V, o = idx - g * V;
+        float s = red[g * wpr][o];
+        for (int q = 1; q < wpr; q++) // the group's warps in order
+            s = __fadd_rn(s, red[g * wpr + q][o]);
+        store(g, o, s);
+    }
+}
+
+// Warps per row group, from N and Kin only: doubled from 1 while N * wpr < 8192 (blocks =
+// N wpr / (8 R): from 8192 on, 512 blocks at R = 2 and 256 at R = 4) and each lane keeps at least
+// one vector; at most 8. N = 512 gets 8: 256 blocks at R = 2, 128 at R = 4.
+static int decode_wpr(int N, int Kin) {
+    int wpr = 1;
+    while (wpr < DECODE_WARPS && (int64_t)N * wpr < 8192 && Kin >= 512 * wpr)
+        wpr *= 2;
+    return wpr;
+}
+
+template <typename W, int TT>
+static void decode_launch_tt(float *out, const float *x, const void *w, int T, int N, int Kin) {
+    const int wpr = decode_wpr(N, Kin);
+    const int rows = DECODE_WARPS / wpr * decode_shape<TT>::R; // per block
+    const int blocks = (int)(((int64_t)N + rows - 1) / rows);
+    const bool vec = Kin % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
+    if (vec)
+        decode_kernel<W, TT, true><<<blocks, DECODE_WARPS * 32, 0, cuda_stream()>>>(
+            out, x, (const uint16_t *)w, T, N, Kin, wpr);
+    else
+        decode_kernel<W, TT, false><<<blocks, DECODE_WARPS * 32, 0, cuda_stream()>>>(
+            out, x, (const uint16_t *)w, T, N, Kin, wpr);
+    CUDA_CHECK_LAUNCH();
+}
+
+template <typename W>
+static void decode_launch(float *out, const float *x, const void *w, int T, int N, int Kin) {
+    static_assert(LINEAR_DECODE_TT_MAX == 32, "the token tiles below");
+    if (T <= 1)
+        decode_launch_tt<W, 1>(out, x, w, T, N, Kin);
+    else if (T <= 2)
+        decode_launch_tt<W, 2>(out, x, w, T, N, Kin);
+    else if (T <= 4)
+        decode_launch_tt<W, 4>(out, x, w, T, N, Kin);
+    else if (T <= 8)
+        decode_launch_tt<W, 8>(out, x, w, T, N, Kin);
+    else if (T <= 16)
+        decode_launch_tt<W, 16>(out, x, w, T, N, Kin);
+    else
+        decode_launch_tt<W, 32>(out, x, w, T, N, Kin);
+}
+
+// ---- the op ----
 
 void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin) {
     if (T <= 0 || N <= 0) return;
@@ -238,26 +683,44 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
         cuda_fail(__FILE__, __LINE__, "linear", msg);
     }
     MS_ASSERT(tensor_numel(w) == (int64_t)N * Kin);
-    cudaStream_t s = cuda_stream();
     if (Kin <= 0) { // an empty sum, as the CPU writes it
-        CUDA_CHECK(cudaMemsetAsync(out, 0, (size_t)T * N * sizeof(float), s));
+        CUDA_CHECK(cudaMemsetAsync(out, 0, (size_t)T * N * sizeof(float), cuda_stream()));
         return;
     }
     if (!g_lt) linear_init();
+    const bool bf16 = w->dtype == DTYPE_BF16;
 
-    const void *xin = x;
-    if (w->dtype != DTYPE_F32) {
+    if (w->dtype != DTYPE_F32 && g_precision == MATMUL_PRECISION_HIGH) {
+        if (T <= decode_max_t(N, Kin)) {
+            if (bf16)
+                decode_launch<__nv_bfloat16>(out, x, w->data, T, N, Kin);
+            else
+                decode_launch<__half>(out, x, w->data, T, N, Kin);
+        } else if (T <= stack_max_t(Kin)) {
+            if (bf16)
+                linear_stacked<__nv_bfloat16>(out, x, w, T, N, Kin);
+            else
+                linear_stacked<__half>(out, x, w, T, N, Kin);
+        } else {
+            if (bf16)
+                linear_two_gemms<__nv_bfloat16>(out, x, w, T, N, Kin);
+            else
+                linear_two_gemms<__half>(out, x, w, T, N, Kin);
+        }
+        return;
+    }
+
+    const void *xin = x; // F32 weights: x as it is
+    if (w->dtype != DTYPE_F32) { // medium: x rounded to the weight's dtype
         const int64_t n = (int64_t)T * Kin;
-        void *xs = linear_scratch((size_t)n * 2);
-        if (w->dtype == DTYPE_BF16)
-            narrow_launch<__nv_bfloat16>(xs, x, n);
+        void *xs = scratch_get(&g_xs, (size_t)n * 2);
+        if (bf16)
+            narrow_launch<__nv_bfloat16, false>(xs, nullptr, x, n, 1.0f);
         else
-            narrow_launch<__half>(xs, x, n);
+            narrow_launch<__half, false>(xs, nullptr, x, n, 1.0f);
         xin = xs;
     }
-    linear_plan *p =
+    const linear_plan *p =
         plan_get(T, N, Kin, w->dtype, ptr_align(w->data), ptr_align(xin), ptr_align(out));
-    const float alpha = 1.0f, beta = 0.0f;
-    LT_CHECK(cublasLtMatmul(g_lt, p->desc, &alpha, w->data, p->lw, xin, p->lx, &beta, out, p->lout,
-                            out, p->lout, &p->algo, g_workspace, LINEAR_WORKSPACE_BYTES, s));
+    plan_run(p, w->data, xin, out, 1.0f, 0.0f);
 }
