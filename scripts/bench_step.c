@@ -10,8 +10,9 @@
  * own step core; the median is reported with the forward pass alone. The floor of a step is the
  * bytes it must read over the device's measured bandwidth: every dense weight (attention, router,
  * norms, lm_head), the experts the batch touches (expected distinct experts per layer under
- * uniform routing, E (1 - (1 - K/E)^B)), and the KV cache of every sequence. Bandwidth: one 1 GiB
- * device-to-device copy (bytes read + written over time), measured in the same run.
+ * uniform routing, E (1 - (1 - K/E)^B)), and the KV cache of every sequence, over the device's
+ * bandwidth: one 1 GiB device-to-device copy (bytes read + written over its time), measured in the
+ * same run.
  * Prefill: P prompts of --prefill-len tokens through steps of at most --chunk tokens; tokens/s. */
 #include <math.h>
 #include <stdio.h>
@@ -197,7 +198,8 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             puts("usage: bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]\n"
                  "       [--batches 1,8,64,256] [--context 1024] [--steps 16]\n"
-                 "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]");
+                 "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
+                 "       [--matmul-precision high|medium]");
             return 0;
         }
         if (!v) {
@@ -214,6 +216,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--steps")) steps = atoi(v);
         else if (!strcmp(a, "--prefill-len")) prefill_len = atoi(v);
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
+        else if (!strcmp(a, "--matmul-precision")) {
+            char e2[256];
+            if (ops_cuda_set_matmul_precision(v, e2, sizeof e2)) {
+                fprintf(stderr, "bench_step: %s\n", e2);
+                return 2;
+            }
+        }
         else {
             fprintf(stderr, "bench_step: unknown flag %s\n", a);
             return 2;
@@ -241,8 +250,9 @@ int main(int argc, char **argv) {
     }
     o->sync();
     const model_config *c = &m->cfg;
-    printf("model %s (%s weights) on %s, loaded in %.1f s\n", model_path,
-           lo.dummy ? "dummy" : "checkpoint", o->name, now() - t0);
+    printf("model %s (%s weights) on %s, matmul precision %s, loaded in %.1f s\n", model_path,
+           lo.dummy ? "dummy" : "checkpoint", o->name,
+           ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH ? "high" : "medium", now() - t0);
     double bw = copy_bandwidth(o);
     if (bw > 0) printf("device copy bandwidth: %.0f GB/s (read + write)\n", bw);
 
@@ -287,7 +297,7 @@ int main(int argc, char **argv) {
         qsort(t_fwd, steps, sizeof(double), cmp_double);
         double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
         double bytes = decode_floor_bytes(c, B, context + steps / 2, sizeof(float));
-        double floor_s = bw > 0 ? bytes / (bw * 1e9 / 2.0) : 0;
+        double floor_s = bw > 0 ? bytes / (bw * 1e9) : 0;
         printf("%6d %10.3f %10.3f %10.0f %12.2f %10.3f %8.2f\n", B, step * 1e3, fwd * 1e3,
                B / step, bytes / 1e9, floor_s * 1e3, floor_s > 0 ? step / floor_s : 0);
         free(t_step);

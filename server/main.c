@@ -79,6 +79,8 @@ static const char usage_generate[] =
     "  --return-logprob         add input_token_logprobs and output_token_logprobs to meta_info\n"
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
+    "  --matmul-precision P     CUDA GEMM inputs: high (default: faithful to fp32 activations)\n"
+    "                           or medium (activations rounded to BF16: faster prefill)\n"
     "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
     "                           weights from config.json alone (give --input-ids)\n"
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
@@ -93,6 +95,8 @@ static const char usage_serve[] =
     "  --host ADDR                   address to listen on (default 127.0.0.1)\n"
     "  --port N                      TCP port (default 30000; 0 = any free port)\n"
     "  --device cpu|cuda             where the model runs (default cpu)\n"
+    "  --matmul-precision P          CUDA GEMM inputs: high (default; faithful to the fp32\n"
+    "                                activations) or medium (rounded to BF16; faster prefill)\n"
     "  --max-running-requests N      requests decoded together at most (default 64)\n"
     "  --max-total-tokens N          KV cache capacity in tokens (default: 4 full contexts or\n"
     "                                65536 tokens, whichever is more, within a quarter of RAM)\n"
@@ -246,7 +250,7 @@ static int cmd_generate(int argc, char **argv) {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
     int threads = 0;
-    const char *device = "cpu", *load_format = "auto";
+    const char *device = "cpu", *load_format = "auto", *precision = "high";
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
     for (int i = 0; i < argc; i++) {
@@ -306,6 +310,8 @@ static int cmd_generate(int argc, char **argv) {
             device = v;
         else if (!strcmp(a, "--load-format"))
             load_format = v;
+        else if (!strcmp(a, "--matmul-precision"))
+            precision = v;
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -329,6 +335,8 @@ static int cmd_generate(int argc, char **argv) {
 
     char err[2048];
     const ops *backend = ops_cpu();
+    if (ops_cuda_set_matmul_precision(precision, err, sizeof err))
+        die("--matmul-precision: %s", err);
     if (!strcmp(device, "cuda")) {
         backend = ops_cuda(0, err, sizeof err);
         if (!backend) die("--device cuda: %s", err);
@@ -541,6 +549,7 @@ static int cmd_serve(int argc, char **argv) {
                      .log_level = "info",
                      .max_body_bytes = 16u << 20,
                      .load_balance = true};
+    char err0[256];
     log_threshold = LOG_LEVEL_INFO;
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i];
@@ -568,6 +577,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--host",
                                                  "--port",
                                                  "--device",
+                                                 "--matmul-precision",
                                                  "--max-running-requests",
                                                  "--max-total-tokens",
                                                  "--chunked-prefill-size",
@@ -600,6 +610,10 @@ static int cmd_serve(int argc, char **argv) {
             a.port = (int)parse_long(f, v, 0, 65535);
         else if (!strcmp(f, "--device"))
             a.device = v;
+        else if (!strcmp(f, "--matmul-precision")) {
+            if (ops_cuda_set_matmul_precision(v, err0, sizeof err0))
+                die("--matmul-precision: %s", err0);
+        }
         else if (!strcmp(f, "--max-running-requests"))
             a.max_running_requests = (int)parse_long(f, v, 1, 1 << 16);
         else if (!strcmp(f, "--max-total-tokens"))
