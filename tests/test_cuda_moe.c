@@ -1,4 +1,4 @@
-/* CUDA moe_experts against the CPU reference, and its speed.
+/* CUDA moe_experts against the CPU reference, in both matmul precisions, and its speed.
  *
  * ops_cuda()->prepare_experts + ->moe_experts on device buffers against ops_cpu()->moe_experts on
  * the same host tensors: random BF16 expert weights (windows at different offsets into one random
@@ -9,26 +9,44 @@
  * weights), the tiny test model's (E=8, D=64, F=64, K=2), Qwen3-30B-A3B's (E=128, D=2048, F=768,
  * K=8) and a DeepSeek-V3-like one (E=256, D=7168, F=2048, K=8) where memory allows. Large batches
  * are compared on a spread subset of their tokens (a token's result does not depend on the others).
+ * Every case runs in both precisions (ops_cuda_set_matmul_precision "high" and "medium") on the
+ * same inputs against one CPU reference.
  *
- * Tolerance. The GPU rounds x and the hidden h = silu(g) * u to BF16 (8 significant bits: relative
- * error <= 2^-8 each, about 2^-8 / sqrt(3) = 2.3e-3 rms); the CPU keeps both in fp32; both read the
- * same BF16 weights and accumulate in fp32. The roundings enter dot products of random-sign terms,
- * so an output element's error spreads like 3e-3 to 4e-3 of its row's rms (x's rounding reaches y
- * through g and u, h's directly), and the largest of D of them stays within about 4 to 5 spreads
- * (1.2e-2 to 1.5e-2 seen on the shapes with D >= 64, up to 1.9e-2 with D = 40). Allowed:
- * max |gpu - cpu| over a row <= 2^-5 * rms(cpu row). F32 / F16 weights are rounded to BF16 in the
- * device copy while the CPU reads them as they are: a third rounding, in every term of both dot
- * products (2.5e-2 seen at D = 40): allowed 2^-4 * rms. Exact: skipped rows keep their sentinel bit for bit;
- * a token run alone gives bit-identical rows (batch invariance, across tile shapes); the same call
- * twice gives bit-identical output.
+ * Tolerance, medium. The GPU rounds x and the hidden h = silu(g) * u to BF16 (8 significant bits:
+ * relative error <= 2^-8 each, about 2^-8 / sqrt(3) = 2.3e-3 rms); the CPU keeps both in fp32; both
+ * read the same BF16 weights and accumulate in fp32. The roundings enter dot products of
+ * random-sign terms, so an output element's error spreads like 3e-3 to 4e-3 of its row's rms (x's
+ * rounding reaches y through g and u, h's directly), and the largest of D of them stays within
+ * about 4 to 5 spreads (1.2e-2 to 1.5e-2 seen on the shapes with D >= 64, up to 1.9e-2 with
+ * D = 40). Allowed: max |gpu - cpu| over a row <= 2^-5 * rms(cpu row).
  *
- * Timing (CUDA events on the backend's stream, after warm-up, median): microseconds per call; for
- * decode sizes the bytes of expert weights the routing touches (busy experts x 3 F D x 2) over the
- * time, against the device copy bandwidth measured here (cudaMemcpyAsync device to device of 1 GiB,
- * bytes read + written); routings rotate among 8 sets so the weights do not sit in L2. For T = 4096
- * with balanced routing: TFLOP/s (6 T K D F flops) beside cuBLAS run per expert on the same
- * grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then down, 2 E launches; it gets its
- * tokens pre-gathered and does no SiLU, gather or scatter).
+ * Tolerance, high. x and h travel as hi + lo, two BF16 numbers; what is left is lo's rounding,
+ * <= 2^-8 |a - hi| <= 2^-16 |a|: at most 2^-8 of medium's error per element, typically less since
+ * |a - hi| spreads below its bound. Medium's largest seen, 1.9e-2, scaled by 2^-8 is 7.4e-5:
+ * allowed 2^-13 (1.2e-4) for it, medium's 2^-5 scaled by 2^-8. At this level the sums count too:
+ * the tensor cores add each k16 step into the accumulator with truncation toward zero (up to an
+ * ulp, 2^-23 of |acc|, per step, on average half of it, biased, so it grows with the steps, unlike
+ * the CPU's rounding to nearest). That error reaches g and u in D/16 steps, y in F/16 more, both g
+ * and u enter h, and a row's largest element sits about 4 rms out: allowed 2^-21 (8 x 2^-24) of the
+ * row rms per step. Together: 2^-13 + (D + F) / 16 * 2^-21 of the row rms; 1.2e-4 at D = 40, 2.1e-4
+ * for Qwen3-30B-A3B, 4.0e-4 for the DeepSeek-V3-like shape. A model of these sums (exact products,
+ * fp32 accumulator truncated per k16 step) gave 2.9e-5, 2.9e-5 and 8.9e-5 on random data; seen on
+ * the H200: 3.0e-5 (small, tiny), 3.6e-5 and 8.9e-5, against medium's 1.9e-2, 1.5e-2 and 1.4e-2.
+ *
+ * F32 / F16 weights are rounded to BF16 in the device copy while the CPU reads them as they are: a
+ * rounding in every term of both dot products, the same in both precisions (2.5e-2 seen at D = 40
+ * in medium): allowed 2^-4 * rms in both. Exact in both: skipped rows keep their sentinel bit for
+ * bit; a token run alone gives bit-identical rows (batch invariance, across tile shapes); the same
+ * call twice gives bit-identical output.
+ *
+ * Timing (CUDA events on the backend's stream, after warm-up, median), both precisions side by side
+ * on the same inputs: microseconds per call; for decode sizes the bytes of expert weights the
+ * routing touches (busy experts x 3 F D x 2) over the time, against the device copy bandwidth
+ * measured here (cudaMemcpyAsync device to device of 1 GiB, bytes read + written); routings rotate
+ * among 8 sets so the weights do not sit in L2. For T = 4096 with balanced routing: TFLOP/s
+ * (6 T K D F flops, the useful ones: high does twice the tensor work for them) beside cuBLAS run
+ * per expert on the same grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then down, 2 E
+ * launches; it gets its tokens pre-gathered and does no SiLU, gather or scatter).
  *
  *   test_cuda_moe           everything
  *   test_cuda_moe --small   only the small and tiny shapes (quick; for compute-sanitizer)
@@ -85,12 +103,52 @@ int cublasGemmEx(cublasHandle_t h, int transa, int transb, int m, int n, int k, 
 /* kernels/cuda/cuda_ops.h: the stream every op of the backend runs on. */
 cudaStream_t cuda_stream(void);
 
-#define TOL_ROW_RMS           0.03125 /* 2^-5: BF16 weights, x and h rounded */
-#define TOL_ROW_RMS_CONVERTED 0.0625  /* 2^-4: F32 / F16 weights rounded to BF16 as well */
+#define TOL_ROW_RMS_HIGH      (1.0 / 8192)    /* 2^-13: BF16 weights, x and h as hi + lo ... */
+#define TOL_ROW_RMS_HIGH_STEP (1.0 / 2097152) /* ... plus 2^-21 per k16 step of both GEMMs */
+#define TOL_ROW_RMS_MEDIUM    0.03125         /* 2^-5: BF16 weights, x and h rounded */
+#define TOL_ROW_RMS_CONVERTED 0.0625          /* 2^-4: F32 / F16 weights rounded to BF16 as well */
 #define SENTINEL    (-7.25f)
 #define POOL_SPREAD (1 << 20) /* elements past one matrix that expert windows start within */
+#define N_PRECISIONS          2
 
 static const ops *gpu, *cpu;
+
+/* ---- the two precisions, indexed by matmul_precision ---- */
+
+static const char *precision_name[N_PRECISIONS] = {"high", "medium"};
+
+static void set_precision(matmul_precision p) {
+    char err[256] = "";
+    if (ops_cuda_set_matmul_precision(precision_name[p], err, sizeof err) != 0) {
+        fprintf(stderr, "FAIL: ops_cuda_set_matmul_precision(%s): %s\n", precision_name[p], err);
+        printf("%d passed, %d failed\n", check_passed, check_failed + 1);
+        exit(1);
+    }
+}
+
+/* The worst max|gpu - cpu| / rms per shape and precision, for the summary. */
+typedef struct {
+    char name[32];
+    double worst[N_PRECISIONS];
+    int cases;
+} worst_row;
+
+static worst_row worst_rows[16];
+static int n_worst_rows;
+
+static void note_worst(const char *name, matmul_precision p, double w) {
+    int i = 0;
+    while (i < n_worst_rows && strcmp(worst_rows[i].name, name) != 0)
+        i++;
+    if (i == n_worst_rows) {
+        if (n_worst_rows == (int)(sizeof worst_rows / sizeof worst_rows[0])) return;
+        memset(&worst_rows[i], 0, sizeof worst_rows[i]);
+        snprintf(worst_rows[i].name, sizeof worst_rows[i].name, "%s", name);
+        n_worst_rows++;
+    }
+    if (w > worst_rows[i].worst[p]) worst_rows[i].worst[p] = w;
+    worst_rows[i].cases += p == MATMUL_PRECISION_HIGH;
+}
 
 /* ---- random inputs ---- */
 
@@ -309,143 +367,178 @@ static bool is_sentinel_row(const float *row, int D) {
     return true;
 }
 
-/* One batch: the GPU over all T tokens against the CPU on up to max_check tokens spread over the
- * batch (first and last included); skipped rows, batch invariance (token T-1 alone) and, when
- * repeat, a second identical call. Returns the worst max|err| / rms over the compared rows. */
-static double run_case(const model *m, int T, int mode, double skip, int max_check, bool repeat) {
+/* The high precision's tolerance on a row, over its rms (see the header). */
+static double tol_high(const model *m) {
+    return TOL_ROW_RMS_HIGH + (double)(m->D + m->F) / 16 * TOL_ROW_RMS_HIGH_STEP;
+}
+
+/* Compares the GPU's rows (out[T, K, D]) of the checked tokens tok[ns] with the CPU's (ref[ns, K,
+ * D], slots is[ns, K]); prints the first mismatches. Returns the worst max|err| / rms over the rows
+ * and counts the rows over tol * rms into *n_bad, the rows compared into *n_rows. */
+static double compare_rows(const model *m, const char *what, int T, const float *out,
+                           const float *ref, const int32_t *is, const int *tok, int ns, double tol,
+                           int *n_rows, int *n_bad) {
+    const int K = m->K, D = m->D;
+    double worst = 0.0;
+    *n_rows = *n_bad = 0;
+    for (int i = 0; i < ns; i++)
+        for (int k = 0; k < K; k++) {
+            if (is[i * K + k] < 0) continue;
+            const float *r = ref + ((size_t)i * K + k) * D;
+            const float *g = out + ((size_t)tok[i] * K + k) * D;
+            double ss = 0.0, err = 0.0;
+            int at = 0;
+            for (int d = 0; d < D; d++) {
+                ss += (double)r[d] * r[d];
+                const double e = fabs((double)g[d] - r[d]);
+                if (!(e <= err)) {
+                    err = e;
+                    at = d;
+                }
+            }
+            const double rms = sqrt(ss / D);
+            const double ratio = err / rms;
+            (*n_rows)++;
+            if (!(ratio <= worst)) worst = ratio;
+            if (!(err <= tol * rms)) {
+                if (*n_bad < 5)
+                    fprintf(stderr,
+                            "  mismatch %s %s T=%d t=%d k=%d expert %d d=%d: gpu %.9g cpu %.9g "
+                            "(row rms %.4g)\n",
+                            m->name, what, T, tok[i], k, is[i * K + k], at, g[at], r[at], rms);
+                (*n_bad)++;
+            }
+        }
+    return worst;
+}
+
+/* One batch, in each precision on the same inputs: the GPU over all T tokens against the CPU
+ * (computed once) on up to max_check tokens spread over the batch (first and last included);
+ * skipped rows, batch invariance (token T-1 alone) and, when repeat, a second identical call.
+ * worst[p] (when not NULL) = the worst max|err| / rms over the compared rows in precision p. The
+ * precision is left at high, the default. */
+static void run_case(const model *m, int T, int mode, double skip, int max_check, bool repeat,
+                     double *worst) {
     const int K = m->K, D = m->D;
     const int64_t n_pairs = (int64_t)T * K;
-    const double tol = m->dt == DTYPE_BF16 ? TOL_ROW_RMS : TOL_ROW_RMS_CONVERTED;
     float *x = xmalloc(((size_t)T * D + 1) * sizeof(float));
     int32_t *ids = xmalloc(((size_t)n_pairs + 1) * sizeof(int32_t));
     float *out = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
     for (int64_t i = 0; i < (int64_t)T * D; i++)
         x[i] = rng_uniform();
     make_routing(ids, T, K, m->E, mode, skip);
-    gpu_moe(m, out, x, ids, T);
-
-    /* every row: skipped ones keep the sentinel, computed ones are finite */
-    int64_t bad_skip = 0, bad_kept = 0;
-    for (int64_t p = 0; p < n_pairs; p++) {
-        const float *row = out + p * D;
-        if (ids[p] < 0) {
-            bad_skip += !is_sentinel_row(row, D);
-        } else {
-            bool ok = !is_sentinel_row(row, D);
-            for (int d = 0; d < D && ok; d++)
-                ok = isfinite(row[d]);
-            bad_kept += !ok;
-        }
-    }
-    CHECK(bad_skip == 0, "%s T=%d %s: %lld skipped rows were written", m->name, T,
-          route_name[mode], (long long)bad_skip);
-    CHECK(bad_kept == 0, "%s T=%d %s: %lld computed rows unwritten or not finite", m->name, T,
-          route_name[mode], (long long)bad_kept);
 
     /* the CPU reference on a spread subset of the tokens */
-    double worst = 0.0;
-    int n_rows = 0, n_bad = 0;
     const int ns = T < max_check ? T : max_check;
-    if (ns > 0) {
-        float *xs = xmalloc((size_t)ns * D * sizeof(float));
-        int32_t *is = xmalloc((size_t)ns * K * sizeof(int32_t));
-        float *ref = xmalloc((size_t)ns * K * D * sizeof(float));
-        int *tok = xmalloc((size_t)ns * sizeof(int));
-        for (int i = 0; i < ns; i++) {
-            tok[i] = ns == 1 ? T - 1 : (int)((int64_t)i * (T - 1) / (ns - 1));
-            memcpy(xs + (size_t)i * D, x + (size_t)tok[i] * D, (size_t)D * sizeof(float));
-            memcpy(is + (size_t)i * K, ids + (size_t)tok[i] * K, (size_t)K * sizeof(int32_t));
-        }
-        for (size_t i = 0; i < (size_t)ns * K * D; i++)
-            ref[i] = SENTINEL;
-        cpu->moe_experts(ref, xs, is, &m->w, ns, K, D, m->F);
-        for (int i = 0; i < ns; i++)
-            for (int k = 0; k < K; k++) {
-                if (is[i * K + k] < 0) continue;
-                const float *r = ref + ((size_t)i * K + k) * D;
-                const float *g = out + ((size_t)tok[i] * K + k) * D;
-                double ss = 0.0, err = 0.0;
-                int at = 0;
-                for (int d = 0; d < D; d++) {
-                    ss += (double)r[d] * r[d];
-                    const double e = fabs((double)g[d] - r[d]);
-                    if (!(e <= err)) {
-                        err = e;
-                        at = d;
-                    }
-                }
-                const double rms = sqrt(ss / D);
-                const double ratio = err / rms;
-                n_rows++;
-                if (!(ratio <= worst)) worst = ratio;
-                if (!(err <= tol * rms)) {
-                    if (n_bad < 5)
-                        fprintf(stderr,
-                                "  mismatch %s T=%d t=%d k=%d expert %d d=%d: gpu %.6g cpu %.6g "
-                                "(row rms %.4g)\n",
-                                m->name, T, tok[i], k, is[i * K + k], at, g[at], r[at], rms);
-                    n_bad++;
-                }
-            }
-        free(xs);
-        free(is);
-        free(ref);
-        free(tok);
+    float *xs = xmalloc(((size_t)ns * D + 1) * sizeof(float));
+    int32_t *is = xmalloc(((size_t)ns * K + 1) * sizeof(int32_t));
+    float *ref = xmalloc(((size_t)ns * K * D + 1) * sizeof(float));
+    int *tok = xmalloc(((size_t)ns + 1) * sizeof(int));
+    for (int i = 0; i < ns; i++) {
+        tok[i] = ns == 1 ? T - 1 : (int)((int64_t)i * (T - 1) / (ns - 1));
+        memcpy(xs + (size_t)i * D, x + (size_t)tok[i] * D, (size_t)D * sizeof(float));
+        memcpy(is + (size_t)i * K, ids + (size_t)tok[i] * K, (size_t)K * sizeof(int32_t));
     }
-    CHECK(n_bad == 0, "%s T=%d %s skip %.2f: %d of %d rows over %.3g * rms (worst %.3g)", m->name,
-          T, route_name[mode], skip, n_bad, n_rows, tol, worst);
+    for (size_t i = 0; i < (size_t)ns * K * D; i++)
+        ref[i] = SENTINEL;
+    if (ns > 0) cpu->moe_experts(ref, xs, is, &m->w, ns, K, D, m->F);
 
-    /* batch invariance: the last token alone gives the same bits */
-    if (T > 1) {
-        float *one = xmalloc((size_t)K * D * sizeof(float));
-        gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
-        CHECK(memcmp(one, out + (size_t)(T - 1) * K * D, (size_t)K * D * sizeof(float)) == 0,
-              "%s T=%d %s: token T-1 alone differs from its rows in the batch", m->name, T,
-              route_name[mode]);
-        free(one);
+    for (int pi = 0; pi < N_PRECISIONS; pi++) {
+        const matmul_precision p = (matmul_precision)pi;
+        const char *pn = precision_name[p];
+        const double tol = m->dt != DTYPE_BF16          ? TOL_ROW_RMS_CONVERTED
+                           : p == MATMUL_PRECISION_HIGH ? tol_high(m)
+                                                        : TOL_ROW_RMS_MEDIUM;
+        set_precision(p);
+        gpu_moe(m, out, x, ids, T);
+
+        /* every row: skipped ones keep the sentinel, computed ones are finite */
+        int64_t bad_skip = 0, bad_kept = 0;
+        for (int64_t q = 0; q < n_pairs; q++) {
+            const float *row = out + q * D;
+            if (ids[q] < 0) {
+                bad_skip += !is_sentinel_row(row, D);
+            } else {
+                bool ok = !is_sentinel_row(row, D);
+                for (int d = 0; d < D && ok; d++)
+                    ok = isfinite(row[d]);
+                bad_kept += !ok;
+            }
+        }
+        CHECK(bad_skip == 0, "%s %s T=%d %s: %lld skipped rows were written", m->name, pn, T,
+              route_name[mode], (long long)bad_skip);
+        CHECK(bad_kept == 0, "%s %s T=%d %s: %lld computed rows unwritten or not finite", m->name,
+              pn, T, route_name[mode], (long long)bad_kept);
+
+        int n_rows = 0, n_bad = 0;
+        const double w = compare_rows(m, pn, T, out, ref, is, tok, ns, tol, &n_rows, &n_bad);
+        CHECK(n_bad == 0, "%s %s T=%d %s skip %.2f: %d of %d rows over %.3g * rms (worst %.3g)",
+              m->name, pn, T, route_name[mode], skip, n_bad, n_rows, tol, w);
+        if (worst) worst[p] = w;
+        note_worst(m->name, p, w);
+
+        /* batch invariance: the last token alone gives the same bits */
+        if (T > 1) {
+            float *one = xmalloc((size_t)K * D * sizeof(float));
+            gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
+            CHECK(memcmp(one, out + (size_t)(T - 1) * K * D, (size_t)K * D * sizeof(float)) == 0,
+                  "%s %s T=%d %s: token T-1 alone differs from its rows in the batch", m->name, pn,
+                  T, route_name[mode]);
+            free(one);
+        }
+        /* run to run: the same call gives the same bits */
+        if (repeat) {
+            float *again = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
+            gpu_moe(m, again, x, ids, T);
+            CHECK(memcmp(again, out, (size_t)n_pairs * D * sizeof(float)) == 0,
+                  "%s %s T=%d %s: a second identical call differs", m->name, pn, T,
+                  route_name[mode]);
+            free(again);
+        }
+        printf("  %-16s %-6s T=%-5d %-8s skip %.2f: worst max|gpu-cpu|/rms %.2e (tol %.2e) over "
+               "%d rows of %d tokens\n",
+               m->name, pn, T, route_name[mode], skip, w, tol, n_rows, ns);
     }
-    /* run to run: the same call gives the same bits */
-    if (repeat) {
-        float *again = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
-        gpu_moe(m, again, x, ids, T);
-        CHECK(memcmp(again, out, (size_t)n_pairs * D * sizeof(float)) == 0,
-              "%s T=%d %s: a second identical call differs", m->name, T, route_name[mode]);
-        free(again);
-    }
-    printf("  %-14s T=%-5d %-8s skip %.2f: worst max|gpu-cpu|/rms %.2e (tol %.2e) over %d rows "
-           "of %d tokens\n",
-           m->name, T, route_name[mode], skip, worst, tol, n_rows, ns);
+    set_precision(MATMUL_PRECISION_HIGH);
+    free(xs);
+    free(is);
+    free(ref);
+    free(tok);
     free(x);
     free(ids);
     free(out);
-    return worst;
 }
 
-/* T = 0 and every slot skipped leave out untouched. */
+/* T = 0 and every slot skipped leave out untouched, in both precisions. */
 static void run_empty_cases(const model *m) {
     const int K = m->K, D = m->D, T = 5;
     float *x = xmalloc((size_t)T * D * sizeof(float)), *out = xmalloc((size_t)T * K * D * 4);
     int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+    float *dout = dev_alloc_checked((size_t)T * K * D * 4);
     for (int i = 0; i < T * D; i++)
         x[i] = rng_uniform();
-    make_routing(ids, T, K, m->E, ROUTE_NONE, 0.0);
-    gpu_moe(m, out, x, ids, T);
-    bool all = true;
-    for (int p = 0; p < T * K; p++)
-        all = all && is_sentinel_row(out + (size_t)p * D, D);
-    CHECK(all, "%s: every slot skipped: out was written", m->name);
-    gpu_moe(m, out, x, ids, 0); /* T = 0: nothing to do, nothing touched */
-    float *dout = dev_alloc_checked((size_t)T * K * D * 4);
-    for (int i = 0; i < T * K * D; i++)
-        out[i] = SENTINEL;
-    gpu->to_device(dout, out, (size_t)T * K * D * 4);
-    make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
-    gpu->moe_experts(dout, x /* not read */, ids /* not read */, &m->w, 0, K, D, m->F);
-    gpu->to_host(out, dout, (size_t)T * K * D * 4);
-    all = true;
-    for (int p = 0; p < T * K; p++)
-        all = all && is_sentinel_row(out + (size_t)p * D, D);
-    CHECK(all, "%s: T = 0 wrote to out", m->name);
+    for (int pi = 0; pi < N_PRECISIONS; pi++) {
+        const char *pn = precision_name[pi];
+        set_precision((matmul_precision)pi);
+        make_routing(ids, T, K, m->E, ROUTE_NONE, 0.0);
+        gpu_moe(m, out, x, ids, T);
+        bool all = true;
+        for (int p = 0; p < T * K; p++)
+            all = all && is_sentinel_row(out + (size_t)p * D, D);
+        CHECK(all, "%s %s: every slot skipped: out was written", m->name, pn);
+        gpu_moe(m, out, x, ids, 0); /* T = 0: nothing to do, nothing touched */
+        for (int i = 0; i < T * K * D; i++)
+            out[i] = SENTINEL;
+        gpu->to_device(dout, out, (size_t)T * K * D * 4);
+        make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
+        gpu->moe_experts(dout, x /* not read */, ids /* not read */, &m->w, 0, K, D, m->F);
+        gpu->to_host(out, dout, (size_t)T * K * D * 4);
+        all = true;
+        for (int p = 0; p < T * K; p++)
+            all = all && is_sentinel_row(out + (size_t)p * D, D);
+        CHECK(all, "%s %s: T = 0 wrote to out", m->name, pn);
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
     gpu->dev_free(dout);
     free(x);
     free(out);
@@ -457,8 +550,9 @@ static void run_empty_cases(const model *m) {
 typedef struct {
     char label[48];
     int T;
-    double us, weight_gb, gbs, pct, tflops;   /* ours */
-    double cublas_us, cublas_tflops;          /* per-expert cuBLAS (prefill rows only) */
+    double weight_gb; /* expert weights the routing touches */
+    double us[N_PRECISIONS], gbs[N_PRECISIONS], pct[N_PRECISIONS], tflops[N_PRECISIONS]; /* ours */
+    double cublas_us, cublas_tflops; /* per-expert cuBLAS (prefill rows only) */
 } timing_row;
 
 static timing_row rows[32];
@@ -528,7 +622,8 @@ static void moe_once(void *c, int i) {
                      mc->T, m->K, m->D, m->F);
 }
 
-/* Times moe_experts at T tokens over n_sets routings of the given mode; adds a timing row. */
+/* Times moe_experts at T tokens over n_sets routings of the given mode, in each precision on the
+ * same inputs; adds a timing row. The precision is left at high. */
 static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int iters) {
     const int K = m->K, D = m->D;
     const size_t nx = (size_t)T * D, ni = (size_t)T * K;
@@ -546,22 +641,25 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
                  dev_alloc_checked(ni * n_sets * 4), T, n_sets};
     gpu->to_device(c.x, x_h, nx * 4);
     gpu->to_device(c.ids, ids_h, ni * n_sets * 4);
-    const float ms = time_median(moe_once, &c, 3, iters);
+    timing_row *r = &rows[n_rows++];
+    memset(r, 0, sizeof *r);
+    snprintf(r->label, sizeof r->label, "%s %s", m->name, route_name[mode]);
+    r->T = T;
+    r->weight_gb = busy * 3.0 * m->F * m->D * 2 / 1e9;
+    for (int p = 0; p < N_PRECISIONS; p++) {
+        set_precision((matmul_precision)p);
+        const float ms = time_median(moe_once, &c, 3, iters);
+        r->us[p] = ms * 1e3;
+        r->gbs[p] = r->weight_gb / (ms * 1e-3);
+        r->pct[p] = 100.0 * r->gbs[p] / copy_gbs;
+        r->tflops[p] = 6.0 * T * K * (double)D * m->F / (ms * 1e-3) / 1e12;
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
     gpu->dev_free(c.out);
     gpu->dev_free(c.x);
     gpu->dev_free(c.ids);
     free(x_h);
     free(ids_h);
-
-    timing_row *r = &rows[n_rows++];
-    memset(r, 0, sizeof *r);
-    snprintf(r->label, sizeof r->label, "%s %s", m->name, route_name[mode]);
-    r->T = T;
-    r->us = ms * 1e3;
-    r->weight_gb = busy * 3.0 * m->F * m->D * 2 / 1e9;
-    r->gbs = r->weight_gb / (ms * 1e-3);
-    r->pct = 100.0 * r->gbs / copy_gbs;
-    r->tflops = 6.0 * T * K * (double)D * m->F / (ms * 1e-3) / 1e12;
     return r;
 }
 
@@ -627,19 +725,51 @@ static void time_cublas(const model *m, int T, timing_row *r) {
 static void print_timings(void) {
     printf("\ndevice copy bandwidth (1 GiB device to device, read + write): %.0f GB/s\n",
            copy_gbs);
-    printf("%-26s %6s %10s %10s %9s %7s %9s %12s %10s\n", "moe_experts", "T", "us", "weight GB",
-           "GB/s", "% copy", "TFLOP/s", "cuBLAS/exp us", "TFLOP/s");
+    printf("%-26s %5s %9s | %-31s | %-31s | %6s | %s\n", "", "", "", "medium (x, h in BF16)",
+           "high (x, h as BF16 hi + lo)", "high /", "cuBLAS per expert");
+    printf("%-26s %5s %9s | %8s %6s %6s %8s | %8s %6s %6s %8s | %6s | %8s %8s\n", "moe_experts",
+           "T", "weight GB", "us", "GB/s", "% copy", "TFLOP/s", "us", "GB/s", "% copy", "TFLOP/s",
+           "medium", "us", "TFLOP/s");
     for (int i = 0; i < n_rows; i++) {
         const timing_row *r = &rows[i];
-        printf("%-26s %6d %10.1f %10.3f %9.0f %6.1f%% %9.1f", r->label, r->T, r->us, r->weight_gb,
-               r->gbs, r->pct, r->tflops);
-        if (r->cublas_us > 0)
-            printf(" %12.1f %10.1f", r->cublas_us, r->cublas_tflops);
+        const int M = MATMUL_PRECISION_MEDIUM, H = MATMUL_PRECISION_HIGH;
+        printf("%-26s %5d %9.3f | %8.1f %6.0f %5.1f%% %8.1f | %8.1f %6.0f %5.1f%% %8.1f | %6.2f |",
+               r->label, r->T, r->weight_gb, r->us[M], r->gbs[M], r->pct[M], r->tflops[M], r->us[H],
+               r->gbs[H], r->pct[H], r->tflops[H], r->us[H] / r->us[M]);
+        if (r->cublas_us > 0) printf(" %8.1f %8.1f", r->cublas_us, r->cublas_tflops);
         printf("\n");
     }
 }
 
+static void print_worst(void) {
+    printf("\nworst max|gpu - cpu| / row rms per shape (tolerance: high %.2e + %.2e per k16 step, "
+           "medium %.2e, F32 / F16 weights %.2e in both)\n",
+           TOL_ROW_RMS_HIGH, TOL_ROW_RMS_HIGH_STEP, TOL_ROW_RMS_MEDIUM, TOL_ROW_RMS_CONVERTED);
+    printf("%-18s %6s %10s %10s %8s\n", "shape", "cases", "high", "medium", "ratio");
+    for (int i = 0; i < n_worst_rows; i++) {
+        const worst_row *w = &worst_rows[i];
+        const double h = w->worst[MATMUL_PRECISION_HIGH], md = w->worst[MATMUL_PRECISION_MEDIUM];
+        printf("%-18s %6d %10.2e %10.2e %8.0f\n", w->name, w->cases, h, md, h > 0 ? md / h : 0.0);
+    }
+}
+
 /* ---- the shapes ---- */
+
+/* The process-wide setting: high by default, each name selects its precision, others refused. */
+static void test_precision_setting(void) {
+    char err[256] = "";
+    CHECK(ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH, "the default precision is high");
+    CHECK(ops_cuda_set_matmul_precision("medium", err, sizeof err) == 0 &&
+              ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM,
+          "medium selected (%s)", err);
+    err[0] = '\0';
+    CHECK(ops_cuda_set_matmul_precision("low", err, sizeof err) != 0 && err[0] &&
+              ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM,
+          "an unknown name is refused and changes nothing (%s)", err);
+    CHECK(ops_cuda_set_matmul_precision("high", err, sizeof err) == 0 &&
+              ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH,
+          "high selected (%s)", err);
+}
 
 static void test_prepare_errors(void) {
     model m;
@@ -655,13 +785,15 @@ static void test_small(void) {
     model m;
     model_init(&m, "small", 3, 40, 24, 2, DTYPE_BF16);
     if (model_prepare(&m) == 0) {
-        double worst = 0;
+        double worst[N_PRECISIONS] = {0}, w[N_PRECISIONS];
         for (int T = 1; T <= 37; T++) {
-            const double w = run_case(&m, T, ROUTE_RANDOM, T % 2 ? 0.0 : 0.2, 64, T == 37);
-            if (w > worst) worst = w;
+            run_case(&m, T, ROUTE_RANDOM, T % 2 ? 0.0 : 0.2, 64, T == 37, w);
+            for (int p = 0; p < N_PRECISIONS; p++)
+                if (w[p] > worst[p]) worst[p] = w[p];
         }
-        printf("  small: T = 1..37 worst %.2e\n", worst);
-        run_case(&m, 64, ROUTE_ONE, 0.1, 64, true);
+        printf("  small: T = 1..37 worst high %.2e, medium %.2e\n", worst[MATMUL_PRECISION_HIGH],
+               worst[MATMUL_PRECISION_MEDIUM]);
+        run_case(&m, 64, ROUTE_ONE, 0.1, 64, true, NULL);
         run_empty_cases(&m);
     }
     model_free(&m);
@@ -669,8 +801,8 @@ static void test_small(void) {
     for (int i = 0; i < 2; i++) {
         model_init(&m, i ? "small-f16" : "small-f32", 3, 40, 24, 2, other[i]);
         if (model_prepare(&m) == 0) {
-            run_case(&m, 17, ROUTE_RANDOM, 0.0, 64, false);
-            run_case(&m, 150, ROUTE_RANDOM, 0.2, 150, false);
+            run_case(&m, 17, ROUTE_RANDOM, 0.0, 64, false, NULL);
+            run_case(&m, 150, ROUTE_RANDOM, 0.2, 150, false, NULL);
         }
         model_free(&m);
     }
@@ -682,12 +814,12 @@ static void test_tiny(void) {
     if (model_prepare(&m) == 0) {
         const int Ts[] = {1, 2, 7, 64, 96, 300, 500, 1000};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 1000, true);
-        run_case(&m, 77, ROUTE_RANDOM, 0.3, 1000, true);
-        run_case(&m, 600, ROUTE_RANDOM, 0.5, 1000, true);
-        run_case(&m, 200, ROUTE_ONE, 0.0, 200, true);
-        run_case(&m, 1000, ROUTE_ONE, 0.2, 1000, true);
-        run_case(&m, 512, ROUTE_BALANCED, 0.0, 512, true);
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 1000, true, NULL);
+        run_case(&m, 77, ROUTE_RANDOM, 0.3, 1000, true, NULL);
+        run_case(&m, 600, ROUTE_RANDOM, 0.5, 1000, true, NULL);
+        run_case(&m, 200, ROUTE_ONE, 0.0, 200, true, NULL);
+        run_case(&m, 1000, ROUTE_ONE, 0.2, 1000, true, NULL);
+        run_case(&m, 512, ROUTE_BALANCED, 0.0, 512, true, NULL);
         run_empty_cases(&m);
     }
     model_free(&m);
@@ -699,14 +831,14 @@ static void test_qwen3(bool compare) {
     if (model_prepare(&m) == 0 && compare) {
         const int Ts[] = {1, 8, 64, 256, 1024, 2048};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256);
-        run_case(&m, 64, ROUTE_RANDOM, 0.25, 64, true);
-        run_case(&m, 256, ROUTE_ONE, 0.0, 32, false);
-        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 32, false);
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256, NULL);
+        run_case(&m, 64, ROUTE_RANDOM, 0.25, 64, true, NULL);
+        run_case(&m, 256, ROUTE_ONE, 0.0, 32, false, NULL);
+        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 32, false, NULL);
         run_empty_cases(&m);
     }
     if (m.w.gate_up) {
-        const int Tt[] = {1, 8, 64, 256, 2048};
+        const int Tt[] = {1, 8, 64, 256, 1024}; /* 1024: the middle tile shape */
         for (size_t i = 0; i < sizeof Tt / sizeof Tt[0]; i++)
             time_moe(&m, Tt[i], ROUTE_RANDOM, 8, Tt[i] <= 256 ? 50 : 10);
         time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 10));
@@ -727,9 +859,9 @@ static void test_deepseek(void) {
     model m;
     model_init(&m, "deepseek-v3-like", E, D, F, K, DTYPE_BF16);
     if (model_prepare(&m) == 0) {
-        run_case(&m, 1, ROUTE_RANDOM, 0.0, 1, false);
-        run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, false);
-        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 16, false);
+        run_case(&m, 1, ROUTE_RANDOM, 0.0, 1, false, NULL);
+        run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, false, NULL);
+        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 16, false, NULL);
         time_moe(&m, 1, ROUTE_RANDOM, 8, 50);
         time_moe(&m, 64, ROUTE_RANDOM, 8, 20);
         time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 5));
@@ -749,6 +881,7 @@ int main(int argc, char **argv) {
     }
     cpu = ops_cpu();
     if (!timing_only) {
+        test_precision_setting();
         test_prepare_errors();
         test_small();
         test_tiny();
@@ -759,6 +892,7 @@ int main(int argc, char **argv) {
         if (!timing_only) test_deepseek();
         print_timings();
     }
+    if (!timing_only) print_worst();
     CHECK_SUMMARY();
 }
 
