@@ -73,6 +73,8 @@ typedef struct ops {
     int (*prepare_experts)(moe_experts *w, char *err, size_t errlen);
     /* Wait for every queued kernel (the CPU returns at once). */
     void (*sync)(void);
+    /* Free and total bytes of the device's memory (the CPU: available and physical RAM). */
+    void (*mem_info)(size_t *free_bytes, size_t *total_bytes);
 
     /* out[n, D] = x[rows[i], :] (rows on the device). */
     void (*gather_rows)(float *out, const float *x, const int32_t *rows, int n, int D);

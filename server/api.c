@@ -789,6 +789,13 @@ static cJSON *api_peer_state(api_server *a, int r, const rank_report *rep, doubl
 
 static void api_server_info(api_server *a, http_exchange *x) {
     const server_args *g = &a->args;
+    /* The KV pool as built (on a GPU it is sized from free memory after the weights load). */
+    double max_tokens = g->max_total_tokens;
+    if (a->sched) {
+        scheduler_stats pool;
+        scheduler_get_stats(a->sched, &pool);
+        max_tokens = (double)pool.kv_pages_total * g->page_size;
+    }
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "model_path", g->model_path);
     cJSON_AddStringToObject(o, "tokenizer_path", a->tokenizer_path);
@@ -798,7 +805,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddStringToObject(o, "device", g->device);
     cJSON_AddNumberToObject(o, "context_length", g->context_length);
     cJSON_AddNumberToObject(o, "max_running_requests", g->max_running_requests);
-    cJSON_AddNumberToObject(o, "max_total_tokens", g->max_total_tokens);
+    cJSON_AddNumberToObject(o, "max_total_tokens", max_tokens);
     cJSON_AddNumberToObject(o, "chunked_prefill_size", g->chunked_prefill_size);
     cJSON_AddNumberToObject(o, "page_size", g->page_size);
     cJSON_AddBoolToObject(o, "disable_radix_cache", g->disable_radix_cache);
@@ -820,7 +827,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "ep_size", world);
     cJSON_AddNumberToObject(o, "stream_interval", 1);
     cJSON_AddBoolToObject(o, "skip_tokenizer_init", false);
-    cJSON_AddNumberToObject(o, "max_total_num_tokens", g->max_total_tokens);
+    cJSON_AddNumberToObject(o, "max_total_num_tokens", max_tokens);
     cJSON_AddNumberToObject(o, "max_req_input_len", g->context_length - 1);
     cJSON *states = cJSON_AddArrayToObject(o, "internal_states");
     rank_report *reports = NULL;

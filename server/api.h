@@ -48,6 +48,7 @@ typedef struct {
     int tp, dp, ep;              /* SGLang's flags, 0 = not given; checked against the world */
     bool enable_dp_attention;
     double dist_timeout; /* seconds a rank waits for its peers before giving up */
+    double mem_fraction_static; /* share of the device's memory for weights + KV pool; 0 = default */
 } server_args;
 
 typedef struct api_server api_server;

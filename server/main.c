@@ -99,7 +99,11 @@ static const char usage_serve[] =
     "                                activations) or medium (rounded to BF16; faster prefill)\n"
     "  --max-running-requests N      requests decoded together at most (default 64)\n"
     "  --max-total-tokens N          KV cache capacity in tokens (default: 4 full contexts or\n"
-    "                                65536 tokens, whichever is more, within a quarter of RAM)\n"
+    "                                65536 tokens, whichever is more, within a quarter of RAM;\n"
+    "                                on a GPU: from --mem-fraction-static)\n"
+    "  --mem-fraction-static F       share of the device's memory for the weights and the KV\n"
+    "                                pool together, in (0, 1) (default 0.85 on a GPU; on the\n"
+    "                                CPU only when given)\n"
     "  --chunked-prefill-size N      prompt tokens per engine step, all requests (default 512)\n"
     "  --context-length N            prompt + output limit per request (default: the model's\n"
     "                                max_position_embeddings, also the largest allowed)\n"
@@ -539,6 +543,30 @@ static long long serve_phys_bytes(void) {
     return pages > 0 && size > 0 ? (long long)pages * size : 8LL << 30;
 }
 
+/* SGLang's --mem-fraction-static: weights + KV pool take this share of the device's memory; what
+ * the weights left of it goes to the pool (the rest stays for activations and workspaces). */
+static int serve_kv_tokens(const server_args *a, const ops *o, long long kv_bytes_per_token) {
+    double frac = a->mem_fraction_static > 0 ? a->mem_fraction_static : 0.85;
+    size_t free_b = 0, total_b = 0;
+    o->sync();
+    o->mem_info(&free_b, &total_b);
+    double used = (double)total_b - (double)free_b;
+    double pool = (double)total_b * frac - used;
+    long long tokens = pool > 0 ? (long long)(pool / (double)kv_bytes_per_token) : 0;
+    tokens -= tokens % a->page_size;
+    if (tokens < (long long)a->context_length + a->page_size)
+        die("--mem-fraction-static %g: %.1f GiB of the %s's %.1f GiB, %.1f GiB already in use "
+            "(the weights and everything else), leaves room for %lld KV tokens, fewer than one full context (%d): raise "
+            "it, or lower --context-length",
+            frac, (double)total_b * frac / (1 << 30), o->name, (double)total_b / (1 << 30),
+            used / (1 << 30), tokens, a->context_length);
+    if (tokens > INT_MAX / 2) tokens = INT_MAX / 2;
+    LOG_INFO("serve", "KV pool: %lld tokens (%.1f GiB) in %.2f of the %s's %.1f GiB", tokens,
+             (double)tokens * (double)kv_bytes_per_token / (1 << 30), frac, o->name,
+             (double)total_b / (1 << 30));
+    return (int)tokens;
+}
+
 static int cmd_serve(int argc, char **argv) {
     server_args a = {.host = "127.0.0.1",
                      .port = 30000,
@@ -578,6 +606,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--port",
                                                  "--device",
                                                  "--matmul-precision",
+                                                 "--mem-fraction-static",
                                                  "--max-running-requests",
                                                  "--max-total-tokens",
                                                  "--chunked-prefill-size",
@@ -610,7 +639,11 @@ static int cmd_serve(int argc, char **argv) {
             a.port = (int)parse_long(f, v, 0, 65535);
         else if (!strcmp(f, "--device"))
             a.device = v;
-        else if (!strcmp(f, "--matmul-precision")) {
+        else if (!strcmp(f, "--mem-fraction-static")) {
+            float x = parse_float(f, v);
+            if (!(x > 0 && x < 1)) die("--mem-fraction-static: %g is outside (0, 1)", x);
+            a.mem_fraction_static = x;
+        } else if (!strcmp(f, "--matmul-precision")) {
             if (ops_cuda_set_matmul_precision(v, err0, sizeof err0))
                 die("--matmul-precision: %s", err0);
         }
@@ -698,7 +731,10 @@ static int cmd_serve(int argc, char **argv) {
     long long kv_bytes_per_token = 2LL * cfg.num_hidden_layers * cfg.num_key_value_heads *
                                    cfg.head_dim * (long long)sizeof(float);
     long long budget = serve_phys_bytes() / 4 / (kv_bytes_per_token > 0 ? kv_bytes_per_token : 1);
-    if (!a.max_total_tokens) {
+    /* On a GPU, or with --mem-fraction-static, the pool is sized after the weights are loaded. */
+    bool size_after_load = !a.max_total_tokens && (a.mem_fraction_static > 0 ||
+                                                   !strcmp(a.device, "cuda"));
+    if (!a.max_total_tokens && !size_after_load) {
         long long want = 4LL * a.context_length > 65536 ? 4LL * a.context_length : 65536;
         if (want > budget) want = budget;
         if (want < a.context_length + a.page_size) {
@@ -711,7 +747,7 @@ static int cmd_serve(int argc, char **argv) {
         if (want > INT_MAX / 2) want = INT_MAX / 2;
         a.max_total_tokens = (int)want;
     }
-    if (a.max_total_tokens < a.context_length)
+    if (a.max_total_tokens && a.max_total_tokens < a.context_length)
         die("--max-total-tokens %d: below --context-length %d, so a full-length request could "
             "never fit; raise it or lower --context-length",
             a.max_total_tokens, a.context_length);
@@ -758,6 +794,8 @@ static int cmd_serve(int argc, char **argv) {
     }
     model *m = model_load_ep(a.model_path, backend, rank, world, err, sizeof err);
     if (!m) die("%s", err);
+    if (size_after_load)
+        a.max_total_tokens = serve_kv_tokens(&a, backend, kv_bytes_per_token);
     a2a *all_to_all = NULL;
     if (world > 1 && cfg.num_experts > 0) {
         a2a_config ac = {.transport = transport,

@@ -262,6 +262,43 @@ static void test_bad_inputs(void) {
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
                          "--max-new-tokens 100000"),
                  "context length", NULL);
+    expect_error("bad --matmul-precision",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
+                         "--matmul-precision low"),
+                 "--matmul-precision", "low", NULL);
+    expect_error("bad --load-format",
+                 run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
+                         "--load-format pt"),
+                 "--load-format", "pt", NULL);
+    expect_error("--mem-fraction-static outside (0, 1)",
+                 run(BIN " serve --model-path models/tiny-qwen3-moe --mem-fraction-static 1.5"),
+                 "--mem-fraction-static", NULL);
+    expect_error("--mem-fraction-static too small for one context",
+                 run(BIN " serve --model-path models/tiny-qwen3-moe --port 0 "
+                         "--mem-fraction-static 0.0001"),
+                 "--mem-fraction-static", "full context", NULL);
+}
+
+/* --load-format dummy: a model from config.json alone; its weights are the same on every run
+ * (seeded by name), so two runs give the same tokens. */
+static void test_dummy(void) {
+    const char *cmd = BIN " generate --model-path tests/data/tiny-qwen3-moe --load-format dummy "
+                          "--input-ids 1,2,3,4,5 --max-new-tokens 6 --temperature 0";
+    run_result a = run("%s", cmd), b = run("%s", cmd);
+    CHECK(a.status == 0 && b.status == 0, "dummy generate runs (exit %d, %d): %s", a.status,
+          b.status, a.err);
+    cJSON *ja = cJSON_Parse(a.out), *jb = cJSON_Parse(b.out);
+    cJSON *ia = cJSON_GetObjectItem(ja, "output_ids"), *ib = cJSON_GetObjectItem(jb, "output_ids");
+    CHECK(cJSON_GetArraySize(ia) == 6, "dummy generate gives 6 tokens");
+    char *sa = cJSON_PrintUnformatted(ia), *sb = cJSON_PrintUnformatted(ib);
+    CHECK(sa && sb && !strcmp(sa, sb), "dummy weights are the same on every run (%s vs %s)", sa,
+          sb);
+    free(sa);
+    free(sb);
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    run_free(&a);
+    run_free(&b);
 }
 
 static void test_generate_features(void) {
@@ -377,6 +414,7 @@ int main(void) {
     test_reference("tests/data/reference-tiny-qwen3-moe.json");
     test_reference("tests/data/reference-default.json");
     test_bad_inputs();
+    test_dummy();
     test_generate_features();
     run_result r = run("rm -rf %s", tmpdir);
     run_free(&r);

@@ -2,6 +2,7 @@
  * reference the CUDA kernels are tested against and the backend of machines without a GPU.
  * Its "device" is host memory: the memory ops are malloc and memcpy. */
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/cpu/cpu_ops.h"
 
@@ -16,6 +17,13 @@ static void cpu_dev_zero(void *p, size_t bytes) {
 static int cpu_upload(tensor *t, char *err, size_t errlen) { return 0; }
 static int cpu_prepare_experts(moe_experts *w, char *err, size_t errlen) { return 0; }
 static void cpu_sync(void) {}
+
+static void cpu_mem_info(size_t *free_bytes, size_t *total_bytes) {
+    long page = sysconf(_SC_PAGE_SIZE), avail = sysconf(_SC_AVPHYS_PAGES);
+    long phys = sysconf(_SC_PHYS_PAGES);
+    *free_bytes = page > 0 && avail > 0 ? (size_t)avail * (size_t)page : 0;
+    *total_bytes = page > 0 && phys > 0 ? (size_t)phys * (size_t)page : 0;
+}
 
 static void cpu_gather_rows(float *out, const float *x, const int32_t *rows, int n, int D) {
     for (int i = 0; i < n; i++)
@@ -45,6 +53,7 @@ static const ops cpu_ops_table = {
     .upload = cpu_upload,
     .prepare_experts = cpu_prepare_experts,
     .sync = cpu_sync,
+    .mem_info = cpu_mem_info,
     .gather_rows = cpu_gather_rows,
     .fill_random = cpu_fill_random,
     .embedding = cpu_embedding,

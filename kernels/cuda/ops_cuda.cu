@@ -53,6 +53,10 @@ static void cuda_dev_zero(void *p, size_t bytes) {
 
 static void cuda_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
 
+static void cuda_mem_info(size_t *free_bytes, size_t *total_bytes) {
+    CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
 static int cuda_upload(tensor *t, char *err, size_t errlen) {
     if (t->device == DEVICE_CUDA) return 0;
     size_t bytes = tensor_nbytes(t);
@@ -119,6 +123,7 @@ static const ops cuda_ops_table = {
     .upload = cuda_upload,
     .prepare_experts = cuda_prepare_experts,
     .sync = cuda_sync,
+    .mem_info = cuda_mem_info,
     .gather_rows = cuda_gather_rows,
     .fill_random = cuda_fill_random,
     .embedding = cuda_embedding,
