@@ -327,6 +327,33 @@ int engine_check_request(const engine *e, const gen_request *q, int context_leng
     return 0;
 }
 
+int engine_plan_step(engine *e, engine_seq *seqs, int n, engine_seq **batch, char *err,
+                     size_t errlen) {
+    int S = e->kv.page_size, n_batch = 0, budget = e->chunk_tokens;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < n; i++) {
+            engine_seq *s = &seqs[i];
+            int left = s->n_tokens - s->n_computed;
+            bool decode = s->n_computed >= s->req->n_prompt;
+            if (s->finish != FINISH_NONE || left == 0 || decode != (pass == 0)) continue;
+            int cnt = decode ? left : (left < budget ? left : budget);
+            if (cnt <= 0) continue;
+            if (!decode) budget -= cnt;
+            int need_pages = (s->n_computed + cnt + S - 1) / S;
+            while (s->n_pages < need_pages) {
+                int32_t p = kv_cache_alloc_page(&e->kv);
+                if (p < 0)
+                    return set_err(err, errlen, "KV cache: out of pages (%d of %d tokens)",
+                                   e->kv.n_pages, S);
+                s->pages[s->n_pages++] = p;
+            }
+            s->take = cnt;
+            batch[n_batch++] = s;
+        }
+    }
+    return n_batch;
+}
+
 int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int n, char *err,
                     size_t errlen) {
     const model_config *c = &e->m->cfg;
@@ -362,35 +389,14 @@ int engine_generate(engine *e, const gen_request *reqs, gen_result *results, int
     }
 
     for (;;) {
-        /* Build the step: decode tokens first (they always fit), then prompt chunks. */
-        int n_batch = 0, budget = e->chunk_tokens;
-        for (int pass = 0; pass < 2; pass++) {
-            for (int i = 0; i < n; i++) {
-                engine_seq *s = &seqs[i];
-                int left = s->n_tokens - s->n_computed;
-                bool decode = s->n_computed >= s->req->n_prompt;
-                if (s->finish != FINISH_NONE || left == 0 || decode != (pass == 0)) continue;
-                int cnt = decode ? left : (left < budget ? left : budget);
-                if (cnt <= 0) continue;
-                if (!decode) budget -= cnt;
-                int need_pages = (s->n_computed + cnt + S - 1) / S;
-                while (s->n_pages < need_pages) {
-                    int32_t p = kv_cache_alloc_page(&e->kv);
-                    if (p < 0) {
-                        rc = set_err(err, errlen, "KV cache: out of pages (%d of %d tokens)",
-                                     e->kv.n_pages, S);
-                        goto done;
-                    }
-                    s->pages[s->n_pages++] = p;
-                }
-                s->take = cnt;
-                batch[n_batch++] = s;
-            }
+        int n_batch = engine_plan_step(e, seqs, n, batch, err, errlen);
+        if (n_batch < 0) {
+            rc = -1;
+            break;
         }
         if (n_batch == 0) break;
         engine_step(e, batch, n_batch, page_table, max_pages);
     }
-done:
     for (int i = 0; i < n; i++) {
         engine_seq *s = &seqs[i];
         for (int j = 0; j < s->n_pages; j++)

@@ -120,6 +120,13 @@ void engine_free(engine *e);
 int engine_check_request(const engine *e, const gen_request *q, int context_length, char *err,
                          size_t errlen);
 
+/* The next step of a fixed set of sequences (engine_generate's, a benchmark's): decode tokens
+ * first (they always fit), then prompt chunks under chunk_tokens, each sequence given the pages
+ * its tokens need from the cache. Fills batch[] and every take; returns the batch's size (0: all
+ * finished), or -1 with a message when the pages run out. */
+int engine_plan_step(engine *e, engine_seq *seqs, int n, engine_seq **batch, char *err,
+                     size_t errlen);
+
 /* Run n requests together to completion; results[i] answers reqs[i] (free with
  * gen_result_free). Returns 0, or -1 with a message when a request cannot fit (context length,
  * KV pages). */

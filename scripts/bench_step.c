@@ -138,35 +138,18 @@ static void set_free(bench_set *b) {
     free(b->table);
 }
 
-/* One step: decode tokens of every sequence, then prompt chunks under chunk tokens. Returns the
- * tokens forwarded (0: all done). */
-static int set_step(bench_set *b, int chunk) {
-    engine *e = b->e;
-    int S = e->kv.page_size, n_batch = 0, budget = chunk;
-    for (int pass = 0; pass < 2; pass++)
-        for (int i = 0; i < b->n; i++) {
-            engine_seq *s = &b->seqs[i];
-            int left = s->n_tokens - s->n_computed;
-            bool decode = s->n_computed >= s->req->n_prompt;
-            if (s->finish != FINISH_NONE || left == 0 || decode != (pass == 0)) continue;
-            int cnt = decode ? left : (left < budget ? left : budget);
-            if (cnt <= 0) continue;
-            if (!decode) budget -= cnt;
-            while (s->n_pages < (s->n_computed + cnt + S - 1) / S) {
-                int32_t p = kv_cache_alloc_page(&e->kv);
-                if (p < 0) {
-                    fprintf(stderr, "bench_step: out of KV pages\n");
-                    exit(1);
-                }
-                s->pages[s->n_pages++] = p;
-            }
-            s->take = cnt;
-            b->batch[n_batch++] = s;
-        }
+/* One step of the set (engine_plan_step). Returns the tokens forwarded (0: all done). */
+static int set_step(bench_set *b) {
+    char err[256];
+    int n_batch = engine_plan_step(b->e, b->seqs, b->n, b->batch, err, sizeof err);
+    if (n_batch < 0) {
+        fprintf(stderr, "bench_step: %s\n", err);
+        exit(1);
+    }
     if (n_batch == 0) return 0;
-    int T = engine_step(e, b->batch, n_batch, b->table, b->max_pages);
+    int T = engine_step(b->e, b->batch, n_batch, b->table, b->max_pages);
     if (T < 0) {
-        fprintf(stderr, "bench_step: forward failed: %s\n", e->m->err);
+        fprintf(stderr, "bench_step: forward failed: %s\n", b->e->m->err);
         exit(1);
     }
     return T;
@@ -283,13 +266,13 @@ int main(int argc, char **argv) {
             for (int i = 0; i < B; i++)
                 pending = pending || set.seqs[i].n_computed < context;
             if (!pending) break;
-            set_step(&set, chunk);
+            set_step(&set);
         }
-        set_step(&set, chunk); /* warm-up decode step */
+        set_step(&set); /* warm-up decode step */
         double *t_step = xcalloc(steps, sizeof(double)), *t_fwd = xcalloc(steps, sizeof(double));
         for (int s = 0; s < steps; s++) {
             double a = now();
-            set_step(&set, chunk);
+            set_step(&set);
             t_step[s] = now() - a;
             t_fwd[s] = e.last_forward_seconds;
         }
@@ -313,7 +296,7 @@ int main(int argc, char **argv) {
         set_init(&set, &e, P, prefill_len, 1, 5000 + (uint64_t)P);
         o->sync();
         double a = now();
-        while (set_step(&set, chunk) > 0 && set.seqs[P - 1].n_computed < prefill_len) {
+        while (set_step(&set) > 0 && set.seqs[P - 1].n_computed < prefill_len) {
         }
         o->sync();
         double secs = now() - a;
