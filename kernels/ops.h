@@ -90,6 +90,12 @@ typedef struct ops {
     /* out[R, C] = x / sqrt(mean(x^2) + eps) * w, each of R rows; w [C]. out may equal x. */
     void (*rmsnorm)(float *out, const float *x, const tensor *w, int R, int C, float eps);
 
+    /* The residual add fused with the next norm: x[T, D] += o[T, D], then h[T, D] =
+     * rmsnorm(x) * w (w [D]), in one pass over each row. The same bits as add(x, x, o, T * D)
+     * followed by rmsnorm(h, x, w, T, D, eps) on the same backend. h overlaps neither x nor o. */
+    void (*add_rmsnorm)(float *x, float *h, const float *o, const tensor *w, int T, int D,
+                        float eps);
+
     /* out[T, N] = x[T, Kin] w[N, Kin]^T, fp32 accumulation; w read in its own dtype. */
     void (*linear)(float *out, const float *x, const tensor *w, int T, int N, int Kin);
 
@@ -97,6 +103,14 @@ typedef struct ops {
      * element j pairs with j + Dh/2, angle pos * theta^(-2j/Dh). */
     void (*rope)(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
                  double theta);
+
+    /* Qwen3's q/k norm fused with RoPE, in place: each head of q[T, H, Dh] normed with
+     * q_norm [Dh] and each head of k[T, Hkv, Dh] with k_norm [Dh], then both rotated at pos[T].
+     * The same bits as rmsnorm(q, q, q_norm, T * H, Dh, eps), rmsnorm(k, k, k_norm, T * Hkv, Dh,
+     * eps), rope(q, k, pos, T, H, Hkv, Dh, theta) on the same backend. */
+    void (*qk_norm_rope)(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
+                         const int32_t *pos, int T, int H, int Hkv, int Dh, double theta,
+                         float eps);
 
     /* Store k, v [T, Hkv, Dh] of every token into the cache at (seq[t], pos[t]). */
     void (*kv_store)(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,

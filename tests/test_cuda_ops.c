@@ -153,7 +153,7 @@ static tensor gpu_weight(const tensor *h) {
 
 /* ---- comparison and the per-op summary ---- */
 
-#define MAX_OPS 32
+#define MAX_OPS 48
 static struct {
     char op[32];
     char tolerance[48];
@@ -350,6 +350,165 @@ static void test_rope(void) {
         gpu->dev_free(gk);
         gpu->dev_free(gpos);
     }
+}
+
+/* add_rmsnorm: x against the CPU's bits (an fp32 add is exact to compare), h with rmsnorm's
+ * tolerance; and against CUDA's own add then rmsnorm, bit for bit (the fused kernel shares their
+ * arithmetic). Cases cover each kernel path: sums kept in registers (D up to 2048, aligned), read
+ * back (D = 4096), scalar (unaligned, D % 4 != 0). */
+static void test_add_rmsnorm(void) {
+    printf("add_rmsnorm (x exact; h atol 1e-6 + rtol 1e-6 as rmsnorm; == CUDA add + rmsnorm "
+           "exactly)\n");
+    static const struct {
+        int T, D, offset;
+    } cases[] = {{1, 2048, 0}, {37, 2048, 0}, {512, 128, 0},  {3, 77, 0},
+                 {0, 128, 0},  {5, 128, 1},   {4, 260, 0},    {7, 1000, 0},
+                 {9, 4096, 0}, {9, 4096, 1},  {8192, 2048, 0}};
+    const dtype dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+    const float eps = 1e-6f;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int di = 0; di < 3; di++) {
+            const int T = cases[c].T, D = cases[c].D, off = cases[c].offset;
+            tensor w = make_weight(dts[di], 1, D, 1.5f);
+            w.ndim = 1;
+            w.shape[0] = D;
+            tensor gw = gpu_weight(&w);
+            const int64_t n = (int64_t)T * D;
+            const size_t bytes = sizeof(float) * n, padded = sizeof(float) * (n + 1);
+            float *x = rand_floats(n, 3.0f), *o = rand_floats(n, 3.0f);
+            float *want_x = xmalloc(padded), *want_h = xmalloc(padded);
+            memcpy(want_x, x, bytes);
+            cpu->add_rmsnorm(want_x, want_h, o, &w, T, D, eps);
+            /* fused; `off` = 1 shifts every buffer off 16-byte alignment */
+            float *gx = galloc_poisoned(padded), *go = galloc_poisoned(padded);
+            float *gh = galloc_poisoned(padded);
+            gpu->to_device(gx + off, x, bytes);
+            gpu->to_device(go + off, o, bytes);
+            gpu->add_rmsnorm(gx + off, gh + off, go + off, &gw, T, D, eps);
+            float *got_x = gfetch(gx + off, bytes), *got_h = gfetch(gh + off, bytes);
+            /* unfused on the GPU, same buffers refilled */
+            gpu->to_device(gx + off, x, bytes);
+            gpoison(gh, padded);
+            gpu->add(gx + off, gx + off, go + off, n);
+            gpu->rmsnorm(gh + off, gx + off, &gw, T, D, eps);
+            float *un_x = gfetch(gx + off, bytes), *un_h = gfetch(gh + off, bytes);
+            char what[96];
+            const char *tail = off ? " unaligned" : "";
+            snprintf(what, sizeof what, "add_rmsnorm x %s T=%d D=%d%s", dtype_name(dts[di]), T, D,
+                     tail);
+            compare_bits("add_rmsnorm x", what, got_x, want_x, n, sizeof(float));
+            snprintf(what, sizeof what, "add_rmsnorm h %s T=%d D=%d%s", dtype_name(dts[di]), T, D,
+                     tail);
+            compare("add_rmsnorm h", what, got_h, want_h, n, 1e-6, 1e-6);
+            snprintf(what, sizeof what, "add_rmsnorm x == CUDA add %s T=%d D=%d%s",
+                     dtype_name(dts[di]), T, D, tail);
+            compare_bits("add_rmsnorm vs unfused CUDA", what, got_x, un_x, n, sizeof(float));
+            snprintf(what, sizeof what, "add_rmsnorm h == CUDA add + rmsnorm %s T=%d D=%d%s",
+                     dtype_name(dts[di]), T, D, tail);
+            compare_bits("add_rmsnorm vs unfused CUDA", what, got_h, un_h, n, sizeof(float));
+            free(got_x);
+            free(got_h);
+            free(un_x);
+            free(un_h);
+            free(want_x);
+            free(want_h);
+            free(x);
+            free(o);
+            free(w.data);
+            gpu->dev_free(gx);
+            gpu->dev_free(go);
+            gpu->dev_free(gh);
+            gpu->dev_free(gw.data);
+            if (T >= 4096) break; /* the large case in F32 weights only */
+        }
+}
+
+/* qk_norm_rope against the CPU's with rope's tolerance (cos/sin may differ by an ulp), and
+ * against CUDA's own rmsnorm, rmsnorm, rope bit for bit. q_norm and k_norm of different dtypes
+ * take the unfused kernels (the last case). */
+static void test_qk_norm_rope(void) {
+    printf("qk_norm_rope (atol 1e-6 + rtol 1e-6 as rope; == CUDA rmsnorm + rope exactly)\n");
+    static const struct {
+        int T, H, Hkv, Dh, offset;
+        double theta;
+        dtype kdt; /* k_norm's dtype; DTYPE_I32 = q_norm's */
+    } cases[] = {{1, 32, 4, 128, 0, 1e6, DTYPE_I32},    {37, 32, 4, 128, 0, 1e6, DTYPE_I32},
+                 {5, 3, 1, 6, 0, 1e4, DTYPE_I32},       {0, 32, 4, 128, 0, 1e6, DTYPE_I32},
+                 {7, 16, 16, 64, 0, 1e4, DTYPE_I32},    {3, 40, 8, 128, 0, 1e6, DTYPE_I32},
+                 {2, 4, 2, 512, 0, 1e4, DTYPE_I32},     {9, 8, 2, 128, 1, 1e6, DTYPE_I32},
+                 {2048, 32, 4, 128, 0, 1e6, DTYPE_I32}, {6, 8, 2, 128, 0, 1e6, DTYPE_F32}};
+    const dtype dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+    const float eps = 1e-6f;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int di = 0; di < 3; di++) {
+            const int T = cases[c].T, H = cases[c].H, Hkv = cases[c].Hkv, Dh = cases[c].Dh;
+            const int off = cases[c].offset;
+            const double theta = cases[c].theta;
+            const dtype kdt = cases[c].kdt == DTYPE_I32 ? dts[di] : cases[c].kdt;
+            if (kdt == dts[di] && cases[c].kdt != DTYPE_I32) continue; /* not mixed after all */
+            tensor qw = make_weight(dts[di], 1, Dh, 1.5f), kw = make_weight(kdt, 1, Dh, 1.5f);
+            qw.ndim = kw.ndim = 1;
+            qw.shape[0] = kw.shape[0] = Dh;
+            tensor gqw = gpu_weight(&qw), gkw = gpu_weight(&kw);
+            const int64_t nq = (int64_t)T * H * Dh, nk = (int64_t)T * Hkv * Dh;
+            float *q = rand_floats(nq, 2.0f), *k = rand_floats(nk, 2.0f);
+            int32_t *pos = xmalloc(sizeof(int32_t) * (T + 1));
+            for (int t = 0; t < T; t++)
+                pos[t] = rng_int(131072);
+            if (T > 2) {
+                pos[0] = 0;
+                pos[1] = 131071;
+                pos[2] = 1;
+            }
+            float *gq = galloc_poisoned(sizeof(float) * (nq + 1));
+            float *gk = galloc_poisoned(sizeof(float) * (nk + 1));
+            int32_t *gpos = gdup(pos, sizeof(int32_t) * T);
+            gpu->to_device(gq + off, q, sizeof(float) * nq);
+            gpu->to_device(gk + off, k, sizeof(float) * nk);
+            gpu->qk_norm_rope(gq + off, gk + off, &gqw, &gkw, gpos, T, H, Hkv, Dh, theta, eps);
+            float *got_q = gfetch(gq + off, sizeof(float) * nq);
+            float *got_k = gfetch(gk + off, sizeof(float) * nk);
+            gpu->to_device(gq + off, q, sizeof(float) * nq);
+            gpu->to_device(gk + off, k, sizeof(float) * nk);
+            gpu->rmsnorm(gq + off, gq + off, &gqw, T * H, Dh, eps);
+            gpu->rmsnorm(gk + off, gk + off, &gkw, T * Hkv, Dh, eps);
+            gpu->rope(gq + off, gk + off, gpos, T, H, Hkv, Dh, theta);
+            float *un_q = gfetch(gq + off, sizeof(float) * nq);
+            float *un_k = gfetch(gk + off, sizeof(float) * nk);
+            cpu->qk_norm_rope(q, k, &qw, &kw, pos, T, H, Hkv, Dh, theta, eps);
+            char what[112], dts_name[24];
+            if (kdt == dts[di])
+                snprintf(dts_name, sizeof dts_name, "%s", dtype_name(dts[di]));
+            else
+                snprintf(dts_name, sizeof dts_name, "%s/%s", dtype_name(dts[di]), dtype_name(kdt));
+            snprintf(what, sizeof what, "qk_norm_rope q %s T=%d H=%d Dh=%d%s", dts_name, T, H, Dh,
+                     off ? " unaligned" : "");
+            compare("qk_norm_rope", what, got_q, q, nq, 1e-6, 1e-6);
+            snprintf(what, sizeof what, "qk_norm_rope k %s T=%d Hkv=%d Dh=%d%s", dts_name, T, Hkv,
+                     Dh, off ? " unaligned" : "");
+            compare("qk_norm_rope", what, got_k, k, nk, 1e-6, 1e-6);
+            snprintf(what, sizeof what, "qk_norm_rope q == CUDA rmsnorm + rope %s T=%d H=%d Dh=%d",
+                     dts_name, T, H, Dh);
+            compare_bits("qk_norm_rope vs unfused CUDA", what, got_q, un_q, nq, sizeof(float));
+            snprintf(what, sizeof what, "qk_norm_rope k == CUDA rmsnorm + rope %s T=%d Hkv=%d",
+                     dts_name, T, Hkv);
+            compare_bits("qk_norm_rope vs unfused CUDA", what, got_k, un_k, nk, sizeof(float));
+            free(got_q);
+            free(got_k);
+            free(un_q);
+            free(un_k);
+            free(q);
+            free(k);
+            free(pos);
+            free(qw.data);
+            free(kw.data);
+            gpu->dev_free(gq);
+            gpu->dev_free(gk);
+            gpu->dev_free(gpos);
+            gpu->dev_free(gqw.data);
+            gpu->dev_free(gkw.data);
+            if (T >= 1024) break; /* the large case in F32 weights only */
+        }
 }
 
 static void test_kv_store(void) {
@@ -1058,6 +1217,15 @@ static void time_elementwise(void) {
             gpu->rmsnorm(o, a, &wq, T * H, Dh, 1e-6f));
     TIME_OP("rope H=32 Hkv=4 Dh=128", 2 * f4 * T * (H + Hkv) * Dh,
             gpu->rope(a, b, gpos, T, H, Hkv, Dh, 1e6));
+    TIME_OP("add + rmsnorm D=2048 (two kernels)", 4 * f4 * T * D,
+            (gpu->add(a, a, b, (int64_t)T * D), gpu->rmsnorm(o, a, &w, T, D, 1e-6f)));
+    TIME_OP("add_rmsnorm D=2048 (fused)", 4 * f4 * T * D,
+            gpu->add_rmsnorm(a, o, b, &w, T, D, 1e-6f));
+    TIME_OP("q, k rmsnorm + rope H=32 Hkv=4 (three kernels)", 2 * f4 * T * (H + Hkv) * Dh,
+            (gpu->rmsnorm(a, a, &wq, T * H, Dh, 1e-6f), gpu->rmsnorm(b, b, &wq, T * Hkv, Dh, 1e-6f),
+             gpu->rope(a, b, gpos, T, H, Hkv, Dh, 1e6)));
+    TIME_OP("qk_norm_rope H=32 Hkv=4 Dh=128 (fused)", 2 * f4 * T * (H + Hkv) * Dh,
+            gpu->qk_norm_rope(a, b, &wq, &wq, gpos, T, H, Hkv, Dh, 1e6, 1e-6f));
     TIME_OP("kv_store Hkv=4 Dh=128", 4 * f4 * T * Hkv * Dh,
             gpu->kv_store((kv_layer){kc, vc}, a, b, &ab, Hkv, Dh));
     TIME_OP("router_topk E=128 K=8", f4 * T * E + 8.0 * T * K,
@@ -1199,6 +1367,8 @@ int main(void) {
     test_embedding();
     test_rmsnorm();
     test_rope();
+    test_add_rmsnorm();
+    test_qk_norm_rope();
     test_kv_store();
     test_router_topk();
     test_moe_finalize();

@@ -916,6 +916,88 @@ static void test_finalize_and_elementwise(void) {
     free(o2);
 }
 
+/* A [n] norm weight of dtype dt (values scale * uniform, BF16-rounded when BF16). */
+static tensor make_norm_weight(dtype dt, int n, float scale) {
+    tensor w = make_weight(dt, 1, n, scale, NULL);
+    w.ndim = 1;
+    w.shape[0] = n;
+    return w;
+}
+
+/* The fused ops are defined as the unfused sequences they replace: the same bits, on random
+ * inputs of several shapes (both sides of the OpenMP thresholds, odd sizes). */
+static void test_fused(void) {
+    printf("fused ops == their unfused sequences\n");
+    const float eps = 1e-6f;
+    static const struct {
+        int T, D;
+    } ar[] = {{1, 70}, {5, 128}, {3, 77}, {17, 2048}, {64, 2048}, {40, 4096}};
+    const dtype dts[] = {DTYPE_BF16, DTYPE_F32};
+    for (size_t c = 0; c < sizeof ar / sizeof ar[0]; c++)
+        for (int di = 0; di < 2; di++) {
+            const int T = ar[c].T, D = ar[c].D;
+            const int64_t n = (int64_t)T * D;
+            tensor w = make_norm_weight(dts[di], D, 1.5f);
+            float *x = rand_floats(n, 3.0f), *o = rand_floats(n, 3.0f);
+            float *x2 = xmalloc(sizeof(float) * n), *h = xmalloc(sizeof(float) * n);
+            float *h2 = xmalloc(sizeof(float) * n);
+            memcpy(x2, x, sizeof(float) * n);
+            cpu->add_rmsnorm(x, h, o, &w, T, D, eps);
+            cpu->add(x2, x2, o, n);
+            cpu->rmsnorm(h2, x2, &w, T, D, eps);
+            char what[80];
+            snprintf(what, sizeof what, "add_rmsnorm x == add, %s T=%d D=%d", dtype_name(dts[di]),
+                     T, D);
+            compare_exact(what, x, x2, n);
+            snprintf(what, sizeof what, "add_rmsnorm h == add + rmsnorm, %s T=%d D=%d",
+                     dtype_name(dts[di]), T, D);
+            compare_exact(what, h, h2, n);
+            free(x);
+            free(o);
+            free(x2);
+            free(h);
+            free(h2);
+            free(w.data);
+        }
+
+    static const struct {
+        int T, H, Hkv, Dh;
+        double theta;
+    } qk[] = {{1, 4, 2, 64, 1e6}, {8, 4, 2, 128, 1e6}, {5, 3, 1, 6, 1e4}, {37, 32, 4, 128, 1e6}};
+    for (size_t c = 0; c < sizeof qk / sizeof qk[0]; c++)
+        for (int di = 0; di < 2; di++) {
+            const int T = qk[c].T, H = qk[c].H, Hkv = qk[c].Hkv, Dh = qk[c].Dh;
+            const int64_t nq = (int64_t)T * H * Dh, nk = (int64_t)T * Hkv * Dh;
+            tensor qw = make_norm_weight(dts[di], Dh, 1.5f),
+                   kw = make_norm_weight(dts[di], Dh, 1.5f);
+            float *q = rand_floats(nq, 2.0f), *k = rand_floats(nk, 2.0f);
+            float *q2 = xmalloc(sizeof(float) * nq), *k2 = xmalloc(sizeof(float) * nk);
+            memcpy(q2, q, sizeof(float) * nq);
+            memcpy(k2, k, sizeof(float) * nk);
+            int32_t *pos = xmalloc(sizeof(int32_t) * T);
+            for (int t = 0; t < T; t++)
+                pos[t] = t == 0 ? 0 : rng_int(1 << 20);
+            cpu->qk_norm_rope(q, k, &qw, &kw, pos, T, H, Hkv, Dh, qk[c].theta, eps);
+            cpu->rmsnorm(q2, q2, &qw, T * H, Dh, eps);
+            cpu->rmsnorm(k2, k2, &kw, T * Hkv, Dh, eps);
+            cpu->rope(q2, k2, pos, T, H, Hkv, Dh, qk[c].theta);
+            char what[80];
+            snprintf(what, sizeof what, "qk_norm_rope q, %s T=%d H=%d Dh=%d", dtype_name(dts[di]),
+                     T, H, Dh);
+            compare_exact(what, q, q2, nq);
+            snprintf(what, sizeof what, "qk_norm_rope k, %s T=%d Hkv=%d Dh=%d", dtype_name(dts[di]),
+                     T, Hkv, Dh);
+            compare_exact(what, k, k2, nk);
+            free(q);
+            free(k);
+            free(q2);
+            free(k2);
+            free(pos);
+            free(qw.data);
+            free(kw.data);
+        }
+}
+
 /* T = 0 everywhere: nothing is read or written. */
 static void test_empty(void) {
     printf("T = 0\n");
@@ -936,8 +1018,10 @@ static void test_empty(void) {
 
     cpu->embedding(buf, &w, ids, 0, 8);
     cpu->rmsnorm(buf, buf, &nw, 0, 8, 1e-6f);
+    cpu->add_rmsnorm(buf, buf + 32, buf, &nw, 0, 8, 1e-6f);
     cpu->linear(buf, buf, &w, 0, 8, 8);
     cpu->rope(buf, buf, ids, 0, 2, 1, 8, 1e6);
+    cpu->qk_norm_rope(buf, buf, &nw, &nw, ids, 0, 2, 1, 8, 1e6, 1e-6f);
     cpu->kv_store(kv, buf, buf, &b, 1, 8);
     cpu->attention(buf, buf, kv, &b, 2, 1, 8, 0.5f);
     cpu->router_topk(ids, buf, buf, 0, 8, 2, true);
@@ -1080,6 +1164,7 @@ int main(int argc, char **argv) {
     test_moe();
     test_moe_skip();
     test_finalize_and_elementwise();
+    test_fused();
     test_empty();
     test_bad_dtype();
     CHECK_SUMMARY();

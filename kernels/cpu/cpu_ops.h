@@ -19,8 +19,11 @@
 
 void cpu_embedding(float *out, const tensor *table, const int32_t *ids, int T, int D);
 void cpu_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, float eps);
+void cpu_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D, float eps);
 void cpu_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin);
 void cpu_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh, double theta);
+void cpu_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
+                      const int32_t *pos, int T, int H, int Hkv, int Dh, double theta, float eps);
 void cpu_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
                   int Dh);
 void cpu_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,

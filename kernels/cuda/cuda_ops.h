@@ -37,8 +37,12 @@ void cuda_gather_rows(float *out, const float *x, const int32_t *rows, int n, in
 /* elementwise.cu */
 void cuda_embedding(float *out, const tensor *table, const int32_t *ids, int T, int D);
 void cuda_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, float eps);
+void cuda_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D,
+                      float eps);
 void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
                double theta);
+void cuda_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
+                       const int32_t *pos, int T, int H, int Hkv, int Dh, double theta, float eps);
 void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
                    int Dh);
 void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,

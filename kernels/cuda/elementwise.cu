@@ -1,6 +1,6 @@
-// Elementwise and per-row kernels of the CUDA backend: embedding, rmsnorm, rope, kv_store,
-// router_topk, moe_finalize, silu_mul, add. Each matches the CPU op of the same name in
-// kernels/cpu/ (tests/test_cuda_ops.c compares them, tolerances stated there).
+// Elementwise and per-row kernels of the CUDA backend: embedding, rmsnorm, add_rmsnorm, rope,
+// qk_norm_rope, kv_store, router_topk, moe_finalize, silu_mul, add. Each matches the CPU op of the
+// same name in kernels/cpu/ (tests/test_cuda_ops.c compares them, tolerances stated there).
 //
 // Choices:
 // - Arithmetic that the CPU does as separate fp32 multiplies and adds is written here with
@@ -11,6 +11,14 @@
 //   with the same sum. The order depends on C only, never on R or on the pointer's alignment (the
 //   aligned and unaligned paths read the same chunks), so a row's result does not depend on the
 //   batch.
+// - add_rmsnorm and qk_norm_rope are the fused forms of add + rmsnorm and rmsnorm (q, k) + rope.
+//   They share rmsnorm's chunks, its square helper and its butterfly, and rope's angles, through
+//   the same device functions, so each gives the bits of the unfused kernels it replaces.
+//   add_rmsnorm: one warp per row reads x and o once, writes x and h; for rows of up to 2048
+//   (aligned) the sums stay in registers between the two passes, longer rows read back the
+//   elements the lane itself just wrote. qk_norm_rope: one block per token, one warp per head at
+//   a time; the normed head waits in shared memory for its rotation, so q and k are read and
+//   written once.
 // - rope: the inverse frequencies are computed on the host with the CPU's exact powf formula and
 //   passed in the kernel's arguments; cos and sin of the fp32 angle are taken in double and
 //   rounded, which is the correctly rounded value the CPU's cosf/sinf give in all but rare cases.
@@ -38,6 +46,8 @@
 #define EW_THREADS    256       /* threads per block of the streaming kernels */
 #define EW_MAX_BLOCKS (1 << 16) /* grid cap; the kernels loop over what is left */
 #define NORM_WARPS    4         /* rows per rmsnorm block (one warp each) */
+#define NORM_KEEP_MAX 16        /* float4 chunks per lane add_rmsnorm keeps in registers */
+#define QK_MAX_WARPS  16        /* heads of a token normed and rotated at once (one warp each) */
 #define ROUTER_WARPS  4         /* tokens per router block (one warp each) */
 #define ROPE_MAX_HALF 256       /* Dh / 2 at most (the frequencies travel in the arguments) */
 #define FULL_MASK     0xffffffffu
@@ -104,6 +114,38 @@ void cuda_embedding(float *out, const tensor *table, const int32_t *ids, int T, 
 
 // ---- rmsnorm: out[R, C] = x / sqrt(mean(x^2) + eps) * w ----
 
+// The pieces every norm kernel here is made of, so that rmsnorm, add_rmsnorm and qk_norm_rope
+// do the same arithmetic in the same order. A row of C values is cut into 4-element chunks; lane
+// l of the row's warp owns chunks l, l + 32, ...
+
+// ss plus the square of v, in double as the CPU.
+__device__ __forceinline__ double norm_sq(double ss, float v) { return ss + (double)v * v; }
+
+__device__ __forceinline__ double norm_sq4(double ss, float4 v) {
+    return norm_sq(norm_sq(norm_sq(norm_sq(ss, v.x), v.y), v.z), v.w);
+}
+
+// The lanes' partial sums added by an xor butterfly (every lane gets the same total), then
+// 1 / sqrt(mean + eps) with IEEE division and square root (no fast math).
+__device__ __forceinline__ float norm_inv(double ss, int C, float eps) {
+    for (int off = 16; off > 0; off >>= 1)
+        ss += __shfl_xor_sync(FULL_MASK, ss, off);
+    const float ms = (float)(ss / C);
+    return 1.0f / sqrtf(ms + eps);
+}
+
+// (v * inv) * w[c], two roundings like the CPU's.
+template <int DT>
+__device__ __forceinline__ float norm_scale(float v, float inv, const void *w, int c) {
+    return __fmul_rn(__fmul_rn(v, inv), load_w<DT>(w, c));
+}
+
+template <int DT>
+__device__ __forceinline__ float4 norm_scale4(float4 v, float inv, const void *w, int c) {
+    return make_float4(norm_scale<DT>(v.x, inv, w, c), norm_scale<DT>(v.y, inv, w, c + 1),
+                       norm_scale<DT>(v.z, inv, w, c + 2), norm_scale<DT>(v.w, inv, w, c + 3));
+}
+
 // One warp per row; VEC reads the 4-element chunks as float4 (x and out 16-byte aligned, C % 4 ==
 // 0). out may equal x: each lane writes only the elements it read itself, after the reduction.
 template <int DT, bool VEC>
@@ -118,36 +160,22 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
     double ss = 0.0;
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
-            const float4 v = ((const float4 *)xr)[ch];
-            ss += (double)v.x * v.x;
-            ss += (double)v.y * v.y;
-            ss += (double)v.z * v.z;
-            ss += (double)v.w * v.w;
+            ss = norm_sq4(ss, ((const float4 *)xr)[ch]);
         } else {
             const int c1 = min(4 * ch + 4, C);
             for (int c = 4 * ch; c < c1; c++)
-                ss += (double)xr[c] * xr[c];
+                ss = norm_sq(ss, xr[c]);
         }
     }
-    for (int off = 16; off > 0; off >>= 1)
-        ss += __shfl_xor_sync(FULL_MASK, ss, off);
-    const float ms = (float)(ss / C);
-    const float inv = 1.0f / sqrtf(ms + eps); // IEEE division and square root (no fast math)
+    const float inv = norm_inv(ss, C, eps);
 
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
-            const float4 v = ((const float4 *)xr)[ch];
-            const int c = 4 * ch;
-            float4 r;
-            r.x = __fmul_rn(__fmul_rn(v.x, inv), load_w<DT>(w, c));
-            r.y = __fmul_rn(__fmul_rn(v.y, inv), load_w<DT>(w, c + 1));
-            r.z = __fmul_rn(__fmul_rn(v.z, inv), load_w<DT>(w, c + 2));
-            r.w = __fmul_rn(__fmul_rn(v.w, inv), load_w<DT>(w, c + 3));
-            ((float4 *)o)[ch] = r;
+            ((float4 *)o)[ch] = norm_scale4<DT>(((const float4 *)xr)[ch], inv, w, 4 * ch);
         } else {
             const int c1 = min(4 * ch + 4, C);
             for (int c = 4 * ch; c < c1; c++)
-                o[c] = __fmul_rn(__fmul_rn(xr[c], inv), load_w<DT>(w, c));
+                o[c] = norm_scale<DT>(xr[c], inv, w, c);
         }
     }
 }
@@ -175,6 +203,113 @@ void cuda_rmsnorm(float *out, const float *x, const tensor *w, int R, int C, flo
     CUDA_CHECK_LAUNCH();
 }
 
+// ---- add_rmsnorm: x[T, D] += o, h = x / sqrt(mean(x^2) + eps) * w ----
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
+                       __fadd_rn(a.w, b.w));
+}
+
+// One warp per row, rmsnorm's chunks, each lane's sums kept in registers between the two passes:
+// x, h, o 16-byte aligned, D % 4 == 0, at most KEEP chunks per lane (D <= 32 * 4 * KEEP).
+template <int DT, int KEEP>
+__global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, const void *w, int T,
+                                        int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
+    if (row >= T) return;
+    float4 *xr = (float4 *)(x + row * D), *hr = (float4 *)(h + row * D);
+    const float4 *orow = (const float4 *)(o + row * D);
+    const int n_chunks = D / 4;
+
+    float4 keep[KEEP];
+    double ss = 0.0;
+#pragma unroll
+    for (int i = 0; i < KEEP; i++) {
+        const int ch = lane + 32 * i;
+        if (ch < n_chunks) {
+            keep[i] = add4(xr[ch], orow[ch]);
+            xr[ch] = keep[i];
+            ss = norm_sq4(ss, keep[i]);
+        }
+    }
+    const float inv = norm_inv(ss, D, eps);
+#pragma unroll
+    for (int i = 0; i < KEEP; i++) {
+        const int ch = lane + 32 * i;
+        if (ch < n_chunks) hr[ch] = norm_scale4<DT>(keep[i], inv, w, 4 * ch);
+    }
+}
+
+// The same for any D: the second pass reads back from x the elements the lane itself wrote in
+// the first. VEC as rmsnorm_kernel's (x, h, o aligned, D % 4 == 0).
+template <int DT, bool VEC>
+__global__ void add_rmsnorm_kernel(float *x, float *h, const float *o, const void *w, int T, int D,
+                                   float eps) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
+    if (row >= T) return;
+    float *xr = x + row * D, *hr = h + row * D;
+    const float *orow = o + row * D;
+    const int n_chunks = (D + 3) / 4;
+
+    double ss = 0.0;
+    for (int ch = lane; ch < n_chunks; ch += 32) {
+        if constexpr (VEC) {
+            const float4 v = add4(((const float4 *)xr)[ch], ((const float4 *)orow)[ch]);
+            ((float4 *)xr)[ch] = v;
+            ss = norm_sq4(ss, v);
+        } else {
+            const int c1 = min(4 * ch + 4, D);
+            for (int c = 4 * ch; c < c1; c++) {
+                const float v = __fadd_rn(xr[c], orow[c]);
+                xr[c] = v;
+                ss = norm_sq(ss, v);
+            }
+        }
+    }
+    const float inv = norm_inv(ss, D, eps);
+    for (int ch = lane; ch < n_chunks; ch += 32) {
+        if constexpr (VEC) {
+            ((float4 *)hr)[ch] = norm_scale4<DT>(((const float4 *)xr)[ch], inv, w, 4 * ch);
+        } else {
+            const int c1 = min(4 * ch + 4, D);
+            for (int c = 4 * ch; c < c1; c++)
+                hr[c] = norm_scale<DT>(xr[c], inv, w, c);
+        }
+    }
+}
+
+template <int DT>
+static void add_rmsnorm_launch(float *x, float *h, const float *o, const void *w, int T, int D,
+                               float eps) {
+    const int blocks = (T + NORM_WARPS - 1) / NORM_WARPS, threads = 32 * NORM_WARPS;
+    const int per_lane = ((D + 3) / 4 + 31) / 32; // chunks per lane
+    cudaStream_t s = cuda_stream();
+    if (D % 4 != 0 || !aligned16(x) || !aligned16(h) || !aligned16(o))
+        add_rmsnorm_kernel<DT, false><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
+    else if (per_lane <= 4)
+        add_rmsnorm_keep_kernel<DT, 4><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
+    else if (per_lane <= NORM_KEEP_MAX)
+        add_rmsnorm_keep_kernel<DT, NORM_KEEP_MAX>
+            <<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
+    else
+        add_rmsnorm_kernel<DT, true><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
+}
+
+void cuda_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D,
+                      float eps) {
+    if (T <= 0) return;
+    assert_weight(w, "add_rmsnorm");
+    MS_ASSERT(tensor_numel(w) == D);
+    switch (w->dtype) {
+    case DTYPE_F32: add_rmsnorm_launch<DTYPE_F32>(x, h, o, w->data, T, D, eps); break;
+    case DTYPE_BF16: add_rmsnorm_launch<DTYPE_BF16>(x, h, o, w->data, T, D, eps); break;
+    default: add_rmsnorm_launch<DTYPE_F16>(x, h, o, w->data, T, D, eps); break;
+    }
+    CUDA_CHECK_LAUNCH();
+}
+
 // ---- rope: rotate-half, in place, at positions pos[T] ----
 
 struct rope_freqs {
@@ -194,22 +329,46 @@ __device__ __forceinline__ void rope_rotate(float *x, const float *cs, const flo
     }
 }
 
-// One block per token: cos/sin of its Dh / 2 angles into shared memory, then every head of q, k.
-__global__ void rope_kernel(float *q, float *k, const int32_t *pos, int H, int Hkv, int half,
-                            const __grid_constant__ rope_freqs f) {
-    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
-    const int t = blockIdx.x;
-    const float p = (float)pos[t];
+// cs, sn [Dh / 2] = cos, sin of token position p's angles, the block's threads striding over j.
+__device__ __forceinline__ void rope_angles(float *cs, float *sn, int32_t p, const rope_freqs &f,
+                                            int half) {
+    const float pf = (float)p;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
-        const float angle = __fmul_rn(p, f.inv_freq[j]);
+        const float angle = __fmul_rn(pf, f.inv_freq[j]);
         double s, c;
         sincos((double)angle, &s, &c);
         cs[j] = (float)c;
         sn[j] = (float)s;
     }
+}
+
+// One block per token: cos/sin of its Dh / 2 angles into shared memory, then every head of q, k.
+__global__ void rope_kernel(float *q, float *k, const int32_t *pos, int H, int Hkv, int half,
+                            const __grid_constant__ rope_freqs f) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    const int t = blockIdx.x;
+    rope_angles(cs, sn, pos[t], f, half);
     __syncthreads();
     rope_rotate(q + (int64_t)t * H * 2 * half, cs, sn, H, half);
     rope_rotate(k + (int64_t)t * Hkv * 2 * half, cs, sn, Hkv, half);
+}
+
+// kernels/cpu/rope.c's inverse frequencies, step by step in fp32. Kept for the last (theta, Dh):
+// a model uses one pair, so the powf calls run once.
+static const rope_freqs &rope_freqs_for(double theta, int Dh) {
+    static rope_freqs f;
+    static double f_theta = -1.0;
+    static int f_dh = -1;
+    if (theta != f_theta || Dh != f_dh) {
+        const float theta_f = (float)theta;
+        for (int j = 0; j < Dh / 2; j++) {
+            const float e = (float)(2 * j) / (float)Dh;
+            f.inv_freq[j] = 1.0f / powf(theta_f, e);
+        }
+        f_theta = theta;
+        f_dh = Dh;
+    }
+    return f;
 }
 
 void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, int Dh,
@@ -217,22 +376,107 @@ void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, in
     if (T <= 0) return;
     MS_ASSERT(Dh % 2 == 0 && Dh / 2 <= ROPE_MAX_HALF);
     const int half = Dh / 2;
-    // kernels/cpu/rope.c's formula, step by step in fp32. Kept for the last (theta, Dh): a model
-    // uses one pair, so the powf calls run once.
-    static rope_freqs f;
-    static double f_theta = -1.0;
-    static int f_dh = -1;
-    if (theta != f_theta || Dh != f_dh) {
-        const float theta_f = (float)theta;
-        for (int j = 0; j < half; j++) {
-            const float e = (float)(2 * j) / (float)Dh;
-            f.inv_freq[j] = 1.0f / powf(theta_f, e);
-        }
-        f_theta = theta;
-        f_dh = Dh;
-    }
     const int threads = half * (H > Hkv ? H : Hkv) >= 512 ? 512 : 128;
-    rope_kernel<<<T, threads, 0, cuda_stream()>>>(q, k, pos, H, Hkv, half, f);
+    rope_kernel<<<T, threads, 0, cuda_stream()>>>(q, k, pos, H, Hkv, half,
+                                                  rope_freqs_for(theta, Dh));
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- qk_norm_rope: every head of q and k normed, then rotated, in place ----
+
+// One block per token: its angles as rope_kernel takes them, then warp w takes heads w, w +
+// warps, ... of the H q heads followed by the Hkv k heads. A head is normed with rmsnorm_kernel's
+// chunks and arithmetic into the warp's row of shared memory, then rotated from there back into
+// q or k with rope_rotate's arithmetic. VEC: q, k 16-byte aligned and Dh % 4 == 0.
+template <int DT, bool VEC>
+__global__ void qk_norm_rope_kernel(float *q, float *k, const void *q_norm, const void *k_norm,
+                                    const int32_t *pos, int H, int Hkv, int half, float eps,
+                                    const __grid_constant__ rope_freqs f) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    __shared__ __align__(16) float rows[QK_MAX_WARPS][2 * ROPE_MAX_HALF];
+    const int t = blockIdx.x, Dh = 2 * half;
+    rope_angles(cs, sn, pos[t], f, half);
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int n_chunks = (Dh + 3) / 4;
+    float *row = rows[warp];
+    for (int hd = warp; hd < H + Hkv; hd += warps) {
+        const bool is_q = hd < H;
+        float *x = is_q ? q + ((int64_t)t * H + hd) * Dh : k + ((int64_t)t * Hkv + hd - H) * Dh;
+        const void *w = is_q ? q_norm : k_norm;
+        double ss = 0.0;
+        for (int ch = lane; ch < n_chunks; ch += 32) {
+            if constexpr (VEC) {
+                const float4 v = ((const float4 *)x)[ch];
+                ((float4 *)row)[ch] = v;
+                ss = norm_sq4(ss, v);
+            } else {
+                const int c1 = min(4 * ch + 4, Dh);
+                for (int c = 4 * ch; c < c1; c++) {
+                    row[c] = x[c];
+                    ss = norm_sq(ss, row[c]);
+                }
+            }
+        }
+        const float inv = norm_inv(ss, Dh, eps);
+        for (int ch = lane; ch < n_chunks; ch += 32) {
+            const int c1 = min(4 * ch + 4, Dh);
+            for (int c = 4 * ch; c < c1; c++)
+                row[c] = norm_scale<DT>(row[c], inv, w, c);
+        }
+        __syncwarp(); // the rotation pairs elements that other lanes normed
+        for (int j = lane; j < half; j += 32) {
+            const float x0 = row[j], x1 = row[j + half];
+            x[j] = __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j]));
+            x[j + half] = __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j]));
+        }
+        __syncwarp(); // the row is read before the next head overwrites it
+    }
+}
+
+template <int DT>
+static void qk_norm_rope_launch(float *q, float *k, const void *q_norm, const void *k_norm,
+                                const int32_t *pos, int T, int H, int Hkv, int Dh, float eps,
+                                const rope_freqs &f) {
+    const int warps = H + Hkv < QK_MAX_WARPS ? H + Hkv : QK_MAX_WARPS;
+    cudaStream_t s = cuda_stream();
+    if (Dh % 4 == 0 && aligned16(q) && aligned16(k))
+        qk_norm_rope_kernel<DT, true>
+            <<<T, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
+    else
+        qk_norm_rope_kernel<DT, false>
+            <<<T, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
+}
+
+void cuda_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
+                       const int32_t *pos, int T, int H, int Hkv, int Dh, double theta, float eps) {
+    if (T <= 0) return;
+    assert_weight(q_norm, "qk_norm_rope");
+    assert_weight(k_norm, "qk_norm_rope");
+    MS_ASSERT(tensor_numel(q_norm) == Dh && tensor_numel(k_norm) == Dh);
+    MS_ASSERT(Dh % 2 == 0 && Dh / 2 <= ROPE_MAX_HALF && H + Hkv > 0);
+    if (q_norm->dtype != k_norm->dtype) { // one dtype per kernel; the unfused ops give the same
+        cuda_rmsnorm(q, q, q_norm, T * H, Dh, eps);
+        cuda_rmsnorm(k, k, k_norm, T * Hkv, Dh, eps);
+        cuda_rope(q, k, pos, T, H, Hkv, Dh, theta);
+        return;
+    }
+    const rope_freqs &f = rope_freqs_for(theta, Dh);
+    switch (q_norm->dtype) {
+    case DTYPE_F32:
+        qk_norm_rope_launch<DTYPE_F32>(q, k, q_norm->data, k_norm->data, pos, T, H, Hkv, Dh, eps,
+                                       f);
+        break;
+    case DTYPE_BF16:
+        qk_norm_rope_launch<DTYPE_BF16>(q, k, q_norm->data, k_norm->data, pos, T, H, Hkv, Dh, eps,
+                                        f);
+        break;
+    default:
+        qk_norm_rope_launch<DTYPE_F16>(q, k, q_norm->data, k_norm->data, pos, T, H, Hkv, Dh, eps,
+                                       f);
+        break;
+    }
     CUDA_CHECK_LAUNCH();
 }
 

@@ -289,24 +289,27 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
     if (T == 0) return m->a2a ? qwen3_moe_forward_empty(m, b) : 0;
     qwen3_moe_workspace_reserve(m, ws, T > b->n_logits ? T : b->n_logits);
 
+    /* Each residual add is fused with the norm that reads its result (add_rmsnorm): after
+     * attention with the post-attention norm, after the MLP with the next layer's input norm.
+     * Only layer 0's input norm (after the embedding) and the last layer's add (before the final
+     * norm of the sampled rows) stand alone. */
+    const int L = c->num_hidden_layers;
     op->embedding(ws->x, w->embed, b->ids, T, D);
-    for (int i = 0; i < c->num_hidden_layers; i++) {
+    if (L > 0) op->rmsnorm(ws->h, ws->x, w->layers[0].input_norm, T, D, eps);
+    for (int i = 0; i < L; i++) {
         const qwen3_moe_layer *l = &w->layers[i];
         kv_layer kvl = kv_cache_layer(kv, i);
-        /* attention block */
-        op->rmsnorm(ws->h, ws->x, l->input_norm, T, D, eps);
+        /* attention block; ws->h holds rmsnorm(x) with this layer's input norm */
         op->linear(ws->q, ws->h, l->q_proj, T, H * Dh, D);
         op->linear(ws->k, ws->h, l->k_proj, T, Hkv * Dh, D);
         op->linear(ws->v, ws->h, l->v_proj, T, Hkv * Dh, D);
-        op->rmsnorm(ws->q, ws->q, l->q_norm, T * H, Dh, eps);
-        op->rmsnorm(ws->k, ws->k, l->k_norm, T * Hkv, Dh, eps);
-        op->rope(ws->q, ws->k, b->attn.pos, T, H, Hkv, Dh, c->rope_theta);
+        op->qk_norm_rope(ws->q, ws->k, l->q_norm, l->k_norm, b->attn.pos, T, H, Hkv, Dh,
+                         c->rope_theta, eps);
         op->kv_store(kvl, ws->k, ws->v, &b->attn, Hkv, Dh);
         op->attention(ws->att, ws->q, kvl, &b->attn, H, Hkv, Dh, scale);
         op->linear(ws->o, ws->att, l->o_proj, T, D, H * Dh);
-        op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
         /* MLP block */
-        op->rmsnorm(ws->h, ws->x, l->post_norm, T, D, eps);
+        op->add_rmsnorm(ws->x, ws->h, ws->o, l->post_norm, T, D, eps);
         if (l->is_moe) {
             if (moe_block(m, l, ws, T, b->runtime_max)) return -1;
         } else {
@@ -316,7 +319,10 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
             op->silu_mul(ws->gate, ws->gate, ws->up, T, F);
             op->linear(ws->o, ws->gate, l->mlp_down, T, D, F);
         }
-        op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
+        if (i + 1 < L)
+            op->add_rmsnorm(ws->x, ws->h, ws->o, w->layers[i + 1].input_norm, T, D, eps);
+        else
+            op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
     }
     if (b->n_logits == 0) return 0;
     /* Only the rows that sample or score go through the final norm and lm_head. */
