@@ -8,6 +8,7 @@
 #include "runner/engine.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -22,6 +23,7 @@ int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_token
                       c->num_key_value_heads, c->head_dim, err, errlen))
         return -1;
     e->scratch = xmalloc((size_t)c->vocab_size * sizeof(float));
+    e->scratch_threads = 1;
     return 0;
 }
 
@@ -81,6 +83,10 @@ void engine_free(engine *e) {
     kv_cache_free(&e->kv);
     free(e->logits);
     free(e->scratch);
+    free(e->row_seq);
+    free(e->row_token);
+    free(e->row_logprob);
+    free(e->row_kind);
     free(e->ids);
     free(e->pos);
     free(e->seq_of);
@@ -189,6 +195,21 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The per-row results of a step's scoring and sampling, and one V-sized buffer per thread. */
+static void engine_reserve_rows(engine *e, int n_rows) {
+    int nth = omp_get_max_threads(), V = e->m->cfg.vocab_size;
+    if (nth > e->scratch_threads) {
+        e->scratch = xrealloc(e->scratch, (size_t)nth * V * sizeof(float));
+        e->scratch_threads = nth;
+    }
+    if (n_rows <= e->cap_rows) return;
+    e->row_seq = xrealloc(e->row_seq, (size_t)n_rows * sizeof(int32_t));
+    e->row_token = xrealloc(e->row_token, (size_t)n_rows * sizeof(int32_t));
+    e->row_logprob = xrealloc(e->row_logprob, (size_t)n_rows * sizeof(float));
+    e->row_kind = xrealloc(e->row_kind, (size_t)n_rows);
+    e->cap_rows = n_rows;
+}
+
 static void engine_reserve(engine *e, int T) {
     if (T <= e->cap_T) return;
     e->ids = xrealloc(e->ids, (size_t)T * sizeof(int32_t));
@@ -258,41 +279,58 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
     e->last_forward_seconds = t1 - t0;
     if (rc != 0) return -1;
 
-    /* Score and sample, in row order (rows are in batch order). A row's sequence is found by
-     * walking the sequences alongside, since both go in batch order. */
+    /* Score and sample. A row's sequence is found by walking the sequences alongside, since
+     * both go in batch order. The rows' arithmetic (log-softmax, top-N, the draw, which depends
+     * only on the request's seed and the position) runs in parallel, each thread with its own
+     * V-sized buffer; then, in row order, tokens are appended and the callbacks run. */
+    engine_reserve_rows(e, n_rows);
     int si = 0, first = 0; /* seqs[si] owns batch rows [first, first + seqs[si]->take) */
     for (int r = 0; r < n_rows; r++) {
-        int t = rows[r];
-        while (t >= first + seqs[si]->take)
+        while (rows[r] >= first + seqs[si]->take)
             first += seqs[si++]->take;
-        engine_seq *s = seqs[si];
+        e->row_seq[r] = si;
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (n_rows > 1 && (int64_t)n_rows * V >= (1 << 16))
+    for (int r = 0; r < n_rows; r++) {
+        engine_seq *s = seqs[e->row_seq[r]];
         const gen_request *q = s->req;
         float *lg = e->logits + (size_t)r * V;
-        int p = pos[t], start = q->logprob_start_len, N = s->top_n;
+        float *buf = e->scratch + (size_t)omp_get_thread_num() * V;
+        int t = rows[r], p = pos[t], start = q->logprob_start_len, N = s->top_n;
         if (p + 1 < q->n_prompt) {
-            sampler_log_softmax(e->scratch, lg, V);
+            sampler_log_softmax(buf, lg, V);
             int k = p + 1 - start;
-            s->in_logprobs[k] = e->scratch[s->tokens[p + 1]];
+            s->in_logprobs[k] = buf[s->tokens[p + 1]];
             if (N > 0 && s->in_top_ids)
                 top_n_select(s->in_top_ids + (size_t)k * N, s->in_top_logprobs + (size_t)k * N,
-                             e->scratch, V, N);
-            s->next_score = p + 2;
+                             buf, V, N);
+            e->row_kind[r] = ROW_SCORED;
             continue;
         }
         if (q->max_new_tokens == 0) {
-            s->finish = FINISH_LENGTH;
+            e->row_kind[r] = ROW_NOTHING;
             continue;
         }
         bool want_lp = q->return_logprob || (N > 0 && s->out_top_ids);
-        if (want_lp) sampler_log_softmax(e->scratch, lg, V);
+        if (want_lp) sampler_log_softmax(buf, lg, V);
         float lp = q->return_logprob ? 0.0f : NAN;
         int32_t tok = sampler_sample(&q->sampling, lg, V, q->prompt, q->n_prompt,
                                      s->tokens + q->n_prompt, s->n_out, (uint64_t)s->n_tokens);
-        if (q->return_logprob) lp = e->scratch[tok];
-        if (N > 0 && s->out_top_ids)
+        if (q->return_logprob) lp = buf[tok];
+        if (N > 0 && s->out_top_ids) /* one sampled row per sequence: its n_out is still here */
             top_n_select(s->out_top_ids + (size_t)s->n_out * N,
-                         s->out_top_logprobs + (size_t)s->n_out * N, e->scratch, V, N);
-        engine_seq_append(e, s, tok, lp);
+                         s->out_top_logprobs + (size_t)s->n_out * N, buf, V, N);
+        e->row_kind[r] = ROW_SAMPLED;
+        e->row_token[r] = tok;
+        e->row_logprob[r] = lp;
+    }
+    for (int r = 0; r < n_rows; r++) {
+        engine_seq *s = seqs[e->row_seq[r]];
+        switch (e->row_kind[r]) {
+        case ROW_SCORED: s->next_score = pos[rows[r]] + 2; break;
+        case ROW_NOTHING: s->finish = FINISH_LENGTH; break;
+        case ROW_SAMPLED: engine_seq_append(e, s, e->row_token[r], e->row_logprob[r]); break;
+        }
     }
     for (int i = 0; i < n; i++) {
         seqs[i]->n_computed += seqs[i]->take;

@@ -85,13 +85,21 @@ typedef struct {
     int32_t matched_token;
 } engine_seq;
 
+enum { ROW_SCORED, ROW_NOTHING, ROW_SAMPLED };
+
 typedef struct {
     model *m;
     kv_cache kv;
     int chunk_tokens; /* prefill token budget per step */
     float *logits;    /* [cap_logits, V] */
     int cap_logits;
-    float *scratch;                     /* [V] */
+    float *scratch;                     /* [scratch_threads, V] one row per OpenMP thread */
+    int scratch_threads;
+    /* per logit row of a step: its sequence, what it did, its token and logprob */
+    int32_t *row_seq, *row_token;
+    float *row_logprob;
+    uint8_t *row_kind; /* ROW_SCORED, ROW_NOTHING, ROW_SAMPLED */
+    int cap_rows;
     int32_t *ids, *pos, *seq_of, *rows; /* [cap_T] the step's batch */
     int cap_T;
     /* Device copies for a backend whose memory is not the host's: the batch, the page table,
