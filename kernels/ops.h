@@ -76,6 +76,17 @@ typedef struct ops {
     /* Free and total bytes of the device's memory (the CPU: available and physical RAM). */
     void (*mem_info)(size_t *free_bytes, size_t *total_bytes);
 
+    /* Graphs (CUDA graphs; NULL where the backend has none): the kernels queued between
+     * graph_begin and graph_end are recorded, not run, into a graph that graph_launch replays
+     * with the same pointers and sizes. graph_end returns NULL with a message when the capture
+     * failed (the stream is usable again). graph_epoch changes whenever the backend reallocates
+     * a workspace its kernels use: graphs captured in an older epoch must not be launched. */
+    int (*graph_begin)(char *err, size_t errlen);
+    void *(*graph_end)(char *err, size_t errlen);
+    void (*graph_launch)(void *graph);
+    void (*graph_free)(void *graph);
+    uint64_t (*graph_epoch)(void);
+
     /* out[n, D] = x[rows[i], :] (rows on the device). */
     void (*gather_rows)(float *out, const float *x, const int32_t *rows, int n, int D);
 

@@ -78,7 +78,139 @@ static void engine_stage(engine *e, forward_batch *fb, const int32_t *page_table
     fb->logit_rows = e->d_rows;
 }
 
+static void engine_free_graphs(engine *e) {
+    const ops *o = e->m ? e->m->ops : NULL;
+    for (int b = 0; e->graphs && b <= e->graph_max_bs; b++)
+        if (e->graphs[b]) o->graph_free(e->graphs[b]);
+    free(e->graphs);
+    void *bufs[] = {e->g_ids, e->g_pos, e->g_seq, e->g_rows, e->g_table, e->g_logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) o->dev_free(bufs[i]);
+    free(e->g_host);
+    e->graphs = NULL;
+    e->graph_max_bs = 0;
+}
+
+int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t errlen) {
+    const ops *o = e->m->ops;
+    if (!o->graph_begin)
+        return set_err(err, errlen, "the %s backend has no graphs", o->name);
+    if (max_bs < 1 || max_pages < 1)
+        return set_err(err, errlen, "graphs: batch %d and pages %d must be >= 1", max_bs,
+                       max_pages);
+    engine_free_graphs(e);
+    size_t V = (size_t)e->m->cfg.vocab_size, B = (size_t)max_bs, G = (size_t)max_pages;
+    e->g_ids = o->dev_alloc(B * sizeof(int32_t));
+    e->g_pos = o->dev_alloc(B * sizeof(int32_t));
+    e->g_seq = o->dev_alloc(B * sizeof(int32_t));
+    e->g_rows = o->dev_alloc(B * sizeof(int32_t));
+    e->g_table = o->dev_alloc(B * G * sizeof(int32_t));
+    e->g_logits = o->dev_alloc(B * V * sizeof(float));
+    e->g_host = xcalloc(B * (4 + G), sizeof(int32_t));
+    e->graphs = xcalloc(B + 1, sizeof(void *));
+    e->graph_max_bs = max_bs;
+    e->graph_max_pages = max_pages;
+    e->graph_epoch = 0;
+    if (!e->g_ids || !e->g_pos || !e->g_seq || !e->g_rows || !e->g_table || !e->g_logits) {
+        engine_free_graphs(e);
+        return set_err(err, errlen, "graphs: out of %s memory for batches of %d", o->name,
+                       max_bs);
+    }
+    return 0;
+}
+
+/* A step the graphs can take: decode only (one token per sequence, each sampled), alone. */
+static bool graph_step_ok(const engine *e, engine_seq *const *seqs, int n, int T, int n_rows,
+                          int max_pages) {
+    if (e->graph_max_bs == 0 || e->runtime_max != 0 || T != n || T > e->graph_max_bs ||
+        n_rows != T || T == 0)
+        return false;
+    for (int i = 0; i < n; i++)
+        if (seqs[i]->take != 1 || seqs[i]->n_pages > e->graph_max_pages) return false;
+    (void)max_pages;
+    return true;
+}
+
+static uint64_t graph_epoch_now(const engine *e) {
+    return e->m->ops->graph_epoch() * 0x9E3779B97F4A7C15ull ^ e->m->ws_epoch;
+}
+
+/* The forward of a decode step through the graphs: the batch goes into the graphs' own buffers
+ * (sequence t reads page-table row t), then the graph of this batch size is replayed, or, the
+ * first time, the step runs eagerly and is captured. */
+static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const *seqs,
+                                const int32_t *page_table, int max_pages) {
+    model *m = e->m;
+    const ops *o = m->ops;
+    int T = fb->T, G = e->graph_max_pages;
+    int32_t *h_seq = e->g_host, *h_rows = h_seq + e->graph_max_bs,
+            *h_table = h_rows + e->graph_max_bs;
+    for (int t = 0; t < T; t++) {
+        h_seq[t] = t;
+        h_rows[t] = t;
+        const int32_t *src = page_table + (size_t)seqs[t]->slot * max_pages;
+        memcpy(h_table + (size_t)t * G, src, (size_t)seqs[t]->n_pages * sizeof(int32_t));
+    }
+    o->to_device(e->g_ids, fb->ids, (size_t)T * sizeof(int32_t));
+    o->to_device(e->g_pos, fb->attn.pos, (size_t)T * sizeof(int32_t));
+    o->to_device(e->g_seq, h_seq, (size_t)T * sizeof(int32_t));
+    o->to_device(e->g_rows, h_rows, (size_t)T * sizeof(int32_t));
+    o->to_device(e->g_table, h_table, (size_t)T * G * sizeof(int32_t));
+    forward_batch g = *fb;
+    g.ids = e->g_ids;
+    g.attn.pos = e->g_pos;
+    g.attn.seq = e->g_seq;
+    g.attn.page_table = e->g_table;
+    g.attn.max_pages = G;
+    g.logit_rows = e->g_rows;
+
+    if (graph_epoch_now(e) != e->graph_epoch)
+        for (int b = 0; b <= e->graph_max_bs; b++)
+            if (e->graphs[b]) {
+                o->graph_free(e->graphs[b]);
+                e->graphs[b] = NULL;
+            }
+    if (e->graphs[T]) {
+        o->graph_launch(e->graphs[T]);
+        return 0;
+    }
+    /* First step of this size: eagerly (it sizes every workspace), then captured. */
+    if (m->arch->forward(m, &e->kv, &g, e->g_logits)) return -1;
+    uint64_t epoch = graph_epoch_now(e);
+    if (epoch != e->graph_epoch) { /* the eager step moved a workspace: older graphs go */
+        for (int b = 0; b <= e->graph_max_bs; b++)
+            if (e->graphs[b]) {
+                o->graph_free(e->graphs[b]);
+                e->graphs[b] = NULL;
+            }
+        e->graph_epoch = epoch;
+    }
+    char why[256];
+    void *graph = NULL;
+    if (o->graph_begin(why, sizeof why) == 0) {
+        int rc = m->arch->forward(m, &e->kv, &g, e->g_logits);
+        graph = o->graph_end(why, sizeof why);
+        if (rc != 0 && graph) {
+            o->graph_free(graph);
+            graph = NULL;
+        }
+    }
+    if (!graph || graph_epoch_now(e) != epoch) {
+        LOG_WARN("engine", "decode graphs turned off: %s",
+                 graph ? "a workspace moved during the capture" : why);
+        if (graph) o->graph_free(graph);
+        for (int b = 0; b <= e->graph_max_bs; b++)
+            if (e->graphs[b]) o->graph_free(e->graphs[b]);
+        memset(e->graphs, 0, (size_t)(e->graph_max_bs + 1) * sizeof(void *));
+        e->graph_max_bs = 0; /* the eager step above already produced this step's logits */
+        return 0;
+    }
+    e->graphs[T] = graph; /* the eager step produced this step's logits */
+    return 0;
+}
+
 void engine_free(engine *e) {
+    engine_free_graphs(e);
     engine_free_staging(e);
     kv_cache_free(&e->kv);
     free(e->logits);
@@ -266,6 +398,10 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
     int rc;
     if (m->ops->device == DEVICE_CPU) {
         rc = m->arch->forward(m, &e->kv, &fb, e->logits);
+    } else if (graph_step_ok(e, seqs, n, T, n_rows, max_pages)) {
+        rc = engine_graph_forward(e, &fb, seqs, page_table, max_pages);
+        if (rc == 0)
+            m->ops->to_host(e->logits, e->g_logits, (size_t)n_rows * V * sizeof(float));
     } else {
         int n_seq = 0;
         for (int i = 0; i < n; i++)

@@ -109,12 +109,28 @@ typedef struct {
     size_t cap_d_table;
     float *d_logits;
     int cap_d_logits;
+    /* Decode graphs (engine_enable_graphs): one captured forward per batch size up to
+     * graph_max_bs, over buffers of their own that are never reallocated; recaptured when the
+     * backend's or the model's workspaces move (graph_epoch). */
+    int graph_max_bs;    /* 0: off */
+    int graph_max_pages; /* page-table stride the graphs read */
+    void **graphs;       /* [graph_max_bs + 1] by batch size, NULL until captured */
+    uint64_t graph_epoch;
+    int32_t *g_ids, *g_pos, *g_seq, *g_rows, *g_table; /* device */
+    int32_t *g_host;                                   /* host staging of the same */
+    float *g_logits;                                   /* device [graph_max_bs, V] */
     /* With expert parallelism, set by the caller before each engine_step: the step agreement's
      * runtime_max; the forward then runs even with no tokens here. 0 = alone. */
     int runtime_max;
     double last_forward_seconds; /* wall time of the last engine_step's forward pass */
     double last_sample_seconds;  /* and of its scoring and sampling after the forward */
 } engine;
+
+/* Replay decode steps of up to max_bs sequences as CUDA graphs (steps where every sequence
+ * forwards one token and samples it, alone in the group, with page tables of at most max_pages):
+ * a step of a size not seen yet runs eagerly once, is captured, and later steps of that size
+ * replay the capture. 0, or -1 with a message when the backend has no graphs. */
+int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t errlen);
 
 /* n_pages pages of page_size tokens; chunk_tokens tokens at most per forward pass. */
 int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, char *err,

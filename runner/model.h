@@ -52,6 +52,7 @@ struct model {
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     char err[512]; /* why the last forward failed */
+    uint64_t ws_epoch; /* moves on whenever the activation buffers are reallocated */
 };
 
 /* Load the model folder dir: config.json, generation_config.json, safetensors. Returns NULL

@@ -138,6 +138,13 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
         free(s);
         return NULL;
     }
+    if (c.cuda_graph_max_bs > 0 && m->ops->graph_begin &&
+        engine_enable_graphs(&s->e, c.cuda_graph_max_bs, pages_for(s, c.context_length) + 1, err,
+                             errlen)) {
+        engine_free(&s->e);
+        free(s);
+        return NULL;
+    }
     radix_cache_init(&s->rc, &s->e.kv);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);

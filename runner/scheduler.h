@@ -29,6 +29,8 @@ typedef struct {
     int context_length;       /* prompt + max_new_tokens limit; <= max_position_embeddings;
                                  0 = max_position_embeddings */
     bool enable_radix_cache;  /* share prompt-prefix pages between requests */
+    int cuda_graph_max_bs;    /* decode steps of up to this many requests replayed as graphs
+                                 where the backend has them (0: never) */
 } scheduler_config;
 
 /* Counters and gauges for /metrics and /get_server_info; a consistent snapshot. */

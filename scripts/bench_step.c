@@ -175,14 +175,14 @@ static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t k
 int main(int argc, char **argv) {
     const char *model_path = NULL, *device = "cuda", *load_format = "auto";
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
-    int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192;
+    int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             puts("usage: bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]\n"
                  "       [--batches 1,8,64,256] [--context 1024] [--steps 16]\n"
                  "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
-                 "       [--matmul-precision high|medium]");
+                 "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]");
             return 0;
         }
         if (!v) {
@@ -199,6 +199,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--steps")) steps = atoi(v);
         else if (!strcmp(a, "--prefill-len")) prefill_len = atoi(v);
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
+        else if (!strcmp(a, "--cuda-graph-max-bs")) graph_bs = atoi(v);
         else if (!strcmp(a, "--matmul-precision")) {
             char e2[256];
             if (ops_cuda_set_matmul_precision(v, e2, sizeof e2)) {
@@ -253,6 +254,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_step: %s\n", err);
         return 1;
     }
+    int graph_pages = (context + steps + 2 + S - 1) / S;
+    if (graph_bs > 0 && engine_enable_graphs(&e, graph_bs, graph_pages, err, sizeof err)) {
+        fprintf(stderr, "bench_step: %s\n", err);
+        return 1;
+    }
+    if (graph_bs > 0) printf("decode steps of up to %d sequences replayed as CUDA graphs\n", graph_bs);
 
     printf("\ndecode, context %d, %d timed steps (median)\n", context, steps);
     printf("%6s %10s %10s %10s %12s %10s %8s\n", "batch", "step ms", "fwd ms", "tok/s",

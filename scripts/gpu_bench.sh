@@ -15,6 +15,9 @@ for p in high medium; do
         --matmul-precision "$p" --batches 1,8,64,256 --context 1024 --steps 16 \
         --prefill-prompts 1,8,32 --prefill-len 2048 --chunk 8192
 done
+echo "== Qwen3-30B-A3B, dummy weights, matmul precision high, decode graphs up to batch 64"
+"$b" --model-path config/models/qwen3-30b-a3b --load-format dummy --device cuda \
+    --cuda-graph-max-bs 64 --batches 1,8,64 --context 1024 --steps 16 --prefill-prompts 1
 echo "== DeepSeek-V3 MoE shape (2 layers), dummy weights, matmul precision high"
 "$b" --model-path config/models/deepseek-v3-moe-shape --load-format dummy --device cuda \
     --batches 1,64 --context 1024 --steps 16 --prefill-prompts 1,8 --prefill-len 2048 --chunk 8192

@@ -43,12 +43,15 @@ done
 # 2. whole model, CUDA against CPU
 model=tests/data/tiny-qwen3-moe
 ids=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(2051)) for _ in range(300)))")
-for dev in cpu cuda; do
-    timeout 120 "$bin" generate --model-path "$model" --device "$dev" --input-ids "$ids" \
+for dev in cpu cuda cuda-graphs; do
+    flags=(--device "${dev%-graphs}")
+    [ "$dev" = cuda-graphs ] && flags+=(--cuda-graph-max-bs 4)
+    timeout 120 "$bin" generate --model-path "$model" "${flags[@]}" --input-ids "$ids" \
         --max-new-tokens 32 --temperature 0 --return-logprob --logprob-start-len 0 \
-        > "$out/generate-$dev.json" 2> "$out/generate-$dev.log" || bad "generate --device $dev"
+        > "$out/generate-$dev.json" 2> "$out/generate-$dev.log" || bad "generate $dev"
 done
-python3 - "$out/generate-cpu.json" "$out/generate-cuda.json" <<'PY' && ok "whole model: CUDA logprobs within 2e-2 of the CPU" || bad "whole model: CUDA against CPU"
+for dev in cuda cuda-graphs; do
+python3 - "$out/generate-cpu.json" "$out/generate-$dev.json" <<'PY' && ok "whole model: $dev logprobs within 2e-2 of the CPU" || bad "whole model: $dev against CPU"
 import json, math, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 la = [x[0] for x in a["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in a["meta_info"]["output_token_logprobs"]]
@@ -63,10 +66,12 @@ worst_out = max([abs(x - y) for x, y in zip(la[n_in:n_in + n_cmp], lb[n_in:n_in 
 print(f"prompt logprobs: worst |cuda - cpu| = {worst_in:.3g} over {n_in}; greedy tokens equal: {same}/{len(a['output_ids'])}; output logprobs worst {worst_out:.3g} over {n_cmp}")
 sys.exit(0 if max(worst_in, worst_out) < 2e-2 else 1)
 PY
+done
 
 # 3. the server over HTTP
 port=39100
-"$bin" serve --model-path "$model" --device cuda --port $port > "$out/serve.log" 2>&1 &
+"$bin" serve --model-path "$model" --device cuda --port $port --cuda-graph-max-bs 8 \
+    > "$out/serve.log" 2>&1 &
 spid=$!
 for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
 body='{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'

@@ -49,6 +49,7 @@ typedef struct {
     bool enable_dp_attention;
     double dist_timeout; /* seconds a rank waits for its peers before giving up */
     double mem_fraction_static; /* share of the device's memory for weights + KV pool; 0 = default */
+    int cuda_graph_max_bs;      /* decode steps replayed as CUDA graphs up to this batch; 0 = off */
 } server_args;
 
 typedef struct api_server api_server;

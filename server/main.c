@@ -79,6 +79,7 @@ static const char usage_generate[] =
     "  --return-logprob         add input_token_logprobs and output_token_logprobs to meta_info\n"
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
+    "  --cuda-graph-max-bs N    replay decode steps as CUDA graphs (default 0: off)\n"
     "  --matmul-precision P     CUDA GEMM inputs: high (default: faithful to fp32 activations)\n"
     "                           or medium (activations rounded to BF16: faster prefill)\n"
     "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
@@ -95,6 +96,8 @@ static const char usage_serve[] =
     "  --host ADDR                   address to listen on (default 127.0.0.1)\n"
     "  --port N                      TCP port (default 30000; 0 = any free port)\n"
     "  --device cpu|cuda             where the model runs (default cpu)\n"
+    "  --cuda-graph-max-bs N         replay decode steps of up to N requests as CUDA graphs\n"
+    "                                (default 0: off; --disable-cuda-graph: off)\n"
     "  --matmul-precision P          CUDA GEMM inputs: high (default; faithful to the fp32\n"
     "                                activations) or medium (rounded to BF16; faster prefill)\n"
     "  --max-running-requests N      requests decoded together at most (default 64)\n"
@@ -253,7 +256,7 @@ static int cmd_generate(int argc, char **argv) {
     gen_request q = {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
-    int threads = 0;
+    int threads = 0, graph_bs = 0;
     const char *device = "cpu", *load_format = "auto", *precision = "high";
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
@@ -316,6 +319,8 @@ static int cmd_generate(int argc, char **argv) {
             load_format = v;
         else if (!strcmp(a, "--matmul-precision"))
             precision = v;
+        else if (!strcmp(a, "--cuda-graph-max-bs"))
+            graph_bs = (int)parse_long(a, v, 0, 4096);
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -387,6 +392,9 @@ static int cmd_generate(int argc, char **argv) {
     int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
     engine e;
     if (engine_init(&e, m, n_pages, page_size, 512, err, sizeof err)) die("%s", err);
+    if (graph_bs > 0 && backend->graph_begin &&
+        engine_enable_graphs(&e, graph_bs, n_pages, err, sizeof err))
+        die("--cuda-graph-max-bs: %s", err);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     gen_result res;
@@ -597,6 +605,10 @@ static int cmd_serve(int argc, char **argv) {
             a.load_balance = !strcmp(f, "--load-balance");
             continue;
         }
+        if (!strcmp(f, "--disable-cuda-graph")) {
+            a.cuda_graph_max_bs = 0;
+            continue;
+        }
         if (!strcmp(f, "--enable-dp-attention")) {
             a.enable_dp_attention = true;
             continue;
@@ -607,6 +619,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--device",
                                                  "--matmul-precision",
                                                  "--mem-fraction-static",
+                                                 "--cuda-graph-max-bs",
                                                  "--max-running-requests",
                                                  "--max-total-tokens",
                                                  "--chunked-prefill-size",
@@ -639,6 +652,8 @@ static int cmd_serve(int argc, char **argv) {
             a.port = (int)parse_long(f, v, 0, 65535);
         else if (!strcmp(f, "--device"))
             a.device = v;
+        else if (!strcmp(f, "--cuda-graph-max-bs"))
+            a.cuda_graph_max_bs = (int)parse_long(f, v, 0, 4096);
         else if (!strcmp(f, "--mem-fraction-static")) {
             float x = parse_float(f, v);
             if (!(x > 0 && x < 1)) die("--mem-fraction-static: %g is outside (0, 1)", x);
@@ -824,7 +839,8 @@ static int cmd_serve(int argc, char **argv) {
                            .page_size = a.page_size,
                            .chunked_prefill_size = a.chunked_prefill_size,
                            .context_length = a.context_length,
-                           .enable_radix_cache = !a.disable_radix_cache};
+                           .enable_radix_cache = !a.disable_radix_cache,
+                           .cuda_graph_max_bs = a.cuda_graph_max_bs};
     scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
     if (!sched) die("%s", err);
     serve_engine eng = {.sched = sched, .group = group, .threads = a.threads};

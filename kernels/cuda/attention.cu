@@ -380,6 +380,7 @@ static bool ws_reserve(size_t bytes) {
     if (bytes <= g_ws_bytes) return true;
     cudaStream_t st = cuda_stream();
     if (g_ws) CUDA_CHECK(cudaFreeAsync(g_ws, st));
+    cuda_workspace_changed(); /* graphs that used the old buffer are stale */
     g_ws = nullptr;
     g_ws_bytes = 0;
     void *p = nullptr;

@@ -27,6 +27,10 @@ extern "C" {
 cudaStream_t cuda_stream(void);
 #endif
 
+/* A kernel file reallocated one of its device workspaces: CUDA graphs captured before point at the
+ * old one (ops->graph_epoch moves on, and the engine captures them again). */
+void cuda_workspace_changed(void);
+
 /* A CUDA error inside an op is a broken invariant (bad launch, device fault): print where and
  * what, then abort. */
 void cuda_fail(const char *file, int line, const char *what, const char *msg);

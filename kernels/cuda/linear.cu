@@ -201,6 +201,7 @@ static void *scratch_get(linear_scratch *s, size_t bytes) {
         CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
         CUDA_CHECK(cudaFree(s->p));
     }
+    cuda_workspace_changed(); /* graphs that used the old buffer are stale */
     CUDA_CHECK(cudaMalloc(&s->p, want));
     s->bytes = want;
     return s->p;

@@ -784,6 +784,7 @@ static unsigned char *moe_workspace(size_t bytes) {
         CUDA_CHECK(cudaStreamSynchronize(cuda_stream())); // queued kernels may still use it
         CUDA_CHECK(cudaFree(g_ws));
     }
+    cuda_workspace_changed(); /* graphs that used the old buffer are stale */
     g_ws = nullptr;
     g_ws_bytes = 0;
     const size_t grown = bytes + bytes / 4;

@@ -53,6 +53,43 @@ static void cuda_dev_zero(void *p, size_t bytes) {
 
 static void cuda_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
 
+static uint64_t g_epoch;
+
+void cuda_workspace_changed(void) { g_epoch++; }
+
+static uint64_t cuda_graph_epoch(void) { return g_epoch; }
+
+static int cuda_graph_begin(char *err, size_t errlen) {
+    cudaError_t e = cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return set_err(err, errlen, "CUDA graph: cannot start a capture: %s", cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static void *cuda_graph_end(char *err, size_t errlen) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t e = cudaStreamEndCapture(g_stream, &graph);
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); // an invalidated capture is not sticky: the stream goes on
+        set_err(err, errlen, "CUDA graph: capture failed: %s", cudaGetErrorString(e));
+        return nullptr;
+    }
+    return exec;
+}
+
+static void cuda_graph_launch(void *graph) {
+    CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, g_stream));
+}
+
+static void cuda_graph_free(void *graph) {
+    if (graph) CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)graph));
+}
+
 static void cuda_mem_info(size_t *free_bytes, size_t *total_bytes) {
     CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
 }
@@ -124,6 +161,11 @@ static const ops cuda_ops_table = {
     .prepare_experts = cuda_prepare_experts,
     .sync = cuda_sync,
     .mem_info = cuda_mem_info,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .graph_launch = cuda_graph_launch,
+    .graph_free = cuda_graph_free,
+    .graph_epoch = cuda_graph_epoch,
     .gather_rows = cuda_gather_rows,
     .fill_random = cuda_fill_random,
     .embedding = cuda_embedding,

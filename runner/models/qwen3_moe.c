@@ -202,7 +202,8 @@ static int qwen3_moe_load(model *m, char *err, size_t errlen) {
 }
 
 /* A buffer of the backend's device, grown to bytes (contents not kept). */
-static void *ws_grow(const model *m, void *p, size_t bytes) {
+static void *ws_grow(model *m, void *p, size_t bytes) {
+    m->ws_epoch++; /* graphs captured with the old buffers are stale */
     if (p) m->ops->dev_free(p);
     void *q = m->ops->dev_alloc(bytes ? bytes : 1);
     if (!q) {
@@ -213,7 +214,7 @@ static void *ws_grow(const model *m, void *p, size_t bytes) {
     return q;
 }
 
-static void qwen3_moe_workspace_reserve(const model *m, qwen3_moe_workspace *ws, int T) {
+static void qwen3_moe_workspace_reserve(model *m, qwen3_moe_workspace *ws, int T) {
     const model_config *c = &m->cfg;
     if (T <= ws->cap_T) return;
     size_t D = c->hidden_size, QD = (size_t)c->num_attention_heads * c->head_dim;
