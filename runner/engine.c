@@ -78,10 +78,18 @@ static void engine_stage(engine *e, forward_batch *fb, const int32_t *page_table
     fb->logit_rows = e->d_rows;
 }
 
+/* Free every captured graph (their buffers stay). */
+static void engine_drop_graphs(engine *e) {
+    for (int b = 0; e->graphs && b <= e->graph_max_bs; b++)
+        if (e->graphs[b]) {
+            e->m->ops->graph_free(e->graphs[b]);
+            e->graphs[b] = NULL;
+        }
+}
+
 static void engine_free_graphs(engine *e) {
     const ops *o = e->m ? e->m->ops : NULL;
-    for (int b = 0; e->graphs && b <= e->graph_max_bs; b++)
-        if (e->graphs[b]) o->graph_free(e->graphs[b]);
+    if (e->graphs) engine_drop_graphs(e);
     free(e->graphs);
     void *bufs[] = {e->g_ids, e->g_pos, e->g_seq, e->g_rows, e->g_table, e->g_logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -164,12 +172,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     g.attn.max_pages = G;
     g.logit_rows = e->g_rows;
 
-    if (graph_epoch_now(e) != e->graph_epoch)
-        for (int b = 0; b <= e->graph_max_bs; b++)
-            if (e->graphs[b]) {
-                o->graph_free(e->graphs[b]);
-                e->graphs[b] = NULL;
-            }
+    if (graph_epoch_now(e) != e->graph_epoch) engine_drop_graphs(e);
     if (e->graphs[T]) {
         o->graph_launch(e->graphs[T]);
         return 0;
@@ -178,11 +181,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     if (m->arch->forward(m, &e->kv, &g, e->g_logits)) return -1;
     uint64_t epoch = graph_epoch_now(e);
     if (epoch != e->graph_epoch) { /* the eager step moved a workspace: older graphs go */
-        for (int b = 0; b <= e->graph_max_bs; b++)
-            if (e->graphs[b]) {
-                o->graph_free(e->graphs[b]);
-                e->graphs[b] = NULL;
-            }
+        engine_drop_graphs(e);
         e->graph_epoch = epoch;
     }
     char why[256];
@@ -199,9 +198,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
         LOG_WARN("engine", "decode graphs turned off: %s",
                  graph ? "a workspace moved during the capture" : why);
         if (graph) o->graph_free(graph);
-        for (int b = 0; b <= e->graph_max_bs; b++)
-            if (e->graphs[b]) o->graph_free(e->graphs[b]);
-        memset(e->graphs, 0, (size_t)(e->graph_max_bs + 1) * sizeof(void *));
+        engine_drop_graphs(e);
         e->graph_max_bs = 0; /* the eager step above already produced this step's logits */
         return 0;
     }

@@ -392,8 +392,10 @@ static int cmd_generate(int argc, char **argv) {
     int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
     engine e;
     if (engine_init(&e, m, n_pages, page_size, 512, err, sizeof err)) die("%s", err);
-    if (graph_bs > 0 && backend->graph_begin &&
-        engine_enable_graphs(&e, graph_bs, n_pages, err, sizeof err))
+    if (graph_bs > 0 && !backend->graph_begin)
+        LOG_WARN("generate", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
+                 backend->name);
+    else if (graph_bs > 0 && engine_enable_graphs(&e, graph_bs, n_pages, err, sizeof err))
         die("--cuda-graph-max-bs: %s", err);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -807,6 +809,9 @@ static int cmd_serve(int argc, char **argv) {
         backend = ops_cuda(rank_group_local_rank(group), err, sizeof err);
         if (!backend) die("--device cuda: %s", err);
     }
+    if (a.cuda_graph_max_bs > 0 && !backend->graph_begin)
+        LOG_WARN("serve", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
+                 backend->name);
     model *m = model_load_ep(a.model_path, backend, rank, world, err, sizeof err);
     if (!m) die("%s", err);
     if (size_after_load)
