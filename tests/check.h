@@ -6,7 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 
-static int check_passed, check_failed;
+static int check_passed __attribute__((unused)), check_failed __attribute__((unused));
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
