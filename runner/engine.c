@@ -128,14 +128,12 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
 }
 
 /* A step the graphs can take: decode only (one token per sequence, each sampled), alone. */
-static bool graph_step_ok(const engine *e, engine_seq *const *seqs, int n, int T, int n_rows,
-                          int max_pages) {
+static bool graph_step_ok(const engine *e, engine_seq *const *seqs, int n, int T, int n_rows) {
     if (e->graph_max_bs == 0 || e->runtime_max != 0 || T != n || T > e->graph_max_bs ||
         n_rows != T || T == 0)
         return false;
     for (int i = 0; i < n; i++)
         if (seqs[i]->take != 1 || seqs[i]->n_pages > e->graph_max_pages) return false;
-    (void)max_pages;
     return true;
 }
 
@@ -395,7 +393,7 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
     int rc;
     if (m->ops->device == DEVICE_CPU) {
         rc = m->arch->forward(m, &e->kv, &fb, e->logits);
-    } else if (graph_step_ok(e, seqs, n, T, n_rows, max_pages)) {
+    } else if (graph_step_ok(e, seqs, n, T, n_rows)) {
         rc = engine_graph_forward(e, &fb, seqs, page_table, max_pages);
         if (rc == 0)
             m->ops->to_host(e->logits, e->g_logits, (size_t)n_rows * V * sizeof(float));

@@ -425,11 +425,6 @@ int rank_group_pick(rank_group *g, int64_t local_load) {
     return best;
 }
 
-void rank_group_pick_done(rank_group *g, int r) {
-    (void)g;
-    (void)r; /* the next reports count the request where it runs; nothing to undo here */
-}
-
 /* ---- the end ---- */
 
 void rank_group_finalize(rank_group *g) {

@@ -86,11 +86,9 @@ double rank_group_loads(rank_group *g, rank_report *out);
 
 /* Any thread: the rank that should take a new request: the least loaded by n_running + n_waiting
  * of the latest reports plus the requests this rank has picked it for since those reports (the
- * next reports count them where they run); this rank's own load is local_load (live). Ties go to
- * this rank, then to the lowest rank. rank_group_pick_done marks the end of a picked request
- * (kept for the bookkeeping of relays; the reports already follow the load). */
+ * next reports count them where they run, so nothing is to be undone when a request ends); this
+ * rank's own load is local_load (live). Ties go to this rank, then to the lowest rank. */
 int rank_group_pick(rank_group *g, int64_t local_load);
-void rank_group_pick_done(rank_group *g, int r);
 
 /* Any thread, no MPI: -1 with "rank R (pid P) has exited" when the process of a peer on this node
  * is gone (or a zombie), else 0. Cheap enough to call a few times a second. */

@@ -944,8 +944,6 @@ static cJSON *api_parse_body(http_exchange *x, api_error *e) {
     return json;
 }
 
-static void api_relay_done(void *ctx, int to_rank) { rank_group_pick_done(ctx, to_rank); }
-
 /* Relay x to the least-loaded rank when that is another one; false: run it here. */
 static bool api_relay(api_server *a, http_exchange *x) {
     rank_group *g = a->group;
@@ -954,18 +952,14 @@ static bool api_relay(api_server *a, http_exchange *x) {
     scheduler_get_stats(a->sched, &st);
     int me = rank_group_rank(g);
     int to = rank_group_pick(g, (int64_t)st.n_running + st.n_waiting);
-    if (to == me) {
-        rank_group_pick_done(g, to); /* runs here: the scheduler counts it from now on */
-        return false;
-    }
+    if (to == me) return false;
     pthread_mutex_lock(&a->submit_mu); /* api_stop_relays frees the relay under it */
     bool open = a->relay && atomic_load(&a->state) == API_STATE_READY;
     if (open) {
         LOG_DEBUG("api", "%s %s -> rank %d", http_method(x), http_path(x), to);
-        proxy_forward(a->relay, x, rank_group_url(g, to), me, to, api_relay_done, g);
+        proxy_forward(a->relay, x, rank_group_url(g, to), me, to, NULL, NULL);
     }
     pthread_mutex_unlock(&a->submit_mu);
-    if (!open) rank_group_pick_done(g, to); /* shutting down: answered here */
     return open;
 }
 

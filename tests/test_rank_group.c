@@ -264,7 +264,6 @@ static void test_group_of_one(void) {
     CHECK(rank_group_check_peers(g, err, sizeof err) == 0 &&
               rank_group_check_peers_cb(g, err, sizeof err) == 0,
           "check_peers alone: '%s'", err);
-    rank_group_pick_done(g, 0);
     rank_group_abandon(g);
 
     /* A timeout given is kept; a second group of one (no MPI to start twice). */
@@ -476,7 +475,6 @@ static int test_pick(rank_group *g) {
         }
         CHECK(bad == 0, "rank %d: picks with rank %d least loaded: %d of %d differ", g_rank, target,
               bad, n);
-        rank_group_pick_done(g, got[0]);
         free(got);
         free(want);
     }
