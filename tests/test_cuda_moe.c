@@ -42,15 +42,21 @@
  * Timing (CUDA events on the backend's stream, after warm-up, median), both precisions side by side
  * on the same inputs: microseconds per call; for decode sizes the bytes of expert weights the
  * routing touches (busy experts x 3 F D x 2) over the time, against the device copy bandwidth
- * measured here (cudaMemcpyAsync device to device of 1 GiB, bytes read + written); routings rotate
- * among 8 sets so the weights do not sit in L2. For T = 4096 with balanced routing: TFLOP/s
+ * measured here (cudaMemcpyAsync device to device of 1 GiB, bytes read + written), and beside it
+ * the time of a device copy moving as many bytes (half read, half written: what fixed costs leave
+ * of the copy rate at that size); routings rotate among 8 sets so the weights do not sit in L2.
+ * Sizes: T = 1, 2, 4, 8, then mean pairs per expert 1, 2, ..., 64 (T = E / K * 2^i), random
+ * routing, for Qwen3-30B-A3B and the DeepSeek-V3-like shape. For T = 4096 with balanced routing: TFLOP/s
  * (6 T K D F flops, the useful ones: high does twice the tensor work for them) beside cuBLAS run
  * per expert on the same grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then down, 2 E
  * launches; it gets its tokens pre-gathered and does no SiLU, gather or scatter).
  *
  *   test_cuda_moe           everything
  *   test_cuda_moe --small   only the small and tiny shapes (quick; for compute-sanitizer)
- *   test_cuda_moe --timing  only the Qwen3 timings, no comparisons (quick; for a profiler)
+ *   test_cuda_moe --timing [MAX_T]           only the Qwen3 timings up to MAX_T tokens, no comparisons
+ *                                            (quick; for a profiler)
+ *   test_cuda_moe --timing-deepseek [MAX_T]  the same for the DeepSeek-V3-like shape
+ *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -553,6 +559,7 @@ typedef struct {
     double weight_gb; /* expert weights the routing touches */
     double us[N_PRECISIONS], gbs[N_PRECISIONS], pct[N_PRECISIONS], tflops[N_PRECISIONS]; /* ours */
     double cublas_us, cublas_tflops; /* per-expert cuBLAS (prefill rows only) */
+    double copy_same_us;             /* a device copy moving as many bytes (read + write) */
 } timing_row;
 
 static timing_row rows[32];
@@ -646,6 +653,13 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
     snprintf(r->label, sizeof r->label, "%s %s", m->name, route_name[mode]);
     r->T = T;
     r->weight_gb = busy * 3.0 * m->F * m->D * 2 / 1e9;
+    if (r->weight_gb <= 2.0) { /* the copy rate at this size: read + write = the weight bytes */
+        const size_t half = (size_t)(r->weight_gb * 1e9 / 2) & ~(size_t)255;
+        copy_ctx cc = {dev_alloc_checked(half), dev_alloc_checked(half), half};
+        r->copy_same_us = time_median(copy_once, &cc, 3, iters) * 1e3;
+        gpu->dev_free(cc.dst);
+        gpu->dev_free(cc.src);
+    }
     for (int p = 0; p < N_PRECISIONS; p++) {
         set_precision((matmul_precision)p);
         const float ms = time_median(moe_once, &c, 3, iters);
@@ -725,17 +739,21 @@ static void time_cublas(const model *m, int T, timing_row *r) {
 static void print_timings(void) {
     printf("\ndevice copy bandwidth (1 GiB device to device, read + write): %.0f GB/s\n",
            copy_gbs);
-    printf("%-26s %5s %9s | %-31s | %-31s | %6s | %s\n", "", "", "", "medium (x, h in BF16)",
-           "high (x, h as BF16 hi + lo)", "high /", "cuBLAS per expert");
-    printf("%-26s %5s %9s | %8s %6s %6s %8s | %8s %6s %6s %8s | %6s | %8s %8s\n", "moe_experts",
-           "T", "weight GB", "us", "GB/s", "% copy", "TFLOP/s", "us", "GB/s", "% copy", "TFLOP/s",
-           "medium", "us", "TFLOP/s");
+    printf("%-26s %5s %9s | %-31s | %-31s | %6s | %-8s | %s\n", "", "", "", "medium (x, h in BF16)",
+           "high (x, h as BF16 hi + lo)", "high /", "copy of", "cuBLAS per expert");
+    printf("%-26s %5s %9s | %8s %6s %6s %8s | %8s %6s %6s %8s | %6s | %8s | %8s %8s\n",
+           "moe_experts", "T", "weight GB", "us", "GB/s", "% copy", "TFLOP/s", "us", "GB/s",
+           "% copy", "TFLOP/s", "medium", "as many", "us", "TFLOP/s");
     for (int i = 0; i < n_rows; i++) {
         const timing_row *r = &rows[i];
         const int M = MATMUL_PRECISION_MEDIUM, H = MATMUL_PRECISION_HIGH;
         printf("%-26s %5d %9.3f | %8.1f %6.0f %5.1f%% %8.1f | %8.1f %6.0f %5.1f%% %8.1f | %6.2f |",
                r->label, r->T, r->weight_gb, r->us[M], r->gbs[M], r->pct[M], r->tflops[M], r->us[H],
                r->gbs[H], r->pct[H], r->tflops[H], r->us[H] / r->us[M]);
+        if (r->copy_same_us > 0)
+            printf(" %5.1f us |", r->copy_same_us);
+        else
+            printf(" %8s |", "");
         if (r->cublas_us > 0) printf(" %8.1f %8.1f", r->cublas_us, r->cublas_tflops);
         printf("\n");
     }
@@ -825,28 +843,50 @@ static void test_tiny(void) {
     model_free(&m);
 }
 
-static void test_qwen3(bool compare) {
+/* Timings up to max_T tokens (0: all): the decode sizes T = 1, 2, 4, 8, then mean pairs per expert
+ * 1, 2, 4, ..., 64 (T = E / K * 2^i, random routing), then a balanced prefill-size batch with
+ * cuBLAS beside it. */
+static void time_model(const model *m, int max_T) {
+    int Tt[16], n = 0;
+    for (int T = 1; T < m->E / m->K; T *= 2)
+        Tt[n++] = T;
+    for (int i = 0; i <= 6; i++)
+        Tt[n++] = m->E / m->K << i;
+    for (int i = 0; i < n; i++)
+        if (!max_T || Tt[i] <= max_T)
+            time_moe(m, Tt[i], ROUTE_RANDOM, 8, Tt[i] <= 256 ? 50 : Tt[i] <= 1024 ? 10 : 5);
+    if (!max_T || 4096 <= max_T)
+        time_cublas(m, 4096, time_moe(m, 4096, ROUTE_BALANCED, 1, m->D > 4096 ? 5 : 10));
+}
+
+/* compare: the comparisons (decode_only: those up to T = 64), then timings up to max_T tokens
+ * unless decode_only. */
+static void test_qwen3(bool compare, bool decode_only, int max_T) {
     model m;
     model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
     if (model_prepare(&m) == 0 && compare) {
-        const int Ts[] = {1, 8, 64, 256, 1024, 2048};
+        const int Ts[] = {1, 2, 3, 4, 5, 8, 64, 256, 1024, 2048};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256, NULL);
+            if (!decode_only || Ts[i] <= 64)
+                run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256, NULL);
+        if (decode_only) {
+            run_case(&m, 3, ROUTE_RANDOM, 0.25, 3, true, NULL);
+            run_case(&m, 4, ROUTE_ONE, 0.0, 4, true, NULL);
+            model_free(&m);
+            return;
+        }
+        run_case(&m, 3, ROUTE_RANDOM, 0.25, 3, true, NULL);
         run_case(&m, 64, ROUTE_RANDOM, 0.25, 64, true, NULL);
+        run_case(&m, 4, ROUTE_ONE, 0.0, 4, true, NULL); /* 32 rows of one expert: split tiles */
         run_case(&m, 256, ROUTE_ONE, 0.0, 32, false, NULL);
         run_case(&m, 4096, ROUTE_BALANCED, 0.0, 32, false, NULL);
         run_empty_cases(&m);
     }
-    if (m.w.gate_up) {
-        const int Tt[] = {1, 8, 64, 256, 1024}; /* 1024: the middle tile shape */
-        for (size_t i = 0; i < sizeof Tt / sizeof Tt[0]; i++)
-            time_moe(&m, Tt[i], ROUTE_RANDOM, 8, Tt[i] <= 256 ? 50 : 10);
-        time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 10));
-    }
+    if (m.w.gate_up) time_model(&m, max_T);
     model_free(&m);
 }
 
-static void test_deepseek(void) {
+static void test_deepseek(bool compare, int max_T) {
     const int E = 256, D = 7168, F = 2048, K = 8;
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
@@ -859,12 +899,13 @@ static void test_deepseek(void) {
     model m;
     model_init(&m, "deepseek-v3-like", E, D, F, K, DTYPE_BF16);
     if (model_prepare(&m) == 0) {
-        run_case(&m, 1, ROUTE_RANDOM, 0.0, 1, false, NULL);
-        run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, false, NULL);
-        run_case(&m, 4096, ROUTE_BALANCED, 0.0, 16, false, NULL);
-        time_moe(&m, 1, ROUTE_RANDOM, 8, 50);
-        time_moe(&m, 64, ROUTE_RANDOM, 8, 20);
-        time_cublas(&m, 4096, time_moe(&m, 4096, ROUTE_BALANCED, 1, 5));
+        if (compare) {
+            run_case(&m, 1, ROUTE_RANDOM, 0.0, 1, false, NULL);
+            run_case(&m, 3, ROUTE_RANDOM, 0.0, 3, false, NULL);
+            run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, false, NULL);
+            run_case(&m, 4096, ROUTE_BALANCED, 0.0, 16, false, NULL);
+        }
+        time_model(&m, max_T);
     }
     model_free(&m);
 }
@@ -872,6 +913,9 @@ static void test_deepseek(void) {
 int main(int argc, char **argv) {
     const bool small_only = argc > 1 && strcmp(argv[1], "--small") == 0;
     const bool timing_only = argc > 1 && strcmp(argv[1], "--timing") == 0;
+    const bool timing_deepseek = argc > 1 && strcmp(argv[1], "--timing-deepseek") == 0;
+    const bool decode_only = argc > 1 && strcmp(argv[1], "--decode") == 0;
+    const int max_T = (timing_only || timing_deepseek) && argc > 2 ? atoi(argv[2]) : 0;
     char err[256] = "";
     gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {
@@ -880,6 +924,11 @@ int main(int argc, char **argv) {
         return 0;
     }
     cpu = ops_cpu();
+    if (decode_only) {
+        test_qwen3(true, true, 0);
+        print_worst();
+        CHECK_SUMMARY();
+    }
     if (!timing_only) {
         test_precision_setting();
         test_prepare_errors();
@@ -888,11 +937,11 @@ int main(int argc, char **argv) {
     }
     if (!small_only) {
         copy_gbs = measure_copy_bandwidth();
-        test_qwen3(!timing_only);
-        if (!timing_only) test_deepseek();
+        if (!timing_deepseek) test_qwen3(!timing_only, false, max_T);
+        if (!timing_only) test_deepseek(!timing_deepseek, max_T);
         print_timings();
     }
-    if (!timing_only) print_worst();
+    if (!timing_only && !timing_deepseek) print_worst();
     CHECK_SUMMARY();
 }
 

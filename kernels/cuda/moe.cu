@@ -38,6 +38,38 @@
 // kernel before it drains, and GEMM 2 fetches its first weight tiles before h is ready.
 // Skipped slots (negative ids) never enter the grouping, so their rows of out stay as they were.
 //
+// The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
+// groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
+// first pair, pairs in (t, k) order), h is indexed by pair id, and GEMM 1 converts its rows of x
+// (one at T = 1) into shared memory for the whole of D while its first weight stages are in
+// flight. The same k16 order into one fp32 accumulator and the same conversion: the same bits as
+// the grouped path (the test runs a token alone, tiny, against the same token in larger batches).
+//
+// Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
+// the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
+// that rate, so fixed costs weigh at this size):
+//   grouped path (three launches)                                29.0 / 33.8 us
+//   tiny path (kept)                                             27.4 / 31.6 us (65% / 56% of copy)
+//     its GEMM 1 alone 19.6 us (50 MB), GEMM 2 alone 12.3 us (25 MB): each kernel carries 6-8 us
+//     over its bytes at the copy rate, and the two overlap by 4.5 us through PDL
+// Tried and dropped (T = 1 medium unless said):
+//   - GEMM 1 in 384 blocks of BN 32 (two warps, six stages), for 132 SMs: 28.4 us; four stages or
+//     BN 64 with six: no better. GEMM 2 with three stages, BN 32 or BK 64: 28.6-28.8 us.
+//   - L2 bulk prefetch (cp.async.bulk.prefetch) of GEMM 2's weights by GEMM 1's blocks, all or
+//     half of each down row, at their last load or four k tiles earlier: 29.4-31.7 us; GEMM 2's
+//     blocks prefetching the rest of their rows into L2 before waiting for h: 30.1 us. The prefetch
+//     only moves bytes earlier on a bus that is already busy.
+//   - Both GEMMs in one kernel (work items from a counter, GEMM 2 items waiting on per-tile counts
+//     of finished GEMM 1 items): 29.7 / 33.4 us; each item's atomic fetch and topk_ids read sit
+//     before its first weight load. (DeepSeek-V3 shape: 176 / 215 -> 174 / 182 us; the tiny
+//     path's GEMM 1 has the same four stages in high.)
+//   - x converted per k tile from fp32 with single loads (a round trip per 16-byte chunk before
+//     the first product): DeepSeek-V3 shape at T = 1 202.8 us against 176.1 grouped; batching the
+//     loads fixed it.
+//   - The tiny path at T = 4 (32 pairs, 2 waves of blocks): 83.0 / 87.0 us against the grouped
+//     path's 81.0 / 82.3, hence the limit of 16 pairs. Earlier (see git history): L2 prefetch
+//     hints before the PDL wait and evict-first weights, 29.8-30.1 us against 29.0.
+//
 // GEMM mainloop: a STAGES-deep cp.async pipeline of BM x BK activation tiles (high: a hi and a lo
 // tile) and BN x BK weight tiles, all BF16, in shared memory (16-byte chunks XOR-swizzled by row so
 // ldmatrix is conflict-free), ldmatrix.x4 fragments (high at decode sizes: the next k16 step's
@@ -450,6 +482,12 @@ typedef struct {
     float *out;            // the down GEMM's output [T*K, N], rows addressed by pair id
     int Kd, N, topk;       // reduction length; output columns (F or D); K of top-k
     int n_col_blocks;      // N-blocks per tile
+    // The tiny path (TINY kernels, T*K <= 32): each block groups topk_ids itself, h rows are pair
+    // ids, GEMM 1 converts its rows of x on the fly (no prepare kernel).
+    const float *x;             // GEMM 1: [T, Kd]
+    const int32_t *topk_ids;    // [n_pairs]
+    int n_pairs, E;             // T * K; local experts
+    int tile_rows;              // rows per tile (GEMM 1: R1, its x rows held for all of Kd)
 } moe_gemm_args;
 
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
@@ -496,26 +534,108 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // Launched with PDL: GEMM 1 waits for the prepare kernel before anything; GEMM 2 starts during
 // GEMM 1's tail, reads its tile (written by the prepare kernel, complete before any GEMM 1 block
 // let it start) and prefetches its first weight stages, then waits for h.
-template <class C, bool GATE_UP>
+// The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
+// busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its
+// expert's pairs in (t, k) order. Writes s_tile = {expert, rows} of tile `tile` ({-1, 0} past the
+// last tile) and s_pair[r] = the pair id of row r. The same function in GEMM 1 and GEMM 2 (with
+// their R) gives each the same pairs; h rows are addressed by pair id, so the two need not agree
+// on tiles.
+__device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int tile, int *s_tile,
+                           int *s_pair) {
+    const int lane = threadIdx.x & 31;
+    const unsigned full = 0xffffffffu;
+    const int id = lane < n ? __ldcg(&topk_ids[lane]) : -1;
+    if (id >= E) __trap(); // broken invariant: ids index the local experts
+    const unsigned same = __match_any_sync(full, id);
+    const bool leader = id >= 0 && __ffs(same) - 1 == lane;
+    const int nch = leader ? (__popc(same) + R - 1) / R : 0;
+    int incl = nch;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(full, incl, o);
+        if (lane >= o) incl += v;
+    }
+    const int base = incl - nch;
+    const unsigned hit = __ballot_sync(full, leader && tile >= base && tile < base + nch);
+    if (!hit) {
+        if (lane == 0) s_tile[0] = -1, s_tile[1] = 0;
+        return;
+    }
+    const int L = __ffs(hit) - 1;
+    const unsigned mask = __shfl_sync(full, same, L);
+    const int e = __shfl_sync(full, id, L);
+    const int first = (tile - __shfl_sync(full, base, L)) * R;
+    if ((mask >> lane) & 1u) {
+        const int rank = __popc(mask & ((1u << lane) - 1u));
+        if (rank >= first && rank < first + R) s_pair[rank - first] = lane;
+    }
+    if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
+}
+
+// One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
+// Block b of the 1-D grid is N-block b % n_col_blocks of tile b / n_col_blocks: the blocks that
+// run together share their A rows (and an expert's tiles follow each other), so A is read from
+// L2 and the weights from memory about once.
+// GATE_UP: the block's BN weight rows are, per warp, WN/2 gate rows then the WN/2 up rows of the
+// same h columns, so a thread holds g and u of the same (row, column) and writes silu(g) * u.
+// Launched with PDL: GEMM 1 waits for the kernel before it (the prepare kernel, or in TINY the one
+// that wrote x and topk_ids) before anything; GEMM 2 starts during GEMM 1's tail, reads its tile
+// (written by the prepare kernel, or in TINY topk_ids: complete before any GEMM 1 block let it
+// start) and prefetches its first weight stages, then waits for h.
+// TINY: no prepare kernel; the block groups topk_ids itself (tiny_group), h rows are pair ids, and
+// GEMM 1 holds its rows of x for the whole of Kd in shared memory (A_FULL), converted from fp32
+// once at the start (the prepare kernel's conversion, bit for bit) while its first weight stages
+// are in flight.
+template <class C, bool GATE_UP, bool TINY>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
+    constexpr bool A_FULL = TINY && GATE_UP;
     if (GATE_UP) {
         grid_dependency_wait();
         grid_launch_dependents();
     }
     const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
-    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
-    const int4 ti = __ldcg(&a.tiles[tile]);
-    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    __shared__ int s_tile[2], s_pair[TINY ? 16 : 1];
+    int e, row0 = 0, rows;
+    if constexpr (TINY) {
+        if (warp == 0)
+            tiny_group(a.topk_ids, a.n_pairs, a.E, a.tile_rows, tile, s_tile, s_pair);
+        __syncthreads();
+        e = s_tile[0];
+        rows = s_tile[1];
+        if (e < 0) return; // idle block of the upper-bound grid
+    } else {
+        if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
+        const int4 ti = __ldcg(&a.tiles[tile]);
+        e = ti.x;
+        row0 = ti.y;
+        rows = ti.z - ti.y;
+    }
+    // pair id of tile row r; row of h (GEMM 1's output, GEMM 2's input) of tile row r
+    auto pair_of = [&](int r) -> int {
+        if constexpr (TINY)
+            return s_pair[r];
+        else
+            return __ldcg(&a.pairs[row0 + r]);
+    };
+    auto h_row = [&](int r) -> int {
+        if constexpr (TINY)
+            return s_pair[r];
+        else
+            return row0 + r;
+    };
     const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
     // m16 row tiles of this warp that hold rows (warp-uniform): the rest are skipped
     const int mi_busy = min(MI, max(0, (rows - wm * C::WM + 15) / 16));
 
     constexpr int AP = C::A_PARTS;
     extern __shared__ __align__(128) unsigned char moe_smem[];
-    const uint32_t sA = (uint32_t)__cvta_generic_to_shared(moe_smem); // [STAGES, AP, BM, BK]
-    const uint32_t sB = sA + STAGES * AP * BM * BK * 2;               // [STAGES, BN, BK]
+    // Without A_FULL: [STAGES, AP, BM, BK] activation stages, then [STAGES, BN, BK] weight stages.
+    // A_FULL: the weight stages, then x's rows [AP, nk, R, BK] (R = tile_rows).
+    const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(moe_smem);
+    const uint32_t sA = smem0;
+    const uint32_t sB = A_FULL ? smem0 : sA + STAGES * AP * BM * BK * 2;
+    const uint32_t sAf = smem0 + STAGES * BN * BK * 2;
 
     // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
@@ -524,8 +644,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     for (int i = 0; i < C::A_ITERS; i++) {
         const int r = r_first + i * C::ROWS_PER_PASS;
         a_src[i] = nullptr;
-        if (r < rows) {
-            const int64_t src_row = GATE_UP ? __ldcg(&a.pairs[row0 + r]) / a.topk : row0 + r;
+        if (!A_FULL && r < rows) {
+            const int64_t src_row = GATE_UP ? pair_of(r) / a.topk : h_row(r);
             a_src[i] = a.act + src_row * a.Kd;
         }
     }
@@ -547,17 +667,19 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     };
 
     auto load_a = [&](int slot, int kt) {
-        const int k = kt * BK + kc * 8;
-        const bool k_ok = k < a.Kd;
+        if constexpr (!A_FULL) {
+            const int k = kt * BK + kc * 8;
+            const bool k_ok = k < a.Kd;
 #pragma unroll
-        for (int part = 0; part < AP; part++)
+            for (int part = 0; part < AP; part++)
 #pragma unroll
-            for (int i = 0; i < C::A_ITERS; i++) {
-                const int r = r_first + i * C::ROWS_PER_PASS;
-                const bool ok = k_ok && a_src[i];
-                cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(r, kc)) * 2,
-                           ok ? a_src[i] + part * a.act_lo + k : a.act, ok ? 16 : 0);
-            }
+                for (int i = 0; i < C::A_ITERS; i++) {
+                    const int r = r_first + i * C::ROWS_PER_PASS;
+                    const bool ok = k_ok && a_src[i];
+                    cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(r, kc)) * 2,
+                               ok ? a_src[i] + part * a.act_lo + k : a.act, ok ? 16 : 0);
+                }
+        }
     };
     auto load_b = [&](int slot, int kt) {
         const int k = kt * BK + kc * 8;
@@ -600,6 +722,54 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
         cp_async_commit();
     }
+    const int R1 = a.tile_rows;
+    if constexpr (A_FULL) {
+        // x's rows of this tile for all of Kd, in BF16 (high: hi then lo), zero past Kd; the
+        // weight stages above are in flight meanwhile. The main loop's first barrier publishes it.
+        const int cpr = nk * (BK / 8); // 16-byte chunks per row
+        // loads in batches of CB chunks per thread, all issued before any is used
+        constexpr int CB = C::threads >= 128 ? 8 : 4;
+        for (int i0 = 0; i0 < rows * cpr; i0 += C::threads * CB) {
+            float4 p[CB], q[CB];
+#pragma unroll
+            for (int j = 0; j < CB; j++) {
+                const int i = i0 + j * C::threads + tid, r = i / cpr, k = (i % cpr) * 8;
+                p[j] = q[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (i < rows * cpr && k < a.Kd) {
+                    const float4 *src = reinterpret_cast<const float4 *>(
+                        a.x + (int64_t)(s_pair[r] / a.topk) * a.Kd + k);
+                    p[j] = __ldcg(src);
+                    q[j] = __ldcg(src + 1);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < CB; j++) {
+                const int i = i0 + j * C::threads + tid;
+                if (i >= rows * cpr) break;
+                const int r = i / cpr, c = i % cpr;
+                uint4 v, lo = make_uint4(0, 0, 0, 0);
+                if (C::SPLIT) {
+                    split_bf16x2(p[j].x, p[j].y, &v.x, &lo.x);
+                    split_bf16x2(p[j].z, p[j].w, &v.y, &lo.y);
+                    split_bf16x2(q[j].x, q[j].y, &v.z, &lo.z);
+                    split_bf16x2(q[j].z, q[j].w, &v.w, &lo.w);
+                } else {
+                    v.x = pack_bf16x2(p[j].x, p[j].y);
+                    v.y = pack_bf16x2(p[j].z, p[j].w);
+                    v.z = pack_bf16x2(q[j].x, q[j].y);
+                    v.w = pack_bf16x2(q[j].z, q[j].w);
+                }
+                const int kt = c / (BK / 8), ch = c % (BK / 8);
+#pragma unroll
+                for (int part = 0; part < AP; part++) {
+                    const uint32_t dst = sAf + ((part * nk + kt) * R1 * BK + swz<BK>(r, ch)) * 2;
+                    const uint4 w4 = part ? lo : v;
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
+                                 "r"(w4.x), "r"(w4.y), "r"(w4.z), "r"(w4.w));
+                }
+            }
+        }
+    }
     for (int kt = 0; kt < nk; kt++) {
         cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
         __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
@@ -612,6 +782,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 
         const int slot = kt % STAGES;
         const uint32_t a_base = sA + slot * AP * BM * BK * 2, b_base = sB + slot * BN * BK * 2;
+        // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
+        auto a_addr = [&](int part, int r, int ch) -> uint32_t {
+            if constexpr (A_FULL) {
+                const int rr = r < rows ? r : 0; // rows past the tile: any data, results unused
+                return sAf + ((part * nk + kt) * R1 * BK + swz<BK>(rr, ch)) * 2;
+            } else {
+                return a_base + (part * BM * BK + swz<BK>(r, ch)) * 2;
+            }
+        };
         if constexpr (C::PIPE_FRAGS) {
             // High with few tiles per warp (decode): step kk + 1's fragments load while step kk's
             // products run. In the loop below the adds after each step's products hold the next
@@ -626,9 +805,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     for (int mi = 0; mi < MI; mi++) {
                         const int r = wm * C::WM + mi * 16 + (lane & 15);
                         if (mi < mi_busy)
-                            ldmatrix_x4(
-                                fa[part][mi],
-                                a_base + (part * BM * BK + swz<BK>(r, kk * 2 + (lane >> 4))) * 2);
+                            ldmatrix_x4(fa[part][mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                     }
 #pragma unroll
                 for (int p = 0; p < NI / 2; p++) {
@@ -675,9 +852,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     for (int mi = 0; mi < MI; mi++) {
                         const int r = wm * C::WM + mi * 16 + (lane & 15);
                         if (mi < mi_busy)
-                            ldmatrix_x4(
-                                af[mi],
-                                a_base + (part * BM * BK + swz<BK>(r, kk * 2 + (lane >> 4))) * 2);
+                            ldmatrix_x4(af[mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                     }
                     if (part == 0)
 #pragma unroll
@@ -720,7 +895,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             const int r = wm * C::WM + mi * 16 + (lane >> 2) + hr * 8;
             if (r >= rows) continue;
             if (GATE_UP) {
-                bf16 *dst = a.h + (int64_t)(row0 + r) * a.N;
+                bf16 *dst = a.h + (int64_t)h_row(r) * a.N;
 #pragma unroll
                 for (int ni = 0; ni < NI / 2; ni++) {
                     const int col = nb * (BN / 2) + wn * (C::WN / 2) + ni * 8 + 2 * (lane & 3);
@@ -738,7 +913,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     }
                 }
             } else {
-                float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N;
+                float *dst = a.out + (int64_t)pair_of(r) * a.N;
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++) {
                     const int col = nb * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
@@ -750,28 +925,29 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
 }
 
-// Launches one grouped GEMM with the PDL attribute on the backend's stream.
-template <class C, bool GATE_UP> static void launch_gemm(moe_gemm_args a, int max_tiles) {
-    static bool attr_set = false; // one device per process
-    if (!attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)C::smem));
-        attr_set = true;
+// Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
+// shared memory (C::smem, or the tiny GEMM 1's, which depends on the shape).
+template <class C, bool GATE_UP, bool TINY>
+static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = C::smem) {
+    static size_t attr_set = 0; // one device per process
+    if (smem > attr_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr_set = smem;
     }
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)blocks);
     cfg.blockDim = dim3(C::threads);
-    cfg.dynamicSmemBytes = C::smem;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gemm_kernel<C, GATE_UP>, a));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gemm_kernel<C, GATE_UP, TINY>, a));
 }
 
 // The scratch of moe_experts: device memory grown on demand and kept for the process.
@@ -837,7 +1013,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
     CUDA_CHECK_LAUNCH();
 
-    moe_gemm_args g;
+    moe_gemm_args g = {};
     g.tiles = p.tiles;
     g.n_tiles = p.n_tiles;
     g.pairs = p.pairs;
@@ -852,7 +1028,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.Kd = D;
     g.N = F;
     g.n_col_blocks = (F + C::BN / 2 - 1) / (C::BN / 2);
-    launch_gemm<C, true>(g, max_tiles);
+    launch_gemm<C, true, false>(g, max_tiles);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
@@ -860,7 +1036,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.Kd = F;
     g.N = D;
     g.n_col_blocks = (D + C::BN - 1) / C::BN;
-    launch_gemm<C, false>(g, max_tiles);
+    launch_gemm<C, false, false>(g, max_tiles);
 }
 
 // The tile shape follows the mean pairs per expert; the result does not depend on it.
@@ -876,14 +1052,71 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
         moe_run<PREFILL>(out, x, topk_ids, w, T, K, D, F);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The tiny path (T*K <= MOE_TINY_PAIRS): two launches, no prepare kernel
+// ---------------------------------------------------------------------------------------------
+
+#define MOE_TINY_PAIRS   16        /* at most (T = 1, 2 at K = 8); the grouping takes up to 32 */
+#define MOE_TINY_A_BYTES (8 << 10) /* GEMM 1's x rows in shared memory, at most (past one row) */
+
+// GEMM 1 reads x itself, so its stages hold only weights: the same four in both precisions.
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
+
+template <class C1, class C2>
+static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                         int T, int K, int D, int F) {
+    static_assert(C1::SPLIT == C2::SPLIT, "one precision");
+    const int n = T * K, AP = C1::A_PARTS, busy = std::min(w->E, n);
+    unsigned char *ws = moe_workspace((size_t)AP * n * F * 2);
+    moe_gemm_args g = {};
+    g.h = (bf16 *)ws; // [AP, n, F], rows by pair id
+    g.h_lo = C1::SPLIT ? (int64_t)n * F : 0;
+    g.out = out;
+    g.topk = K;
+    g.x = x;
+    g.topk_ids = topk_ids;
+    g.n_pairs = n;
+    g.E = w->E;
+
+    // GEMM 1: tiles of R1 rows, R1 as small as the batch allows (one row at T = 1) and x's rows
+    // within MOE_TINY_A_BYTES, so that three blocks fit on an SM
+    const int nk1 = (D + C1::BK - 1) / C1::BK, row_bytes = AP * nk1 * C1::BK * 2;
+    const int R1 = std::max(1, std::min({16, MOE_TINY_A_BYTES / row_bytes, T}));
+    g.act = g.h; // not read (x is); any valid address
+    g.w = (const bf16 *)w->gate_up;
+    g.Kd = D;
+    g.N = F;
+    g.tile_rows = R1;
+    g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
+    launch_gemm<C1, true, true>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
+                                (size_t)C1::STAGES * C1::BN * C1::BK * 2 + (size_t)R1 * row_bytes);
+
+    g.act = g.h;
+    g.act_lo = g.h_lo;
+    g.w = (const bf16 *)w->down_all;
+    g.Kd = F;
+    g.N = D;
+    g.tile_rows = C2::BM;
+    g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
+    launch_gemm<C2, false, true>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
+}
+
 void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                       int T, int K, int D, int F) {
     if (T <= 0 || K <= 0) return;
     MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
     MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
-    if (ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM)
+    const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    if ((int64_t)T * K <= MOE_TINY_PAIRS) {
+        if (medium)
+            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F);
+        else
+            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high>(out, x, topk_ids, w, T, K, D, F);
+    } else if (medium) {
         moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_prefill>(out, x, topk_ids, w, T, K, D, F);
-    else
+    } else {
         moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_prefill_high>(out, x, topk_ids,
                                                                                   w, T, K, D, F);
+    }
 }
