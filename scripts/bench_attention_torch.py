@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Decode attention through PyTorch on the GPU: the figures to set beside
+"""Decode and prefill attention through PyTorch on the GPU: the figures to set beside
 `build/tests/test_cuda_attention --bench` (run both in one device call).
 
-Qwen3-30B-A3B's attention shape (H 32, Hkv 4, Dh 128), batch 1, 8, 64, 256, context 2048 and
-8192, bf16 and fp32, K and V contiguous per sequence ([B, Hkv, ctx, Dh]), one query token per
+Qwen3-30B-A3B's attention shape (H 32, Hkv 4, Dh 128), batch 1, 8, 64, 256, context 1024, 2048
+and 8192, bf16 and fp32, K and V contiguous per sequence ([B, Hkv, ctx, Dh]), one query token per
 sequence. scaled_dot_product_attention is called two ways:
   gqa      q [B, H, 1, Dh] with enable_gqa=True (PyTorch picks the backend)
   grouped  q viewed as [B, Hkv, H / Hkv, Dh]: the query heads sharing a kv head become the query
            rows of one attention over that kv head (a decode token sees every cached position,
            so no mask), the form that lets the fused backends serve GQA decode
 Timed with torch.cuda.Event after warm-up; GB/s counts the K and V bytes read, against a 1 GiB
-device-to-device copy counted read + write.
+device-to-device copy counted read + write. Then prefill: causal attention over 2048-token prompts,
+1 and 8 sequences (q, k, v [B, H or Hkv, 2048, Dh], enable_gqa=True), with TFLOP/s counting
+4 * pairs * H * Dh as the CUDA test does.
 
     python3 scripts/bench_attention_torch.py
 """
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 
 H, HKV, DH = 32, 4, 128
 BATCHES = (1, 8, 64, 256)
-CONTEXTS = (2048, 8192)
+CONTEXTS = (1024, 2048, 8192)
+PREFILLS = ((1, 2048), (8, 2048))  # sequences, tokens each
 
 
 def time_call(fn, budget_s=0.15):
@@ -91,6 +94,23 @@ def main():
                       + "  |  ".join(row), flush=True)
                 del k, v, q, qg
                 torch.cuda.empty_cache()
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, L in PREFILLS:
+            q = torch.rand(B, H, L, DH, dtype=dtype, device="cuda") * 2 - 1
+            k = torch.rand(B, HKV, L, DH, dtype=dtype, device="cuda") * 2 - 1
+            v = torch.rand(B, HKV, L, DH, dtype=dtype, device="cuda") * 2 - 1
+            pairs = B * L * (L + 1) / 2
+            dname = str(dtype).replace("torch.", "")
+            try:
+                s = time_call(lambda: F.scaled_dot_product_attention(
+                    q, k, v, scale=scale, is_causal=True, enable_gqa=True))
+                print(f"torch sdpa {dname:8s} prefill {B} x {L} tokens causal: {s * 1e6:9.1f} us "
+                      f"{4 * pairs * H * DH / s / 1e12:5.1f} TFLOP/s {B * L / s:9.0f} tokens/s",
+                      flush=True)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                print(f"torch sdpa {dname:8s} prefill {B} x {L}: failed: {str(e).splitlines()[0][:60]}")
+            del q, k, v
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -5,12 +5,16 @@
  * [-1, 1) and never zero, unused page-table entries -1) and batches of decode tokens, prefill
  * chunks over cached prefixes, and both mixed; fp32 on both sides. Tolerance per output element:
  * |cuda - cpu| <= 1e-4 * max|v| (the output is a convex combination of v rows). Exact
- * (bit-identical): each token of a batch of 64 against the same token alone, and decode of a
- * position against the same position inside a prefill chunk.
+ * (bit-identical): each token of a batch of 64 against the same token alone, decode of a position
+ * against the same position inside a prefill chunk, the three paths of the kernel file (slices,
+ * chunks, tiles; cuda_attention_debug_path forces one) against each other on the same batch, and a
+ * captured CUDA graph replayed twice against the direct call.
  *
- *   test_cuda_attention           run the tests (skipped without a CUDA build or a GPU)
- *   test_cuda_attention --bench   then time decode at Qwen3-30B-A3B's attention shape (H 32,
- *                                 Hkv 4, Dh 128, S 16) against a 1 GiB device-to-device copy */
+ *   test_cuda_attention               run the tests (skipped without a CUDA build or a GPU)
+ *   test_cuda_attention --bench       then time decode and prefill at Qwen3-30B-A3B's attention
+ *                                     shape (H 32, Hkv 4, Dh 128, S 16) against a 1 GiB
+ *                                     device-to-device copy
+ *   test_cuda_attention --bench-only  the timing without the tests */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,6 +47,16 @@ extern int cudaEventDestroy(cuda_event event);
 extern int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, void *stream);
 enum { CUDA_MEMCPY_DEVICE_TO_DEVICE = 3 };
 void *cuda_stream(void); /* kernels/cuda/ops_cuda.cu: the stream every op runs on */
+/* kernels/cuda/attention.cu: force a path (0 slices, 1 chunks, 2 tiles; -1 the usual choice).
+ * Weak: a build of the kernel file without it (an older one, timed for comparison) skips the
+ * checks that need it. */
+extern void cuda_attention_debug_path(int path) __attribute__((weak));
+enum { PATH_AUTO = -1, PATH_SLICES = 0, PATH_CHUNKS = 1, PATH_TILES = 2 };
+static const char *const path_names[] = {"slices", "chunks", "tiles"};
+
+static void set_path(int path) {
+    if (cuda_attention_debug_path) cuda_attention_debug_path(path);
+}
 
 static const ops *cpu, *gpu;
 
@@ -393,6 +407,107 @@ static void test_decode_vs_prefill(const char *what, int H, int Hkv, int Dh, int
     cache_free(&c);
 }
 
+/* One batch (decode tokens of n_dec sequences, then prefill chunks of n_pre more) through every
+ * path: each bit-identical to the usual choice, which is checked against the CPU. */
+static void test_paths(const char *what, int H, int Hkv, int Dh, int S, int n_dec, int n_pre,
+                       int max_len, int max_chunk) {
+    if (!cuda_attention_debug_path) return;
+    const int n_seq = n_dec + n_pre;
+    int *len = xmalloc((size_t)n_seq * sizeof(int)), *lo = xmalloc((size_t)n_seq * sizeof(int));
+    for (int s = 0; s < n_seq; s++) {
+        len[s] = rng_len(max_len);
+        lo[s] = len[s] - 1;
+        if (s >= n_dec) {
+            int chunk = rng_len(max_chunk);
+            if (chunk > len[s]) chunk = len[s];
+            lo[s] = len[s] - chunk;
+        }
+    }
+    paged_cache c = cache_make(H, Hkv, Dh, S, n_seq, len, (max_len + S - 1) / S);
+    batch b = {0};
+    for (int s = 0; s < n_seq; s++)
+        batch_add_range(&b, &c, s, lo[s], len[s], 1.0f);
+    check_case(what, &c, &b);
+    const int64_t n = (int64_t)b.T * H * Dh;
+    float *want = xmalloc((size_t)n * sizeof(float)), *got = xmalloc((size_t)n * sizeof(float));
+    run_gpu(want, &c, &b);
+    for (int p = PATH_SLICES; p <= PATH_TILES; p++) {
+        set_path(p);
+        run_gpu(got, &c, &b);
+        const int64_t d = count_diff(got, want, n);
+        printf("  %-62s %s: %s\n", what, path_names[p], d ? "DIFFERS" : "bit-identical");
+        CHECK(d == 0, "%s: path %s differs from the usual one in %lld elements", what,
+              path_names[p], (long long)d);
+    }
+    set_path(PATH_AUTO);
+    free(want);
+    free(got);
+    batch_free(&b);
+    cache_free(&c);
+    free(len);
+    free(lo);
+}
+
+/* A batch of n_dec decode tokens and one prefill chunk of n_pre tokens, captured as a CUDA graph
+ * and replayed twice (the slice kernel's counters must be back at zero): bit-identical to the
+ * direct call each time. */
+static void test_graph(const char *what, int H, int Hkv, int Dh, int S, int n_dec, int n_pre,
+                       int max_len) {
+    if (!gpu->graph_begin) return;
+    const int n_seq = n_dec + 1;
+    int *len = xmalloc((size_t)n_seq * sizeof(int));
+    for (int s = 0; s < n_seq; s++)
+        len[s] = s == n_dec ? max_len : rng_len(max_len);
+    paged_cache c = cache_make(H, Hkv, Dh, S, n_seq, len, (max_len + S - 1) / S);
+    batch b = {0};
+    for (int s = 0; s < n_dec; s++)
+        batch_add(&b, &c, s, len[s] - 1, 1.0f);
+    batch_add_range(&b, &c, n_dec, max_len - n_pre, max_len, 1.0f);
+    const size_t qbytes = (size_t)b.T * H * Dh * sizeof(float);
+    float *dq = gpu->dev_alloc(qbytes), *dout = gpu->dev_alloc(qbytes);
+    int32_t *dpos = gpu->dev_alloc((size_t)b.T * sizeof(int32_t));
+    int32_t *dseq = gpu->dev_alloc((size_t)b.T * sizeof(int32_t));
+    MS_ASSERT(dq && dout && dpos && dseq);
+    gpu->to_device(dq, b.q, qbytes);
+    gpu->to_device(dpos, b.pos, (size_t)b.T * sizeof(int32_t));
+    gpu->to_device(dseq, b.seq, (size_t)b.T * sizeof(int32_t));
+    attn_batch ab = {.T = b.T, .pos = dpos, .seq = dseq, .page_table = c.dpt,
+                     .max_pages = c.max_pages, .page_size = c.S};
+    kv_layer kv = {.k = c.dk, .v = c.dv};
+    float *want = xmalloc(qbytes), *got = xmalloc(qbytes);
+    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, attn_scale(&c)); /* sizes the workspace */
+    gpu->to_host(want, dout, qbytes);
+    char err[256] = "";
+    const uint64_t epoch = gpu->graph_epoch();
+    void *graph = NULL;
+    if (gpu->graph_begin(err, sizeof err) == 0) {
+        gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, attn_scale(&c));
+        graph = gpu->graph_end(err, sizeof err);
+    }
+    CHECK(graph != NULL, "%s: capture failed: %s", what, err);
+    CHECK(gpu->graph_epoch() == epoch, "%s: the capture reallocated a workspace", what);
+    int64_t diff = 0;
+    for (int r = 0; graph && r < 2; r++) {
+        gpu->dev_zero(dout, qbytes);
+        gpu->graph_launch(graph);
+        gpu->to_host(got, dout, qbytes);
+        diff += count_diff(got, want, (int64_t)b.T * H * Dh);
+    }
+    printf("  %-62s T=%-5d %s\n", what, b.T, graph ? (diff ? "DIFFERS" : "bit-identical") : "-");
+    CHECK(diff == 0, "%s: graph replays differ from the direct call in %lld elements", what,
+          (long long)diff);
+    if (graph) gpu->graph_free(graph);
+    free(want);
+    free(got);
+    gpu->dev_free(dq);
+    gpu->dev_free(dout);
+    gpu->dev_free(dpos);
+    gpu->dev_free(dseq);
+    batch_free(&b);
+    cache_free(&c);
+    free(len);
+}
+
 static void run_tests(void) {
     printf("decode only\n");
     test_decode("decode 1 seq len 1, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 1, 1, 1.0f);
@@ -434,6 +549,21 @@ static void run_tests(void) {
     test_decode_vs_prefill("decode vs prefill L=4097, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 4097);
     test_decode_vs_prefill("decode vs prefill L=3000, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 3000);
     test_decode_vs_prefill("decode vs prefill L=600, H16 Hkv1 Dh256 S16", 16, 1, 256, 16, 600);
+    test_decode_vs_prefill("decode vs prefill L=300, H8 Hkv8 Dh64 S5", 8, 8, 64, 5, 300);
+
+    printf("every path (slices, chunks, tiles) == the usual one\n");
+    test_paths("paths: 12 decodes + 3 chunks, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 12, 3, 5000,
+               400);
+    test_paths("paths: 5 decodes + 2 chunks, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 5, 2, 3000, 300);
+    test_paths("paths: 9 decodes + 2 chunks, H16 Hkv16 Dh64 S7", 16, 16, 64, 7, 9, 2, 2000, 200);
+    test_paths("paths: 3 decodes + 1 chunk, H16 Hkv1 Dh256 S16", 16, 1, 256, 16, 3, 1, 1500, 100);
+    test_paths("paths: 7 decodes + 2 chunks, H8 Hkv1 Dh16 S1", 8, 1, 16, 1, 7, 2, 1200, 200);
+
+    printf("CUDA graph replay == direct call\n");
+    test_graph("graph: 1 decode, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 0, 1, 3000);
+    test_graph("graph: 4 decodes + 3-token chunk, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 4, 3, 3000);
+    test_graph("graph: 40 decodes + 24-token chunk, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 40, 24,
+               3000);
 }
 
 /* ---- timing ---- */
@@ -507,7 +637,7 @@ static void bench(void) {
     gpu->to_device(dpt, pt, (size_t)P * sizeof(int32_t));
     kv_layer kv = {.k = dk, .v = dv};
 
-    const int max_t = 2048;
+    const int max_t = 8 * 2048;
     const size_t qbytes = (size_t)max_t * H * Dh * sizeof(float);
     float *hq = xmalloc(qbytes);
     fill_uniform(hq, (int64_t)max_t * H * Dh, 1.0f);
@@ -515,10 +645,15 @@ static void bench(void) {
     int32_t *hpos = xmalloc(max_t * sizeof(int32_t)), *hseq = xmalloc(max_t * sizeof(int32_t));
     int32_t *dpos = gpu->dev_alloc(max_t * sizeof(int32_t));
     int32_t *dseq = gpu->dev_alloc(max_t * sizeof(int32_t));
+    MS_ASSERT(dq && dout && dpos && dseq);
     gpu->to_device(dq, hq, qbytes);
 
-    const int batches[] = {1, 8, 64, 256}, ctxs[] = {2048, 8192};
-    for (int ci = 0; ci < 2; ci++)
+    /* decode: B sequences, one token each at position ctx - 1; the usual path, then (where the
+     * kernel file can be told) each path forced */
+    const int batches[] = {1, 8, 64, 256}, ctxs[] = {1024, 2048, 8192};
+    const int n_forced = cuda_attention_debug_path ? 2 : 0;
+    const int forced[] = {PATH_SLICES, PATH_CHUNKS};
+    for (int ci = 0; ci < 3; ci++)
         for (int bi = 0; bi < 4; bi++) {
             const int B = batches[bi], ctx = ctxs[ci];
             for (int t = 0; t < B; t++) {
@@ -532,40 +667,60 @@ static void bench(void) {
             const double bytes = (double)B * ctx * Hkv * Dh * sizeof(float) * 2;
             int iters = (int)(3e-2 * 4e12 / bytes);
             iters = iters < 10 ? 10 : iters > 2000 ? 2000 : iters;
-            for (int i = 0; i < 3; i++)
-                gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+            printf("decode B=%-3d ctx=%-5d KV %7.1f MB", B, ctx, bytes / 1e6);
+            for (int k = -1; k < n_forced; k++) {
+                set_path(k < 0 ? PATH_AUTO : forced[k]);
+                for (int i = 0; i < 3; i++)
+                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+                cudaEventRecord(e0, cuda_stream());
+                for (int i = 0; i < iters; i++)
+                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+                cudaEventRecord(e1, cuda_stream());
+                const double sec = event_ms(e0, e1) / 1e3 / iters;
+                if (k < 0)
+                    printf(" %9.1f us %6.0f GB/s %5.1f%% of copy", sec * 1e6, bytes / sec / 1e9,
+                           100.0 * bytes / sec / 1e9 / copy_gbs);
+                else
+                    printf(" | %s %8.1f us", path_names[forced[k]], sec * 1e6);
+            }
+            set_path(PATH_AUTO);
+            printf("\n");
+        }
+
+    /* prefill: n_seq sequences of Tp tokens each at positions lo..lo + Tp - 1, in one batch */
+    const int pre[][3] = {{1, 2048, 0}, {8, 2048, 0}, {1, 2048, 2048}}; /* n_seq, Tp, lo */
+    for (int pi = 0; pi < 3; pi++) {
+        const int n_seq = pre[pi][0], Tp = pre[pi][1], lo = pre[pi][2], T = n_seq * Tp;
+        double pairs = 0.0;
+        for (int s = 0; s < n_seq; s++)
+            for (int t = 0; t < Tp; t++) {
+                hseq[s * Tp + t] = s;
+                hpos[s * Tp + t] = lo + t;
+                pairs += lo + t + 1;
+            }
+        gpu->to_device(dpos, hpos, T * sizeof(int32_t));
+        gpu->to_device(dseq, hseq, T * sizeof(int32_t));
+        attn_batch ab = {.T = T, .pos = dpos, .seq = dseq, .page_table = dpt,
+                         .max_pages = max_pages, .page_size = S};
+        const double flop = 4.0 * pairs * H * Dh; /* q.k and p.v, 2 flop a multiply-add */
+        printf("prefill %d x %d tokens at positions %d..%d:", n_seq, Tp, lo, lo + Tp - 1);
+        for (int k = -1; k < (n_forced ? 1 : 0); k++) {
+            set_path(k < 0 ? PATH_AUTO : PATH_CHUNKS);
+            gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+            const int iters = 5;
             cudaEventRecord(e0, cuda_stream());
             for (int i = 0; i < iters; i++)
                 gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
             cudaEventRecord(e1, cuda_stream());
-            const double s = event_ms(e0, e1) / 1e3 / iters;
-            printf("decode B=%-3d ctx=%-5d %9.1f us  KV %8.1f MB  %6.0f GB/s  %5.1f%% of copy\n", B,
-                   ctx, s * 1e6, bytes / 1e6, bytes / s / 1e9, 100.0 * bytes / s / 1e9 / copy_gbs);
+            const double sec = event_ms(e0, e1) / 1e3 / iters;
+            if (k < 0)
+                printf(" %9.1f us %5.1f TFLOP/s %7.0f tokens/s", sec * 1e6, flop / sec / 1e12,
+                       T / sec);
+            else
+                printf(" | chunks %9.1f us", sec * 1e6);
         }
-
-    /* a prefill chunk: 2048 tokens of one sequence at positions 2048..4095 */
-    {
-        const int Tp = 2048, lo = 2048;
-        double pairs = 0.0;
-        for (int t = 0; t < Tp; t++) {
-            hseq[t] = 0;
-            hpos[t] = lo + t;
-            pairs += lo + t + 1;
-        }
-        gpu->to_device(dpos, hpos, Tp * sizeof(int32_t));
-        gpu->to_device(dseq, hseq, Tp * sizeof(int32_t));
-        attn_batch ab = {.T = Tp, .pos = dpos, .seq = dseq, .page_table = dpt,
-                         .max_pages = max_pages, .page_size = S};
-        gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-        const int iters = 5;
-        cudaEventRecord(e0, cuda_stream());
-        for (int i = 0; i < iters; i++)
-            gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-        cudaEventRecord(e1, cuda_stream());
-        const double s = event_ms(e0, e1) / 1e3 / iters;
-        const double flop = 4.0 * pairs * H * Dh; /* q.k and p.v, 2 flop a multiply-add */
-        printf("prefill chunk T=%d at positions %d..%d: %9.1f us  %.1f TFLOP/s (fp32 CUDA cores)\n",
-               Tp, lo, lo + Tp - 1, s * 1e6, flop / s / 1e12);
+        set_path(PATH_AUTO);
+        printf("\n");
     }
 
     cudaEventDestroy(e0);
@@ -585,6 +740,7 @@ static void bench(void) {
 
 int main(int argc, char **argv) {
     char err[256] = "";
+    setvbuf(stdout, NULL, _IOLBF, 0); /* lines out before an abort in a kernel */
     cpu = ops_cpu();
     gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {
@@ -593,8 +749,9 @@ int main(int argc, char **argv) {
         return 0;
     }
     printf("CUDA paged attention against the CPU reference (tolerance %.0e x max|v|)\n", ATTN_TOL);
-    run_tests();
-    if (argc > 1 && strcmp(argv[1], "--bench") == 0) bench();
+    const bool bench_only = argc > 1 && strcmp(argv[1], "--bench-only") == 0;
+    if (!bench_only) run_tests();
+    if (bench_only || (argc > 1 && strcmp(argv[1], "--bench") == 0)) bench();
     CHECK_SUMMARY();
 }
 

@@ -1,39 +1,51 @@
 // Paged causal attention over the KV cache (kernels/ops.h: attention), split over the KV sequence
 // in chunks of a fixed size. The CPU reference is kernels/cpu/attention.c.
 //
-// Choices:
-// - Each token's KV range 0..pos[t] is cut into chunks of ATTN_CHUNK positions, a constant. Kernel 1
-//   (attn_chunk_kernel) computes, for one (token, head group, chunk), each head's chunk max score m,
-//   sum of exp(s - m) l and unnormalized weighted V sum o, all in fp32. Kernel 2
-//   (attn_combine_kernel) combines a token's chunks in increasing order: M = max m_c,
-//   L = sum_c l_c exp(m_c - M), out = sum_c exp(m_c - M) o_c / L.
-// - Nothing in a token's arithmetic depends on anything but its own q, sequence and position: the
-//   chunking, the positions each lane and warp takes, every reduction tree and the combine order are
-//   fixed by the shapes (Dh, H / Hkv). So a token's output is bit-identical alone or in any batch,
-//   and one kernel serves prefill chunks and decode steps alike: prefill and decode of the same
-//   position give bit-identical results (the deterministic-mode contract). The price: a prefill
-//   chunk of many tokens of one sequence reads the same KV once per token (from L2 mostly, as the
-//   grid puts a sequence's consecutive tokens next to each other); a query-tiled prefill path that
-//   keeps this arithmetic is left for later.
-// - GQA: one block serves G query heads that share one kv head (G = H / Hkv, or a divisor of it when
+// The arithmetic of one (token, query head), fixed by Dh alone (every path below does exactly this):
+// - positions 0..pos[t] are cut into chunks of ATTN_CHUNK (256) positions and each chunk into slices
+//   of ATTN_SLICE (32). Score of position p: q . k_p as LK lanes' sequential fma chains over their
+//   16-byte pieces, summed by an xor butterfly over the LK lanes, times scale.
+// - a slice: m_w = max score, e_p = exp(s_p - m_w), l_w = sum of e_p as a 32-lane xor butterfly
+//   (lane = position in the slice), o_w = sum of e_p v_p as RV interleaved sequential chains over
+//   the positions (RV = 1 from Dh 128 up) summed by an xor butterfly.
+// - a chunk merges its slices in order: m = max m_w, f_w = exp(m_w - m), l = sum_w l_w f_w and
+//   o = f_0 o_0 + f_1 o_1 + ... (fma chains); all tokens' chunks are then merged in increasing order:
+//   M = max m_c, L = sum_c l_c exp(m_c - M), out = sum_c exp(m_c - M) o_c / L.
+// Nothing in it depends on the batch, on which block or kernel computes a piece or on the head group
+// a block takes, so a token's output is bit-identical alone or in any batch, and prefill and decode
+// of the same position give bit-identical results (the deterministic-mode contract). The kernels
+// differ only in how the work is spread, chosen from T and the shapes:
+// - attn_slice_kernel (batches of at most ATTN_SMALL_T tokens: decode at small batch): one block per
+//   (token, head group, slice), so a batch-1 decode at context 1024 has 128 blocks. The slice's K and
+//   V rows are requested at once into shared memory (cp.async), so each block waits for the cache
+//   about once. The combine is in the same launch: the last block of a chunk to finish (an atomic
+//   counter) merges the chunk's slices, and the last chunk of a token merges the chunks; which block
+//   does it varies, the order of the arithmetic does not. The counters return to zero, so the launch
+//   can be replayed from a CUDA graph. Launched with programmatic dependent launch, so its blocks are
+//   resident while the previous kernel finishes.
+// - attn_chunk_kernel (larger batches): one block per (token, head group, chunk), a warp per slice;
+//   each warp goes through its 32 positions on its own (scores, softmax, weighted V, rows requested
+//   in batches into registers), the block merges its warps in warp order. Three blocks a
+//   multiprocessor (80 registers) beat two; requesting the next batch of rows before computing on
+//   the current one (two register buffers, two blocks) was slower, and the softmax over the whole
+//   chunk behind block barriers was about 9% slower at large batch. attn_combine_kernel then merges
+//   the chunks.
+// - attn_tile_kernel (larger batches, prefill): a group of consecutive tokens of the batch that
+//   belong to one sequence (a tile of ATTN_TILE_ROWS query rows = tokens x heads of the group) and
+//   one chunk: each K row is read once for the whole tile, each V row once from L2 for it (from L1
+//   after); the chunk kernel leaves those tokens alone. So a prefill chunk no longer reads the whole
+//   KV once per token. The slices' o_w are folded into the chunk sum as they are done, which is the
+//   chunk merge above because every f_w is known (the scores come first).
+// - GQA: a block serves G query heads that share one kv head (G = H / Hkv, or a divisor of it when
 //   G * Dh would not fit the registers), so each K/V row is read once per group.
-// - Inside a chunk: a warp takes 32 contiguous positions and goes through them on its own (no
-//   block barrier until its partial sums are done). Scores: 8 lanes share a position (16-byte
-//   loads, coalesced), each lane runs a sequential fma chain over its elements, then a 3-step xor
-//   butterfly; q comes from shared memory. Softmax over the warp's positions (m_w, l_w), the warp's
-//   first V rows already requested. Weighted V: lanes own head-dim slices (one 16-byte load per lane
-//   per row), positions in increasing order. The block then merges its warps in warp order:
-//   m = max m_w, o = sum_w exp(m_w - m) o_w, l likewise.
-// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV): decode reads the cache at about
-//   70% of the device copy rate (read + write) from batch 64 up; see tests/test_cuda_attention.c
-//   --bench. Three blocks a multiprocessor (80 registers) beat two; requesting the next batch of
-//   rows before computing on the current one (two register buffers, two blocks) was slower, and
-//   the softmax over the whole chunk behind block barriers was about 9% slower at large batch.
-// - Positions live on the device and are not read back: the grid is sized from the upper bound
-//   max_pages * S / ATTN_CHUNK chunks per token; blocks past a token's length exit at once. The chunk
-//   results go to a workspace that grows on demand (stream-ordered); a batch whose workspace would pass
-//   ATTN_WORKSPACE_CAP is processed in slices of tokens, which changes no token's result.
-// - One engine thread per process calls the ops, so the workspace needs no lock.
+// - Positions live on the device and are not read back: grids are sized from the upper bound
+//   max_pages * S positions a token; blocks past a token's length exit at once, and so do the blocks
+//   of a tile that is not one sequence. The partial results go to a workspace that grows on demand
+//   (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass ATTN_WORKSPACE_CAP
+//   is processed in slices of tokens, which changes no token's result.
+// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV): see tests/test_cuda_attention.c
+//   --bench and docs/benchmarks.md.
+// - One engine thread per process calls the ops, so the workspaces need no lock.
 #include <cstdint>
 #include <cstdio>
 
@@ -41,15 +53,22 @@
 
 enum {
     ATTN_CHUNK = 256,              // KV positions per chunk: fixed, never chosen by T
-    ATTN_WARPS = 8,                // warps per chunk block
+    ATTN_SLICE = 32,               // positions per slice (one warp's share of a chunk)
+    ATTN_SLICES = ATTN_CHUNK / ATTN_SLICE,
+    ATTN_WARPS = ATTN_SLICES,      // warps per chunk block: one per slice
     ATTN_THREADS = ATTN_WARPS * 32,
-    ATTN_WARP_POS = ATTN_CHUNK / ATTN_WARPS, // positions of a chunk each warp takes
+    ATTN_WARP_POS = ATTN_SLICE,
     ATTN_COMBINE_THREADS = 256,
+    ATTN_SMALL_T = 16,             // batches up to this many tokens take the slice kernel
+    ATTN_TILE_ROWS = 32,           // query rows (tokens x heads) of a prefill tile
+    ATTN_TILE_WARPS = 8,
+    ATTN_TILE_THREADS = ATTN_TILE_WARPS * 32,
 };
-static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of chunk results per slice
+static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial results per slice
 
-// The lane layout of a chunk block for head dim DH; a warp requests DEPTH 16-byte pieces a lane
-// at once (K rows in the scores, V rows in the weighted sum).
+// The lane layout of the slices for head dim DH; a warp requests DEPTH 16-byte pieces a lane at
+// once (K rows in the scores, V rows in the weighted sum). LK, FK (and so PK) and LV, FV, RV are
+// part of the arithmetic; the batch depths UK, UV are not.
 template <int DH> struct attn_layout {
     static constexpr int DEPTH = 8;
     // scores: LK lanes per position, each with DH / LK elements in FK 16-byte pieces
@@ -82,7 +101,57 @@ static __device__ __forceinline__ void fma4(float &acc, float4 a, float4 b) {
     acc = fmaf(a.w, b.w, acc);
 }
 
-// One (token t0 + blockIdx.x, head group blockIdx.y, chunk blockIdx.z).
+static __device__ __forceinline__ float4 fma4v(float e, float4 v, float4 acc) {
+    return make_float4(fmaf(e, v.x, acc.x), fmaf(e, v.y, acc.y), fmaf(e, v.z, acc.z),
+                       fmaf(e, v.w, acc.w));
+}
+
+static __device__ __forceinline__ float4 mul4v(float f, float4 a) {
+    return make_float4(__fmul_rn(f, a.x), __fmul_rn(f, a.y), __fmul_rn(f, a.z), __fmul_rn(f, a.w));
+}
+
+static __device__ __forceinline__ void shfl_add4(float4 &a, int off) {
+    a.x += __shfl_xor_sync(0xffffffffu, a.x, off);
+    a.y += __shfl_xor_sync(0xffffffffu, a.y, off);
+    a.z += __shfl_xor_sync(0xffffffffu, a.z, off);
+    a.w += __shfl_xor_sync(0xffffffffu, a.w, off);
+}
+
+// Programmatic dependent launch (sm_90): wait blocks until the previous kernel has completed and
+// its writes are visible; launch_dependents lets the next kernel's blocks start (they wait too).
+static __device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+static __device__ __forceinline__ void grid_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// 16 bytes global -> shared without registers (cp.async), in commit groups.
+static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Whether token tl of the slice [t0, t0 + Ts) belongs to a tile of attn_tile_kernel: its group of
+// qt tokens (tl / qt) is whole and all of one sequence.
+static __device__ __forceinline__ bool in_tile_group(const int32_t *__restrict__ seq, int t0, int Ts,
+                                                     int tl, int qt) {
+    const int g0 = tl / qt * qt;
+    if (g0 + qt > Ts) return false;
+    const int s0 = seq[t0 + g0];
+    for (int k = 1; k < qt; k++)
+        if (seq[t0 + g0 + k] != s0) return false;
+    return true;
+}
+
+// One (token t0 + blockIdx.x, head group blockIdx.y, chunk blockIdx.z); tokens of tile groups
+// (tile_qt > 0) are attn_tile_kernel's.
 //   part_o  [Ts, H / G, NC, G, DH]  unnormalized weighted V of each chunk
 //   part_ml [Ts, H / G, NC, 2, G]   chunk max score m, then sum of exp l
 //   q [T, H, DH], kc / vc [P, S, Hkv, DH], pos / seq [T], page_table [n_seq, max_pages]
@@ -92,7 +161,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
                       const float *__restrict__ q, const float *__restrict__ kc,
                       const float *__restrict__ vc, const int32_t *__restrict__ pos,
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
-                      int t0, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+                      int t0, int Ts, int tile_qt, int H, int Hkv, int max_pages, int S, int NC,
+                      float scale) {
     using L = attn_layout<DH>;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = L::UK;
     constexpr int LV = L::LV, FV = L::FV, RV = L::RV, UV = L::UV;
@@ -103,6 +173,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 
     const int tl = blockIdx.x, hg = blockIdx.y, c = blockIdx.z;
     const int t = t0 + tl;
+    if (tile_qt > 0 && in_tile_group(seq, t0, Ts, tl, tile_qt)) return; // attn_tile_kernel's
     const int n = pos[t] + 1; // positions 0..pos[t]
     const int p0 = c * ATTN_CHUNK;
     if (p0 >= n) return;
@@ -170,7 +241,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
             if (i < wend) {
 #pragma unroll
                 for (int h = 0; h < G; h++)
-                    if (h % LK == sub) s[i * G + h] = acc[h] * scale;
+                    if (h % LK == sub) s[i * G + h] = __fmul_rn(acc[h], scale);
             }
         }
     };
@@ -308,7 +379,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
                     const float4 a = acc[h][f];
                     float4 x;
                     if (ww == 0) {
-                        x = make_float4(fw * a.x, fw * a.y, fw * a.z, fw * a.w);
+                        x = make_float4(__fmul_rn(fw, a.x), __fmul_rn(fw, a.y), __fmul_rn(fw, a.z),
+                                        __fmul_rn(fw, a.w));
                     } else {
                         x = *b;
                         x = make_float4(fmaf(fw, a.x, x.x), fmaf(fw, a.y, x.y), fmaf(fw, a.z, x.z),
@@ -331,6 +403,531 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     }
 }
 
+// One (token t0 + blockIdx.x, head group blockIdx.y, slice blockIdx.z) of a small batch: G / GW
+// warps, each with GW heads of the group, over the slice's 32 positions; then the in-launch combine.
+//   slice_o [Ts, H / G, NS, G, DH], slice_ml [Ts, H / G, NS, 2, G]  each slice's o_w, then m_w, l_w
+//   part_o, part_ml as for attn_chunk_kernel; out [T, H, DH]
+//   cnt [Ts, H / G, NC + 1] finished slices of each chunk, then finished chunks (left at zero)
+// Dynamic shared memory: max(2 * ATTN_SLICE * DH, 2 * NC * G) floats.
+template <int DH, int G, int GW>
+__global__ void __launch_bounds__(G / GW * 32)
+    attn_slice_kernel(float *__restrict__ out, float *__restrict__ slice_o,
+                      float *__restrict__ slice_ml, float *__restrict__ part_o,
+                      float *__restrict__ part_ml, int *__restrict__ cnt,
+                      const float *__restrict__ q, const float *__restrict__ kc,
+                      const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                      const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
+                      int t0, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+    using L = attn_layout<DH>;
+    constexpr int NT = G / GW * 32, D4 = DH / 4;
+    constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
+    constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
+    static_assert(G % GW == 0 && G / GW <= 32, "warps");
+
+    extern __shared__ __align__(16) float4 attn_dyn[];
+    float4 *ks = attn_dyn;                // [ATTN_SLICE][D4] K rows of the slice
+    float4 *vs = ks + ATTN_SLICE * D4;    // [ATTN_SLICE][D4] V rows
+    __shared__ __align__(16) float4 qs[G * D4];
+    __shared__ float s[ATTN_SLICE * G];   // scores, then exp weights [p][h]
+    __shared__ int rows[ATTN_SLICE];
+    __shared__ float fw[ATTN_SLICES * G], sm[G], sl[G];
+    __shared__ int last;
+
+    grid_dependency_wait();
+    grid_launch_dependents();
+    const int tl = blockIdx.x, hg = blockIdx.y, j = blockIdx.z;
+    const int t = t0 + tl, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    // q first: it does not wait for the position
+    const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
+    for (int i = tid; i < G * D4; i += NT)
+        cp_async16(&qs[i], qt + i);
+    const int n = pos[t] + 1; // positions 0..pos[t]
+    const int sq = seq[t];    // requested with the position, not after it
+    const int p0 = j * ATTN_SLICE;
+    if (p0 >= n) {
+        asm volatile("cp.async.wait_all;\n" ::: "memory"); // q must land before the block ends
+        return;
+    }
+    const int nv = min(ATTN_SLICE, n - p0); // valid positions of this slice
+    const int c = j / ATTN_SLICES;
+    const int g = hg * G / (H / Hkv); // kv head
+    if (tid < nv) {
+        const int p = p0 + tid;
+        rows[tid] = page_table[(int64_t)sq * max_pages + p / S] * S + p % S;
+    }
+    __syncthreads();
+    const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
+    const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
+    const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
+    for (int e = tid; e < nv * D4; e += NT)
+        cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+    cp_async_commit(); // group: q and K
+    for (int e = tid; e < nv * D4; e += NT)
+        cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    // ---- scores of the warp's heads h0.. (the lane layout of attn_chunk_kernel) ----
+    const int h0 = w * GW;
+    {
+        const int sub = lane % LK, pp = lane / LK;
+        for (int i0 = 0; i0 < nv; i0 += PK) {
+            const int i = i0 + pp, ic = i < nv ? i : 0;
+            float4 kr[FK];
+#pragma unroll
+            for (int f = 0; f < FK; f++)
+                kr[f] = ks[ic * D4 + f * LK + sub];
+            float acc[GW];
+#pragma unroll
+            for (int h = 0; h < GW; h++) {
+                acc[h] = 0.0f;
+#pragma unroll
+                for (int f = 0; f < FK; f++)
+                    fma4(acc[h], qs[(h0 + h) * D4 + f * LK + sub], kr[f]);
+            }
+#pragma unroll
+            for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+                for (int h = 0; h < GW; h++)
+                    acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+            if (i < nv) {
+#pragma unroll
+                for (int h = 0; h < GW; h++)
+                    if (h % LK == sub) s[i * G + h0 + h] = __fmul_rn(acc[h], scale);
+            }
+        }
+    }
+    __syncwarp();
+    // ---- softmax over the slice, per head: lane = position ----
+    float wm_[GW], wl_[GW];
+#pragma unroll
+    for (int hh = 0; hh < GW; hh++) {
+        const int h = h0 + hh;
+        float m = -INFINITY;
+        if (lane < nv) m = s[lane * G + h];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        float l = 0.0f;
+        if (lane < nv) {
+            const float e = expf(s[lane * G + h] - m);
+            s[lane * G + h] = e;
+            l += e;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+            l += __shfl_xor_sync(0xffffffffu, l, off);
+        wm_[hh] = m;
+        wl_[hh] = l;
+    }
+    cp_async_wait<0>();
+    __syncthreads(); // V rows of every thread's copies
+
+    // ---- o_w: RV interleaved chains over the positions, then an xor butterfly ----
+    const int subv = lane % LV, rv = lane / LV;
+    float4 acc[GW][FV];
+#pragma unroll
+    for (int h = 0; h < GW; h++)
+#pragma unroll
+        for (int f = 0; f < FV; f++)
+            acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = rv; i < nv; i += RV) {
+        float e[GW];
+#pragma unroll
+        for (int h = 0; h < GW; h++)
+            e[h] = s[i * G + h0 + h];
+#pragma unroll
+        for (int f = 0; f < FV; f++) {
+            const float4 v = vs[i * D4 + f * LV + subv];
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+                acc[h][f] = fma4v(e[h], v, acc[h][f]);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off >= LV; off /= 2)
+#pragma unroll
+        for (int h = 0; h < GW; h++)
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                shfl_add4(acc[h][f], off);
+
+    const int NS = NC * ATTN_SLICES;
+    const int64_t tg = (int64_t)tl * (H / G) + hg; // (token, head group)
+    const int64_t sblk = tg * NS + j;
+    if (rv == 0) {
+#pragma unroll
+        for (int h = 0; h < GW; h++)
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                reinterpret_cast<float4 *>(slice_o + (sblk * G + h0 + h) * DH)[f * LV + subv] =
+                    acc[h][f];
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < GW; h++) {
+            slice_ml[sblk * 2 * G + h0 + h] = wm_[h];
+            slice_ml[sblk * 2 * G + G + h0 + h] = wl_[h];
+        }
+    }
+
+    // ---- the last slice of the chunk to finish merges the chunk's slices in order ----
+    __threadfence();
+    __syncthreads();
+    int *cnt_c = cnt + tg * (NC + 1) + c, *cnt_t = cnt + tg * (NC + 1) + NC;
+    const int nsl = min(ATTN_SLICES, (n - c * ATTN_CHUNK + ATTN_SLICE - 1) / ATTN_SLICE);
+    if (tid == 0) {
+        const int done = atomicAdd(cnt_c, 1) + 1;
+        last = done == nsl;
+        if (done == nsl) *cnt_c = 0; // every slice has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    {
+        const float *so = slice_o + (tg * NS + c * ATTN_SLICES) * G * DH;
+        const float *sml = slice_ml + (tg * NS + c * ATTN_SLICES) * 2 * G;
+        if (tid < G) {
+            float mw[ATTN_SLICES], lw[ATTN_SLICES];
+#pragma unroll
+            for (int ww = 0; ww < ATTN_SLICES; ww++)
+                if (ww < nsl) {
+                    mw[ww] = __ldcg(sml + ww * 2 * G + tid);
+                    lw[ww] = __ldcg(sml + ww * 2 * G + G + tid);
+                }
+            float m = -INFINITY;
+#pragma unroll
+            for (int ww = 0; ww < ATTN_SLICES; ww++)
+                if (ww < nsl) m = fmaxf(m, mw[ww]);
+            float l = 0.0f;
+#pragma unroll
+            for (int ww = 0; ww < ATTN_SLICES; ww++)
+                if (ww < nsl) {
+                    const float f = expf(mw[ww] - m);
+                    fw[ww * G + tid] = f;
+                    l = fmaf(lw[ww], f, l);
+                }
+            sm[tid] = m;
+            sl[tid] = l;
+        }
+        __syncthreads();
+        const int64_t cblk = tg * NC + c;
+        float4 *po = reinterpret_cast<float4 *>(part_o + cblk * G * DH);
+        for (int e = tid; e < G * D4; e += NT) {
+            const int h = e / D4;
+            float4 a[ATTN_SLICES];
+#pragma unroll
+            for (int ww = 0; ww < ATTN_SLICES; ww++)
+                if (ww < nsl) a[ww] = __ldcg(reinterpret_cast<const float4 *>(so) + ww * G * D4 + e);
+            float4 x = mul4v(fw[h], a[0]);
+#pragma unroll
+            for (int ww = 1; ww < ATTN_SLICES; ww++)
+                if (ww < nsl) x = fma4v(fw[ww * G + h], a[ww], x);
+            po[e] = x;
+        }
+        if (tid < G) {
+            part_ml[cblk * 2 * G + tid] = sm[tid];
+            part_ml[cblk * 2 * G + G + tid] = sl[tid];
+        }
+    }
+
+    // ---- the last chunk of the token merges the chunks in increasing order ----
+    __threadfence();
+    __syncthreads();
+    const int nc = (n - 1) / ATTN_CHUNK + 1;
+    if (tid == 0) {
+        const int done = atomicAdd(cnt_t, 1) + 1;
+        last = done == nc;
+        if (done == nc) *cnt_t = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    {
+        float *wc = reinterpret_cast<float *>(attn_dyn); // [nc][G] chunk m, then weights
+        float *lc = wc + nc * G;                         // [nc][G] chunk l
+        const float *pml = part_ml + tg * NC * 2 * G;
+        for (int i = tid; i < nc * G; i += NT) {
+            const int cc = i / G, h = i % G;
+            wc[i] = __ldcg(pml + cc * 2 * G + h);
+            lc[i] = __ldcg(pml + cc * 2 * G + G + h);
+        }
+        __syncthreads();
+        if (tid < G) {
+            float M = -INFINITY;
+            for (int cc = 0; cc < nc; cc++)
+                M = fmaxf(M, wc[cc * G + tid]);
+            sm[tid] = M;
+        }
+        __syncthreads();
+        for (int i = tid; i < nc * G; i += NT)
+            wc[i] = expf(wc[i] - sm[i % G]);
+        __syncthreads();
+        if (tid < G) {
+            float Lh = 0.0f;
+            for (int cc = 0; cc < nc; cc++)
+                Lh = fmaf(lc[cc * G + tid], wc[cc * G + tid], Lh);
+            sl[tid] = Lh;
+        }
+        __syncthreads();
+        const float4 *po = reinterpret_cast<const float4 *>(part_o + tg * NC * G * DH);
+        float4 *ot = reinterpret_cast<float4 *>(out + ((int64_t)t * H + hg * G) * DH);
+        for (int e = tid; e < G * D4; e += NT) {
+            const int h = e / D4;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+            for (int cc = 0; cc < nc; cc++)
+                o = fma4v(wc[cc * G + h], __ldcg(po + cc * G * D4 + e), o);
+            const float Lh = sl[h];
+            ot[e] = make_float4(o.x / Lh, o.y / Lh, o.z / Lh, o.w / Lh);
+        }
+    }
+}
+// One (tile blockIdx.x: QT = ATTN_TILE_ROWS / G consecutive tokens t0 + QT * blockIdx.x ..., head
+// group blockIdx.y, chunk blockIdx.z), for a tile whose tokens are all of one sequence: each token's
+// chunk result, as attn_chunk_kernel gives it. Rows r = k * G + h (token k of the tile, head h).
+// Three passes over the chunk: scores of all rows (each K row read once, LK lanes per position as in
+// the chunk kernel); each (slice, row)'s softmax (a thread each, the 32-lane butterfly sum written
+// out as its tree); then per warp RW rows' weighted V, slice by slice, each slice's o_w folded into
+// the chunk sum with its weight f_w.
+// Dynamic shared memory: q [ATTN_TILE_ROWS][DH], then scores [ATTN_CHUNK][ATTN_TILE_ROWS] floats.
+template <int DH, int G>
+__global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
+    attn_tile_kernel(float *__restrict__ part_o, float *__restrict__ part_ml,
+                     const float *__restrict__ q, const float *__restrict__ kc,
+                     const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                     const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
+                     int t0, int Ts, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+    using L = attn_layout<DH>;
+    constexpr int R = ATTN_TILE_ROWS, QT = R / G, D4 = DH / 4;
+    constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = 2;
+    constexpr int LV = L::LV, FV = L::FV, RV = L::RV, UV = L::UV;
+    constexpr int RW = R / ATTN_TILE_WARPS; // rows of a warp in the weighted V
+    constexpr int RB = 8;                   // rows at once in the scores
+    static_assert(R % G == 0 && R == 32 && RW == 4 && ATTN_TILE_WARPS == ATTN_SLICES, "tile");
+
+    extern __shared__ __align__(16) float4 attn_dyn[];
+    float4 *qs = attn_dyn;                              // [R][D4]
+    float *sc = reinterpret_cast<float *>(qs + R * D4); // [ATTN_CHUNK][R] scores, then exp weights
+    __shared__ int rows[ATTN_CHUNK];
+    __shared__ int nvk[QT]; // positions of the chunk each token sees (<= 0: none)
+    __shared__ float wm[ATTN_SLICES * R], wl[ATTN_SLICES * R], fw[ATTN_SLICES * R];
+    __shared__ float cm[R], cl[R];
+
+    const int gi = blockIdx.x, hg = blockIdx.y, c = blockIdx.z;
+    const int tq = t0 + gi * QT; // first token of the tile
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    if (!in_tile_group(seq, t0, Ts, gi * QT, QT)) return; // tokens of several sequences
+    const int p0 = c * ATTN_CHUNK;
+    int nmax = 0;
+    for (int k = 0; k < QT; k++)
+        nmax = max(nmax, pos[tq + k] + 1);
+    if (p0 >= nmax) return;
+    const int nvmax = min(ATTN_CHUNK, nmax - p0);
+    const int g = hg * G / (H / Hkv); // kv head
+    if (tid < QT) nvk[tid] = min(ATTN_CHUNK, pos[tq + tid] + 1 - p0);
+    const int32_t *pt = page_table + (int64_t)seq[tq] * max_pages;
+    for (int i = tid; i < nvmax; i += ATTN_TILE_THREADS) {
+        const int p = p0 + i;
+        rows[i] = pt[p / S] * S + p % S;
+    }
+    for (int i = tid; i < R * D4; i += ATTN_TILE_THREADS) {
+        const int k = i / (G * D4); // a token's G heads are contiguous in q
+        qs[i] = reinterpret_cast<const float4 *>(q + ((int64_t)(tq + k) * H + hg * G) * DH)[i - k * G * D4];
+    }
+    __syncthreads();
+
+    const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
+    const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
+    const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
+
+    // ---- scores: warps take UK * PK positions at a time; sc[p][r] = (q_r . k_p) * scale ----
+    {
+        const int sub = lane % LK, pp = lane / LK;
+        for (int i0 = w * UK * PK; i0 < nvmax; i0 += ATTN_TILE_WARPS * UK * PK) {
+            float4 kr[UK][FK];
+#pragma unroll
+            for (int u = 0; u < UK; u++) {
+                const int i = i0 + u * PK + pp;
+                const float4 *kp = kg + rows[i < nvmax ? i : i0] * rs4;
+#pragma unroll
+                for (int f = 0; f < FK; f++)
+                    kr[u][f] = i < nvmax ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll 1
+            for (int r0 = 0; r0 < R; r0 += RB) {
+                float acc[UK][RB];
+#pragma unroll
+                for (int u = 0; u < UK; u++)
+#pragma unroll
+                    for (int rr = 0; rr < RB; rr++)
+                        acc[u][rr] = 0.0f;
+#pragma unroll
+                for (int f = 0; f < FK; f++)
+#pragma unroll
+                    for (int rr = 0; rr < RB; rr++) {
+                        const float4 qv = qs[(r0 + rr) * D4 + f * LK + sub];
+#pragma unroll
+                        for (int u = 0; u < UK; u++)
+                            fma4(acc[u][rr], qv, kr[u][f]);
+                    }
+#pragma unroll
+                for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+                    for (int u = 0; u < UK; u++)
+#pragma unroll
+                        for (int rr = 0; rr < RB; rr++)
+                            acc[u][rr] += __shfl_xor_sync(0xffffffffu, acc[u][rr], off);
+#pragma unroll
+                for (int u = 0; u < UK; u++) {
+                    const int i = i0 + u * PK + pp;
+                    if (i < nvmax) {
+#pragma unroll
+                        for (int rr = 0; rr < RB; rr++)
+                            if (rr % LK == sub) sc[i * R + r0 + rr] = __fmul_rn(acc[u][rr], scale);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- softmax of (slice w, row lane): m_w, exp weights in place, l_w as the butterfly's tree ----
+    {
+        const int r = lane;
+        const int cnt = min(ATTN_SLICE, nvk[r / G] - w * ATTN_SLICE);
+        if (cnt > 0) {
+            float *col = sc + w * ATTN_SLICE * R + r;
+            float m = -INFINITY;
+            for (int i = 0; i < cnt; i++)
+                m = fmaxf(m, col[i * R]);
+            float a[ATTN_SLICE];
+#pragma unroll
+            for (int i = 0; i < ATTN_SLICE; i++) {
+                float e = 0.0f;
+                if (i < cnt) {
+                    e = expf(col[i * R] - m);
+                    col[i * R] = e;
+                }
+                a[i] = e;
+            }
+            // lane i of an xor butterfly ends with a[i] + a[i ^ off] at each step: this tree
+#pragma unroll
+            for (int off = ATTN_SLICE / 2; off > 0; off /= 2)
+#pragma unroll
+                for (int i = 0; i < off; i++)
+                    a[i] = a[i] + a[i + off];
+            wm[w * R + r] = m;
+            wl[w * R + r] = a[0];
+        }
+    }
+    __syncthreads();
+    // ---- each row's chunk m, l and slice weights f_w, slices in order ----
+    if (tid < R) {
+        const int nv = nvk[tid / G];
+        if (nv > 0) {
+            const int nw = (nv + ATTN_SLICE - 1) / ATTN_SLICE;
+            float m = -INFINITY;
+            for (int ww = 0; ww < nw; ww++)
+                m = fmaxf(m, wm[ww * R + tid]);
+            float l = 0.0f;
+            for (int ww = 0; ww < nw; ww++) {
+                const float f = expf(wm[ww * R + tid] - m);
+                fw[ww * R + tid] = f;
+                l = fmaf(wl[ww * R + tid], f, l);
+            }
+            cm[tid] = m;
+            cl[tid] = l;
+        }
+    }
+    __syncthreads();
+
+    // ---- weighted V of the warp's rows r0..r0 + RW - 1, slice by slice ----
+    {
+        const int subv = lane % LV, rv = lane / LV, r0 = w * RW;
+        int nvr[RW], nvw = 0;
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            nvr[rr] = nvk[(r0 + rr) / G];
+            nvw = max(nvw, nvr[rr]);
+        }
+        float4 och[RW][FV];
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                och[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int jj = 0; jj * ATTN_SLICE < nvw; jj++) {
+            const int ib0 = jj * ATTN_SLICE, iend = min(ib0 + ATTN_SLICE, nvw);
+            float4 acc[RW][FV];
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                for (int f = 0; f < FV; f++)
+                    acc[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int ib = ib0; ib < iend; ib += RV * UV) {
+                float4 vr[UV][FV];
+#pragma unroll
+                for (int u = 0; u < UV; u++) {
+                    const int i = ib + u * RV + rv;
+                    const float4 *vp = vg + rows[i < iend ? i : ib0] * rs4;
+#pragma unroll
+                    for (int f = 0; f < FV; f++)
+                        vr[u][f] = i < iend ? __ldg(vp + f * LV + subv) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < UV; u++) {
+                    const int i = ib + u * RV + rv;
+                    if (i < iend) {
+                        const float4 e4 = *reinterpret_cast<const float4 *>(sc + i * R + r0);
+                        const float e[RW] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                        for (int rr = 0; rr < RW; rr++)
+                            if (i < nvr[rr]) {
+#pragma unroll
+                                for (int f = 0; f < FV; f++)
+                                    acc[rr][f] = fma4v(e[rr], vr[u][f], acc[rr][f]);
+                            }
+                    }
+                }
+            }
+#pragma unroll
+            for (int off = 16; off >= LV; off /= 2)
+#pragma unroll
+                for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                    for (int f = 0; f < FV; f++)
+                        shfl_add4(acc[rr][f], off);
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+                if (ib0 < nvr[rr]) {
+                    const float f = fw[jj * R + r0 + rr];
+#pragma unroll
+                    for (int ff = 0; ff < FV; ff++)
+                        och[rr][ff] = jj == 0 ? mul4v(f, acc[rr][ff]) : fma4v(f, acc[rr][ff], och[rr][ff]);
+                }
+        }
+        if (rv == 0) {
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++)
+                if (nvr[rr] > 0) {
+                    const int r = r0 + rr, k = r / G, h = r % G;
+                    const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
+#pragma unroll
+                    for (int f = 0; f < FV; f++)
+                        reinterpret_cast<float4 *>(part_o + (cblk * G + h) * DH)[f * LV + subv] =
+                            och[rr][f];
+                }
+        }
+    }
+    if (tid < R && nvk[tid / G] > 0) {
+        const int k = tid / G, h = tid % G;
+        const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
+        part_ml[cblk * 2 * G + h] = cm[tid];
+        part_ml[cblk * 2 * G + G + h] = cl[tid];
+    }
+}
 // One (token t0 + blockIdx.x, head group blockIdx.y): out[t, hg * G + h, :] from the token's
 // chunks c = 0..pos[t] / ATTN_CHUNK, in that order. Dynamic shared memory: [NC][G] chunk weights,
 // then [G] sums L.
@@ -372,50 +969,144 @@ __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
     }
 }
 
-// The chunk results of one slice of tokens: grown on demand, in stream order.
+// Device memory of the op, grown on demand in stream order: the partial results of one slice of
+// tokens, and the slice kernel's counters (zeroed when allocated; every launch leaves them at zero).
 static float *g_ws;
 static size_t g_ws_bytes;
+static int *g_cnt;
+static size_t g_cnt_n;
 
-static bool ws_reserve(size_t bytes) {
-    if (bytes <= g_ws_bytes) return true;
+static bool dev_grow(void **p, size_t *have, size_t bytes, bool zero) {
+    if (bytes <= *have) return true;
     cudaStream_t st = cuda_stream();
-    if (g_ws) CUDA_CHECK(cudaFreeAsync(g_ws, st));
+    if (*p) CUDA_CHECK(cudaFreeAsync(*p, st));
     cuda_workspace_changed(); /* graphs that used the old buffer are stale */
-    g_ws = nullptr;
-    g_ws_bytes = 0;
-    void *p = nullptr;
-    if (cudaMallocAsync(&p, bytes, st) != cudaSuccess) {
+    *p = nullptr;
+    *have = 0;
+    if (cudaMallocAsync(p, bytes, st) != cudaSuccess) {
         cudaGetLastError(); // not sticky: clear it
+        *p = nullptr;
         return false;
     }
-    g_ws = static_cast<float *>(p);
-    g_ws_bytes = bytes;
+    if (zero) CUDA_CHECK(cudaMemsetAsync(*p, 0, bytes, st));
+    *have = bytes;
     return true;
 }
 
-template <int DH, int G>
-static void launch_chunks(float *part_o, float *part_ml, const float *q, kv_layer kv,
-                          const attn_batch *b, int t0, int Ts, int H, int Hkv, int NC,
-                          float scale) {
-    const dim3 grid(Ts, H / G, NC);
+static bool ws_reserve(size_t bytes) {
+    void *p = g_ws;
+    const bool ok = dev_grow(&p, &g_ws_bytes, bytes, false);
+    g_ws = static_cast<float *>(p);
+    return ok;
+}
+
+static void cnt_reserve(size_t n) {
+    void *p = g_cnt;
+    size_t bytes = g_cnt_n * sizeof(int);
+    if (!dev_grow(&p, &bytes, n * sizeof(int), true))
+        cuda_fail(__FILE__, __LINE__, "attention", "out of device memory for the counters");
+    g_cnt = static_cast<int *>(p);
+    g_cnt_n = bytes / sizeof(int);
+}
+
+// The kernels' shared arguments.
+struct attn_args {
+    float *out, *part_o, *part_ml, *slice_o, *slice_ml;
+    int *cnt;
+    const float *q;
+    kv_layer kv;
+    const attn_batch *b;
+    int t0, Ts, H, Hkv, NC;
+    float scale;
+};
+
+// Raise a kernel's dynamic shared memory limit to bytes once (static + dynamic past 48 KiB needs it);
+// *set is what it was raised to (0 at first).
+template <typename K> static void smem_allow(K kernel, size_t bytes, size_t *set) {
+    if (bytes > *set) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)bytes));
+        *set = bytes;
+    }
+}
+
+static size_t slice_smem(int DH, int G, int NC) {
+    const size_t a = (size_t)2 * ATTN_SLICE * DH, b = (size_t)2 * NC * G;
+    return (a > b ? a : b) * sizeof(float);
+}
+
+template <int DH, int G> static void launch_slices(const attn_args &a) {
+    constexpr int GW = G < 2 ? G : 2;
+    auto kernel = attn_slice_kernel<DH, G, GW>;
+    static size_t smem_set = 0;
+    const size_t smem = slice_smem(DH, G, a.NC);
+    smem_allow(kernel, smem, &smem_set);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(a.Ts, a.H / G, a.NC * ATTN_SLICES);
+    cfg.blockDim = dim3(G / GW * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const attn_batch *b = a.b;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a.out, a.slice_o, a.slice_ml, a.part_o, a.part_ml,
+                                  a.cnt, a.q, (const float *)a.kv.k, (const float *)a.kv.v,
+                                  b->pos, b->seq, b->page_table, a.t0, a.H, a.Hkv, b->max_pages,
+                                  b->page_size, a.NC, a.scale));
+}
+
+template <int DH, int G> static void launch_chunks(const attn_args &a, int tile_qt) {
+    const dim3 grid(a.Ts, a.H / G, a.NC);
+    const attn_batch *b = a.b;
     attn_chunk_kernel<DH, G, attn_min_blocks<DH, G>()><<<grid, ATTN_THREADS, 0, cuda_stream()>>>(
-        part_o, part_ml, q, kv.k, kv.v, b->pos, b->seq, b->page_table, t0, H, Hkv, b->max_pages,
-        b->page_size, NC, scale);
+        a.part_o, a.part_ml, a.q, a.kv.k, a.kv.v, b->pos, b->seq, b->page_table, a.t0, a.Ts,
+        tile_qt, a.H, a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
     CUDA_CHECK_LAUNCH();
 }
 
-template <int DH>
-static void launch_chunks_dh(int G, float *part_o, float *part_ml, const float *q, kv_layer kv,
-                             const attn_batch *b, int t0, int Ts, int H, int Hkv, int NC,
-                             float scale) {
+template <int DH, int G> static void launch_tiles(const attn_args &a) {
+    constexpr int QT = ATTN_TILE_ROWS / G;
+    if (a.Ts < QT) return;
+    auto kernel = attn_tile_kernel<DH, G>;
+    static size_t smem_set = 0;
+    const size_t smem = ((size_t)ATTN_TILE_ROWS * DH + (size_t)ATTN_CHUNK * ATTN_TILE_ROWS) * 4;
+    smem_allow(kernel, smem, &smem_set);
+    const attn_batch *b = a.b;
+    kernel<<<dim3(a.Ts / QT, a.H / G, a.NC), ATTN_TILE_THREADS, smem, cuda_stream()>>>(
+        a.part_o, a.part_ml, a.q, a.kv.k, a.kv.v, b->pos, b->seq, b->page_table, a.t0, a.Ts, a.H,
+        a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
+    CUDA_CHECK_LAUNCH();
+}
+
+static size_t g_combine_smem_set = 48 << 10; // one kernel for every shape: one limit
+
+enum attn_path { ATTN_PATH_SLICES, ATTN_PATH_CHUNKS, ATTN_PATH_TILES };
+
+template <int DH, int G> static void launch_path(attn_path path, const attn_args &a) {
+    switch (path) {
+    case ATTN_PATH_SLICES: launch_slices<DH, G>(a); return;
+    case ATTN_PATH_TILES: launch_tiles<DH, G>(a); launch_chunks<DH, G>(a, ATTN_TILE_ROWS / G); break;
+    case ATTN_PATH_CHUNKS: launch_chunks<DH, G>(a, 0); break;
+    }
+    const size_t combine_smem = ((size_t)a.NC * G + G) * sizeof(float);
+    smem_allow(attn_combine_kernel, combine_smem, &g_combine_smem_set);
+    attn_combine_kernel<<<dim3(a.Ts, a.H / G), ATTN_COMBINE_THREADS, combine_smem, cuda_stream()>>>(
+        a.out, a.part_o, a.part_ml, a.b->pos, a.t0, a.H, G, DH, a.NC);
+    CUDA_CHECK_LAUNCH();
+}
+
+template <int DH> static void launch_dh(int G, attn_path path, const attn_args &a) {
     switch (G) {
-    case 1: launch_chunks<DH, 1>(part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-    case 2: launch_chunks<DH, 2>(part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-    case 4: launch_chunks<DH, 4>(part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-    case 8: launch_chunks<DH, 8>(part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
+    case 1: launch_path<DH, 1>(path, a); break;
+    case 2: launch_path<DH, 2>(path, a); break;
+    case 4: launch_path<DH, 4>(path, a); break;
+    case 8: launch_path<DH, 8>(path, a); break;
     default:
         if constexpr (16 * DH <= 2048) {
-            launch_chunks<DH, 16>(part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale);
+            launch_path<DH, 16>(path, a);
             break;
         }
         cuda_fail(__FILE__, __LINE__, "attention", "no kernel for this head group");
@@ -429,6 +1120,11 @@ static int heads_per_block(int group, int Dh) {
         if (group % G == 0 && G * Dh <= 2048) return G;
     return 1;
 }
+
+// Which path the tests and the benchmark ask for: -1 the usual choice, else an attn_path. Any path
+// gives bit-identical results; this only lets the test check that and time each one.
+static int g_path_forced = -1;
+extern "C" void cuda_attention_debug_path(int path) { g_path_forced = path; }
 
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
                     int Dh, float scale) {
@@ -446,40 +1142,54 @@ void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b
     if (NC < 1 || NC > 65535)
         cuda_fail(__FILE__, __LINE__, "attention", "max_pages * page_size out of range");
 
-    // workspace per token: every head group's chunk results
-    const size_t per_token = (size_t)(H / G) * NC * G * (Dh + 2) * sizeof(float);
+    // The path, from T and the shapes only: slices where the batch is too small to fill the device
+    // with chunks (and the in-launch combine fits shared memory), else chunks and tiles.
+    const bool slices_fit =
+        (int64_t)NC * ATTN_SLICES <= 65535 && slice_smem(Dh, G, NC) <= ((size_t)160 << 10);
+    attn_path path = T <= ATTN_SMALL_T && slices_fit ? ATTN_PATH_SLICES : ATTN_PATH_TILES;
+    if (g_path_forced >= 0) path = (attn_path)g_path_forced;
+    if (path == ATTN_PATH_SLICES && !slices_fit) path = ATTN_PATH_CHUNKS;
+
+    // workspace per token: every head group's chunk results, and for slices each slice's
+    const size_t chunk_res = (size_t)(H / G) * NC * G * (Dh + 2);
+    const size_t per_token =
+        (chunk_res * (path == ATTN_PATH_SLICES ? 1 + ATTN_SLICES : 1)) * sizeof(float);
     int slice = (int)(ATTN_WORKSPACE_CAP / per_token);
     if (slice < 1) slice = 1;
     if (slice > T) slice = T;
     if (slice > 65535) slice = 65535;
+    if (slice > ATTN_TILE_ROWS) slice -= slice % ATTN_TILE_ROWS; // whole tiles in a slice
     while (!ws_reserve((size_t)slice * per_token)) {
         if (slice == 1)
             cuda_fail(__FILE__, __LINE__, "attention", "out of device memory for the workspace");
         slice = (slice + 1) / 2;
     }
-    float *part_o = g_ws;
-    float *part_ml = g_ws + (size_t)slice * (H / G) * NC * G * Dh;
-
-    const size_t combine_smem = ((size_t)NC * G + G) * sizeof(float);
-    static size_t combine_smem_set = 48 << 10;
-    if (combine_smem > combine_smem_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(attn_combine_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)combine_smem));
-        combine_smem_set = combine_smem;
+    attn_args a = {};
+    a.out = out;
+    a.part_o = g_ws;
+    a.part_ml = a.part_o + (size_t)slice * (H / G) * NC * G * Dh;
+    if (path == ATTN_PATH_SLICES) {
+        a.slice_o = a.part_ml + (size_t)slice * (H / G) * NC * 2 * G;
+        a.slice_ml = a.slice_o + (size_t)slice * (H / G) * NC * ATTN_SLICES * G * Dh;
+        cnt_reserve((size_t)slice * (H / G) * (NC + 1));
+        a.cnt = g_cnt;
     }
-
+    a.q = q;
+    a.kv = kv;
+    a.b = b;
+    a.H = H;
+    a.Hkv = Hkv;
+    a.NC = NC;
+    a.scale = scale;
     for (int t0 = 0; t0 < T; t0 += slice) {
-        const int Ts = T - t0 < slice ? T - t0 : slice;
+        a.t0 = t0;
+        a.Ts = T - t0 < slice ? T - t0 : slice;
         switch (Dh) {
-        case 16: launch_chunks_dh<16>(G, part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-        case 32: launch_chunks_dh<32>(G, part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-        case 64: launch_chunks_dh<64>(G, part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-        case 128: launch_chunks_dh<128>(G, part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
-        case 256: launch_chunks_dh<256>(G, part_o, part_ml, q, kv, b, t0, Ts, H, Hkv, NC, scale); break;
+        case 16: launch_dh<16>(G, path, a); break;
+        case 32: launch_dh<32>(G, path, a); break;
+        case 64: launch_dh<64>(G, path, a); break;
+        case 128: launch_dh<128>(G, path, a); break;
+        case 256: launch_dh<256>(G, path, a); break;
         }
-        attn_combine_kernel<<<dim3(Ts, H / G), ATTN_COMBINE_THREADS, combine_smem, cuda_stream()>>>(
-            out, part_o, part_ml, b->pos, t0, H, G, Dh, NC);
-        CUDA_CHECK_LAUNCH();
     }
 }
