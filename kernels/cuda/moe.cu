@@ -48,10 +48,13 @@
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
 // that rate, so fixed costs weigh at this size):
-//   grouped path (three launches)                                29.0 / 33.8 us
-//   tiny path (kept)                                             27.4 / 31.6 us (65% / 56% of copy)
+//   grouped path (three launches)                                29.0 / 33.8 us (62% / 53%)
+//   tiny path (kept)                                             26.8 / 29.5 us (67% / 60%)
 //     its GEMM 1 alone 19.6 us (50 MB), GEMM 2 alone 12.3 us (25 MB): each kernel carries 6-8 us
-//     over its bytes at the copy rate, and the two overlap by 4.5 us through PDL
+//     over its bytes at the copy rate, and the two overlap by 4.5 us through PDL. At T = 2 the
+//     tiny path takes 43.0 / 46.4 us against 51.5 / 49.7 grouped; DeepSeek-V3 shape at T = 1
+//     175.8 / 182.9 us (95% / 91%) against 176.1 / 215.4. With x's rows held for up to 32 KB
+//     (more rows per tile at T = 2, two blocks per SM in high) T = 1 took 27.4 / 31.6 us.
 // Tried and dropped (T = 1 medium unless said):
 //   - GEMM 1 in 384 blocks of BN 32 (two warps, six stages), for 132 SMs: 28.4 us; four stages or
 //     BN 64 with six: no better. GEMM 2 with three stages, BN 32 or BK 64: 28.6-28.8 us.
