@@ -123,6 +123,16 @@ typedef struct ops {
                          const int32_t *pos, int T, int H, int Hkv, int Dh, double theta,
                          float eps);
 
+    /* The attention prologue in one pass, for a model whose q, k and v projections are one
+     * linear: qkv[T, (H + 2 Hkv) Dh] holds each token's q heads, then its k heads, then its v
+     * heads. q_out[T, H, Dh] = the q heads normed with q_norm [Dh] and rotated at pos[t]; the k
+     * heads, normed with k_norm and rotated, and the v heads as they are go into the cache at
+     * (seq[t], pos[t]). The same bits as splitting qkv into q, k, v, then qk_norm_rope and
+     * kv_store on the same backend (the CPU's is that composition, the reference). */
+    void (*qkv_prepare)(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
+                        const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
+                        double theta, float eps);
+
     /* Store k, v [T, Hkv, Dh] of every token into the cache at (seq[t], pos[t]). */
     void (*kv_store)(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
                      int Dh);
@@ -147,6 +157,14 @@ typedef struct ops {
     /* out[T, D] = sum over k = 0..K-1, in that order, of topk_w[t, k] * expert_out[t, k, :]. */
     void (*moe_finalize)(float *out, const float *expert_out, const float *topk_w, int T, int K,
                          int D);
+
+    /* moe_finalize fused with the residual add and the next norm: o = the finalize sum of
+     * expert_out [T, K, D] with topk_w [T, K], then x[T, D] += o and h = rmsnorm(x) * w (w [D]).
+     * The same bits as moe_finalize into o, then add_rmsnorm(x, h, o, w, T, D, eps) on the same
+     * backend. */
+    void (*moe_finalize_add_rmsnorm)(float *x, float *h, const float *expert_out,
+                                     const float *topk_w, const tensor *w, int T, int K, int D,
+                                     float eps);
 
     /* out[T, F] = silu(gate[T, F]) * up[T, F]. */
     void (*silu_mul)(float *out, const float *gate, const float *up, int T, int F);

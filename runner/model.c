@@ -134,6 +134,62 @@ int model_weight(model *m, const char *name, int ndim, const int64_t *shape, con
     return 0;
 }
 
+int model_weight_rows(model *m, int n, const char *const *names, const int64_t *rows,
+                      int64_t cols, const tensor **out, char *err, size_t errlen) {
+    MS_ASSERT(m->ops->device != DEVICE_CPU && n >= 1);
+    struct model_tensor *mt = xcalloc(1, sizeof *mt);
+    mt->next = m->tensors;
+    m->tensors = mt;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += rows[i];
+    mt->t = (tensor){.ndim = 2, .shape = {total, cols}};
+    if (m->dummy) { /* each part filled as model_weight fills it alone: the same values */
+        mt->t.dtype = DTYPE_BF16;
+        mt->t.device = m->ops->device;
+        mt->t.data = m->ops->dev_alloc(tensor_nbytes(&mt->t));
+        if (!mt->t.data)
+            return set_err(err, errlen, "%s: dummy tensor '%s' and %d more: out of %s memory",
+                           m->dir, names[0], n - 1, m->ops->name);
+        size_t off = 0;
+        for (int i = 0; i < n; i++) {
+            model_dummy_fill(m, (char *)mt->t.data + off, names[i], rows[i] * cols, 2, cols);
+            off += (size_t)rows[i] * cols * dtype_size(DTYPE_BF16);
+        }
+        *out = &mt->t;
+        return 0;
+    }
+    const tensor *views[8];
+    MS_ASSERT(n <= 8);
+    for (int i = 0; i < n; i++) {
+        int64_t shape[2] = {rows[i], cols};
+        if (model_weight_info(m, names[i], 2, shape, &views[i], err, errlen)) return -1;
+        if (views[i]->dtype != views[0]->dtype)
+            return set_err(err, errlen, "%s: tensor '%s' has dtype %s but '%s' has %s", m->dir,
+                           names[i], dtype_name(views[i]->dtype), names[0],
+                           dtype_name(views[0]->dtype));
+    }
+    mt->t.dtype = views[0]->dtype;
+    mt->t.device = DEVICE_CPU;
+    char *host = xmalloc(tensor_nbytes(&mt->t));
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        memcpy(host + off, views[i]->data, tensor_nbytes(views[i]));
+        off += tensor_nbytes(views[i]);
+    }
+    mt->t.data = host;
+    char why[512];
+    int rc = m->ops->upload(&mt->t, why, sizeof why);
+    free(host);
+    if (rc) {
+        mt->t.data = NULL;
+        return set_err(err, errlen, "%s: tensors '%s' and %d more, stacked: %s", m->dir, names[0],
+                       n - 1, why);
+    }
+    *out = &mt->t;
+    return 0;
+}
+
 int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen) {
     if (m->dummy)

@@ -92,6 +92,13 @@ int model_weight_info(const model *m, const char *name, int ndim, const int64_t 
 int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,
                  char *err, size_t errlen);
 
+/* For a backend with its own memory (not the CPU): the 2-D weights names[0 .. n) (n <= 8), of
+ * rows[i] x cols each and one dtype, stacked by rows into one device tensor the model owns (a
+ * dummy model fills each part as model_weight would). Lets several projections of the same input
+ * run as one linear. */
+int model_weight_rows(model *m, int n, const char *const *names, const int64_t *rows,
+                      int64_t cols, const tensor **out, char *err, size_t errlen);
+
 extern const model_arch qwen3_moe_arch;
 
 #endif

@@ -153,9 +153,9 @@ static tensor gpu_weight(const tensor *h) {
 
 /* ---- comparison and the per-op summary ---- */
 
-#define MAX_OPS 48
+#define MAX_OPS 64
 static struct {
-    char op[32];
+    char op[48];
     char tolerance[48];
     double worst;      /* largest |got - want| (linear: divided by sum |x||w|) */
     double worst_frac; /* largest error / allowed error */
@@ -593,6 +593,161 @@ static void test_kv_store(void) {
         gpu->dev_free(gseq);
         gpu->dev_free(gtable);
     }
+}
+
+/* qkv_prepare against the CPU's (the composition it replaces: split, qk_norm_rope, kv_store) with
+ * rope's tolerance for q and the k cache, v exactly; and against CUDA's own split + qk_norm_rope
+ * + kv_store bit for bit. Cases: a decode token, a few tokens (heads spread over blocks), 70
+ * tokens (one block per token), an odd head size (scalar path). */
+static void test_qkv_prepare(void) {
+    printf("qkv_prepare (q, k cache atol 1e-6 + rtol 1e-6 as rope; v exact; == CUDA split + "
+           "qk_norm_rope + kv_store exactly)\n");
+    static const struct {
+        int T, n_seq, max_pages, S, H, Hkv, Dh;
+    } cases[] = {{1, 2, 4, 16, 32, 4, 128}, {37, 3, 4, 16, 32, 4, 128}, {70, 4, 8, 16, 32, 4, 128},
+                 {5, 2, 3, 5, 3, 1, 6},     {0, 2, 4, 16, 32, 4, 128},  {9, 2, 4, 16, 8, 2, 64}};
+    const dtype dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+    const float eps = 1e-6f;
+    const double theta = 1e6;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int di = 0; di < 3; di++) {
+            const int T = cases[c].T, n_seq = cases[c].n_seq, max_pages = cases[c].max_pages;
+            const int S = cases[c].S, H = cases[c].H, Hkv = cases[c].Hkv, Dh = cases[c].Dh;
+            const int P = n_seq * max_pages, cap = max_pages * S;
+            const int64_t qd = (int64_t)H * Dh, kvd = (int64_t)Hkv * Dh, row = qd + 2 * kvd;
+            const int64_t cache_n = (int64_t)P * S * kvd;
+            tensor qw = make_weight(dts[di], 1, Dh, 1.5f), kw = make_weight(dts[di], 1, Dh, 1.5f);
+            qw.ndim = kw.ndim = 1;
+            qw.shape[0] = kw.shape[0] = Dh;
+            tensor gqw = gpu_weight(&qw), gkw = gpu_weight(&kw);
+            /* pages: a random permutation; tokens: T distinct (seq, pos) slots in random order */
+            int32_t *table = xmalloc(sizeof(int32_t) * P);
+            for (int i = 0; i < P; i++)
+                table[i] = i;
+            for (int i = P - 1; i > 0; i--) {
+                const int j = rng_int(i + 1), tmp = table[i];
+                table[i] = table[j];
+                table[j] = tmp;
+            }
+            int32_t *slots = xmalloc(sizeof(int32_t) * n_seq * cap);
+            for (int i = 0; i < n_seq * cap; i++)
+                slots[i] = i;
+            for (int i = 0; i < T; i++) {
+                const int j = i + rng_int(n_seq * cap - i), tmp = slots[i];
+                slots[i] = slots[j];
+                slots[j] = tmp;
+            }
+            int32_t *pos = xmalloc(sizeof(int32_t) * (T + 1)),
+                    *seq = xmalloc(sizeof(int32_t) * (T + 1));
+            for (int t = 0; t < T; t++) {
+                seq[t] = slots[t] / cap;
+                pos[t] = slots[t] % cap;
+            }
+            float *qkv = rand_floats(T * row, 2.0f);
+            float *kc = rand_floats(cache_n, 1.0f), *vc = rand_floats(cache_n, 1.0f);
+            float *q = xmalloc(sizeof(float) * (T * qd + 1));
+            float *k = xmalloc(sizeof(float) * (T * kvd + 1)), *v = xmalloc(sizeof(float) * (T * kvd + 1));
+            for (int t = 0; t < T; t++) {
+                memcpy(q + t * qd, qkv + t * row, sizeof(float) * qd);
+                memcpy(k + t * kvd, qkv + t * row + qd, sizeof(float) * kvd);
+                memcpy(v + t * kvd, qkv + t * row + qd + kvd, sizeof(float) * kvd);
+            }
+            int32_t *gpos = gdup(pos, sizeof(int32_t) * T), *gseq = gdup(seq, sizeof(int32_t) * T);
+            int32_t *gtable = gdup(table, sizeof(int32_t) * P);
+            attn_batch hb = {.T = T, .pos = pos, .seq = seq, .page_table = table,
+                             .max_pages = max_pages, .page_size = S};
+            attn_batch gb = {.T = T, .pos = gpos, .seq = gseq, .page_table = gtable,
+                             .max_pages = max_pages, .page_size = S};
+            /* fused on the GPU */
+            float *gqkv = gdup(qkv, sizeof(float) * T * row);
+            float *gkc = gdup(kc, sizeof(float) * cache_n), *gvc = gdup(vc, sizeof(float) * cache_n);
+            float *gq = galloc_poisoned(sizeof(float) * (T * qd + 1));
+            gpu->qkv_prepare(gq, (kv_layer){gkc, gvc}, gqkv, &gqw, &gkw, &gb, H, Hkv, Dh, theta, eps);
+            float *got_q = gfetch(gq, sizeof(float) * T * qd);
+            float *got_kc = gfetch(gkc, sizeof(float) * cache_n);
+            float *got_vc = gfetch(gvc, sizeof(float) * cache_n);
+            /* unfused on the GPU, from the host's split */
+            gpu->to_device(gkc, kc, sizeof(float) * cache_n);
+            gpu->to_device(gvc, vc, sizeof(float) * cache_n);
+            float *gk = gdup(k, sizeof(float) * T * kvd), *gv = gdup(v, sizeof(float) * T * kvd);
+            gpu->to_device(gq, q, sizeof(float) * T * qd);
+            gpu->qk_norm_rope(gq, gk, &gqw, &gkw, gpos, T, H, Hkv, Dh, theta, eps);
+            gpu->kv_store((kv_layer){gkc, gvc}, gk, gv, &gb, Hkv, Dh);
+            float *un_q = gfetch(gq, sizeof(float) * T * qd);
+            float *un_kc = gfetch(gkc, sizeof(float) * cache_n);
+            float *un_vc = gfetch(gvc, sizeof(float) * cache_n);
+            /* the CPU reference */
+            float *want_q = xmalloc(sizeof(float) * (T * qd + 1));
+            cpu->qkv_prepare(want_q, (kv_layer){kc, vc}, qkv, &qw, &kw, &hb, H, Hkv, Dh, theta, eps);
+            char what[112];
+            snprintf(what, sizeof what, "qkv_prepare %s T=%d H=%d Hkv=%d Dh=%d", dtype_name(dts[di]),
+                     T, H, Hkv, Dh);
+            compare("qkv_prepare q", what, got_q, want_q, T * qd, 1e-6, 1e-6);
+            compare("qkv_prepare k cache", what, got_kc, kc, cache_n, 1e-6, 1e-6);
+            compare_bits("qkv_prepare v cache", what, got_vc, vc, cache_n, sizeof(float));
+            compare_bits("qkv_prepare vs unfused q", what, got_q, un_q, T * qd, sizeof(float));
+            compare_bits("qkv_prepare vs unfused k", what, got_kc, un_kc, cache_n,
+                         sizeof(float));
+            compare_bits("qkv_prepare vs unfused v", what, got_vc, un_vc, cache_n,
+                         sizeof(float));
+            free(got_q), free(got_kc), free(got_vc), free(un_q), free(un_kc), free(un_vc);
+            free(want_q), free(q), free(k), free(v), free(qkv), free(kc), free(vc);
+            free(pos), free(seq), free(table), free(slots), free(qw.data), free(kw.data);
+            void *g[] = {gq, gk, gv, gqkv, gkc, gvc, gpos, gseq, gtable, gqw.data, gkw.data};
+            for (size_t i = 0; i < sizeof g / sizeof g[0]; i++)
+                gpu->dev_free(g[i]);
+        }
+}
+
+/* moe_finalize_add_rmsnorm: x against the CPU's bits (finalize and the add are exact to compare),
+ * h with rmsnorm's tolerance; and bit for bit against CUDA's moe_finalize then add_rmsnorm. */
+static void test_moe_finalize_add_rmsnorm(void) {
+    printf("moe_finalize_add_rmsnorm (x exact; h atol 1e-6 + rtol 1e-6; == CUDA moe_finalize + "
+           "add_rmsnorm exactly)\n");
+    static const struct {
+        int T, K, D;
+    } cases[] = {{1, 8, 2048}, {37, 8, 2048}, {5, 3, 7168}, {0, 8, 2048}, {300, 8, 2048},
+                 {4, 1, 64},   {3, 9, 4096}};
+    const dtype dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+    const float eps = 1e-6f;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int di = 0; di < 3; di++) {
+            const int T = cases[c].T, K = cases[c].K, D = cases[c].D;
+            tensor w = make_weight(dts[di], 1, D, 1.5f);
+            w.ndim = 1;
+            w.shape[0] = D;
+            tensor gw = gpu_weight(&w);
+            const int64_t n = (int64_t)T * D;
+            float *x = rand_floats(n, 3.0f), *eo = rand_floats(n * K, 3.0f);
+            float *tw = rand_floats((int64_t)T * K, 1.0f);
+            float *want_x = xmalloc(sizeof(float) * (n + 1)), *want_h = xmalloc(sizeof(float) * (n + 1));
+            memcpy(want_x, x, sizeof(float) * n);
+            cpu->moe_finalize_add_rmsnorm(want_x, want_h, eo, tw, &w, T, K, D, eps);
+            float *gx = gdup(x, sizeof(float) * n), *geo = gdup(eo, sizeof(float) * n * K);
+            float *gtw = gdup(tw, sizeof(float) * T * K);
+            float *gh = galloc_poisoned(sizeof(float) * (n + 1));
+            float *go = galloc_poisoned(sizeof(float) * (n + 1));
+            gpu->moe_finalize_add_rmsnorm(gx, gh, geo, gtw, &gw, T, K, D, eps);
+            float *got_x = gfetch(gx, sizeof(float) * n), *got_h = gfetch(gh, sizeof(float) * n);
+            gpu->to_device(gx, x, sizeof(float) * n);
+            gpu->moe_finalize(go, geo, gtw, T, K, D);
+            gpu->add_rmsnorm(gx, gh, go, &gw, T, D, eps);
+            float *un_x = gfetch(gx, sizeof(float) * n), *un_h = gfetch(gh, sizeof(float) * n);
+            char what[96];
+            snprintf(what, sizeof what, "moe_finalize_add_rmsnorm %s T=%d K=%d D=%d",
+                     dtype_name(dts[di]), T, K, D);
+            compare_bits("moe_finalize_add_rmsnorm x", what, got_x, want_x, n, sizeof(float));
+            compare("moe_finalize_add_rmsnorm h", what, got_h, want_h, n, 1e-6, 1e-6);
+            compare_bits("moe_fin_add_rmsnorm vs unfused x", what, got_x, un_x, n,
+                         sizeof(float));
+            compare_bits("moe_fin_add_rmsnorm vs unfused h", what, got_h, un_h, n,
+                         sizeof(float));
+            free(got_x), free(got_h), free(un_x), free(un_h), free(want_x), free(want_h);
+            free(x), free(eo), free(tw), free(w.data);
+            void *g[] = {gx, geo, gtw, gh, go, gw.data};
+            for (size_t i = 0; i < sizeof g / sizeof g[0]; i++)
+                gpu->dev_free(g[i]);
+        }
 }
 
 static void test_router_topk(void) {
@@ -1370,8 +1525,10 @@ int main(void) {
     test_add_rmsnorm();
     test_qk_norm_rope();
     test_kv_store();
+    test_qkv_prepare();
     test_router_topk();
     test_moe_finalize();
+    test_moe_finalize_add_rmsnorm();
     test_silu_mul();
     test_add();
     test_linear();

@@ -35,6 +35,12 @@ void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const 
 void cpu_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
                       int D);
 void cpu_silu_mul(float *out, const float *gate, const float *up, int T, int F);
+void cpu_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
+                     const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
+                     double theta, float eps);
+void cpu_moe_finalize_add_rmsnorm(float *x, float *h, const float *expert_out,
+                                  const float *topk_w, const tensor *w, int T, int K, int D,
+                                  float eps);
 void cpu_add(float *out, const float *a, const float *b, int64_t n);
 
 /* cpu_linear with the OpenMP split over N switched on or off: callers that already run inside a

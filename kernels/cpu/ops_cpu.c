@@ -62,11 +62,13 @@ static const ops cpu_ops_table = {
     .linear = cpu_linear,
     .rope = cpu_rope,
     .qk_norm_rope = cpu_qk_norm_rope,
+    .qkv_prepare = cpu_qkv_prepare,
     .kv_store = cpu_kv_store,
     .attention = cpu_attention,
     .router_topk = cpu_router_topk,
     .moe_experts = cpu_moe_experts,
     .moe_finalize = cpu_moe_finalize,
+    .moe_finalize_add_rmsnorm = cpu_moe_finalize_add_rmsnorm,
     .silu_mul = cpu_silu_mul,
     .add = cpu_add,
 };

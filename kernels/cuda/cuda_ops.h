@@ -47,6 +47,12 @@ void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, in
                double theta);
 void cuda_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
                        const int32_t *pos, int T, int H, int Hkv, int Dh, double theta, float eps);
+void cuda_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
+                      const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
+                      double theta, float eps);
+void cuda_moe_finalize_add_rmsnorm(float *x, float *h, const float *expert_out,
+                                   const float *topk_w, const tensor *w, int T, int K, int D,
+                                   float eps);
 void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
                    int Dh);
 void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
@@ -80,5 +86,35 @@ void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b
 
 /* After a kernel launch: the launch itself must have succeeded. */
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+#ifdef __CUDACC__
+/* Programmatic dependent launch (sm_90). A kernel launched by cuda_launch_pdl may start while the
+ * kernel before it on the stream is still running, once every block of that one has called
+ * pdl_trigger (or exited). It must call pdl_wait before it reads anything the earlier kernels
+ * wrote and before it writes anything: the wait returns when the kernel before has completed and
+ * its writes are visible (and so, in turn, every kernel before that). What it may do earlier is
+ * read weights: a decode step's GEMV fetches its weights while the norm before it runs. In a
+ * kernel launched the ordinary way both calls do nothing. */
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+template <typename... KArgs, typename... Args>
+static inline void cuda_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                   Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
+}
+#endif
 
 #endif

@@ -48,9 +48,14 @@
 #define NORM_WARPS    4         /* rows per rmsnorm block (one warp each) */
 #define NORM_KEEP_MAX 16        /* float4 chunks per lane add_rmsnorm keeps in registers */
 #define QK_MAX_WARPS  16        /* heads of a token normed and rotated at once (one warp each) */
+#define QK_SMALL_WARPS 4        /* warps per block when a token's heads are spread over blocks */
+#define QK_SPREAD_MAX_T 64      /* below this many tokens they are */
 #define ROUTER_WARPS  4         /* tokens per router block (one warp each) */
 #define ROPE_MAX_HALF 256       /* Dh / 2 at most (the frequencies travel in the arguments) */
 #define FULL_MASK     0xffffffffu
+#define FIN_BATCH     8         /* moe_finalize: slots whose loads are issued together */
+#define ROW_THREADS   256       /* threads per row of the row kernel */
+#define ROW_MAX_T     64        /* add_rmsnorm takes the row kernel below this many rows */
 
 __host__ __device__ static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
@@ -146,6 +151,17 @@ __device__ __forceinline__ float4 norm_scale4(float4 v, float inv, const void *w
                        norm_scale<DT>(v.z, inv, w, c + 2), norm_scale<DT>(v.w, inv, w, c + 3));
 }
 
+// Weights c .. c + 3 widened, and norm_scale4 with them already loaded (the same arithmetic).
+template <int DT> __device__ __forceinline__ float4 load_w4(const void *w, int c) {
+    return make_float4(load_w<DT>(w, c), load_w<DT>(w, c + 1), load_w<DT>(w, c + 2),
+                       load_w<DT>(w, c + 3));
+}
+
+__device__ __forceinline__ float4 norm_scale4w(float4 v, float inv, float4 w) {
+    return make_float4(__fmul_rn(__fmul_rn(v.x, inv), w.x), __fmul_rn(__fmul_rn(v.y, inv), w.y),
+                       __fmul_rn(__fmul_rn(v.z, inv), w.z), __fmul_rn(__fmul_rn(v.w, inv), w.w));
+}
+
 // One warp per row; VEC reads the 4-element chunks as float4 (x and out 16-byte aligned, C % 4 ==
 // 0). out may equal x: each lane writes only the elements it read itself, after the reduction.
 template <int DT, bool VEC>
@@ -180,10 +196,50 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
     }
 }
 
+// rmsnorm_kernel's VEC path for rows of up to 32 * 4 * KEEP values: all of a lane's chunks are
+// loaded before its sum starts, so the lane waits for memory once (a loop that loads and adds one
+// chunk at a time waits once per chunk); the same chunks, in the same order, the same bits.
+template <int DT, int KEEP>
+__global__ void rmsnorm_keep_kernel(float *out, const float *x, const void *w, int R, int C,
+                                    float eps) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
+    if (row >= R) return;
+    const float4 *xr = (const float4 *)(x + row * C);
+    float4 *o = (float4 *)(out + row * C);
+    const int n_chunks = C / 4;
+    float4 v[KEEP], wv[KEEP]; // the weights too: a load after a store to out would wait for it
+#pragma unroll
+    for (int i = 0; i < KEEP; i++)
+        if (lane + 32 * i < n_chunks) {
+            v[i] = xr[lane + 32 * i];
+            wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
+        }
+    double ss = 0.0;
+#pragma unroll
+    for (int i = 0; i < KEEP; i++)
+        if (lane + 32 * i < n_chunks) ss = norm_sq4(ss, v[i]);
+    const float inv = norm_inv(ss, C, eps);
+#pragma unroll
+    for (int i = 0; i < KEEP; i++)
+        if (lane + 32 * i < n_chunks) o[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+}
+
 template <int DT>
 static void rmsnorm_launch(float *out, const float *x, const void *w, int R, int C, float eps) {
     const int blocks = (R + NORM_WARPS - 1) / NORM_WARPS;
-    if (C % 4 == 0 && aligned16(x) && aligned16(out))
+    const int per_lane = (C / 4 + 31) / 32; // chunks per lane
+    const bool vec = C % 4 == 0 && aligned16(x) && aligned16(out);
+    if (vec && per_lane <= 1)
+        rmsnorm_keep_kernel<DT, 1>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+    else if (vec && per_lane <= 4)
+        rmsnorm_keep_kernel<DT, 4>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+    else if (vec && per_lane <= NORM_KEEP_MAX)
+        rmsnorm_keep_kernel<DT, NORM_KEEP_MAX>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+    else if (vec)
         rmsnorm_kernel<DT, true>
             <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
     else
@@ -222,16 +278,30 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
     const float4 *orow = (const float4 *)(o + row * D);
     const int n_chunks = D / 4;
 
-    float4 keep[KEEP];
+    // Every load is issued before the first store, so the lane waits for memory once, not once
+    // per chunk (a store to x between two loads would hold the later load back: x may alias o).
+    float4 keep[KEEP], other[KEEP];
+#pragma unroll
+    for (int i = 0; i < KEEP; i++) {
+        const int ch = lane + 32 * i;
+        if (ch < n_chunks) {
+            keep[i] = xr[ch];
+            other[i] = orow[ch];
+        }
+    }
     double ss = 0.0;
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
         if (ch < n_chunks) {
-            keep[i] = add4(xr[ch], orow[ch]);
-            xr[ch] = keep[i];
+            keep[i] = add4(keep[i], other[i]);
             ss = norm_sq4(ss, keep[i]);
         }
+    }
+#pragma unroll
+    for (int i = 0; i < KEEP; i++) {
+        const int ch = lane + 32 * i;
+        if (ch < n_chunks) xr[ch] = keep[i];
     }
     const float inv = norm_inv(ss, D, eps);
 #pragma unroll
@@ -297,11 +367,19 @@ static void add_rmsnorm_launch(float *x, float *h, const float *o, const void *w
         add_rmsnorm_kernel<DT, true><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
 }
 
+static bool add_rmsnorm_row_launch(float *x, float *h, const float *o, const float *topk_w, int K,
+                                   const tensor *w, int T, int D, float eps);
+
 void cuda_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D,
                       float eps) {
     if (T <= 0) return;
     assert_weight(w, "add_rmsnorm");
     MS_ASSERT(tensor_numel(w) == D);
+    // Few rows: a block per row (a warp per row leaves a decode step's GPU nearly idle).
+    if (T < ROW_MAX_T && add_rmsnorm_row_launch(x, h, o, nullptr, 0, w, T, D, eps)) {
+        CUDA_CHECK_LAUNCH();
+        return;
+    }
     switch (w->dtype) {
     case DTYPE_F32: add_rmsnorm_launch<DTYPE_F32>(x, h, o, w->data, T, D, eps); break;
     case DTYPE_BF16: add_rmsnorm_launch<DTYPE_BF16>(x, h, o, w->data, T, D, eps); break;
@@ -384,10 +462,61 @@ void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, in
 
 // ---- qk_norm_rope: every head of q and k normed, then rotated, in place ----
 
-// One block per token: its angles as rope_kernel takes them, then warp w takes heads w, w +
-// warps, ... of the H q heads followed by the Hkv k heads. A head is normed with rmsnorm_kernel's
-// chunks and arithmetic into the warp's row of shared memory, then rotated from there back into
-// q or k with rope_rotate's arithmetic. VEC: q, k 16-byte aligned and Dh % 4 == 0.
+// One head of Dh = 2 half values, by one warp: src normed with w (rmsnorm_kernel's chunks and
+// arithmetic) into the warp's row of shared memory, then rotated from there into dst with
+// rope_rotate's arithmetic (cs, sn: the token's angles). dst may equal src. VEC: src, dst 16-byte
+// aligned and Dh % 4 == 0.
+template <int DT, bool VEC>
+__device__ __forceinline__ void head_norm_rope(float *dst, const float *src, const void *w,
+                                               float *row, const float *cs, const float *sn,
+                                               int half, float eps) {
+    const int lane = threadIdx.x & 31, Dh = 2 * half;
+    const int n_chunks = (Dh + 3) / 4;
+    if constexpr (VEC) { // a lane's chunks and weights loaded at once (Dh <= 512: 4 chunks)
+        constexpr int CH = 2 * ROPE_MAX_HALF / 4 / 32;
+        float4 v[CH], wv[CH];
+#pragma unroll
+        for (int i = 0; i < CH; i++)
+            if (lane + 32 * i < n_chunks) {
+                v[i] = ((const float4 *)src)[lane + 32 * i];
+                wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
+            }
+        double ss = 0.0;
+#pragma unroll
+        for (int i = 0; i < CH; i++)
+            if (lane + 32 * i < n_chunks) ss = norm_sq4(ss, v[i]);
+        const float inv = norm_inv(ss, Dh, eps);
+#pragma unroll
+        for (int i = 0; i < CH; i++)
+            if (lane + 32 * i < n_chunks)
+                ((float4 *)row)[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+    } else {
+        double ss = 0.0;
+        for (int ch = lane; ch < n_chunks; ch += 32) {
+            const int c1 = min(4 * ch + 4, Dh);
+            for (int c = 4 * ch; c < c1; c++) {
+                row[c] = src[c];
+                ss = norm_sq(ss, row[c]);
+            }
+        }
+        const float inv = norm_inv(ss, Dh, eps);
+        for (int ch = lane; ch < n_chunks; ch += 32) {
+            const int c1 = min(4 * ch + 4, Dh);
+            for (int c = 4 * ch; c < c1; c++)
+                row[c] = norm_scale<DT>(row[c], inv, w, c);
+        }
+    }
+    __syncwarp(); // the rotation pairs elements that other lanes normed
+    for (int j = lane; j < half; j += 32) {
+        const float x0 = row[j], x1 = row[j + half];
+        dst[j] = __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j]));
+        dst[j + half] = __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j]));
+    }
+    __syncwarp(); // the row is read before the warp's next head overwrites it
+}
+
+// Block (t, y): token t's angles as rope_kernel takes them, then warp w takes heads y warps + w,
+// then every warps gridDim.y further, of the H q heads followed by the Hkv k heads.
 template <int DT, bool VEC>
 __global__ void qk_norm_rope_kernel(float *q, float *k, const void *q_norm, const void *k_norm,
                                     const int32_t *pos, int H, int Hkv, int half, float eps,
@@ -397,41 +526,58 @@ __global__ void qk_norm_rope_kernel(float *q, float *k, const void *q_norm, cons
     const int t = blockIdx.x, Dh = 2 * half;
     rope_angles(cs, sn, pos[t], f, half);
     __syncthreads();
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int n_chunks = (Dh + 3) / 4;
-    float *row = rows[warp];
-    for (int hd = warp; hd < H + Hkv; hd += warps) {
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int hd = blockIdx.y * warps + warp; hd < H + Hkv; hd += warps * gridDim.y) {
         const bool is_q = hd < H;
         float *x = is_q ? q + ((int64_t)t * H + hd) * Dh : k + ((int64_t)t * Hkv + hd - H) * Dh;
-        const void *w = is_q ? q_norm : k_norm;
-        double ss = 0.0;
-        for (int ch = lane; ch < n_chunks; ch += 32) {
+        head_norm_rope<DT, VEC>(x, x, is_q ? q_norm : k_norm, rows[warp], cs, sn, half, eps);
+    }
+}
+
+// The cache slot of token t (kv_store's lookup); a position past the page table traps.
+__device__ __forceinline__ int64_t kv_slot(const attn_batch &b, int t) {
+    const int p = b.pos[t];
+    if (p < 0 || p / b.page_size >= b.max_pages) __trap();
+    const int page = b.page_table[(int64_t)b.seq[t] * b.max_pages + p / b.page_size];
+    return (int64_t)page * b.page_size + p % b.page_size;
+}
+
+// qkv_prepare: qk_norm_rope_kernel's blocks and head loop over the H + 2 Hkv heads of a row of
+// qkv: q heads normed and rotated into q_out, k heads normed and rotated into the cache slot, v
+// heads copied into it (a warp's one 16-byte access per lane for Dh = 128).
+template <int DT, bool VEC>
+__global__ void qkv_prepare_kernel(float *q_out, float *kc, float *vc, const float *qkv,
+                                   const void *q_norm, const void *k_norm, attn_batch b, int H,
+                                   int Hkv, int half, float eps,
+                                   const __grid_constant__ rope_freqs f) {
+    __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
+    __shared__ __align__(16) float rows[QK_MAX_WARPS][2 * ROPE_MAX_HALF];
+    const int t = blockIdx.x, Dh = 2 * half;
+    pdl_trigger();
+    pdl_wait();
+    rope_angles(cs, sn, b.pos[t], f, half);
+    const int64_t slot = kv_slot(b, t);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float *src_row = qkv + (int64_t)t * (H + 2 * Hkv) * Dh;
+    for (int hd = blockIdx.y * warps + warp; hd < H + 2 * Hkv; hd += warps * gridDim.y) {
+        const float *src = src_row + (int64_t)hd * Dh;
+        if (hd < H) {
+            head_norm_rope<DT, VEC>(q_out + ((int64_t)t * H + hd) * Dh, src, q_norm, rows[warp],
+                                    cs, sn, half, eps);
+        } else if (hd < H + Hkv) {
+            head_norm_rope<DT, VEC>(kc + (slot * Hkv + hd - H) * Dh, src, k_norm, rows[warp], cs,
+                                    sn, half, eps);
+        } else {
+            float *dst = vc + (slot * Hkv + hd - H - Hkv) * Dh;
             if constexpr (VEC) {
-                const float4 v = ((const float4 *)x)[ch];
-                ((float4 *)row)[ch] = v;
-                ss = norm_sq4(ss, v);
+                for (int ch = lane; ch < Dh / 4; ch += 32)
+                    ((float4 *)dst)[ch] = ((const float4 *)src)[ch];
             } else {
-                const int c1 = min(4 * ch + 4, Dh);
-                for (int c = 4 * ch; c < c1; c++) {
-                    row[c] = x[c];
-                    ss = norm_sq(ss, row[c]);
-                }
+                for (int c = lane; c < Dh; c += 32)
+                    dst[c] = src[c];
             }
         }
-        const float inv = norm_inv(ss, Dh, eps);
-        for (int ch = lane; ch < n_chunks; ch += 32) {
-            const int c1 = min(4 * ch + 4, Dh);
-            for (int c = 4 * ch; c < c1; c++)
-                row[c] = norm_scale<DT>(row[c], inv, w, c);
-        }
-        __syncwarp(); // the rotation pairs elements that other lanes normed
-        for (int j = lane; j < half; j += 32) {
-            const float x0 = row[j], x1 = row[j + half];
-            x[j] = __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j]));
-            x[j + half] = __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j]));
-        }
-        __syncwarp(); // the row is read before the next head overwrites it
     }
 }
 
@@ -439,14 +585,19 @@ template <int DT>
 static void qk_norm_rope_launch(float *q, float *k, const void *q_norm, const void *k_norm,
                                 const int32_t *pos, int T, int H, int Hkv, int Dh, float eps,
                                 const rope_freqs &f) {
-    const int warps = H + Hkv < QK_MAX_WARPS ? H + Hkv : QK_MAX_WARPS;
+    // Few tokens: the heads of a token spread over blocks of QK_SMALL_WARPS warps, one head per
+    // warp, so a decode step's 36 heads run at once instead of three at a time behind each other;
+    // many tokens: one block per token of up to QK_MAX_WARPS warps, which computes the angles once.
+    const int heads = H + Hkv, cap = T < QK_SPREAD_MAX_T ? QK_SMALL_WARPS : QK_MAX_WARPS;
+    const int warps = heads < cap ? heads : cap;
+    const dim3 grid(T, T < QK_SPREAD_MAX_T ? (heads + warps - 1) / warps : 1);
     cudaStream_t s = cuda_stream();
     if (Dh % 4 == 0 && aligned16(q) && aligned16(k))
         qk_norm_rope_kernel<DT, true>
-            <<<T, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
+            <<<grid, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
     else
         qk_norm_rope_kernel<DT, false>
-            <<<T, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
+            <<<grid, 32 * warps, 0, s>>>(q, k, q_norm, k_norm, pos, H, Hkv, Dh / 2, eps, f);
 }
 
 void cuda_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k_norm,
@@ -480,18 +631,64 @@ void cuda_qk_norm_rope(float *q, float *k, const tensor *q_norm, const tensor *k
     CUDA_CHECK_LAUNCH();
 }
 
+void cuda_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
+                      const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
+                      double theta, float eps) {
+    const int T = b->T;
+    if (T <= 0) return;
+    assert_weight(q_norm, "qkv_prepare");
+    assert_weight(k_norm, "qkv_prepare");
+    MS_ASSERT(tensor_numel(q_norm) == Dh && tensor_numel(k_norm) == Dh);
+    MS_ASSERT(Dh % 2 == 0 && Dh / 2 <= ROPE_MAX_HALF && H > 0 && Hkv > 0);
+    if (q_norm->dtype != k_norm->dtype)
+        cuda_fail(__FILE__, __LINE__, "qkv_prepare", "q_norm and k_norm differ in dtype");
+    const rope_freqs &f = rope_freqs_for(theta, Dh);
+    // qk_norm_rope_launch's block shapes, over H + 2 Hkv heads
+    const int heads = H + 2 * Hkv, cap = T < QK_SPREAD_MAX_T ? QK_SMALL_WARPS : QK_MAX_WARPS;
+    const int warps = heads < cap ? heads : cap;
+    const dim3 grid(T, T < QK_SPREAD_MAX_T ? (heads + warps - 1) / warps : 1);
+    const bool vec = Dh % 4 == 0 && aligned16(q_out) && aligned16(qkv) && aligned16(kv.k) &&
+                     aligned16(kv.v);
+#define QKV_LAUNCH(DT)                                                                             \
+    do {                                                                                           \
+        if (vec)                                                                                   \
+            cuda_launch_pdl(qkv_prepare_kernel<DT, true>, grid, 32 * warps, 0, q_out, kv.k, kv.v, \
+                            qkv, q_norm->data, k_norm->data, *b, H, Hkv, Dh / 2, eps, f);          \
+        else                                                                                       \
+            cuda_launch_pdl(qkv_prepare_kernel<DT, false>, grid, 32 * warps, 0, q_out, kv.k,      \
+                            kv.v, qkv, q_norm->data, k_norm->data, *b, H, Hkv, Dh / 2, eps, f);    \
+    } while (0)
+    switch (q_norm->dtype) {
+    case DTYPE_F32: QKV_LAUNCH(DTYPE_F32); break;
+    case DTYPE_BF16: QKV_LAUNCH(DTYPE_BF16); break;
+    default: QKV_LAUNCH(DTYPE_F16); break;
+    }
+#undef QKV_LAUNCH
+    CUDA_CHECK_LAUNCH();
+}
+
 // ---- kv_store: k, v [T, Hkv, Dh] into the paged cache at (seq[t], pos[t]) ----
 
 __global__ void kv_store_kernel(float *kc, float *vc, const float *k, const float *v, attn_batch b,
                                 int row) {
     const int t = blockIdx.x;
-    const int p = b.pos[t];
-    if (p < 0 || p / b.page_size >= b.max_pages) __trap();
-    const int page = b.page_table[(int64_t)b.seq[t] * b.max_pages + p / b.page_size];
-    const int64_t slot = (int64_t)page * b.page_size + p % b.page_size;
     const float *ks = k + (int64_t)t * row, *vs = v + (int64_t)t * row;
+    // A decode token's row (Hkv Dh = 512 floats) is one float4 of k and one of v per thread:
+    // loaded before the page lookup, so the two waits overlap.
+    const bool one = (row & 3) == 0 && row / 4 <= (int)blockDim.x && aligned16(ks) && aligned16(vs);
+    float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
+    if (one && (int)threadIdx.x < row / 4) {
+        k4 = ((const float4 *)ks)[threadIdx.x];
+        v4 = ((const float4 *)vs)[threadIdx.x];
+    }
+    const int64_t slot = kv_slot(b, t);
     float *kd = kc + slot * row, *vd = vc + slot * row;
-    if ((row & 3) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
+    if (one && aligned16(kd) && aligned16(vd)) {
+        if ((int)threadIdx.x < row / 4) {
+            ((float4 *)kd)[threadIdx.x] = k4;
+            ((float4 *)vd)[threadIdx.x] = v4;
+        }
+    } else if ((row & 3) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
         for (int i = threadIdx.x; i < row / 4; i += blockDim.x) {
             ((float4 *)kd)[i] = ((const float4 *)ks)[i];
             ((float4 *)vd)[i] = ((const float4 *)vs)[i];
@@ -507,7 +704,8 @@ __global__ void kv_store_kernel(float *kc, float *vc, const float *k, const floa
 void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch *b, int Hkv,
                    int Dh) {
     if (b->T <= 0) return;
-    kv_store_kernel<<<b->T, 128, 0, cuda_stream()>>>(kv.k, kv.v, k, v, *b, Hkv * Dh);
+    const int row = Hkv * Dh, threads = row / 4 <= 128 ? 128 : row / 4 <= 256 ? 256 : 128;
+    kv_store_kernel<<<b->T, threads, 0, cuda_stream()>>>(kv.k, kv.v, k, v, *b, row);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -573,19 +771,236 @@ __global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float
     }
 }
 
+// router_topk_kernel for E <= 32 * NPL: the same arithmetic in the same order, with a lane's
+// logits and probabilities in registers (loaded at once, not one dependent load at a time), the
+// sum read from shared memory four values per load, and the K rounds over registers. Expert
+// e = lane + 32 i lives in lane e % 32, slot i.
+template <int NPL>
+__global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const float *logits,
+                                         int T, int E, int K, bool norm) {
+    extern __shared__ float router_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;
+    float *probs = router_smem + (int64_t)warp * ((E + 3) & ~3); // 16-byte aligned rows
+    const float *l = logits + t * E;
+    pdl_trigger();
+    pdl_wait();
+
+    float v[NPL];
+#pragma unroll
+    for (int i = 0; i < NPL; i++)
+        v[i] = lane + 32 * i < E ? l[lane + 32 * i] : -INFINITY;
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NPL; i++)
+        m = fmaxf(m, v[i]);
+    for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+#pragma unroll
+    for (int i = 0; i < NPL; i++)
+        if (lane + 32 * i < E) {
+            v[i] = (float)exp((double)__fsub_rn(v[i], m));
+            probs[lane + 32 * i] = v[i];
+        }
+    __syncwarp();
+    float sum = 0.0f;
+    if (lane == 0) {
+        int e = 0;
+        if ((E & 3) == 0 && aligned16(probs))
+            for (; e < E; e += 4) {
+                const float4 q = *(const float4 *)(probs + e);
+                sum = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(sum, q.x), q.y), q.z), q.w);
+            }
+        for (; e < E; e++)
+            sum = __fadd_rn(sum, probs[e]);
+    }
+    sum = __shfl_sync(FULL_MASK, sum, 0);
+#pragma unroll
+    for (int i = 0; i < NPL; i++)
+        v[i] = lane + 32 * i < E ? __fdiv_rn(v[i], sum) : -1.0f;
+
+    float s = 0.0f, mine = 0.0f; // lane k keeps the k-th weight (K <= 32)
+    for (int k = 0; k < K; k++) {
+        float bp = -1.0f;
+        int be = E;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            if (v[i] > bp) { // strict, in increasing id: the lowest id of equal values stays
+                bp = v[i];
+                be = lane + 32 * i;
+            }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float op = __shfl_xor_sync(FULL_MASK, bp, off);
+            const int oe = __shfl_xor_sync(FULL_MASK, be, off);
+            if (op > bp || (op == bp && oe < be)) {
+                bp = op;
+                be = oe;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            if (be == lane + 32 * i) v[i] = -1.0f; // the lane that owns expert be
+        if (lane == k) {
+            topk_ids[t * K + k] = be;
+            mine = bp;
+        }
+        if (norm) s = __fadd_rn(s, bp); // every lane holds bp: the CPU's sum, in k order
+    }
+    if (lane < K) topk_w[t * K + lane] = norm ? __fdiv_rn(mine, s) : mine;
+}
+
 void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
                       bool norm) {
     if (T <= 0) return;
     MS_ASSERT(K >= 1 && K <= E);
+    const int blocks = (T + ROUTER_WARPS - 1) / ROUTER_WARPS;
+    if (K <= 32 && E <= 256) {
+        const size_t smem = (size_t)ROUTER_WARPS * ((E + 3) & ~3) * sizeof(float);
+        if (E <= 128)
+            cuda_launch_pdl(router_topk_small_kernel<4>, blocks, 32 * ROUTER_WARPS, smem,
+                            topk_ids, topk_w, logits, T, E, K, norm);
+        else
+            cuda_launch_pdl(router_topk_small_kernel<8>, blocks, 32 * ROUTER_WARPS, smem,
+                            topk_ids, topk_w, logits, T, E, K, norm);
+        CUDA_CHECK_LAUNCH();
+        return;
+    }
     const size_t smem = (size_t)ROUTER_WARPS * (E + K) * sizeof(float);
     MS_ASSERT(smem <= 48 * 1024); // E up to ~3000: far above any router
-    const int blocks = (T + ROUTER_WARPS - 1) / ROUTER_WARPS;
     router_topk_kernel<<<blocks, 32 * ROUTER_WARPS, smem, cuda_stream()>>>(topk_ids, topk_w, logits,
                                                                            T, E, K, norm);
     CUDA_CHECK_LAUNCH();
 }
 
 // ---- moe_finalize: out[T, D] = sum over k = 0..K-1 of topk_w[t, k] * expert_out[t, k, :] ----
+
+// The finalize sum of one 4-element chunk: sum over k = 0..K-1, in that order, of w[k] * src[k *
+// stride] (src: the chunk in slot 0; stride: float4s between slots). Slots go in groups of
+// FIN_BATCH, each group's loads issued before its sums: one wait per group rather than per slot.
+__device__ __forceinline__ float4 finalize4(const float4 *src, const float *w, int K,
+                                            int64_t stride) {
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k0 = 0; k0 < K; k0 += FIN_BATCH) {
+        float wk[FIN_BATCH];
+        float4 v[FIN_BATCH];
+#pragma unroll
+        for (int j = 0; j < FIN_BATCH; j++)
+            if (k0 + j < K) {
+                wk[j] = w[k0 + j];
+                v[j] = src[(int64_t)(k0 + j) * stride];
+            }
+#pragma unroll
+        for (int j = 0; j < FIN_BATCH; j++)
+            if (k0 + j < K) {
+                o.x = __fadd_rn(o.x, __fmul_rn(wk[j], v[j].x));
+                o.y = __fadd_rn(o.y, __fmul_rn(wk[j], v[j].y));
+                o.z = __fadd_rn(o.z, __fmul_rn(wk[j], v[j].z));
+                o.w = __fadd_rn(o.w, __fmul_rn(wk[j], v[j].w));
+            }
+    }
+    return o;
+}
+
+// ---- the row kernel: add_rmsnorm for a few rows, and moe_finalize_add_rmsnorm ----
+
+// One block of ROW_THREADS per row, so a decode step's single row is spread over 256 threads
+// rather than one warp. Thread i owns chunks i, i + ROW_THREADS, ... (at most CPT): it loads
+// x, the addend (o, or with FIN the finalize sum of expert_out with finalize4) and the norm
+// weights before storing anything, adds with add4, and leaves the row's new x in shared memory.
+// Warp 0 then sums the squares chunk by chunk exactly as add_rmsnorm_keep_kernel's warp does
+// (lane l: chunks l, l + 32, ... in order, then the butterfly), so the bits are add_rmsnorm's
+// (with FIN: moe_finalize's followed by add_rmsnorm's). x, h, o 16-byte aligned, D % 4 == 0,
+// D / 4 <= CPT ROW_THREADS.
+template <int DT, int CPT, bool FIN>
+__global__ void __launch_bounds__(ROW_THREADS)
+    add_rmsnorm_row_kernel(float *x, float *h, const float *o, const float *topk_w, int K,
+                           const void *w, int D, float eps) {
+    __shared__ float4 row[CPT * ROW_THREADS];
+    __shared__ float row_inv;
+    const int64_t t = blockIdx.x;
+    const int n_chunks = D / 4;
+    float4 *xr = (float4 *)(x + t * D), *hr = (float4 *)(h + t * D);
+    float4 xv[CPT], ov[CPT], wv[CPT];
+    pdl_trigger();
+#pragma unroll
+    for (int i = 0; i < CPT; i++) // the weights before the wait for the kernel before
+        if (threadIdx.x + i * ROW_THREADS < n_chunks)
+            wv[i] = load_w4<DT>(w, 4 * (threadIdx.x + i * ROW_THREADS));
+    pdl_wait();
+#pragma unroll
+    for (int i = 0; i < CPT; i++) {
+        const int ch = threadIdx.x + i * ROW_THREADS;
+        if (ch < n_chunks) {
+            xv[i] = xr[ch];
+            if constexpr (!FIN) ov[i] = ((const float4 *)(o + t * D))[ch];
+        }
+    }
+    if constexpr (FIN) {
+        const float4 *src = (const float4 *)(o + t * K * D);
+#pragma unroll
+        for (int i = 0; i < CPT; i++) {
+            const int ch = threadIdx.x + i * ROW_THREADS;
+            if (ch < n_chunks) ov[i] = finalize4(src + ch, topk_w + t * K, K, n_chunks);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < CPT; i++) {
+        const int ch = threadIdx.x + i * ROW_THREADS;
+        if (ch < n_chunks) {
+            xv[i] = add4(xv[i], ov[i]);
+            xr[ch] = xv[i];
+            row[ch] = xv[i];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        double ss = 0.0;
+        for (int ch = threadIdx.x; ch < n_chunks; ch += 32)
+            ss = norm_sq4(ss, row[ch]);
+        const float inv = norm_inv(ss, D, eps);
+        if (threadIdx.x == 0) row_inv = inv;
+    }
+    __syncthreads();
+    const float inv = row_inv;
+#pragma unroll
+    for (int i = 0; i < CPT; i++) {
+        const int ch = threadIdx.x + i * ROW_THREADS;
+        if (ch < n_chunks) hr[ch] = norm_scale4w(xv[i], inv, wv[i]);
+    }
+}
+
+// The row kernel for T rows (o: the addend, or with topk_w the experts' outputs [T, K, D] to
+// finalize); false when the shapes or the alignment do not fit it.
+static bool add_rmsnorm_row_launch(float *x, float *h, const float *o, const float *topk_w, int K,
+                                   const tensor *w, int T, int D, float eps) {
+    const int n_chunks = D / 4, cpt = (n_chunks + ROW_THREADS - 1) / ROW_THREADS;
+    if (D % 4 != 0 || cpt > 8 || !aligned16(x) || !aligned16(h) || !aligned16(o)) return false;
+#define ROW_LAUNCH(DT, CPT)                                                                        \
+    do {                                                                                           \
+        if (topk_w)                                                                                \
+            cuda_launch_pdl(add_rmsnorm_row_kernel<DT, CPT, true>, T, ROW_THREADS, 0, x, h, o,    \
+                            topk_w, K, w->data, D, eps);                                           \
+        else                                                                                       \
+            cuda_launch_pdl(add_rmsnorm_row_kernel<DT, CPT, false>, T, ROW_THREADS, 0, x, h, o,   \
+                            topk_w, K, w->data, D, eps);                                           \
+    } while (0)
+#define ROW_LAUNCH_CPT(DT)                                                                         \
+    do {                                                                                           \
+        if (cpt <= 1) ROW_LAUNCH(DT, 1);                                                           \
+        else if (cpt <= 2) ROW_LAUNCH(DT, 2);                                                      \
+        else if (cpt <= 4) ROW_LAUNCH(DT, 4);                                                      \
+        else ROW_LAUNCH(DT, 8);                                                                    \
+    } while (0)
+    switch (w->dtype) {
+    case DTYPE_F32: ROW_LAUNCH_CPT(DTYPE_F32); break;
+    case DTYPE_BF16: ROW_LAUNCH_CPT(DTYPE_BF16); break;
+    default: ROW_LAUNCH_CPT(DTYPE_F16); break;
+    }
+#undef ROW_LAUNCH_CPT
+#undef ROW_LAUNCH
+    return true;
+}
 
 template <bool VEC>
 __global__ void moe_finalize_kernel(float *out, const float *eo, const float *topk_w, int T, int K,
@@ -598,15 +1013,7 @@ __global__ void moe_finalize_kernel(float *out, const float *eo, const float *to
         const float *w = topk_w + t * K;
         const float *src = eo + t * K * D + d;
         if constexpr (VEC) {
-            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int k = 0; k < K; k++) {
-                const float wk = w[k];
-                const float4 v = *(const float4 *)(src + (int64_t)k * D);
-                o.x = __fadd_rn(o.x, __fmul_rn(wk, v.x));
-                o.y = __fadd_rn(o.y, __fmul_rn(wk, v.y));
-                o.z = __fadd_rn(o.z, __fmul_rn(wk, v.z));
-                o.w = __fadd_rn(o.w, __fmul_rn(wk, v.w));
-            }
+            const float4 o = finalize4((const float4 *)src, w, K, D / 4);
             *(float4 *)(out + t * D + d) = o;
         } else {
             float o = 0.0f;
@@ -626,6 +1033,20 @@ void cuda_moe_finalize(float *out, const float *expert_out, const float *topk_w,
     else
         moe_finalize_kernel<false><<<ew_blocks((int64_t)T * D), EW_THREADS, 0, cuda_stream()>>>(
             out, expert_out, topk_w, T, K, D);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- moe_finalize_add_rmsnorm: x += finalize(expert_out), h = rmsnorm(x) * w ----
+
+void cuda_moe_finalize_add_rmsnorm(float *x, float *h, const float *expert_out,
+                                   const float *topk_w, const tensor *w, int T, int K, int D,
+                                   float eps) {
+    if (T <= 0) return;
+    assert_weight(w, "moe_finalize_add_rmsnorm");
+    MS_ASSERT(tensor_numel(w) == D);
+    if (!add_rmsnorm_row_launch(x, h, expert_out, topk_w, K, w, T, D, eps))
+        cuda_fail(__FILE__, __LINE__, "moe_finalize_add_rmsnorm",
+                  "rows must be 16-byte aligned, D % 4 == 0 and D <= 8192");
     CUDA_CHECK_LAUNCH();
 }
 

@@ -526,6 +526,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
     const int n0 = (blockIdx.x * groups + group) * R; // the group's first row
     const int lanes = 32 * wpr, slice = (warp - group * wpr) * 32 + lane;
     const int nvec = (Kin + 7) >> 3;
+    pdl_trigger(); // the next kernel may launch now; it waits for this one before its reads
 
     float acc[V]; // [R][TT]
 #pragma unroll
@@ -555,6 +556,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
                 }
                 wv[u][r] = q;
             }
+        // The weights of the first round are on their way: only now wait for the kernel before
+        // this one (launched with PDL, this one overlaps it with its weight reads), whose output
+        // is x.
+        if (v0 == slice) pdl_wait();
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int v = v0 + u * lanes;
@@ -596,6 +601,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
         }
     }
 
+    pdl_wait(); // a lane with no vectors waits here, before any store
     warp_sums<V, 0>(acc, lane);
 
     // output o = r * TT + t of row group g: row (blockIdx.x * groups + g) * R + r, token t
@@ -645,11 +651,11 @@ static void decode_launch_tt(float *out, const float *x, const void *w, int T, i
     const int blocks = (int)(((int64_t)N + rows - 1) / rows);
     const bool vec = Kin % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
     if (vec)
-        decode_kernel<W, TT, true><<<blocks, DECODE_WARPS * 32, 0, cuda_stream()>>>(
-            out, x, (const uint16_t *)w, T, N, Kin, wpr);
+        cuda_launch_pdl(decode_kernel<W, TT, true>, blocks, DECODE_WARPS * 32, 0, out, x,
+                        (const uint16_t *)w, T, N, Kin, wpr);
     else
-        decode_kernel<W, TT, false><<<blocks, DECODE_WARPS * 32, 0, cuda_stream()>>>(
-            out, x, (const uint16_t *)w, T, N, Kin, wpr);
+        cuda_launch_pdl(decode_kernel<W, TT, false>, blocks, DECODE_WARPS * 32, 0, out, x,
+                        (const uint16_t *)w, T, N, Kin, wpr);
     CUDA_CHECK_LAUNCH();
 }
 

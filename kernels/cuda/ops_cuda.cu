@@ -174,11 +174,13 @@ static const ops cuda_ops_table = {
     .linear = cuda_linear,
     .rope = cuda_rope,
     .qk_norm_rope = cuda_qk_norm_rope,
+    .qkv_prepare = cuda_qkv_prepare,
     .kv_store = cuda_kv_store,
     .attention = cuda_attention,
     .router_topk = cuda_router_topk,
     .moe_experts = cuda_moe_experts,
     .moe_finalize = cuda_moe_finalize,
+    .moe_finalize_add_rmsnorm = cuda_moe_finalize_add_rmsnorm,
     .silu_mul = cuda_silu_mul,
     .add = cuda_add,
 };

@@ -14,9 +14,10 @@
 typedef struct {
     const tensor *input_norm;    /* [D] */
     const tensor *post_norm;     /* [D] */
-    const tensor *q_proj;        /* [H*Dh, D] */
+    const tensor *q_proj;        /* [H*Dh, D] (NULL when qkv_proj is loaded instead) */
     const tensor *k_proj;        /* [Hkv*Dh, D] */
     const tensor *v_proj;        /* [Hkv*Dh, D] */
+    const tensor *qkv_proj;      /* [(H + 2 Hkv)*Dh, D]: q, k, v stacked (GPU), or NULL */
     const tensor *o_proj;        /* [D, H*Dh] */
     const tensor *q_norm;        /* [Dh] */
     const tensor *k_norm;        /* [Dh] */
@@ -44,6 +45,7 @@ typedef struct {
     float *x;       /* [T, D] residual stream */
     float *h;       /* [T, D] normed */
     float *q;       /* [T, H*Dh] */
+    float *qkv;     /* [T, (H + 2 Hkv)*Dh] (the stacked projection) */
     float *k;       /* [T, Hkv*Dh] */
     float *v;       /* [T, Hkv*Dh] */
     float *att;     /* [T, H*Dh] */
@@ -131,12 +133,25 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     if (weight2(m, name, d0, d1, &l->field, err, errlen)) return -1
     W1(input_norm, "input_layernorm.weight", D);
     W1(post_norm, "post_attention_layernorm.weight", D);
-    W2(q_proj, "self_attn.q_proj.weight", H * Dh, D);
-    W2(k_proj, "self_attn.k_proj.weight", Hkv * Dh, D);
-    W2(v_proj, "self_attn.v_proj.weight", Hkv * Dh, D);
     W2(o_proj, "self_attn.o_proj.weight", D, H * Dh);
     W1(q_norm, "self_attn.q_norm.weight", Dh);
     W1(k_norm, "self_attn.k_norm.weight", Dh);
+    /* A backend with its own memory runs q, k and v as one linear followed by one qkv_prepare
+     * (three weight reads in one launch, and the split, the norms, RoPE and the cache store in
+     * another); the CPU keeps them apart, reading the checkpoint in place. */
+    if (m->ops->device != DEVICE_CPU && l->q_norm->dtype == l->k_norm->dtype) {
+        char qn[256], kn[256], vn[256];
+        snprintf(qn, sizeof qn, "model.layers.%d.self_attn.q_proj.weight", i);
+        snprintf(kn, sizeof kn, "model.layers.%d.self_attn.k_proj.weight", i);
+        snprintf(vn, sizeof vn, "model.layers.%d.self_attn.v_proj.weight", i);
+        const char *const names[3] = {qn, kn, vn};
+        const int64_t rows[3] = {H * Dh, Hkv * Dh, Hkv * Dh};
+        if (model_weight_rows(m, 3, names, rows, D, &l->qkv_proj, err, errlen)) return -1;
+    } else {
+        W2(q_proj, "self_attn.q_proj.weight", H * Dh, D);
+        W2(k_proj, "self_attn.k_proj.weight", Hkv * Dh, D);
+        W2(v_proj, "self_attn.v_proj.weight", Hkv * Dh, D);
+    }
     l->is_moe = c->layer_is_moe[i];
     if (!l->is_moe) {
         int64_t F = c->intermediate_size;
@@ -224,6 +239,7 @@ static void qwen3_moe_workspace_reserve(model *m, qwen3_moe_workspace *ws, int T
     ws->x = ws_grow(m, ws->x, T * D * sizeof(float));
     ws->h = ws_grow(m, ws->h, T * D * sizeof(float));
     ws->q = ws_grow(m, ws->q, T * QD * sizeof(float));
+    ws->qkv = ws_grow(m, ws->qkv, T * (QD + 2 * KVD) * sizeof(float));
     ws->k = ws_grow(m, ws->k, T * KVD * sizeof(float));
     ws->v = ws_grow(m, ws->v, T * KVD * sizeof(float));
     ws->att = ws_grow(m, ws->att, T * QD * sizeof(float));
@@ -237,7 +253,8 @@ static void qwen3_moe_workspace_reserve(model *m, qwen3_moe_workspace *ws, int T
     ws->cap_T = T;
 }
 
-/* The routed experts of layer l for T tokens in ws->h -> ws->o. Alone: every expert is here.
+/* The routed experts of layer l for T tokens in ws->h -> ws->expert_out [T, K, D] and ws->topk_w
+ * (the caller finalizes them, fused with what follows). Alone: every expert is here.
  * With the all-to-all: each token goes to the ranks owning its experts, this rank runs its own
  * experts on what it received (from every rank, itself included), the outputs come home slot by
  * slot and are summed in slot order, so the sum is the one a single process computes. */
@@ -266,7 +283,6 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
         op->moe_experts(ws->recv_out, rv.x, rv.ids, &l->experts, rv.n, K, D, F);
         if (a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err)) return -1;
     }
-    op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
     return 0;
 }
 
@@ -291,9 +307,10 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
     qwen3_moe_workspace_reserve(m, ws, T > b->n_logits ? T : b->n_logits);
 
     /* Each residual add is fused with the norm that reads its result (add_rmsnorm): after
-     * attention with the post-attention norm, after the MLP with the next layer's input norm.
-     * Only layer 0's input norm (after the embedding) and the last layer's add (before the final
-     * norm of the sampled rows) stand alone. */
+     * attention with the post-attention norm, after the MLP with the next layer's input norm (after
+     * a MoE block the experts' finalize joins them: moe_finalize_add_rmsnorm). Only layer 0's
+     * input norm (after the embedding) and the last layer's add (before the final norm of the
+     * sampled rows) stand alone. */
     const int L = c->num_hidden_layers;
     op->embedding(ws->x, w->embed, b->ids, T, D);
     if (L > 0) op->rmsnorm(ws->h, ws->x, w->layers[0].input_norm, T, D, eps);
@@ -301,18 +318,31 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
         const qwen3_moe_layer *l = &w->layers[i];
         kv_layer kvl = kv_cache_layer(kv, i);
         /* attention block; ws->h holds rmsnorm(x) with this layer's input norm */
-        op->linear(ws->q, ws->h, l->q_proj, T, H * Dh, D);
-        op->linear(ws->k, ws->h, l->k_proj, T, Hkv * Dh, D);
-        op->linear(ws->v, ws->h, l->v_proj, T, Hkv * Dh, D);
-        op->qk_norm_rope(ws->q, ws->k, l->q_norm, l->k_norm, b->attn.pos, T, H, Hkv, Dh,
-                         c->rope_theta, eps);
-        op->kv_store(kvl, ws->k, ws->v, &b->attn, Hkv, Dh);
+        if (l->qkv_proj) {
+            op->linear(ws->qkv, ws->h, l->qkv_proj, T, (H + 2 * Hkv) * Dh, D);
+            op->qkv_prepare(ws->q, kvl, ws->qkv, l->q_norm, l->k_norm, &b->attn, H, Hkv, Dh,
+                            c->rope_theta, eps);
+        } else {
+            op->linear(ws->q, ws->h, l->q_proj, T, H * Dh, D);
+            op->linear(ws->k, ws->h, l->k_proj, T, Hkv * Dh, D);
+            op->linear(ws->v, ws->h, l->v_proj, T, Hkv * Dh, D);
+            op->qk_norm_rope(ws->q, ws->k, l->q_norm, l->k_norm, b->attn.pos, T, H, Hkv, Dh,
+                             c->rope_theta, eps);
+            op->kv_store(kvl, ws->k, ws->v, &b->attn, Hkv, Dh);
+        }
         op->attention(ws->att, ws->q, kvl, &b->attn, H, Hkv, Dh, scale);
         op->linear(ws->o, ws->att, l->o_proj, T, D, H * Dh);
         /* MLP block */
         op->add_rmsnorm(ws->x, ws->h, ws->o, l->post_norm, T, D, eps);
         if (l->is_moe) {
             if (moe_block(m, l, ws, T, b->runtime_max)) return -1;
+            int K = c->num_experts_per_tok;
+            if (i + 1 < L) { /* the finalize, the residual add and the next input norm at once */
+                op->moe_finalize_add_rmsnorm(ws->x, ws->h, ws->expert_out, ws->topk_w,
+                                             w->layers[i + 1].input_norm, T, K, D, eps);
+                continue;
+            }
+            op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
         } else {
             int F = c->intermediate_size;
             op->linear(ws->gate, ws->h, l->mlp_gate, T, F, D);
@@ -349,7 +379,7 @@ static void qwen3_moe_free(model *m) {
     }
     qwen3_moe_workspace *ws = m->workspace;
     if (ws) {
-        void *bufs[] = {ws->x,          ws->h,        ws->q,    ws->k,      ws->v,
+        void *bufs[] = {ws->x,          ws->h,        ws->q,    ws->k,      ws->v,   ws->qkv,
                         ws->att,        ws->o,        ws->router, ws->topk_w, ws->expert_out,
                         ws->gate,       ws->up,       ws->topk_ids, ws->recv_out};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
