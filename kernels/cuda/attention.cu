@@ -43,8 +43,13 @@
 //   of a tile that is not one sequence. The partial results go to a workspace that grows on demand
 //   (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass ATTN_WORKSPACE_CAP
 //   is processed in slices of tokens, which changes no token's result.
-// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV): see tests/test_cuda_attention.c
-//   --bench and docs/benchmarks.md.
+// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV; tests/test_cuda_attention.c --bench):
+//   batch-1 decode 13.4 us at context 1024 and 16.6 us at 2048 (two kernels before: 25.7, 26.1),
+//   still far from the 1-2 us of KV reads: the slice block's chain of dependent requests (position,
+//   page table, rows, then two merge levels each behind an atomic) is most of it. From batch 64 the
+//   chunk kernel reads the cache at 60-72% of the copy rate. Prefill of 2048-token prompts (one
+//   sequence or eight) 1.24x faster than one chunk block per token (14.3 TFLOP/s fp32); what holds
+//   the tile kernel back is not known yet (no profile: 2 blocks a multiprocessor, 128 registers).
 // - One engine thread per process calls the ops, so the workspaces need no lock.
 #include <cstdint>
 #include <cstdio>
@@ -59,10 +64,12 @@ enum {
     ATTN_THREADS = ATTN_WARPS * 32,
     ATTN_WARP_POS = ATTN_SLICE,
     ATTN_COMBINE_THREADS = 256,
-    ATTN_SMALL_T = 16,             // batches up to this many tokens take the slice kernel
+    ATTN_SMALL_T = 4,              // batches up to this many tokens take the slice kernel (at batch 8
+                                   // the chunk kernel is as fast at context 2048, faster at 8192)
     ATTN_TILE_ROWS = 32,           // query rows (tokens x heads) of a prefill tile
     ATTN_TILE_WARPS = 8,
     ATTN_TILE_THREADS = ATTN_TILE_WARPS * 32,
+    ATTN_TILE_ZC = 4,              // chunk columns of the tile grid (a block takes every 4th chunk)
 };
 static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial results per slice
 
@@ -173,10 +180,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 
     const int tl = blockIdx.x, hg = blockIdx.y, c = blockIdx.z;
     const int t = t0 + tl;
-    if (tile_qt > 0 && in_tile_group(seq, t0, Ts, tl, tile_qt)) return; // attn_tile_kernel's
     const int n = pos[t] + 1; // positions 0..pos[t]
     const int p0 = c * ATTN_CHUNK;
-    if (p0 >= n) return;
+    if (p0 >= n) return; // first: most blocks of a short context leave here, after one load
+    if (tile_qt > 0 && in_tile_group(seq, t0, Ts, tl, tile_qt)) return; // attn_tile_kernel's
     const int nv = min(ATTN_CHUNK, n - p0); // valid positions of this chunk
     const int g = hg * G / (H / Hkv);       // kv head
 
@@ -472,7 +479,9 @@ __global__ void __launch_bounds__(G / GW * 32)
     const int h0 = w * GW;
     {
         const int sub = lane % LK, pp = lane / LK;
-        for (int i0 = 0; i0 < nv; i0 += PK) {
+#pragma unroll
+        for (int i0 = 0; i0 < ATTN_SLICE; i0 += PK) {
+            if (i0 >= nv) break; // the same for the whole warp
             const int i = i0 + pp, ic = i < nv ? i : 0;
             float4 kr[FK];
 #pragma unroll
@@ -532,17 +541,21 @@ __global__ void __launch_bounds__(G / GW * 32)
 #pragma unroll
         for (int f = 0; f < FV; f++)
             acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i = rv; i < nv; i += RV) {
-        float e[GW];
 #pragma unroll
-        for (int h = 0; h < GW; h++)
-            e[h] = s[i * G + h0 + h];
-#pragma unroll
-        for (int f = 0; f < FV; f++) {
-            const float4 v = vs[i * D4 + f * LV + subv];
+    for (int k = 0; k < ATTN_SLICE / RV; k++) {
+        const int i = k * RV + rv; // increasing for each lane group
+        if (i < nv) {
+            float e[GW];
 #pragma unroll
             for (int h = 0; h < GW; h++)
-                acc[h][f] = fma4v(e[h], v, acc[h][f]);
+                e[h] = s[i * G + h0 + h];
+#pragma unroll
+            for (int f = 0; f < FV; f++) {
+                const float4 v = vs[i * D4 + f * LV + subv];
+#pragma unroll
+                for (int h = 0; h < GW; h++)
+                    acc[h][f] = fma4v(e[h], v, acc[h][f]);
+            }
         }
     }
 #pragma unroll
@@ -685,13 +698,16 @@ __global__ void __launch_bounds__(G / GW * 32)
     }
 }
 // One (tile blockIdx.x: QT = ATTN_TILE_ROWS / G consecutive tokens t0 + QT * blockIdx.x ..., head
-// group blockIdx.y, chunk blockIdx.z), for a tile whose tokens are all of one sequence: each token's
-// chunk result, as attn_chunk_kernel gives it. Rows r = k * G + h (token k of the tile, head h).
-// Three passes over the chunk: scores of all rows (each K row read once, LK lanes per position as in
-// the chunk kernel); each (slice, row)'s softmax (a thread each, the 32-lane butterfly sum written
-// out as its tree); then per warp RW rows' weighted V, slice by slice, each slice's o_w folded into
-// the chunk sum with its weight f_w.
-// Dynamic shared memory: q [ATTN_TILE_ROWS][DH], then scores [ATTN_CHUNK][ATTN_TILE_ROWS] floats.
+// group blockIdx.y, chunks blockIdx.z, + gridDim.z, ...), for a tile whose tokens are all of one
+// sequence: each token's chunk results, as attn_chunk_kernel gives them. Rows r = k * G + h (token k
+// of the tile, head h). Three passes over a chunk: scores of all rows (each K row read once, LK lanes
+// per position as in the chunk kernel; the first V slices are requested meanwhile); each (slice,
+// row)'s softmax (a thread each, the 32-lane butterfly sum written out as its tree); then per warp
+// RW rows' weighted V, slice by slice from shared memory (two slice buffers filled by cp.async),
+// each slice's o_w folded into the chunk sum with its weight f_w. The grid's few chunk columns
+// keep the blocks that exit at once (decode batches, which have no tiles) few.
+// Dynamic shared memory: q [ATTN_TILE_ROWS][DH], scores [ATTN_CHUNK][ATTN_TILE_ROWS], then V
+// [2][ATTN_SLICE][DH] floats.
 template <int DH, int G>
 __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     attn_tile_kernel(float *__restrict__ part_o, float *__restrict__ part_ml,
@@ -702,7 +718,7 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     using L = attn_layout<DH>;
     constexpr int R = ATTN_TILE_ROWS, QT = R / G, D4 = DH / 4;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = 2;
-    constexpr int LV = L::LV, FV = L::FV, RV = L::RV, UV = L::UV;
+    constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
     constexpr int RW = R / ATTN_TILE_WARPS; // rows of a warp in the weighted V
     constexpr int RB = 8;                   // rows at once in the scores
     static_assert(R % G == 0 && R == 32 && RW == 4 && ATTN_TILE_WARPS == ATTN_SLICES, "tile");
@@ -710,222 +726,252 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     extern __shared__ __align__(16) float4 attn_dyn[];
     float4 *qs = attn_dyn;                              // [R][D4]
     float *sc = reinterpret_cast<float *>(qs + R * D4); // [ATTN_CHUNK][R] scores, then exp weights
+    float4 *vsm = reinterpret_cast<float4 *>(sc + ATTN_CHUNK * R); // [2][ATTN_SLICE][D4] V slices
     __shared__ int rows[ATTN_CHUNK];
     __shared__ int nvk[QT]; // positions of the chunk each token sees (<= 0: none)
     __shared__ float wm[ATTN_SLICES * R], wl[ATTN_SLICES * R], fw[ATTN_SLICES * R];
     __shared__ float cm[R], cl[R];
 
-    const int gi = blockIdx.x, hg = blockIdx.y, c = blockIdx.z;
+    const int gi = blockIdx.x, hg = blockIdx.y;
     const int tq = t0 + gi * QT; // first token of the tile
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     if (!in_tile_group(seq, t0, Ts, gi * QT, QT)) return; // tokens of several sequences
-    const int p0 = c * ATTN_CHUNK;
     int nmax = 0;
     for (int k = 0; k < QT; k++)
         nmax = max(nmax, pos[tq + k] + 1);
-    if (p0 >= nmax) return;
-    const int nvmax = min(ATTN_CHUNK, nmax - p0);
+    const int ncmax = (nmax - 1) / ATTN_CHUNK + 1; // chunks the tile sees
+    if ((int)blockIdx.z >= ncmax) return;
     const int g = hg * G / (H / Hkv); // kv head
-    if (tid < QT) nvk[tid] = min(ATTN_CHUNK, pos[tq + tid] + 1 - p0);
-    const int32_t *pt = page_table + (int64_t)seq[tq] * max_pages;
-    for (int i = tid; i < nvmax; i += ATTN_TILE_THREADS) {
-        const int p = p0 + i;
-        rows[i] = pt[p / S] * S + p % S;
-    }
     for (int i = tid; i < R * D4; i += ATTN_TILE_THREADS) {
         const int k = i / (G * D4); // a token's G heads are contiguous in q
-        qs[i] = reinterpret_cast<const float4 *>(q + ((int64_t)(tq + k) * H + hg * G) * DH)[i - k * G * D4];
+        qs[i] = reinterpret_cast<const float4 *>(q + ((int64_t)(tq + k) * H + hg * G) *
+                                                         DH)[i - k * G * D4];
     }
-    __syncthreads();
-
+    const int32_t *pt = page_table + (int64_t)seq[tq] * max_pages;
     const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
     const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
     const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
 
-    // ---- scores: warps take UK * PK positions at a time; sc[p][r] = (q_r . k_p) * scale ----
-    {
-        const int sub = lane % LK, pp = lane / LK;
-        for (int i0 = w * UK * PK; i0 < nvmax; i0 += ATTN_TILE_WARPS * UK * PK) {
-            float4 kr[UK][FK];
+    for (int c = blockIdx.z; c < ncmax; c += gridDim.z) {
+        const int p0 = c * ATTN_CHUNK;
+        const int nvmax = min(ATTN_CHUNK, nmax - p0);
+        const int nsl = (nvmax + ATTN_SLICE - 1) / ATTN_SLICE; // slices any token of the tile sees
+        if (tid < QT) nvk[tid] = min(ATTN_CHUNK, pos[tq + tid] + 1 - p0);
+        for (int i = tid; i < nvmax; i += ATTN_TILE_THREADS) {
+            const int p = p0 + i;
+            rows[i] = pt[p / S] * S + p % S;
+        }
+        __syncthreads();
+        // V slice jj into buffer jj & 1, one commit group per slice
+        auto stage_v = [&](int jj) {
+            const int i0 = jj * ATTN_SLICE, cntv = min(ATTN_SLICE, nvmax - i0);
+            float4 *dst = vsm + (jj & 1) * ATTN_SLICE * D4;
+            for (int e = tid; e < cntv * D4; e += ATTN_TILE_THREADS)
+                cp_async16(&dst[e], vg + rows[i0 + e / D4] * rs4 + e % D4);
+            cp_async_commit();
+        };
+        stage_v(0);
+        if (nsl > 1) stage_v(1);
+
+        // ---- scores: warps take UK * PK positions at a time; sc[p][r] = (q_r . k_p) * scale ----
+        {
+            const int sub = lane % LK, pp = lane / LK;
+            for (int i0 = w * UK * PK; i0 < nvmax; i0 += ATTN_TILE_WARPS * UK * PK) {
+                float4 kr[UK][FK];
 #pragma unroll
-            for (int u = 0; u < UK; u++) {
-                const int i = i0 + u * PK + pp;
-                const float4 *kp = kg + rows[i < nvmax ? i : i0] * rs4;
+                for (int u = 0; u < UK; u++) {
+                    const int i = i0 + u * PK + pp;
+                    const float4 *kp = kg + rows[i < nvmax ? i : i0] * rs4;
 #pragma unroll
-                for (int f = 0; f < FK; f++)
-                    kr[u][f] = i < nvmax ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+                    for (int f = 0; f < FK; f++)
+                        kr[u][f] =
+                            i < nvmax ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
 #pragma unroll 1
-            for (int r0 = 0; r0 < R; r0 += RB) {
-                float acc[UK][RB];
-#pragma unroll
-                for (int u = 0; u < UK; u++)
-#pragma unroll
-                    for (int rr = 0; rr < RB; rr++)
-                        acc[u][rr] = 0.0f;
-#pragma unroll
-                for (int f = 0; f < FK; f++)
-#pragma unroll
-                    for (int rr = 0; rr < RB; rr++) {
-                        const float4 qv = qs[(r0 + rr) * D4 + f * LK + sub];
-#pragma unroll
-                        for (int u = 0; u < UK; u++)
-                            fma4(acc[u][rr], qv, kr[u][f]);
-                    }
-#pragma unroll
-                for (int off = LK / 2; off > 0; off /= 2)
+                for (int r0 = 0; r0 < R; r0 += RB) {
+                    float acc[UK][RB];
 #pragma unroll
                     for (int u = 0; u < UK; u++)
 #pragma unroll
                         for (int rr = 0; rr < RB; rr++)
-                            acc[u][rr] += __shfl_xor_sync(0xffffffffu, acc[u][rr], off);
+                            acc[u][rr] = 0.0f;
 #pragma unroll
-                for (int u = 0; u < UK; u++) {
-                    const int i = i0 + u * PK + pp;
-                    if (i < nvmax) {
+                    for (int f = 0; f < FK; f++)
 #pragma unroll
-                        for (int rr = 0; rr < RB; rr++)
-                            if (rr % LK == sub) sc[i * R + r0 + rr] = __fmul_rn(acc[u][rr], scale);
+                        for (int rr = 0; rr < RB; rr++) {
+                            const float4 qv = qs[(r0 + rr) * D4 + f * LK + sub];
+#pragma unroll
+                            for (int u = 0; u < UK; u++)
+                                fma4(acc[u][rr], qv, kr[u][f]);
+                        }
+#pragma unroll
+                    for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+                        for (int u = 0; u < UK; u++)
+#pragma unroll
+                            for (int rr = 0; rr < RB; rr++)
+                                acc[u][rr] += __shfl_xor_sync(0xffffffffu, acc[u][rr], off);
+#pragma unroll
+                    for (int u = 0; u < UK; u++) {
+                        const int i = i0 + u * PK + pp;
+                        if (i < nvmax) {
+#pragma unroll
+                            for (int rr = 0; rr < RB; rr++)
+                                if (rr % LK == sub)
+                                    sc[i * R + r0 + rr] = __fmul_rn(acc[u][rr], scale);
+                        }
                     }
                 }
             }
         }
-    }
-    __syncthreads();
+        __syncthreads();
 
-    // ---- softmax of (slice w, row lane): m_w, exp weights in place, l_w as the butterfly's tree ----
-    {
-        const int r = lane;
-        const int cnt = min(ATTN_SLICE, nvk[r / G] - w * ATTN_SLICE);
-        if (cnt > 0) {
-            float *col = sc + w * ATTN_SLICE * R + r;
-            float m = -INFINITY;
-            for (int i = 0; i < cnt; i++)
-                m = fmaxf(m, col[i * R]);
-            float a[ATTN_SLICE];
+        // ---- softmax of (slice w, row lane): m_w, exp weights in place, l_w as the butterfly's
+        // tree ----
+        {
+            const int r = lane;
+            const int cnt = min(ATTN_SLICE, nvk[r / G] - w * ATTN_SLICE);
+            if (cnt > 0) {
+                float *col = sc + w * ATTN_SLICE * R + r;
+                float m = -INFINITY;
+                for (int i = 0; i < cnt; i++)
+                    m = fmaxf(m, col[i * R]);
+                float a[ATTN_SLICE];
 #pragma unroll
-            for (int i = 0; i < ATTN_SLICE; i++) {
-                float e = 0.0f;
-                if (i < cnt) {
-                    e = expf(col[i * R] - m);
-                    col[i * R] = e;
+                for (int i = 0; i < ATTN_SLICE; i++) {
+                    float e = 0.0f;
+                    if (i < cnt) {
+                        e = expf(col[i * R] - m);
+                        col[i * R] = e;
+                    }
+                    a[i] = e;
                 }
-                a[i] = e;
-            }
-            // lane i of an xor butterfly ends with a[i] + a[i ^ off] at each step: this tree
+                // lane i of an xor butterfly ends with a[i] + a[i ^ off] at each step: this tree
+                static_assert(ATTN_SLICE == 32, "the tree below");
 #pragma unroll
-            for (int off = ATTN_SLICE / 2; off > 0; off /= 2)
+                for (int i = 0; i < 16; i++)
+                    a[i] = a[i] + a[i + 16];
 #pragma unroll
-                for (int i = 0; i < off; i++)
-                    a[i] = a[i] + a[i + off];
-            wm[w * R + r] = m;
-            wl[w * R + r] = a[0];
-        }
-    }
-    __syncthreads();
-    // ---- each row's chunk m, l and slice weights f_w, slices in order ----
-    if (tid < R) {
-        const int nv = nvk[tid / G];
-        if (nv > 0) {
-            const int nw = (nv + ATTN_SLICE - 1) / ATTN_SLICE;
-            float m = -INFINITY;
-            for (int ww = 0; ww < nw; ww++)
-                m = fmaxf(m, wm[ww * R + tid]);
-            float l = 0.0f;
-            for (int ww = 0; ww < nw; ww++) {
-                const float f = expf(wm[ww * R + tid] - m);
-                fw[ww * R + tid] = f;
-                l = fmaf(wl[ww * R + tid], f, l);
+                for (int i = 0; i < 8; i++)
+                    a[i] = a[i] + a[i + 8];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    a[i] = a[i] + a[i + 4];
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    a[i] = a[i] + a[i + 2];
+                a[0] = a[0] + a[1];
+                wm[w * R + r] = m;
+                wl[w * R + r] = a[0];
             }
-            cm[tid] = m;
-            cl[tid] = l;
         }
-    }
-    __syncthreads();
+        __syncthreads();
+        // ---- each row's chunk m, l and slice weights f_w, slices in order ----
+        if (tid < R) {
+            const int nv = nvk[tid / G];
+            if (nv > 0) {
+                const int nw = (nv + ATTN_SLICE - 1) / ATTN_SLICE;
+                float m = -INFINITY;
+                for (int ww = 0; ww < nw; ww++)
+                    m = fmaxf(m, wm[ww * R + tid]);
+                float l = 0.0f;
+                for (int ww = 0; ww < nw; ww++) {
+                    const float f = expf(wm[ww * R + tid] - m);
+                    fw[ww * R + tid] = f;
+                    l = fmaf(wl[ww * R + tid], f, l);
+                }
+                cm[tid] = m;
+                cl[tid] = l;
+            }
+        }
+        __syncthreads();
 
-    // ---- weighted V of the warp's rows r0..r0 + RW - 1, slice by slice ----
-    {
-        const int subv = lane % LV, rv = lane / LV, r0 = w * RW;
-        int nvr[RW], nvw = 0;
+        // ---- weighted V of the warp's rows r0..r0 + RW - 1, slice by slice ----
+        {
+            const int subv = lane % LV, rv = lane / LV, r0 = w * RW;
+            int nvr[RW];
 #pragma unroll
-        for (int rr = 0; rr < RW; rr++) {
-            nvr[rr] = nvk[(r0 + rr) / G];
-            nvw = max(nvw, nvr[rr]);
-        }
-        float4 och[RW][FV];
-#pragma unroll
-        for (int rr = 0; rr < RW; rr++)
-#pragma unroll
-            for (int f = 0; f < FV; f++)
-                och[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int jj = 0; jj * ATTN_SLICE < nvw; jj++) {
-            const int ib0 = jj * ATTN_SLICE, iend = min(ib0 + ATTN_SLICE, nvw);
-            float4 acc[RW][FV];
+            for (int rr = 0; rr < RW; rr++)
+                nvr[rr] = nvk[(r0 + rr) / G];
+            float4 och[RW][FV];
 #pragma unroll
             for (int rr = 0; rr < RW; rr++)
 #pragma unroll
                 for (int f = 0; f < FV; f++)
-                    acc[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int ib = ib0; ib < iend; ib += RV * UV) {
-                float4 vr[UV][FV];
+                    och[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int jj = 0; jj < nsl; jj++) {
+                if (jj + 1 < nsl)
+                    cp_async_wait<1>();
+                else
+                    cp_async_wait<0>();
+                __syncthreads(); // slice jj's V rows of every thread's copies
+                const float4 *vb = vsm + (jj & 1) * ATTN_SLICE * D4;
+                const int ib0 = jj * ATTN_SLICE, cntv = min(ATTN_SLICE, nvmax - ib0);
+                float4 acc[RW][FV];
 #pragma unroll
-                for (int u = 0; u < UV; u++) {
-                    const int i = ib + u * RV + rv;
-                    const float4 *vp = vg + rows[i < iend ? i : ib0] * rs4;
+                for (int rr = 0; rr < RW; rr++)
 #pragma unroll
                     for (int f = 0; f < FV; f++)
-                        vr[u][f] = i < iend ? __ldg(vp + f * LV + subv) : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int u = 0; u < UV; u++) {
-                    const int i = ib + u * RV + rv;
-                    if (i < iend) {
+                        acc[rr][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+                for (int k = 0; k < ATTN_SLICE / RV; k++) {
+                    const int il = k * RV + rv; // increasing for each lane group
+                    if (il < cntv) {
+                        const int i = ib0 + il;
                         const float4 e4 = *reinterpret_cast<const float4 *>(sc + i * R + r0);
                         const float e[RW] = {e4.x, e4.y, e4.z, e4.w};
+                        float4 v[FV];
+#pragma unroll
+                        for (int f = 0; f < FV; f++)
+                            v[f] = vb[il * D4 + f * LV + subv];
 #pragma unroll
                         for (int rr = 0; rr < RW; rr++)
                             if (i < nvr[rr]) {
 #pragma unroll
                                 for (int f = 0; f < FV; f++)
-                                    acc[rr][f] = fma4v(e[rr], vr[u][f], acc[rr][f]);
+                                    acc[rr][f] = fma4v(e[rr], v[f], acc[rr][f]);
                             }
                     }
                 }
-            }
 #pragma unroll
-            for (int off = 16; off >= LV; off /= 2)
+                for (int off = 16; off >= LV; off /= 2)
+#pragma unroll
+                    for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+                        for (int f = 0; f < FV; f++)
+                            shfl_add4(acc[rr][f], off);
 #pragma unroll
                 for (int rr = 0; rr < RW; rr++)
+                    if (ib0 < nvr[rr]) {
+                        const float f = fw[jj * R + r0 + rr];
 #pragma unroll
-                    for (int f = 0; f < FV; f++)
-                        shfl_add4(acc[rr][f], off);
+                        for (int ff = 0; ff < FV; ff++)
+                            och[rr][ff] = jj == 0 ? mul4v(f, acc[rr][ff])
+                                                  : fma4v(f, acc[rr][ff], och[rr][ff]);
+                    }
+                __syncthreads(); // every warp is done with buffer jj & 1
+                if (jj + 2 < nsl) stage_v(jj + 2);
+            }
+            if (rv == 0) {
 #pragma unroll
-            for (int rr = 0; rr < RW; rr++)
-                if (ib0 < nvr[rr]) {
-                    const float f = fw[jj * R + r0 + rr];
+                for (int rr = 0; rr < RW; rr++)
+                    if (nvr[rr] > 0) {
+                        const int r = r0 + rr, k = r / G, h = r % G;
+                        const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
 #pragma unroll
-                    for (int ff = 0; ff < FV; ff++)
-                        och[rr][ff] = jj == 0 ? mul4v(f, acc[rr][ff]) : fma4v(f, acc[rr][ff], och[rr][ff]);
-                }
+                        for (int f = 0; f < FV; f++)
+                            reinterpret_cast<float4 *>(part_o + (cblk * G + h) *
+                                                                    DH)[f * LV + subv] = och[rr][f];
+                    }
+            }
         }
-        if (rv == 0) {
-#pragma unroll
-            for (int rr = 0; rr < RW; rr++)
-                if (nvr[rr] > 0) {
-                    const int r = r0 + rr, k = r / G, h = r % G;
-                    const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
-#pragma unroll
-                    for (int f = 0; f < FV; f++)
-                        reinterpret_cast<float4 *>(part_o + (cblk * G + h) * DH)[f * LV + subv] =
-                            och[rr][f];
-                }
+        if (tid < R && nvk[tid / G] > 0) {
+            const int k = tid / G, h = tid % G;
+            const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
+            part_ml[cblk * 2 * G + h] = cm[tid];
+            part_ml[cblk * 2 * G + G + h] = cl[tid];
         }
-    }
-    if (tid < R && nvk[tid / G] > 0) {
-        const int k = tid / G, h = tid % G;
-        const int64_t cblk = ((int64_t)(tq - t0 + k) * (H / G) + hg) * NC + c;
-        part_ml[cblk * 2 * G + h] = cm[tid];
-        part_ml[cblk * 2 * G + G + h] = cl[tid];
+        __syncthreads(); // the next chunk rewrites rows, nvk and the scores
     }
 }
 // One (token t0 + blockIdx.x, head group blockIdx.y): out[t, hg * G + h, :] from the token's
@@ -1072,10 +1118,12 @@ template <int DH, int G> static void launch_tiles(const attn_args &a) {
     if (a.Ts < QT) return;
     auto kernel = attn_tile_kernel<DH, G>;
     static size_t smem_set = 0;
-    const size_t smem = ((size_t)ATTN_TILE_ROWS * DH + (size_t)ATTN_CHUNK * ATTN_TILE_ROWS) * 4;
+    const size_t smem = ((size_t)ATTN_TILE_ROWS * DH + (size_t)ATTN_CHUNK * ATTN_TILE_ROWS +
+                         (size_t)2 * ATTN_SLICE * DH) * sizeof(float);
     smem_allow(kernel, smem, &smem_set);
     const attn_batch *b = a.b;
-    kernel<<<dim3(a.Ts / QT, a.H / G, a.NC), ATTN_TILE_THREADS, smem, cuda_stream()>>>(
+    const int zc = a.NC < ATTN_TILE_ZC ? a.NC : ATTN_TILE_ZC;
+    kernel<<<dim3(a.Ts / QT, a.H / G, zc), ATTN_TILE_THREADS, smem, cuda_stream()>>>(
         a.part_o, a.part_ml, a.q, a.kv.k, a.kv.v, b->pos, b->seq, b->page_table, a.t0, a.Ts, a.H,
         a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
     CUDA_CHECK_LAUNCH();
