@@ -14,6 +14,9 @@
  *   - Output text is decoded here, incrementally, from the output ids. While a request runs, text
  *     that could still turn out to be the start of a stop string is held back, so a streamed delta
  *     never has to be taken back.
+ *   - Without a tokenizer (--skip-tokenizer-init) nothing is decoded: the text stays empty, stop
+ *     strings are refused here for every endpoint (they could not be seen), and logprob entries
+ *     name tokens "token_id:N" where a string is needed.
  *   - Non-streaming exchanges are woken when a request is done, and at most every 0.25 s while
  *     tokens flow, so that a client that has gone away is noticed and its request aborted.
  *   - In a rank group with --load-balance, a generation request goes to the least-loaded rank
@@ -395,6 +398,10 @@ int api_job_add(api_job *j, int item, const int32_t *ids, int n_ids, const api_p
                 int sample, const char *rid, api_error *e) {
     api_server *a = j->srv;
     api_item *it = &j->items[item];
+    if (p->n_stops && !a->tok)
+        return api_fail(e, 400, "stop",
+                        "stop strings need a tokenizer, and this server was started with "
+                        "--skip-tokenizer-init: use stop_token_ids");
     gen_request g = p->gen;
     g.prompt = ids;
     g.n_prompt = n_ids;
@@ -636,6 +643,14 @@ size_t api_item_visible(api_server *a, api_item *it, const api_snap *s) {
     } else if (it->hold_token && target > 0) {
         target--;
     }
+    if (!a->tok) { /* --skip-tokenizer-init: no text, but the count of tokens "shown" moves on */
+        if (it->n_decoded < target) it->n_decoded = target;
+        if (!it->text) {
+            it->cap = 64;
+            it->text = xcalloc(it->cap, 1);
+        }
+        return 0;
+    }
     for (; it->n_decoded < target; it->n_decoded++)
         detok_stream_push(&it->ds, s->ids[it->n_decoded], &it->text, &it->len, &it->cap);
     if (s->done && !it->decode_finished) {
@@ -659,7 +674,6 @@ size_t api_item_visible(api_server *a, api_item *it, const api_snap *s) {
             v--; /* whole characters */
     }
     if (v < it->text_sent) v = it->text_sent; /* never take back what was sent */
-    (void)a;
     return v;
 }
 
@@ -671,7 +685,12 @@ void api_item_count(api_job *j, api_item *it, const api_snap *s) {
 }
 
 char *api_token_text(const api_server *a, int32_t id, size_t *len) {
-    return tokenizer_decode(a->tok, &id, 1, false, len);
+    if (a->tok) return tokenizer_decode(a->tok, &id, 1, false, len);
+    /* no tokenizer: vLLM's --return-tokens-as-token-ids spelling, unique per id */
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "token_id:%d", (int)id);
+    if (len) *len = (size_t)n;
+    return xstrdup(buf);
 }
 
 /* ---- info endpoints ---- */
@@ -826,7 +845,8 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "dp_size", world);
     cJSON_AddNumberToObject(o, "ep_size", world);
     cJSON_AddNumberToObject(o, "stream_interval", 1);
-    cJSON_AddBoolToObject(o, "skip_tokenizer_init", false);
+    cJSON_AddBoolToObject(o, "skip_tokenizer_init", g->skip_tokenizer_init);
+    cJSON_AddStringToObject(o, "load_format", g->load_format ? g->load_format : "auto");
     cJSON_AddNumberToObject(o, "max_total_num_tokens", max_tokens);
     cJSON_AddNumberToObject(o, "max_req_input_len", g->context_length - 1);
     cJSON *states = cJSON_AddArrayToObject(o, "internal_states");

@@ -50,12 +50,17 @@ typedef struct {
     double dist_timeout; /* seconds a rank waits for its peers before giving up */
     double mem_fraction_static; /* share of the device's memory for weights + KV pool; 0 = default */
     int cuda_graph_max_bs;      /* decode steps replayed as CUDA graphs up to this batch; 0 = off */
+    const char *load_format;    /* auto | safetensors | dummy (random weights from config.json) */
+    bool skip_tokenizer_init;   /* no tokenizer: token ids in and out (api_create gets NULL) */
 } server_args;
 
 typedef struct api_server api_server;
 
 /* tok, tpl and met (NULL when metrics are off) must outlive the api. vocab_size is the model's
- * (ids are checked against it); eos ids come from the model too (see api_set_ready). */
+ * (ids are checked against it); eos ids come from the model too (see api_set_ready).
+ * tok is NULL with args.skip_tokenizer_init, as SGLang's --skip-tokenizer-init: text prompts,
+ * stop strings and chat answer 400; /generate answers carry output_ids and no text;
+ * /v1/completions takes token-id prompts and answers empty text. */
 api_server *api_create(const server_args *args, const tokenizer *tok, const chat_template *tpl,
                        metrics *met);
 void api_free(api_server *a);

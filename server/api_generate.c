@@ -6,7 +6,10 @@
  * With n > 1 each prompt gives n answers, prompt-major (prompt i, sample j -> i * n + j), as
  * SGLang orders them. A batch or n > 1 answers a JSON array; its stream chunks carry "index".
  * Stream chunks are cumulative (text, output_ids, completion_tokens); finish_reason is null
- * until the last chunk of each request, which alone has e2e_latency. */
+ * until the last chunk of each request, which alone has e2e_latency.
+ * Without a tokenizer (--skip-tokenizer-init) a text prompt is refused with 400 and answers
+ * (whole or streamed) have no "text" key, as SGLang's token-id answers: output_ids and
+ * meta_info; return_text_in_logprobs gives null texts. */
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,6 +124,13 @@ void api_generate(api_server *a, http_exchange *x, const cJSON *body) {
         api_reply_error(a, x, &e);
         return;
     }
+    if (text && !a->tok) {
+        api_fail(&e, 400, "text",
+                 "text prompts need a tokenizer, and this server was started with "
+                 "--skip-tokenizer-init: send input_ids");
+        api_reply_error(a, x, &e);
+        return;
+    }
     int n_prompts = 1;
     bool batch = false;
     if (text) {
@@ -227,6 +237,7 @@ static cJSON *api_gen_item_json(api_job *j, api_item *it, const api_snap *s, siz
     bool final = s->done;
     generate_fields f = {
         .id = r->rid,
+        .omit_text = !j->srv->tok,
         .text = it->text,
         .text_len = visible,
         .output_ids = s->ids,

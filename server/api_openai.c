@@ -14,7 +14,11 @@
  *   - max_tokens defaults to 16 for completions (OpenAI's default) and, for chat, to whatever the
  *     context leaves after the prompt.
  *   - A request the server gave up on (shutdown) is answered 503 when not streaming, and with
- *     finish_reason "abort" when streaming. */
+ *     finish_reason "abort" when streaming.
+ *   - Without a tokenizer (--skip-tokenizer-init): completions take token-id prompts only and
+ *     answer empty text with the usual usage (a stream sends an empty-text chunk as tokens
+ *     arrive, so the client sees progress); logprobs name tokens "token_id:N" at text_offset 0.
+ *     Chat needs a tokenizer and a template: 400. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -181,7 +185,13 @@ void api_completions(api_server *a, http_exchange *x, const cJSON *body) {
                               : cJSON_GetArrayItem(prompt, i);
         char param[32];
         snprintf(param, sizeof param, n_prompts == 1 && pi == prompt ? "prompt" : "prompt[%d]", i);
-        if (cJSON_IsString(pi)) {
+        if (cJSON_IsString(pi) && !a->tok) {
+            api_fail(&e, 400, "prompt",
+                     "%s: text prompts need a tokenizer, and this server was started with "
+                     "--skip-tokenizer-init: give the prompt as token ids",
+                     param);
+            goto fail;
+        } else if (cJSON_IsString(pi)) {
             if (tokenizer_encode(a->tok, pi->valuestring, strlen(pi->valuestring), true,
                                  &prompts[i], &lens[i])) {
                 api_fail(&e, 400, "prompt", "%s is not valid UTF-8", param);
@@ -190,7 +200,8 @@ void api_completions(api_server *a, http_exchange *x, const cJSON *body) {
             texts[i] = xstrdup(pi->valuestring);
         } else if (cJSON_IsArray(pi)) {
             if (api_parse_ids(pi, param, a->cfg.vocab_size, &prompts[i], &lens[i], &e)) goto fail;
-            texts[i] = tokenizer_decode(a->tok, prompts[i], lens[i], false, NULL);
+            texts[i] =
+                a->tok ? tokenizer_decode(a->tok, prompts[i], lens[i], false, NULL) : xstrdup("");
         } else {
             api_fail(&e, 400, "prompt", "%s must be a string or a list of token ids", param);
             goto fail;
@@ -277,6 +288,13 @@ void api_chat(api_server *a, http_exchange *x, const cJSON *body) {
     int n_ids = 0;
     char *prompt_text = NULL;
     if (api_openai_model(a, body, &e)) goto fail;
+    if (!a->tok) {
+        api_fail(&e, 400, NULL,
+                 "chat needs a tokenizer and a chat template, and this server was started with "
+                 "--skip-tokenizer-init: use /generate with input_ids, or /v1/completions with "
+                 "a prompt of token ids");
+        goto fail;
+    }
     if (a->tpl->kind == CHAT_TEMPLATE_NONE) {
         api_fail(&e, 400, NULL, "chat is not available: %s", a->tpl->why);
         goto fail;
@@ -419,7 +437,7 @@ static void api_lp_lists_add(api_server *a, api_lp_lists *l, const int32_t *ids,
         cJSON_AddItemToArray(l->token_logprobs,
                              isnan(lp[t]) ? cJSON_CreateNull() : cJSON_CreateNumber(lp[t]));
         cJSON_AddItemToArray(l->text_offset, cJSON_CreateNumber((double)*offset));
-        *offset += api_utf8_chars(tok, len);
+        if (a->tok) *offset += api_utf8_chars(tok, len); /* else there is no text to point in */
         free(tok);
         if (isnan(lp[t]) || (k > 0 && top_ids[(size_t)t * k] < 0)) {
             cJSON_AddItemToArray(l->top_logprobs, cJSON_CreateNull());
@@ -453,8 +471,8 @@ static void api_chat_lp_add(api_server *a, cJSON *content, const api_snap *s, in
             }
             size_t len;
             char *tok = api_token_text(a, id, &len);
-            size_t blen;
-            const char *bytes = tokenizer_token_bytes(a->tok, id, &blen);
+            size_t blen = 0;
+            const char *bytes = a->tok ? tokenizer_token_bytes(a->tok, id, &blen) : NULL;
             cJSON_AddStringToObject(dst, "token", tok);
             cJSON_AddNumberToObject(dst, "logprob", lp);
             cJSON *b = cJSON_AddArrayToObject(dst, "bytes");
@@ -651,7 +669,8 @@ static void api_completion_fill_item(api_job *j, int i, api_item *it, const api_
         api_sse(out, root);
     }
     it->started = true;
-    if (visible > it->text_sent || s->done) {
+    bool new_ids = !j->srv->tok && it->n_decoded > it->ids_sent; /* progress without text */
+    if (visible > it->text_sent || s->done || new_ids) {
         c = api_openai_chunk(j, i, &root);
         char *t = xmalloc(visible - it->text_sent + 1);
         memcpy(t, it->text + it->text_sent, visible - it->text_sent);
@@ -665,6 +684,7 @@ static void api_completion_fill_item(api_job *j, int i, api_item *it, const api_
         api_openai_add_finish(c, it, s);
         api_sse(out, root);
         it->text_sent = visible;
+        it->ids_sent = it->n_decoded;
     }
 }
 

@@ -75,14 +75,14 @@ static cJSON *generate_json_finish(const generate_fields *f) {
 
 cJSON *generate_json_build(const generate_fields *f) {
     cJSON *root = cJSON_CreateObject();
-    if (f->text) {
+    if (f->text && !f->omit_text) {
         /* cJSON strings are NUL-terminated: copy the visible part */
         char *t = malloc(f->text_len + 1);
         memcpy(t, f->text, f->text_len);
         t[f->text_len] = '\0';
         cJSON_AddStringToObject(root, "text", t);
         free(t);
-    } else {
+    } else if (!f->omit_text) {
         cJSON_AddNullToObject(root, "text");
     }
     /* cJSON_CreateIntArray gives NULL for a NULL array, even of length 0 */

@@ -13,6 +13,7 @@
 /* Everything one answer (or one streamed chunk) shows. Arrays are read, not kept. */
 typedef struct {
     const char *id;   /* request id */
+    bool omit_text;   /* no "text" key at all (a server without tokenizer, as SGLang's) */
     const char *text; /* decoded output, stop string already trimmed; NULL -> null */
     size_t text_len;
     const int32_t *output_ids; /* [n_output] */

@@ -3,12 +3,13 @@
  * Every flag is parsed and validated here, once; a bad one stops the program with a message that
  * names it. Text <-> ids conversion happens here, at the edge; the engine sees ids.
  *
- * serve builds, in order: model config (for the defaults) -> tokenizer -> chat template ->
- * metrics -> api -> HTTP listener (answers 503 until ready) -> model -> scheduler -> engine
- * thread; then waits for SIGINT or SIGTERM and takes it all down in reverse: refuse new
- * requests, stop the engine loop (it finishes every request left with an abort, so each gets an
- * answer), let the answers go out, stop HTTP, free. The signals are blocked in every thread and
- * taken by sigwait in the main thread, so no handler runs inside library code. */
+ * serve builds, in order: model config (for the defaults) -> tokenizer (none with
+ * --skip-tokenizer-init: the API then speaks token ids only) -> chat template -> metrics -> api ->
+ * HTTP listener (answers 503 until ready) -> model -> scheduler -> engine thread; then waits for
+ * SIGINT or SIGTERM and takes it all down in reverse: refuse new requests, stop the engine loop (it
+ * finishes every request left with an abort, so each gets an answer), let the answers go out, stop
+ * HTTP, free. The signals are blocked in every thread and taken by sigwait in the main thread, so
+ * no handler runs inside library code. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -93,6 +94,12 @@ static const char usage_serve[] =
     "\n"
     "  --model-path DIR              Hugging Face model folder (config.json, *.safetensors,\n"
     "                                tokenizer.json, tokenizer_config.json)\n"
+    "  --load-format F               auto (default) or safetensors: the checkpoint; dummy: random\n"
+    "                                weights from config.json alone (the same on every run)\n"
+    "  --skip-tokenizer-init         load no tokenizer (the folder may have none): /generate\n"
+    "                                takes input_ids and answers output_ids without text,\n"
+    "                                /v1/completions takes token-id prompts, chat answers 400,\n"
+    "                                stop strings answer 400 (stop_token_ids still work)\n"
     "  --host ADDR                   address to listen on (default 127.0.0.1)\n"
     "  --port N                      TCP port (default 30000; 0 = any free port)\n"
     "  --device cpu|cuda             where the model runs (default cpu)\n"
@@ -222,6 +229,19 @@ static tokenizer *load_tokenizer(const char *dir, bool required) {
     tokenizer *tok = tokenizer_load(path, err, sizeof err);
     if (!tok) die("%s", err);
     return tok;
+}
+
+/* serve's tokenizer: required unless --skip-tokenizer-init. A folder without one (a config.json
+ * alone, as config/models/ holds for --load-format dummy) stops start-up with the hint. */
+static tokenizer *serve_load_tokenizer(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (access(path, F_OK) != 0)
+        die("%s: no such file; serve needs the model's tokenizer to take text. Start with "
+            "--skip-tokenizer-init to serve token ids only (input_ids in, output_ids out), as "
+            "with --load-format dummy on a folder that holds only config.json",
+            path);
+    return load_tokenizer(dir, true);
 }
 
 /* Stop strings: the decoded output is kept up to date token by token and searched near its end. */
@@ -586,7 +606,8 @@ static int cmd_serve(int argc, char **argv) {
                      .page_size = 16,
                      .log_level = "info",
                      .max_body_bytes = 16u << 20,
-                     .load_balance = true};
+                     .load_balance = true,
+                     .load_format = "auto"};
     char err0[256];
     log_threshold = LOG_LEVEL_INFO;
     for (int i = 0; i < argc; i++) {
@@ -615,6 +636,10 @@ static int cmd_serve(int argc, char **argv) {
             a.enable_dp_attention = true;
             continue;
         }
+        if (!strcmp(f, "--skip-tokenizer-init")) {
+            a.skip_tokenizer_init = true;
+            continue;
+        }
         static const char *const with_value[] = {"--model-path",
                                                  "--host",
                                                  "--port",
@@ -639,7 +664,8 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--dp-size",
                                                  "--ep",
                                                  "--ep-size",
-                                                 "--dist-timeout"};
+                                                 "--dist-timeout",
+                                                 "--load-format"};
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
             known = known || !strcmp(f, with_value[k]);
@@ -684,6 +710,8 @@ static int cmd_serve(int argc, char **argv) {
             a.max_body_bytes = (size_t)parse_long(f, v, 1024, 1L << 40);
         else if (!strcmp(f, "--moe-a2a-backend"))
             a.moe_a2a_backend = v;
+        else if (!strcmp(f, "--load-format"))
+            a.load_format = v;
         else if (!strcmp(f, "--tp") || !strcmp(f, "--tp-size"))
             a.tp = (int)parse_long(f, v, 1, A2A_MAX_RANKS);
         else if (!strcmp(f, "--dp") || !strcmp(f, "--dp-size"))
@@ -711,6 +739,9 @@ static int cmd_serve(int argc, char **argv) {
     if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
         die("--device: '%s' is not one of cpu, cuda", a.device);
     if (!*a.host) die("--host: the address is empty");
+    if (strcmp(a.load_format, "auto") && strcmp(a.load_format, "safetensors") &&
+        strcmp(a.load_format, "dummy"))
+        die("--load-format: '%s' is not one of auto, safetensors, dummy", a.load_format);
     if (a.api_key && !*a.api_key) die("--api-key: the key is empty");
     if (a.served_model_name && !*a.served_model_name) die("--served-model-name: the name is empty");
     if (!a.served_model_name) a.served_model_name = a.model_path;
@@ -769,11 +800,19 @@ static int cmd_serve(int argc, char **argv) {
             "never fit; raise it or lower --context-length",
             a.max_total_tokens, a.context_length);
 
-    tokenizer *tok = load_tokenizer(a.model_path, true);
-    chat_template tpl;
-    chat_template_load(&tpl, a.model_path);
-    if (tpl.kind == CHAT_TEMPLATE_NONE)
-        LOG_WARN("serve", "%s: /v1/chat/completions will answer 400", tpl.why);
+    tokenizer *tok = NULL;
+    chat_template tpl = {.kind = CHAT_TEMPLATE_NONE};
+    if (a.skip_tokenizer_init) {
+        snprintf(tpl.why, sizeof tpl.why,
+                 "the server was started with --skip-tokenizer-init (no tokenizer, no template)");
+        LOG_INFO("serve", "--skip-tokenizer-init: no tokenizer; requests give token ids "
+                          "(input_ids, or token-id prompts on /v1/completions)");
+    } else {
+        tok = serve_load_tokenizer(a.model_path);
+        chat_template_load(&tpl, a.model_path);
+        if (tpl.kind == CHAT_TEMPLATE_NONE)
+            LOG_WARN("serve", "%s: /v1/chat/completions will answer 400", tpl.why);
+    }
     metrics *met = a.enable_metrics ? metrics_create(a.served_model_name) : NULL;
     api_server *api = api_create(&a, tok, &tpl, met);
 
@@ -812,7 +851,9 @@ static int cmd_serve(int argc, char **argv) {
     if (a.cuda_graph_max_bs > 0 && !backend->graph_begin)
         LOG_WARN("serve", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
                  backend->name);
-    model *m = model_load_ep(a.model_path, backend, rank, world, err, sizeof err);
+    model_load_opts lo = {
+        .ep_rank = rank, .ep_size = world, .dummy = !strcmp(a.load_format, "dummy")};
+    model *m = model_load_with(a.model_path, backend, &lo, err, sizeof err);
     if (!m) die("%s", err);
     if (size_after_load)
         a.max_total_tokens = serve_kv_tokens(&a, backend, kv_bytes_per_token);

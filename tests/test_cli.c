@@ -277,6 +277,16 @@ static void test_bad_inputs(void) {
                  run(BIN " serve --model-path models/tiny-qwen3-moe --port 0 "
                          "--mem-fraction-static 0.0001"),
                  "--mem-fraction-static", "full context", NULL);
+    expect_error("bad serve --load-format",
+                 run(BIN " serve --model-path models/tiny-qwen3-moe --load-format pt"),
+                 "--load-format", "pt", NULL);
+    /* a folder like those of config/models/ (config.json alone) needs --skip-tokenizer-init */
+    snprintf(d, sizeof d, "%s/config-only", tmpdir);
+    r = run("mkdir -p %s && cp tests/data/tiny-qwen3-moe/config.json %s/", d, d);
+    run_free(&r);
+    expect_error("serve without tokenizer.json and without --skip-tokenizer-init",
+                 run("timeout 60 " BIN " serve --model-path %s --load-format dummy --port 0", d),
+                 "tokenizer.json", "--skip-tokenizer-init", NULL);
 }
 
 /* --load-format dummy: a model from config.json alone; its weights are the same on every run

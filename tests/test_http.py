@@ -7,9 +7,12 @@ cache invariance, 32 concurrent well-formed streams, every bad-input case answer
 error while the server goes on serving, client disconnects, metrics.
 
 Standard library only. Run from anywhere: `python3 tests/test_http.py [-v] [GROUP...]`, where the
-groups are the servers started (main, noradix, apikey, context, body, tight, queue). The binary is
-${BUILD:-build}/moeserve. Each check prints "FAIL name: detail" when it fails (-v prints passes
-too); the last line is "N passed, M failed". Exit status 0 only when nothing failed.
+groups are the servers started (main, noradix, apikey, context, body, tight, queue, tokfree,
+dummy). tokfree and dummy cover --skip-tokenizer-init: token ids in and out, on the test model
+and on a folder that holds only config.json (--load-format dummy), driven by moeserve-bench too.
+The binary is ${BUILD:-build}/moeserve. Each check prints "FAIL name: detail" when it fails (-v
+prints passes too); the last line is "N passed, M failed". Exit status 0 only when nothing
+failed.
 
 Several servers are started one after the other, each on a free port, each killed at the end of
 its group whatever happens.
@@ -20,6 +23,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -128,8 +132,9 @@ def free_port():
 class Server:
     """A `moeserve serve` process on a free port; its output goes to a temporary log file."""
 
-    def __init__(self, name, flags=(), api_key=None):
+    def __init__(self, name, flags=(), api_key=None, model=MODEL):
         self.name = name
+        self.model = model
         self.flags = list(flags)
         self.api_key = api_key
         self.port = None
@@ -146,7 +151,7 @@ class Server:
     def start(self):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="moeserve-%s-" % self.name, suffix=".log", delete=False)
-        cmd = [BIN, "serve", "--model-path", MODEL, "--host", "127.0.0.1", "--port", str(self.port)] + self.flags
+        cmd = [BIN, "serve", "--model-path", self.model, "--host", "127.0.0.1", "--port", str(self.port)] + self.flags
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.time() + STARTUP_TIMEOUT
@@ -1649,6 +1654,234 @@ def test_shutdown_in_flight(srv):
 
 
 # ---------------------------------------------------------------------------------------------
+# --skip-tokenizer-init: token ids in, token ids out (SGLang's flag)
+
+
+def tokfree_lp_diff(name, a, b, key):
+    """Logprob entries of a (no tokenizer) against b (with one): the same ids, no text, values
+    within LOGPROB_TOL. Rows of top logprobs (lists of entries, or None) are compared entry by entry."""
+    ea, eb = a["meta_info"].get(key), b["meta_info"].get(key)
+    if not check("%s: %s present in both" % (name, key), isinstance(ea, list) and isinstance(eb, list), (short(a), short(b))):
+        return
+    flat_a, flat_b = [], []
+    for ra, rb in zip(ea, eb):
+        if key.endswith("top_logprobs"):
+            if ra is None or rb is None:
+                flat_a.append(ra)
+                flat_b.append(rb)
+                continue
+            flat_a.extend(ra)
+            flat_b.extend(rb)
+        else:
+            flat_a.append(ra)
+            flat_b.append(rb)
+    ok = len(ea) == len(eb) and len(flat_a) == len(flat_b)
+    ok = ok and all((x is None) == (y is None) for x, y in zip(flat_a, flat_b))
+    pairs = [(x, y) for x, y in zip(flat_a, flat_b) if x is not None]
+    ok = ok and all(x[1] == y[1] and x[2] is None for x, y in pairs)
+    diff = max_abs_diff([x[0] for x, _ in pairs], [y[0] for _, y in pairs]) if ok else math.inf
+    check("%s: %s has the same token ids, null texts, values within %g (%g)" % (name, key, LOGPROB_TOL, diff),
+          ok and diff <= LOGPROB_TOL, "%s vs %s" % (short(ea), short(eb)))
+
+
+def tokfree_same_answer(name, a, b):
+    """An answer of the server without tokenizer (a) against the usual server's (b)."""
+    check("%s: no text key, as SGLang's token-id answers" % name, "text" not in a, short(a))
+    check("%s: the same output_ids as the usual server" % name, a.get("output_ids") == b.get("output_ids"),
+          "%s vs %s" % (a.get("output_ids"), b.get("output_ids")))
+    ma, mb = a.get("meta_info", {}), b.get("meta_info", {})
+    for k in ("prompt_tokens", "completion_tokens", "finish_reason"):
+        check("%s: meta_info.%s as the usual server's" % (name, k), k in ma and ma.get(k) == mb.get(k),
+              "%r vs %r" % (ma.get(k), mb.get(k)))
+    for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+        if key in mb:
+            tokfree_lp_diff(name, a, b, key)
+
+
+def test_tokfree(srv):
+    ref = Server("tokfree-ref")
+    try:
+        if not check("tokfree: the usual server (with tokenizer) starts", ref.start(), ref.log_tail()):
+            return
+        for path in ("/server_info", "/get_server_info"):
+            a, b = srv.get(path).json(), ref.get(path).json()
+            check("tokfree: %s says skip_tokenizer_init true (false on the usual server)" % path,
+                  isinstance(a, dict) and a.get("skip_tokenizer_init") is True and isinstance(b, dict)
+                  and b.get("skip_tokenizer_init") is False, "%s | %s" % (short(a), short(b)))
+
+        # input_ids alone, then with logprobs, as a batch, with stop_token_ids, sampled with a seed
+        prompts = [prompt_ids(700 + i, n) for i, n in enumerate((5, 17, 40))]
+        ref_out = []
+        for i, ids in enumerate(prompts):
+            payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+                       "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+            a = gen_ok(srv, "tokfree input_ids %d" % i, payload)
+            b = gen_ok(ref, "tokfree usual input_ids %d" % i, payload)
+            ref_out.append(b["output_ids"] if b else None)
+            if a is not None and b is not None:
+                tokfree_same_answer("tokfree input_ids %d (logprobs)" % i, a, b)
+        batch = {"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+        a, b = gen_ok(srv, "tokfree batch", batch), gen_ok(ref, "tokfree usual batch", batch)
+        if check("tokfree batch: a list of 3 answers", isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 3,
+                 short(a)):
+            for i in range(3):
+                tokfree_same_answer("tokfree batch item %d" % i, a[i], b[i])
+        if ref_out[1]:
+            stop = ref_out[1][3]
+            payload = {"input_ids": prompts[1],
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [stop]}}
+            a, b = gen_ok(srv, "tokfree stop_token_ids", payload), gen_ok(ref, "tokfree usual stop_token_ids", payload)
+            if a is not None and b is not None:
+                tokfree_same_answer("tokfree stop_token_ids", a, b)
+                fr = a["meta_info"].get("finish_reason") or {}
+                check("tokfree stop_token_ids: finish_reason stop, matched %d" % stop,
+                      fr.get("type") == "stop" and fr.get("matched") == stop, short(a))
+        payload = {"input_ids": prompts[0], "sampling_params": {"temperature": 0.8, "max_new_tokens": 10, "n": 2,
+                                                                "sampling_seed": 11}}
+        a, b = gen_ok(srv, "tokfree n=2 seeded", payload), gen_ok(ref, "tokfree usual n=2 seeded", payload)
+        if check("tokfree n=2 seeded: two answers each", isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 2,
+                 short(a)):
+            for i in range(2):
+                tokfree_same_answer("tokfree n=2 seeded item %d" % i, a[i], b[i])
+
+        # streaming: every chunk carries the (cumulative) output_ids, the last one all of them
+        payload = {"input_ids": prompts[2], "sampling_params": {"temperature": 0, "max_new_tokens": 12}, "stream": True}
+        r, (events, err) = srv.post_stream("/generate", payload)
+        ok = r.status == 200 and err is None and len(events) >= 2
+        if check("tokfree stream: 200, well-formed events ending with [DONE]", ok, "%r %s" % (r, err)):
+            ids = [e.get("output_ids") for e in events]
+            check("tokfree stream: no chunk has a text key", all("text" not in e for e in events), short(events[0]))
+            check("tokfree stream: output_ids grow chunk by chunk, completion_tokens counts them",
+                  all(isinstance(x, list) for x in ids)
+                  and all(len(ids[k]) > len(ids[k - 1]) and ids[k][:len(ids[k - 1])] == ids[k - 1] for k in range(1, len(ids)))
+                  and all(e["meta_info"]["completion_tokens"] == len(e["output_ids"]) for e in events), short(ids))
+            check("tokfree stream: the last chunk's output_ids are the usual server's", ids[-1] == ref_out[2],
+                  "%s vs %s" % (ids[-1], ref_out[2]))
+            check("tokfree stream: finish_reason only on the last chunk",
+                  all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+                  and events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}, short(events[-1]))
+
+        # text, stop strings and chat need the tokenizer: 400, and the server goes on
+        r = gen(srv, {"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+        body = r.json() or {}
+        msg = (body.get("error") or {}).get("message", "")
+        check("tokfree: a text prompt gets 400 naming --skip-tokenizer-init", r.status == 400 and "--skip-tokenizer-init" in msg
+              and "input_ids" in msg, r)
+        e = lambda *a, **k: expect_error(srv, *a, **k)
+        e("tokfree text batch", "POST", "/generate", {"text": ["a", "b"]})
+        e("tokfree stop string", "POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"stop": "x"}})
+        e("tokfree stop list", "POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"stop": ["x", "y"]}})
+        e("tokfree chat", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        e("tokfree completions text prompt", "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        e("tokfree completions list of texts", "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
+        e("tokfree completions stop", "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stop": ["\n"]})
+
+        # /v1/completions with token-id prompts: empty text, usage, logprobs named by token id
+        r = srv.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                                         "echo": True})
+        body = r.json()
+        ok = r.status == 200 and isinstance(body, dict) and len(body.get("choices", [])) == 1
+        if check("tokfree completions, ids prompt: 200 with one choice", ok, r):
+            c = body["choices"][0]
+            check("tokfree completions: empty text, finish_reason length", c.get("text") == "" and c.get("finish_reason") == "length",
+                  short(c))
+            check("tokfree completions: usage", body.get("usage") == {"prompt_tokens": 5, "completion_tokens": 6,
+                                                                      "total_tokens": 11}, short(body.get("usage")))
+            want = ["token_id:%d" % t for t in prompts[0] + (ref_out[0] or [])[:6]]
+            lp = c.get("logprobs") or {}
+            check("tokfree completions: logprob tokens are token_id:N of the prompt and the usual output",
+                  lp.get("tokens") == want and lp.get("text_offset") == [0] * len(want), short(lp))
+        r = srv.post("/v1/completions", {"prompt": [prompts[0], prompts[1]], "max_tokens": 4, "temperature": 0})
+        body = r.json()
+        ok = r.status == 200 and isinstance(body, dict) and len(body.get("choices", [])) == 2
+        if check("tokfree completions, list of id lists: 200 with two choices", ok, r):
+            check("tokfree completions (2 prompts): empty texts and usage",
+                  all(c.get("text") == "" for c in body["choices"])
+                  and body.get("usage") == {"prompt_tokens": 22, "completion_tokens": 8, "total_tokens": 30}, short(body))
+        r, (events, err) = srv.post_stream("/v1/completions", {"prompt": prompts[1], "max_tokens": 5, "temperature": 0,
+                                                               "stream": True, "stream_options": {"include_usage": True}})
+        ok = r.status == 200 and err is None and len(events) >= 2
+        if check("tokfree completions stream: 200, well-formed", ok, "%r %s" % (r, err)):
+            texts = [c.get("text") for e in events for c in e.get("choices", [])]
+            check("tokfree completions stream: empty texts, a chunk per token at least, the usage last",
+                  all(t == "" for t in texts) and len(texts) >= 5
+                  and events[-1].get("usage") == {"prompt_tokens": 17, "completion_tokens": 5, "total_tokens": 22},
+                  short(events))
+        r = srv.get("/health_generate")
+        check("tokfree: /health_generate 200", r.status == 200, r)
+        r = srv.get("/metrics")
+        check("tokfree: /metrics 200", r.status == 200, r)
+    finally:
+        ref.stop()
+
+
+def test_dummy_refuses(folder):
+    """serve --load-format dummy on a folder without tokenizer, without --skip-tokenizer-init: start-up stops
+    with a message naming the missing file and the flag."""
+    cmd = [BIN, "serve", "--model-path", folder, "--load-format", "dummy", "--port", "0"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        check("dummy without --skip-tokenizer-init: refuses to start", False, "still running after 60 s")
+        return
+    err = err.decode("utf-8", "replace")
+    check("dummy without --skip-tokenizer-init: exits non-zero naming %s/tokenizer.json and the flag" % folder,
+          p.returncode != 0 and os.path.join(folder, "tokenizer.json") in err and "--skip-tokenizer-init" in err,
+          "exit %s: %s" % (p.returncode, err.strip()))
+
+
+def test_dummy(srv, folder):
+    info = srv.get("/server_info").json() or {}
+    check("dummy: /server_info says skip_tokenizer_init true, load_format dummy",
+          info.get("skip_tokenizer_init") is True and info.get("load_format") == "dummy", short(info))
+    payload = {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    a, b = gen_ok(srv, "dummy input_ids", payload), gen_ok(srv, "dummy input_ids again", payload)
+    if a is None or b is None:
+        return
+    vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
+    ids = a.get("output_ids")
+    check("dummy: 6 output ids inside the vocabulary, no text key",
+          isinstance(ids, list) and len(ids) == 6 and all(0 <= t < vocab for t in ids) and "text" not in a, short(a))
+    check("dummy: the same ids twice (weights seeded by name)", ids == b.get("output_ids"), "%s vs %s" % (ids, b.get("output_ids")))
+    # the CLI builds the same dummy model from the same config.json
+    cmd = [BIN, "generate", "--model-path", "tests/data/tiny-qwen3-moe", "--load-format", "dummy",
+           "--input-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--temperature", "0"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=120)
+    cli = json.loads(p.stdout) if p.returncode == 0 else {}
+    check("dummy: the same ids as `moeserve generate --load-format dummy`", cli.get("output_ids") == ids,
+          "%s vs %s (%s)" % (ids, cli.get("output_ids"), p.stderr.decode()[-200:]))
+    expect_error(srv, "dummy text prompt", "POST", "/generate", {"text": "Hello"})
+    r = srv.post("/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "temperature": 0})
+    body = r.json() or {}
+    check("dummy: /v1/completions with token ids answers empty text and usage",
+          r.status == 200 and [c.get("text") for c in body.get("choices", [])] == [""]
+          and body.get("usage", {}).get("completion_tokens") == 3, r)
+
+    # the benchmark client over HTTP: random token ids, every request successful
+    bench = os.path.join(ROOT, BUILD, "moeserve-bench")
+    if not check("dummy: %s is built" % bench, os.access(bench, os.X_OK), "build it first (make)"):
+        return
+    for backend in ("sglang", "openai"):
+        cmd = [bench, "serving", "--url", "http://127.0.0.1:%d" % srv.port, "--backend", backend,
+               "--dataset", "random-ids", "--vocab-size", str(vocab), "--num-prompts", "8",
+               "--random-input-len", "24", "--random-output-len", "8", "--random-range-ratio", "0.5",
+               "--warmup-requests", "1", "--disable-progress"]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            check("dummy: moeserve-bench serving --backend %s ends within 120 s" % backend, False, " ".join(cmd))
+            continue
+        out = p.stdout.decode("utf-8", "replace")
+        ok = (p.returncode == 0 and re.search(r"^Successful requests:\s+8\s*$", out, re.M)
+              and re.search(r"^Failed requests:\s+0\s*$", out, re.M))
+        check("dummy: moeserve-bench serving --backend %s --dataset random-ids: 8 of 8 successful" % backend, ok,
+              "exit %d: %s %s" % (p.returncode, out[-400:], p.stderr.decode()[-300:]))
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def run_test(fn, *args):
@@ -1691,7 +1924,7 @@ def main(argv):
     global VERBOSE
     args = [a for a in argv if a != "-v"]
     VERBOSE = len(args) != len(argv)
-    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight", "queue"}
+    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight", "queue", "tokfree", "dummy"}
     if not os.access(BIN, os.X_OK):
         check("binary %s exists" % BIN, False, "build it first (make)")
         print(R.summary())
@@ -1734,6 +1967,15 @@ def main(argv):
                     [(test_tight, ()), (test_shutdown_in_flight, ())])
     if "queue" in groups:
         with_server(Server("queue", ["--enable-metrics", "--max-running-requests", "1"]), [(test_queued_disconnect, ())])
+    if "tokfree" in groups:
+        with_server(Server("tokfree", ["--skip-tokenizer-init", "--enable-metrics"]), [(test_tokfree, ())])
+    if "dummy" in groups:
+        # a folder like config/models/*: config.json alone
+        with tempfile.TemporaryDirectory(prefix="moeserve-config-only-") as folder:
+            shutil.copy(os.path.join(ROOT, "tests/data/tiny-qwen3-moe/config.json"), folder)
+            test_dummy_refuses(folder)
+            with_server(Server("dummy", ["--load-format", "dummy", "--skip-tokenizer-init"], model=folder),
+                        [(test_dummy, (folder,))])
     if VERBOSE:
         print("total %.1f s" % (time.time() - t0))
     print(R.summary())
