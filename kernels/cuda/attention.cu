@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(G / GW * 32)
                       const float *__restrict__ q, const float *__restrict__ kc,
                       const float *__restrict__ vc, const int32_t *__restrict__ pos,
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
-                      int t0, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+                      int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
     constexpr int NT = G / GW * 32, D4 = DH / 4;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
@@ -440,22 +440,23 @@ __global__ void __launch_bounds__(G / GW * 32)
     __shared__ float fw[ATTN_SLICES * G], sm[G], sl[G];
     __shared__ int last;
 
-    grid_dependency_wait();
+    // Before the wait for the kernel before (programmatic dependent launch) only what that kernel
+    // cannot be writing is read: the batch's positions, sequences and page table (staged before
+    // the step), and the cache rows of positions no token of this batch stores. A decode step's
+    // past context is then on its way while the q/k/v projection still runs; q and this step's
+    // own rows are read after the wait.
     grid_launch_dependents();
     const int tl = blockIdx.x, hg = blockIdx.y, j = blockIdx.z;
     const int t = t0 + tl, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    // q first: it does not wait for the position
-    const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
-    for (int i = tid; i < G * D4; i += NT)
-        cp_async16(&qs[i], qt + i);
     const int n = pos[t] + 1; // positions 0..pos[t]
-    const int sq = seq[t];    // requested with the position, not after it
+    const int sq = seq[t];
     const int p0 = j * ATTN_SLICE;
-    if (p0 >= n) {
-        asm volatile("cp.async.wait_all;\n" ::: "memory"); // q must land before the block ends
-        return;
-    }
+    if (p0 >= n) return;
+    int first_new = n - 1; // the lowest position a token of this batch stores for sequence sq
+    for (int u = 0; u < T; u++)
+        if (seq[u] == sq && pos[u] < first_new) first_new = pos[u];
     const int nv = min(ATTN_SLICE, n - p0); // valid positions of this slice
+    const bool early = p0 + nv <= first_new; // every row of the slice was stored by an earlier step
     const int c = j / ATTN_SLICES;
     const int g = hg * G / (H / Hkv); // kv head
     if (tid < nv) {
@@ -466,13 +467,30 @@ __global__ void __launch_bounds__(G / GW * 32)
     const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
     const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
     const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
-    for (int e = tid; e < nv * D4; e += NT)
-        cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
-    cp_async_commit(); // group: q and K
-    for (int e = tid; e < nv * D4; e += NT)
-        cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
-    cp_async_commit();
-    cp_async_wait<1>();
+    if (early) {
+        for (int e = tid; e < nv * D4; e += NT)
+            cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+        cp_async_commit(); // group: K
+        for (int e = tid; e < nv * D4; e += NT)
+            cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+        cp_async_commit(); // group: V
+    }
+    grid_dependency_wait();
+    const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
+    for (int i = tid; i < G * D4; i += NT)
+        cp_async16(&qs[i], qt + i);
+    if (!early)
+        for (int e = tid; e < nv * D4; e += NT)
+            cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+    cp_async_commit(); // group: q (and K)
+    if (!early) {
+        for (int e = tid; e < nv * D4; e += NT)
+            cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+        cp_async_commit(); // group: V
+        cp_async_wait<1>(); // q and K
+    } else {
+        cp_async_wait<0>(); // K and V long since, q now
+    }
     __syncthreads();
 
     // ---- scores of the warp's heads h0.. (the lane layout of attn_chunk_kernel) ----
@@ -1100,8 +1118,8 @@ template <int DH, int G> static void launch_slices(const attn_args &a) {
     const attn_batch *b = a.b;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a.out, a.slice_o, a.slice_ml, a.part_o, a.part_ml,
                                   a.cnt, a.q, (const float *)a.kv.k, (const float *)a.kv.v,
-                                  b->pos, b->seq, b->page_table, a.t0, a.H, a.Hkv, b->max_pages,
-                                  b->page_size, a.NC, a.scale));
+                                  b->pos, b->seq, b->page_table, a.t0, b->T, a.H, a.Hkv,
+                                  b->max_pages, b->page_size, a.NC, a.scale));
 }
 
 template <int DH, int G> static void launch_chunks(const attn_args &a, int tile_qt) {
