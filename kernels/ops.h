@@ -53,6 +53,37 @@ typedef struct {
     dtype wdtype;       /* dtype of the backend copies */
 } moe_experts;
 
+/* One logit row of ops->sample: what to do with it. The draw follows runner/sampler.c (its
+ * header says the order: penalties -> temperature -> top-k -> top-p -> min-p -> draw). */
+enum { SAMPLE_DRAW, SAMPLE_SCORE, SAMPLE_SKIP };
+#define OPS_SAMPLE_GREEDY_EPS 1e-6f /* runner/sampler.h's SAMPLER_GREEDY_EPS */
+#define OPS_SAMPLE_TOP_P_SLACK 1e-6 /* runner/sampler.c's SAMPLER_TOP_P_SLACK */
+typedef struct {
+    uint64_t seed;            /* SAMPLE_DRAW: the generator's key (the request's seed) */
+    uint64_t position;        /* and its counter (the index of the token being sampled) */
+    float temperature;        /* below OPS_SAMPLE_GREEDY_EPS: greedy */
+    float top_p;              /* (0, 1]; 1 = off */
+    float min_p;              /* [0, 1]; 0 = off */
+    int32_t top_k;            /* -1 (all) or >= 1; 1 = greedy */
+    float repetition_penalty; /* (0, 2]; 1 = off */
+    float frequency_penalty;  /* 0 = off */
+    float presence_penalty;   /* 0 = off */
+    int32_t mode;             /* SAMPLE_DRAW, SAMPLE_SCORE (the logprob of target), SAMPLE_SKIP */
+    int32_t target;           /* SAMPLE_SCORE: the token scored, in [0, V) */
+    int32_t pen_start, n_pen; /* SAMPLE_DRAW: this row's penalty entries pen[pen_start ..) */
+    int32_t want_logprob;     /* 1: logprobs[r] = log_softmax(the unpenalized row)[tokens[r]] */
+    int32_t top_n;            /* top logprobs wanted, 0 .. the call's top_n_max */
+    int32_t pad_;
+} sample_row;
+
+/* A token of a row's context for the penalties: each distinct id of prompt + output once, with
+ * its count in the output (0: prompt only). Only output ids are needed when the repetition
+ * penalty is off. */
+typedef struct {
+    int32_t id;
+    int32_t count;
+} sample_penalty;
+
 typedef struct ops {
     const char *name;
     device_kind device;
@@ -171,7 +202,34 @@ typedef struct ops {
 
     /* out[n] = a[n] + b[n]; out may equal a. */
     void (*add)(float *out, const float *a, const float *b, int64_t n);
+
+    /* Score and sample on the device (NULL where the backend has none; the engine then copies
+     * the logits to the host and uses runner/sampler.c). Row r of logits[n, V] does what
+     * rows[r].mode says:
+     *   SAMPLE_SCORE  tokens[r] = target; logprobs[r] = log_softmax(row)[target] (always).
+     *   SAMPLE_DRAW   tokens[r] = sampler_sample() of the row with rows[r]'s parameters, the
+     *                 penalty entries pen[pen_start .. pen_start + n_pen) (distinct ids: the
+     *                 caller builds them) and the counter-based generator of
+     *                 common/counter_rng.h at (seed, position); logprobs[r] as want_logprob says.
+     *   SAMPLE_SKIP   nothing (tokens[r] = -1).
+     * Where rows[r].top_n > 0: top_ids[r, 0 .. top_n) and top_logprobs[r, ..] (both
+     * [n, top_n_max]) = the top_n largest of log_softmax(row), descending, ties by id.
+     * Logprobs are of the row as given (before penalties and temperature); a logprob not wanted
+     * is NaN. logits is only read (the penalties go to a copy in the backend's workspace). Every
+     * pointer is device memory; rows and pen are read on the device. Not for graph capture: the
+     * workspace grows on demand.
+     * Agreement with runner/sampler.c (tests/test_cuda_sampling.c): greedy tokens exactly;
+     * logprobs to fp32 rounding; a draw sees the CPU's distribution, its token the CPU's except
+     * where u * kept mass falls within rounding of a token's boundary (the kernels keep the
+     * probability masses in fixed point, so results are the same bits run after run and do not
+     * depend on the other rows). top_n_max <= OPS_SAMPLE_TOP_N_MAX. */
+    void (*sample)(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_logprobs,
+                   const float *logits, const sample_row *rows, const sample_penalty *pen, int n,
+                   int V, int top_n_max);
 } ops;
+
+/* The largest top_n ops->sample takes (the server's top_logprobs_num is at most 20). */
+#define OPS_SAMPLE_TOP_N_MAX 32
 
 /* The hash behind fill_random: element i of stream seed as a uniform number in [-1, 1), with 24
  * random bits. Shared by the backends so dummy weights are identical everywhere. */

@@ -30,7 +30,8 @@ int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_token
 /* The device copies of the batch (backends whose memory is not the host's). */
 static void engine_free_staging(engine *e) {
     const ops *o = e->m ? e->m->ops : NULL;
-    void *bufs[] = {e->d_ids, e->d_pos, e->d_seq, e->d_rows, e->d_table, e->d_logits};
+    void *bufs[] = {e->d_ids,   e->d_pos,    e->d_seq,       e->d_rows,
+                    e->d_table, e->d_logits, e->d_sample_in, e->d_sample_out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) o->dev_free(bufs[i]);
 }
@@ -218,6 +219,10 @@ void engine_free(engine *e) {
     free(e->pos);
     free(e->seq_of);
     free(e->rows);
+    free(e->h_sample_in);
+    free(e->h_sample_out);
+    free(e->pen_mark);
+    free(e->pen_slot);
     *e = (engine){0};
 }
 
@@ -346,81 +351,188 @@ static void engine_reserve(engine *e, int T) {
     e->cap_T = T;
 }
 
-int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_table,
-                int max_pages) {
-    model *m = e->m;
-    int V = m->cfg.vocab_size, S = e->kv.page_size, T = 0, n_rows = 0;
-    e->last_forward_seconds = e->last_sample_seconds = 0.0;
+/* Whether this step scores and samples on the device (ops->sample): a backend with the op whose
+ * memory is not the host's, unless the caller asked for the host path, and top-N within what the
+ * op takes. */
+static bool engine_device_sampling(const engine *e, engine_seq *const *seqs, int n) {
+    const ops *o = e->m->ops;
+    if (!o->sample || o->device == DEVICE_CPU || e->sample_on_host) return false;
     for (int i = 0; i < n; i++)
-        T += seqs[i]->take;
-    if (T == 0 && e->runtime_max == 0) return 0;
-    MS_ASSERT(e->runtime_max == 0 || T <= e->runtime_max);
-    engine_reserve(e, T > 0 ? T : 1);
-    int32_t *ids = e->ids, *pos = e->pos, *seq_of = e->seq_of, *rows = e->rows;
-    T = 0;
-    for (int i = 0; i < n; i++) {
-        engine_seq *s = seqs[i];
+        if (seqs[i]->top_n > OPS_SAMPLE_TOP_N_MAX) return false;
+    return true;
+}
+
+static bool sampling_penalized(const sampling_params *p) {
+    return (p->repetition_penalty != 1.0f && p->repetition_penalty > 0.0f) ||
+           p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f;
+}
+
+/* The penalty list of s's next draw (ops->sample's sample_penalty, what sampler_sample derives from
+ * prompt and outputs): each distinct output id with its count, then, when the repetition penalty
+ * is on, each prompt id not listed yet. Returns the entries written (at most n_prompt + n_out). */
+static int engine_penalty_list(engine *e, const engine_seq *s, sample_penalty *out) {
+    const gen_request *q = s->req;
+    const sampling_params *p = &q->sampling;
+    if (!sampling_penalized(p)) return 0;
+    bool rep = p->repetition_penalty != 1.0f && p->repetition_penalty > 0.0f;
+    int V = e->m->cfg.vocab_size;
+    if (!e->pen_mark) {
+        e->pen_mark = xcalloc((size_t)V, sizeof *e->pen_mark);
+        e->pen_slot = xmalloc((size_t)V * sizeof *e->pen_slot);
+        e->pen_gen = 0;
+    }
+    if (++e->pen_gen == 0) { /* wrapped: an old stamp could collide */
+        memset(e->pen_mark, 0, (size_t)V * sizeof *e->pen_mark);
+        e->pen_gen = 1;
+    }
+    uint32_t g = e->pen_gen;
+    int n = 0;
+    const int32_t *outputs = s->tokens + q->n_prompt;
+    for (int i = 0; i < s->n_out; i++) {
+        int32_t id = outputs[i];
+        if (id < 0 || id >= V) continue;
+        if (e->pen_mark[id] != g) {
+            e->pen_mark[id] = g;
+            e->pen_slot[id] = n;
+            out[n++] = (sample_penalty){.id = id, .count = 0};
+        }
+        out[e->pen_slot[id]].count++;
+    }
+    for (int i = 0; rep && i < q->n_prompt; i++) {
+        int32_t id = q->prompt[i];
+        if (id < 0 || id >= V || e->pen_mark[id] == g) continue;
+        e->pen_mark[id] = g;
+        out[n++] = (sample_penalty){.id = id, .count = 0};
+    }
+    return n;
+}
+
+/* Host and device buffers of at least bytes (contents not kept). */
+static void sample_buf_reserve(const ops *o, void **h, void **d, size_t *cap, size_t bytes) {
+    if (bytes <= *cap) return;
+    size_t c = *cap * 2 > bytes ? *cap * 2 : bytes;
+    free(*h);
+    *h = xmalloc(c);
+    *d = dev_grow(o, *d, c);
+    *cap = c;
+}
+
+/* Score and sample the step's n_rows rows on the device from the logits at d_logits (ops->sample):
+ * the rows' parameters and penalty lists go up in one copy, tokens, logprobs and top-N come back in
+ * one. Fills what the host path fills: row_kind, row_token, row_logprob, and the input logprob and
+ * top-N sinks (one sampled row per sequence: its n_out is still the entry's index). */
+static void engine_sample_device(engine *e, engine_seq *const *seqs, const float *d_logits,
+                                 int n_rows) {
+    if (n_rows == 0) return;
+    const ops *o = e->m->ops;
+    int V = e->m->cfg.vocab_size, top_n_max = 0;
+    const int32_t *rows = e->rows, *pos = e->pos;
+    size_t n_pen_max = 0;
+    for (int r = 0; r < n_rows; r++) {
+        const engine_seq *s = seqs[e->row_seq[r]];
         const gen_request *q = s->req;
-        MS_ASSERT(s->n_computed + s->take <= s->n_tokens);
-        MS_ASSERT(s->take == 0 || (s->n_computed + s->take + S - 1) / S <= s->n_pages);
-        for (int j = 0; j < s->take; j++) {
-            int p = s->n_computed + j;
-            ids[T] = s->tokens[p];
-            pos[T] = p;
-            seq_of[T] = s->slot; /* its page-table row */
-            /* a row scores prompt token p + 1, or samples after the last token */
-            if ((p + 1 >= s->next_score && p + 1 < q->n_prompt) || p == s->n_tokens - 1)
-                rows[n_rows++] = T;
-            T++;
+        bool scored = pos[rows[r]] + 1 < q->n_prompt;
+        if (!scored && q->max_new_tokens == 0) continue;
+        if (s->top_n > top_n_max && (scored ? s->in_top_ids : s->out_top_ids)) top_n_max = s->top_n;
+        if (!scored && sampling_penalized(&q->sampling))
+            n_pen_max += (size_t)q->n_prompt + (size_t)s->n_out;
+    }
+    size_t rows_bytes = (size_t)n_rows * sizeof(sample_row);
+    sample_buf_reserve(o, &e->h_sample_in, &e->d_sample_in, &e->cap_sample_in,
+                       rows_bytes + n_pen_max * sizeof(sample_penalty));
+    sample_row *sr = e->h_sample_in;
+    sample_penalty *pen = (sample_penalty *)((char *)e->h_sample_in + rows_bytes);
+    int n_pen = 0;
+    for (int r = 0; r < n_rows; r++) {
+        engine_seq *s = seqs[e->row_seq[r]];
+        const gen_request *q = s->req;
+        int p = pos[rows[r]], N = s->top_n;
+        if (p + 1 < q->n_prompt) {
+            sr[r] = (sample_row){.mode = SAMPLE_SCORE,
+                                 .target = s->tokens[p + 1],
+                                 .want_logprob = 1,
+                                 .top_n = N > 0 && s->in_top_ids ? N : 0};
+            e->row_kind[r] = ROW_SCORED;
+            continue;
+        }
+        if (q->max_new_tokens == 0) {
+            sr[r] = (sample_row){.mode = SAMPLE_SKIP};
+            e->row_kind[r] = ROW_NOTHING;
+            continue;
+        }
+        const sampling_params *sp = &q->sampling;
+        int cnt = engine_penalty_list(e, s, pen + n_pen);
+        sr[r] = (sample_row){.seed = sp->seed,
+                             .position = (uint64_t)s->n_tokens,
+                             .temperature = sp->temperature,
+                             .top_p = sp->top_p,
+                             .min_p = sp->min_p,
+                             .top_k = sp->top_k,
+                             .repetition_penalty = sp->repetition_penalty,
+                             .frequency_penalty = sp->frequency_penalty,
+                             .presence_penalty = sp->presence_penalty,
+                             .mode = SAMPLE_DRAW,
+                             .target = -1,
+                             .pen_start = n_pen,
+                             .n_pen = cnt,
+                             .want_logprob = q->return_logprob,
+                             .top_n = N > 0 && s->out_top_ids ? N : 0};
+        n_pen += cnt;
+        e->row_kind[r] = ROW_SAMPLED;
+    }
+    o->to_device(e->d_sample_in, e->h_sample_in,
+                 rows_bytes + (size_t)n_pen * sizeof(sample_penalty));
+
+    size_t NT = (size_t)top_n_max, R = (size_t)n_rows;
+    sample_buf_reserve(o, &e->h_sample_out, &e->d_sample_out, &e->cap_sample_out,
+                       R * (2 + 2 * NT) * sizeof(int32_t));
+    int32_t *d_tok = e->d_sample_out;
+    float *d_lp = (float *)(d_tok + R);
+    int32_t *d_top_ids = (int32_t *)(d_lp + R);
+    float *d_top_lps = (float *)(d_top_ids + R * NT);
+    o->sample(d_tok, d_lp, d_top_ids, d_top_lps, d_logits, e->d_sample_in,
+              (const sample_penalty *)((const char *)e->d_sample_in + rows_bytes), n_rows, V,
+              top_n_max);
+    o->to_host(e->h_sample_out, e->d_sample_out, R * (2 + 2 * NT) * sizeof(int32_t));
+
+    const int32_t *tok = e->h_sample_out;
+    const float *lp = (const float *)(tok + R);
+    const int32_t *top_ids = (const int32_t *)(lp + R);
+    const float *top_lps = (const float *)(top_ids + R * NT);
+    for (int r = 0; r < n_rows; r++) {
+        engine_seq *s = seqs[e->row_seq[r]];
+        const gen_request *q = s->req;
+        int n_top = sr[r].top_n < V ? sr[r].top_n : V; /* as top_n_select writes */
+        int32_t *sink_ids = NULL;
+        float *sink_lps = NULL;
+        if (e->row_kind[r] == ROW_SCORED) {
+            int k = pos[rows[r]] + 1 - q->logprob_start_len;
+            s->in_logprobs[k] = lp[r];
+            if (n_top > 0) {
+                sink_ids = s->in_top_ids + (size_t)k * s->top_n;
+                sink_lps = s->in_top_logprobs + (size_t)k * s->top_n;
+            }
+        } else if (e->row_kind[r] == ROW_SAMPLED) {
+            e->row_token[r] = tok[r];
+            e->row_logprob[r] = q->return_logprob ? lp[r] : NAN;
+            if (n_top > 0) {
+                sink_ids = s->out_top_ids + (size_t)s->n_out * s->top_n;
+                sink_lps = s->out_top_logprobs + (size_t)s->n_out * s->top_n;
+            }
+        }
+        if (sink_ids) {
+            memcpy(sink_ids, top_ids + (size_t)r * NT, (size_t)n_top * sizeof(int32_t));
+            memcpy(sink_lps, top_lps + (size_t)r * NT, (size_t)n_top * sizeof(float));
         }
     }
-    if (n_rows > e->cap_logits) {
-        e->logits = xrealloc(e->logits, (size_t)n_rows * V * sizeof(float));
-        e->cap_logits = n_rows;
-    }
-    forward_batch fb = {.T = T,
-                        .ids = ids,
-                        .attn = {.T = T,
-                                 .pos = pos,
-                                 .seq = seq_of,
-                                 .page_table = page_table,
-                                 .max_pages = max_pages,
-                                 .page_size = S},
-                        .n_logits = n_rows,
-                        .logit_rows = rows,
-                        .runtime_max = e->runtime_max};
-    double t0 = now_seconds();
-    int rc;
-    if (m->ops->device == DEVICE_CPU) {
-        rc = m->arch->forward(m, &e->kv, &fb, e->logits);
-    } else if (graph_step_ok(e, seqs, n, T, n_rows)) {
-        rc = engine_graph_forward(e, &fb, seqs, page_table, max_pages);
-        if (rc == 0)
-            m->ops->to_host(e->logits, e->g_logits, (size_t)n_rows * V * sizeof(float));
-    } else {
-        int n_seq = 0;
-        for (int i = 0; i < n; i++)
-            if (seqs[i]->slot + 1 > n_seq) n_seq = seqs[i]->slot + 1;
-        engine_stage(e, &fb, page_table, n_seq * max_pages);
-        rc = m->arch->forward(m, &e->kv, &fb, e->d_logits);
-        if (rc == 0)
-            m->ops->to_host(e->logits, e->d_logits, (size_t)n_rows * V * sizeof(float));
-    }
-    double t1 = now_seconds();
-    e->last_forward_seconds = t1 - t0;
-    if (rc != 0) return -1;
+}
 
-    /* Score and sample. A row's sequence is found by walking the sequences alongside, since
-     * both go in batch order. The rows' arithmetic (log-softmax, top-N, the draw, which depends
-     * only on the request's seed and the position) runs in parallel, each thread with its own
-     * V-sized buffer; then, in row order, tokens are appended and the callbacks run. */
-    engine_reserve_rows(e, n_rows);
-    int si = 0, first = 0; /* seqs[si] owns batch rows [first, first + seqs[si]->take) */
-    for (int r = 0; r < n_rows; r++) {
-        while (rows[r] >= first + seqs[si]->take)
-            first += seqs[si++]->take;
-        e->row_seq[r] = si;
-    }
+/* Score and sample the step's n_rows rows on the host from e->logits (runner/sampler.c). The rows'
+ * arithmetic (log-softmax, top-N, the draw, which depends only on the request's seed and the
+ * position) runs in parallel, each thread with its own V-sized buffer. */
+static void engine_sample_host(engine *e, engine_seq *const *seqs, int n_rows) {
+    int V = e->m->cfg.vocab_size;
+    const int32_t *rows = e->rows, *pos = e->pos;
 #pragma omp parallel for schedule(dynamic, 1) if (n_rows > 1 && (int64_t)n_rows * V >= (1 << 16))
     for (int r = 0; r < n_rows; r++) {
         engine_seq *s = seqs[e->row_seq[r]];
@@ -455,6 +567,97 @@ int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_t
         e->row_token[r] = tok;
         e->row_logprob[r] = lp;
     }
+}
+
+int engine_step(engine *e, engine_seq *const *seqs, int n, const int32_t *page_table,
+                int max_pages) {
+    model *m = e->m;
+    int V = m->cfg.vocab_size, S = e->kv.page_size, T = 0, n_rows = 0;
+    e->last_forward_seconds = e->last_sample_seconds = 0.0;
+    for (int i = 0; i < n; i++)
+        T += seqs[i]->take;
+    if (T == 0 && e->runtime_max == 0) return 0;
+    MS_ASSERT(e->runtime_max == 0 || T <= e->runtime_max);
+    engine_reserve(e, T > 0 ? T : 1);
+    int32_t *ids = e->ids, *pos = e->pos, *seq_of = e->seq_of, *rows = e->rows;
+    T = 0;
+    for (int i = 0; i < n; i++) {
+        engine_seq *s = seqs[i];
+        const gen_request *q = s->req;
+        MS_ASSERT(s->n_computed + s->take <= s->n_tokens);
+        MS_ASSERT(s->take == 0 || (s->n_computed + s->take + S - 1) / S <= s->n_pages);
+        for (int j = 0; j < s->take; j++) {
+            int p = s->n_computed + j;
+            ids[T] = s->tokens[p];
+            pos[T] = p;
+            seq_of[T] = s->slot; /* its page-table row */
+            /* a row scores prompt token p + 1, or samples after the last token */
+            if ((p + 1 >= s->next_score && p + 1 < q->n_prompt) || p == s->n_tokens - 1)
+                rows[n_rows++] = T;
+            T++;
+        }
+    }
+    /* With sampling on the device the logits stay there (d_out): no host copy. */
+    bool dev_sample = engine_device_sampling(e, seqs, n);
+    const float *d_out = NULL;
+    if (!dev_sample && n_rows > e->cap_logits) {
+        e->logits = xrealloc(e->logits, (size_t)n_rows * V * sizeof(float));
+        e->cap_logits = n_rows;
+    }
+    forward_batch fb = {.T = T,
+                        .ids = ids,
+                        .attn = {.T = T,
+                                 .pos = pos,
+                                 .seq = seq_of,
+                                 .page_table = page_table,
+                                 .max_pages = max_pages,
+                                 .page_size = S},
+                        .n_logits = n_rows,
+                        .logit_rows = rows,
+                        .runtime_max = e->runtime_max};
+    double t0 = now_seconds();
+    int rc;
+    if (m->ops->device == DEVICE_CPU) {
+        rc = m->arch->forward(m, &e->kv, &fb, e->logits);
+    } else if (graph_step_ok(e, seqs, n, T, n_rows)) {
+        rc = engine_graph_forward(e, &fb, seqs, page_table, max_pages);
+        if (rc == 0 && dev_sample) {
+            m->ops->sync(); /* the forward's time is its own */
+            d_out = e->g_logits;
+        } else if (rc == 0) {
+            m->ops->to_host(e->logits, e->g_logits, (size_t)n_rows * V * sizeof(float));
+        }
+    } else {
+        int n_seq = 0;
+        for (int i = 0; i < n; i++)
+            if (seqs[i]->slot + 1 > n_seq) n_seq = seqs[i]->slot + 1;
+        engine_stage(e, &fb, page_table, n_seq * max_pages);
+        rc = m->arch->forward(m, &e->kv, &fb, e->d_logits);
+        if (rc == 0 && dev_sample) {
+            m->ops->sync();
+            d_out = e->d_logits;
+        } else if (rc == 0) {
+            m->ops->to_host(e->logits, e->d_logits, (size_t)n_rows * V * sizeof(float));
+        }
+    }
+    double t1 = now_seconds();
+    e->last_forward_seconds = t1 - t0;
+    if (rc != 0) return -1;
+
+    /* Score and sample. A row's sequence is found by walking the sequences alongside, since
+     * both go in batch order. The rows' arithmetic runs on the host or on the device; then, in
+     * row order, tokens are appended and the callbacks run. */
+    engine_reserve_rows(e, n_rows);
+    int si = 0, first = 0; /* seqs[si] owns batch rows [first, first + seqs[si]->take) */
+    for (int r = 0; r < n_rows; r++) {
+        while (rows[r] >= first + seqs[si]->take)
+            first += seqs[si++]->take;
+        e->row_seq[r] = si;
+    }
+    if (dev_sample)
+        engine_sample_device(e, seqs, d_out, n_rows);
+    else
+        engine_sample_host(e, seqs, n_rows);
     for (int r = 0; r < n_rows; r++) {
         engine_seq *s = seqs[e->row_seq[r]];
         switch (e->row_kind[r]) {

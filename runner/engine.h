@@ -124,6 +124,17 @@ typedef struct {
     int runtime_max;
     double last_forward_seconds; /* wall time of the last engine_step's forward pass */
     double last_sample_seconds;  /* and of its scoring and sampling after the forward */
+    /* Scoring and sampling on the device (ops->sample, where the backend has it and its memory is
+     * not the host's): only tokens, logprobs and top-N come back. sample_on_host (a caller's
+     * switch, off by default) keeps the host path: logits copied back, runner/sampler.c. */
+    bool sample_on_host;
+    void *h_sample_in, *d_sample_in;   /* a step's sample_row[n_rows], then its penalty lists */
+    size_t cap_sample_in;              /* bytes of each */
+    void *h_sample_out, *d_sample_out; /* tokens, logprobs, top ids, top logprobs of a step */
+    size_t cap_sample_out;             /* bytes of each */
+    uint32_t *pen_mark;                /* [V] generation stamps while building a penalty list */
+    int32_t *pen_slot;                 /* [V] a marked id's entry in the list */
+    uint32_t pen_gen;
 } engine;
 
 /* Replay decode steps of up to max_bs sequences as CUDA graphs (steps where every sequence

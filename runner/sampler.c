@@ -28,6 +28,7 @@
  *   trusting them with memory. */
 #include "runner/sampler.h"
 
+#include "common/counter_rng.h"
 #include "common/log.h"
 
 #include <math.h>
@@ -43,8 +44,6 @@
 /* Up to this top_k the selection is a bounded heap; above it the bucketed order (which sorts
  * the bucket holding the k-th token) is cheaper than n log k heap work. */
 #define SAMPLER_HEAP_MAX_K 256
-
-#define SAMPLER_GOLDEN 0x9e3779b97f4a7c15ull
 
 typedef struct {
     uint64_t *keys; /* [cap] packed (probability, id) sort keys */
@@ -149,18 +148,10 @@ const char *sampling_params_check(const sampling_params *p) {
     return NULL;
 }
 
-static uint64_t splitmix64(uint64_t x) {
-    uint64_t z = x + SAMPLER_GOLDEN;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* Mixing the counter before xoring in the seed keeps (seed, counter) and (seed ^ d,
- * counter ^ d) apart, which a plain seed ^ counter would merge. */
+/* The generator lives in common/counter_rng.h so that the CUDA sampling kernels draw the same
+ * bits. */
 double sampler_uniform(uint64_t seed, uint64_t counter) {
-    uint64_t z = splitmix64(seed ^ splitmix64(counter));
-    return (double)(z >> 11) * (1.0 / 9007199254740992.0); /* 2^53 */
+    return counter_rng_uniform(seed, counter);
 }
 
 /* Lowest id among the largest values; NaN never wins. */

@@ -29,7 +29,8 @@ sampling_params sampling_params_default(void);
 /* Returns NULL when p is valid, else a message naming the bad field (for a 400 / flag error). */
 const char *sampling_params_check(const sampling_params *p);
 
-/* A uniform double in [0, 1) from (seed, counter): splitmix64 of both, 53 bits. */
+/* A uniform double in [0, 1) from (seed, counter): splitmix64 of both, 53 bits
+ * (common/counter_rng.h, which the CUDA sampling kernels share). */
 double sampler_uniform(uint64_t seed, uint64_t counter);
 
 /* Sample one token from logits[V] (modified in place: scratch). prompt[n_prompt] and

@@ -5,6 +5,7 @@
  * Statistical checks are deterministic (the generator is keyed by seed and position), and each
  * states its tolerance: an empirical frequency f of a token with probability p over N draws
  * must satisfy |f - p| <= 5 * sqrt(p (1 - p) / N), about 0.018 at N = 20000 and p = 0.5. */
+#include "common/counter_rng.h"
 #include "runner/sampler.h"
 #include "tests/check.h"
 
@@ -174,6 +175,12 @@ static void test_uniform(void) {
     CHECK(sampler_uniform(1, 5) != sampler_uniform(1, 6), "counter ignored");
     /* (seed, counter) and (seed ^ d, counter ^ d) must not collide. */
     CHECK(sampler_uniform(3, 0) != sampler_uniform(0, 3), "seed/counter symmetric");
+    /* The bits are pinned: the generator lives in common/counter_rng.h, shared with the CUDA
+     * sampling kernels, and a seeded request's output must not change when it moves. */
+    CHECK(counter_rng_bits(1, 5) == 0xe17b6d147da182daull, "generator bits moved: %016llx",
+          (unsigned long long)counter_rng_bits(1, 5));
+    CHECK(sampler_uniform(1, 5) == (double)(0xe17b6d147da182daull >> 11) / 9007199254740992.0,
+          "sampler_uniform is not the top 53 bits of counter_rng_bits");
 }
 
 static void test_greedy(void) {

@@ -74,6 +74,11 @@ void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
                     int Dh, float scale);
 
+/* sampling.cu */
+void cuda_sample(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_logprobs,
+                 const float *logits, const sample_row *rows, const sample_penalty *pen, int n,
+                 int V, int top_n_max);
+
 #ifdef __cplusplus
 }
 #endif

@@ -183,6 +183,7 @@ static const ops cuda_ops_table = {
     .moe_finalize_add_rmsnorm = cuda_moe_finalize_add_rmsnorm,
     .silu_mul = cuda_silu_mul,
     .add = cuda_add,
+    .sample = cuda_sample,
 };
 
 extern "C" const ops *ops_cuda(int device, char *err, size_t errlen) {
