@@ -865,7 +865,7 @@ static void test_qwen3(bool compare, bool decode_only, int max_T) {
     model m;
     model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
     if (model_prepare(&m) == 0 && compare) {
-        const int Ts[] = {1, 2, 3, 4, 5, 8, 64, 256, 1024, 2048};
+        const int Ts[] = {1, 2, 3, 4, 5, 8, 64, 256, 512, 1024, 2048};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
             if (!decode_only || Ts[i] <= 64)
                 run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 128, Ts[i] <= 256, NULL);

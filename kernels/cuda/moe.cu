@@ -77,17 +77,47 @@
 // tile) and BN x BK weight tiles, all BF16, in shared memory (16-byte chunks XOR-swizzled by row so
 // ldmatrix is conflict-free), ldmatrix.x4 fragments (high at decode sizes: the next k16 step's
 // loaded while this one's products run), one mma.sync per 16x8 output tile per k16 step and
-// activation part. Three tile shapes per precision, picked from the mean pairs per expert:
-// decode (BM 16, memory-bound on the weights), middle and prefill (BM 128). An output element
+// activation part. Tile shapes picked from the mean pairs per expert: decode (BM 16, up to 12
+// pairs per expert), middle (BM 64, up to 48; high up to 96), medium's wide middle (BM 128, 48 to
+// 96) and prefill (BM 128, 2 x 4 warps). An output element
 // always sums its k16 products in increasing k into one fp32 accumulator (high: at each k16 step
 // the hi product, then the lo one): no split-K, so a token's result is bit-identical whatever the
 // batch, the routing of the others or the tile shape, in either precision.
+//
+// Middle sizes (H200, one run, every candidate passing the tolerance and bit-identity checks;
+// weight bytes of the experts touched over time against the 1 GiB copy rate, 4225 GB/s; medium /
+// high; before: the middle shape of 2 x 4 warps with 32 x 32 warp tiles, BM 64, and the decode
+// shape up to 24 pairs per expert):
+//   Qwen3-30B-A3B's experts      before                  now
+//     16 per expert (T 256)      75.6% / 76.5% (decode)  90.6% / 84.6%  (middle)
+//     32 (T 512)                 81.8% / 53.1%           85.0% / 74.0%  (middle)
+//     64 (T 1024)                57.9% / 34.3%           70.4% / 45.9%  (wide / middle)
+//   DeepSeek-V3 shape
+//     32 (T 1024)                93.0% / 55.9%           95.3% / 75.3%
+//     64 (T 2048)                56.9% / 35.9%           86.6% / 52.4%
+// The old middle shape was held back by its warps: two warp rows, so at tens of rows per tile
+// the second row of warps idled, and 32 x 32 warp tiles load a fragment per two products. One
+// row of four warps (64 x 32 each) fixed most of it. Compiling the main loop per count of busy
+// m16 tiles (BUSY_STATIC) on the old shape alone: 87.7 -> 91.6% at 16, 57.9 -> 68.4% at 64 in
+// medium, 34.3 -> 40.6% in high. Also tried, at 16 / 32 / 64 per expert (Qwen3 medium, high):
+//   BM 128 x BN 128, 1 x 4 warps, 4 / 3 stages, one block per SM: 71.6 / 67.0 / 57.6%,
+//     58.4 / 50.2 / 35.1%; with 3 / 2 stages, two blocks per SM: 85.5 / 79.9 / 70.4%, 67.2 /
+//     60.0 / 45.0% (the wide shape kept for medium: DeepSeek-V3 at 64 86.6% against 71.7%).
+//   BM 64 x BN 256, 1 x 4 warps of 64 x 64, 3 stages (spills in medium's GEMM 2): 83.6 / 77.6 /
+//     58.5%, 76.0 / 53.3 / 33.9%.
+//   The prefill shape (BM 128 x BN 256, 2 x 4 warps of 64 x 64): 87.6 / 81.6 / 69.7%, 79.0 /
+//     65.4 / 44.9%; BM 128 x BN 256 with 1 x 8 warps of 128 x 32: 83.0 / 77.5 / 68.8%, 77.1 /
+//     65.7 / 44.6%.
+// High at 64 per expert stays under 70%: its two products per k16 step need about 380 TFLOP/s of
+// mma.sync at 70% of the copy rate, and the best shape here gives 124 (the tiles of 128 rows
+// spill with both activation parts' fragments in registers).
 //
 // Shape letters as in kernels/ops.h; n = the pairs routed to local experts (<= T*K). D and F must
 // be multiples of 8 (16-byte rows for cp.async); every model this serves has multiples of 64.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdio>
 #include <cstring>
 
@@ -434,11 +464,16 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
 // ---------------------------------------------------------------------------------------------
 
 // SPLIT: the high precision (activation tiles in two parts, hi and lo).
-template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SPLIT_>
+// BUSY_STATIC: the main loop is compiled once per count of busy m16 row tiles (0..MI) and the
+// block takes the copy for its own count, so the loop is straight-line code without the per-tile
+// branches, and in medium the mma.sync asm is not volatile (the compiler may move products past
+// the next fragment loads). Neither changes an instruction's operands or the order of any sum.
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SPLIT_,
+          bool BUSY_STATIC_ = false>
 struct moe_tile_cfg {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
                          STAGES = STAGES_;
-    static constexpr bool SPLIT = SPLIT_;
+    static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_;
     static constexpr int A_PARTS = SPLIT ? 2 : 1; // activation tiles per stage
     // high with few output tiles per warp (decode): fragments double-buffered across k16 steps
     static constexpr bool PIPE_FRAGS = SPLIT && (BM_ / WARPS_M_ / 16) * (BN_ / WARPS_N_ / 8) <= 4;
@@ -458,8 +493,12 @@ struct moe_tile_cfg {
 
 // Decode: few rows per expert, the weights stream through once; many blocks, deep prefetch.
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_decode;
-// Between: tens of rows per expert.
-typedef moe_tile_cfg<64, 128, 64, 2, 4, 4, false> moe_cfg_mid;
+// Between: tens of rows per expert. Four warps side by side, each with all 64 rows (64 x 32 warp
+// tiles): every warp has the tile's busy rows, and each weight fragment meets four activation
+// fragments. Wide (medium, 48 to 96 pairs per expert): a tile holds all of most experts' rows,
+// so the weights stream once; 128 x 32 warp tiles.
+typedef moe_tile_cfg<64, 128, 64, 1, 4, 4, false, true> moe_cfg_mid;
+typedef moe_tile_cfg<128, 128, 64, 1, 4, 3, false, true> moe_cfg_mid_wide;
 // Prefill: hundreds of rows per expert, bound by the tensor cores; 64 x 64 warp tiles keep the
 // ldmatrix traffic under the mma rate.
 typedef moe_tile_cfg<128, 256, 64, 2, 4, 4, false> moe_cfg_prefill;
@@ -470,7 +509,7 @@ typedef moe_tile_cfg<128, 256, 64, 2, 4, 4, false> moe_cfg_prefill;
 // medium against 23%).
 // Middle: 96 KB, two blocks per SM as in medium. Prefill: 192 KB, as much as medium's 4 stages.
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true> moe_cfg_decode_high;
-typedef moe_tile_cfg<64, 128, 64, 2, 4, 3, true> moe_cfg_mid_high;
+typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true> moe_cfg_mid_high;
 typedef moe_tile_cfg<128, 256, 64, 2, 4, 3, true> moe_cfg_prefill_high;
 
 typedef struct {
@@ -519,6 +558,45 @@ __device__ __forceinline__ void mma_bf16_16816_zero(float *d, const uint32_t *a,
                  "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+// The same two, not volatile: pure functions of their registers, free to be scheduled.
+__device__ __forceinline__ void mma_bf16_16816_nv(float *c, const uint32_t *a, const uint32_t *b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_bf16_16816_zero_nv(float *d, const uint32_t *a,
+                                                       const uint32_t *b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+template <bool NV>
+__device__ __forceinline__ void mma_acc(float *c, const uint32_t *a, const uint32_t *b) {
+    if constexpr (NV)
+        mma_bf16_16816_nv(c, a, b);
+    else
+        mma_bf16_16816(c, a, b);
+}
+template <bool NV>
+__device__ __forceinline__ void mma_zero(float *d, const uint32_t *a, const uint32_t *b) {
+    if constexpr (NV)
+        mma_bf16_16816_zero_nv(d, a, b);
+    else
+        mma_bf16_16816_zero(d, a, b);
+}
+
+// f(std::integral_constant<int, v>{}) for the v in [0, N] that equals n (nothing if none does).
+template <int N, class Fn> __device__ __forceinline__ void with_static_count(int n, Fn &&f) {
+    if constexpr (N >= 0) {
+        if (n == N) {
+            f(std::integral_constant<int, N>{});
+            return;
+        }
+        with_static_count<N - 1>(n, f);
+    }
 }
 
 // Element offset of 16-byte chunk ch of row r in a [rows, BK] tile: chunks XOR-swizzled by r % 8.
@@ -773,120 +851,132 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             }
         }
     }
-    for (int kt = 0; kt < nk; kt++) {
-        cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
-        __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
-        const int nxt = kt + STAGES - 1;
-        if (nxt < nk) {
-            load_a(nxt % STAGES, nxt);
-            load_b(nxt % STAGES, nxt);
-        }
-        cp_async_commit();
-
-        const int slot = kt % STAGES;
-        const uint32_t a_base = sA + slot * AP * BM * BK * 2, b_base = sB + slot * BN * BK * 2;
-        // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
-        auto a_addr = [&](int part, int r, int ch) -> uint32_t {
-            if constexpr (A_FULL) {
-                const int rr = r < rows ? r : 0; // rows past the tile: any data, results unused
-                return sAf + ((part * nk + kt) * R1 * BK + swz<BK>(rr, ch)) * 2;
-            } else {
-                return a_base + (part * BM * BK + swz<BK>(r, ch)) * 2;
+    // mbc: std::integral_constant with the busy m16 row tiles (BUSY_STATIC), else -1 (mi_busy)
+    auto main_loop = [&](auto mbc) {
+        constexpr int MB_STATIC = decltype(mbc)::value;
+        const int mb = MB_STATIC >= 0 ? MB_STATIC : mi_busy;
+        // in high the tiles of 128 rows spilled with volatile products already: kept as timed
+        constexpr bool NV = C::BUSY_STATIC && !C::SPLIT;
+        for (int kt = 0; kt < nk; kt++) {
+            cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
+            __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
+            const int nxt = kt + STAGES - 1;
+            if (nxt < nk) {
+                load_a(nxt % STAGES, nxt);
+                load_b(nxt % STAGES, nxt);
             }
-        };
-        if constexpr (C::PIPE_FRAGS) {
-            // High with few tiles per warp (decode): step kk + 1's fragments load while step kk's
-            // products run. In the loop below the adds after each step's products hold the next
-            // loads back by an mma latency per step; at decode sizes, where a warp has only these
-            // few products to issue, that took 1.3x medium's time (1.15x this way, same stages).
-            // The fragments of step kk: fa[part][mi] of the activations (hi, lo), fb[ni] of the
-            // weights.
-            auto load_frags = [&](uint32_t(&fa)[AP][MI][4], uint32_t(&fb)[NI][2], int kk) {
-#pragma unroll
-                for (int part = 0; part < AP; part++)
-#pragma unroll
-                    for (int mi = 0; mi < MI; mi++) {
-                        const int r = wm * C::WM + mi * 16 + (lane & 15);
-                        if (mi < mi_busy)
-                            ldmatrix_x4(fa[part][mi], a_addr(part, r, kk * 2 + (lane >> 4)));
-                    }
-#pragma unroll
-                for (int p = 0; p < NI / 2; p++) {
-                    const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    uint32_t t[4];
-                    ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
-                    fb[2 * p][0] = t[0];
-                    fb[2 * p][1] = t[1];
-                    fb[2 * p + 1][0] = t[2];
-                    fb[2 * p + 1][1] = t[3];
+            cp_async_commit();
+
+            const int slot = kt % STAGES;
+            const uint32_t a_base = sA + slot * AP * BM * BK * 2, b_base = sB + slot * BN * BK * 2;
+            (void)a_base; // unused where x's rows sit in shared memory whole (A_FULL)
+            // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
+            auto a_addr = [&](int part, int r, int ch) -> uint32_t {
+                if constexpr (A_FULL) {
+                    const int rr = r < rows ? r : 0; // rows past the tile: any data, results unused
+                    return sAf + ((part * nk + kt) * R1 * BK + swz<BK>(rr, ch)) * 2;
+                } else {
+                    return a_base + (part * BM * BK + swz<BK>(r, ch)) * 2;
                 }
             };
-            // the loop below's sums: acc = hi w + acc, then acc += lo w (from zero)
-            auto mma_step = [&](const uint32_t(&fa)[AP][MI][4], const uint32_t(&fb)[NI][2]) {
+            if constexpr (C::PIPE_FRAGS) {
+                // High with few tiles per warp (decode): step kk + 1's fragments load while step
+                // kk's products run. In the loop below the adds after each step's products hold the
+                // next loads back by an mma latency per step; at decode sizes, where a warp has
+                // only these few products to issue, that took 1.3x medium's time (1.15x this way,
+                // same stages). The fragments of step kk: fa[part][mi] of the activations (hi, lo),
+                // fb[ni] of the weights.
+                auto load_frags = [&](uint32_t(&fa)[AP][MI][4], uint32_t(&fb)[NI][2], int kk) {
 #pragma unroll
-                for (int mi = 0; mi < MI; mi++)
-                    if (mi < mi_busy)
+                    for (int part = 0; part < AP; part++)
 #pragma unroll
-                        for (int ni = 0; ni < NI; ni++) {
-                            float t[4];
-                            mma_bf16_16816_zero(t, fa[1][mi], fb[ni]);
-                            mma_bf16_16816(acc[mi][ni], fa[0][mi], fb[ni]);
-#pragma unroll
-                            for (int q = 0; q < 4; q++)
-                                acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
+                        for (int mi = 0; mi < MI; mi++) {
+                            const int r = wm * C::WM + mi * 16 + (lane & 15);
+                            if (mi < mb)
+                                ldmatrix_x4(fa[part][mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                         }
-            };
-            uint32_t fa[2][AP][MI][4], fb[2][NI][2]; // two buffers: step kk in kk & 1
-            load_frags(fa[0], fb[0], 0);
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                if (kk + 1 < BK / 16) load_frags(fa[(kk + 1) & 1], fb[(kk + 1) & 1], kk + 1);
-                mma_step(fa[kk & 1], fb[kk & 1]);
-            }
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                uint32_t af[MI][4], bfr[NI][2];
-                // the weight fragments, loaded once, meet each activation part in turn: hi through
-                // the tensor cores' accumulator, then lo from zero, added in fp32 (see the header)
-#pragma unroll
-                for (int part = 0; part < AP; part++) {
-#pragma unroll
-                    for (int mi = 0; mi < MI; mi++) {
-                        const int r = wm * C::WM + mi * 16 + (lane & 15);
-                        if (mi < mi_busy)
-                            ldmatrix_x4(af[mi], a_addr(part, r, kk * 2 + (lane >> 4)));
+                    for (int p = 0; p < NI / 2; p++) {
+                        const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
+                        uint32_t t[4];
+                        ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
+                        fb[2 * p][0] = t[0];
+                        fb[2 * p][1] = t[1];
+                        fb[2 * p + 1][0] = t[2];
+                        fb[2 * p + 1][1] = t[3];
                     }
-                    if (part == 0)
-#pragma unroll
-                        for (int p = 0; p < NI / 2; p++) {
-                            const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
-                            uint32_t t[4];
-                            ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
-                            bfr[2 * p][0] = t[0];
-                            bfr[2 * p][1] = t[1];
-                            bfr[2 * p + 1][0] = t[2];
-                            bfr[2 * p + 1][1] = t[3];
-                        }
+                };
+                // the loop below's sums: acc = hi w + acc, then acc += lo w (from zero)
+                auto mma_step = [&](const uint32_t(&fa)[AP][MI][4], const uint32_t(&fb)[NI][2]) {
 #pragma unroll
                     for (int mi = 0; mi < MI; mi++)
-                        if (mi < mi_busy)
+                        if (mi < mb)
 #pragma unroll
                             for (int ni = 0; ni < NI; ni++) {
-                                if (part == 0) {
-                                    mma_bf16_16816(acc[mi][ni], af[mi], bfr[ni]);
-                                } else {
-                                    float t[4];
-                                    mma_bf16_16816_zero(t, af[mi], bfr[ni]);
+                                float t[4];
+                                mma_zero<NV>(t, fa[1][mi], fb[ni]);
+                                mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
 #pragma unroll
-                                    for (int q = 0; q < 4; q++)
-                                        acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
-                                }
+                                for (int q = 0; q < 4; q++)
+                                    acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
                             }
+                };
+                uint32_t fa[2][AP][MI][4], fb[2][NI][2]; // two buffers: step kk in kk & 1
+                load_frags(fa[0], fb[0], 0);
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; kk++) {
+                    if (kk + 1 < BK / 16) load_frags(fa[(kk + 1) & 1], fb[(kk + 1) & 1], kk + 1);
+                    mma_step(fa[kk & 1], fb[kk & 1]);
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; kk++) {
+                    uint32_t af[MI][4], bfr[NI][2];
+                    // the weight fragments, loaded once, meet each activation part in turn: hi
+                    // through the tensor cores' accumulator, then lo from zero, added in fp32 (see
+                    // the header)
+#pragma unroll
+                    for (int part = 0; part < AP; part++) {
+#pragma unroll
+                        for (int mi = 0; mi < MI; mi++) {
+                            const int r = wm * C::WM + mi * 16 + (lane & 15);
+                            if (mi < mb) ldmatrix_x4(af[mi], a_addr(part, r, kk * 2 + (lane >> 4)));
+                        }
+                        if (part == 0)
+#pragma unroll
+                            for (int p = 0; p < NI / 2; p++) {
+                                const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
+                                uint32_t t[4];
+                                ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
+                                bfr[2 * p][0] = t[0];
+                                bfr[2 * p][1] = t[1];
+                                bfr[2 * p + 1][0] = t[2];
+                                bfr[2 * p + 1][1] = t[3];
+                            }
+#pragma unroll
+                        for (int mi = 0; mi < MI; mi++)
+                            if (mi < mb)
+#pragma unroll
+                                for (int ni = 0; ni < NI; ni++) {
+                                    if (part == 0) {
+                                        mma_acc<NV>(acc[mi][ni], af[mi], bfr[ni]);
+                                    } else {
+                                        float t[4];
+                                        mma_zero<NV>(t, af[mi], bfr[ni]);
+#pragma unroll
+                                        for (int q = 0; q < 4; q++)
+                                            acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
+                                    }
+                                }
+                    }
                 }
             }
         }
-    }
+    };
+    if constexpr (C::BUSY_STATIC)
+        with_static_count<MI>(mi_busy, main_loop);
+    else
+        main_loop(std::integral_constant<int, -1>{});
     cp_async_wait<0>();
 
     // Epilogue. Accumulator q of n8 tile ni: row lane / 4 (+ 8 for q >= 2), column
@@ -1042,15 +1132,20 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     launch_gemm<C, false, false>(g, max_tiles);
 }
 
-// The tile shape follows the mean pairs per expert; the result does not depend on it.
-template <class DECODE, class MID, class PREFILL>
+// The tile shape follows the mean pairs per expert; the result does not depend on it. Limits
+// from the H200 (see the header): the middle shape beat the decode one by 10-20% at 16 pairs per
+// expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
+// 32.
+template <class DECODE, class MID, class MID_WIDE, class PREFILL>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F) {
-    const int64_t n_pairs = (int64_t)T * K;
-    if (n_pairs <= 24 * (int64_t)w->E)
+    const int64_t n_pairs = (int64_t)T * K, E = w->E;
+    if (n_pairs <= 12 * E)
         moe_run<DECODE>(out, x, topk_ids, w, T, K, D, F);
-    else if (n_pairs <= 96 * (int64_t)w->E)
+    else if (n_pairs <= 48 * E)
         moe_run<MID>(out, x, topk_ids, w, T, K, D, F);
+    else if (n_pairs <= 96 * E)
+        moe_run<MID_WIDE>(out, x, topk_ids, w, T, K, D, F);
     else
         moe_run<PREFILL>(out, x, topk_ids, w, T, K, D, F);
 }
@@ -1117,9 +1212,10 @@ void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const
         else
             moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high>(out, x, topk_ids, w, T, K, D, F);
     } else if (medium) {
-        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_prefill>(out, x, topk_ids, w, T, K, D, F);
+        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill>(
+            out, x, topk_ids, w, T, K, D, F);
     } else {
-        moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_prefill_high>(out, x, topk_ids,
-                                                                                  w, T, K, D, F);
+        moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
+                     moe_cfg_prefill_high>(out, x, topk_ids, w, T, K, D, F);
     }
 }
