@@ -1879,6 +1879,12 @@ def test_dummy(srv, folder):
               and re.search(r"^Failed requests:\s+0\s*$", out, re.M))
         check("dummy: moeserve-bench serving --backend %s --dataset random-ids: 8 of 8 successful" % backend, ok,
               "exit %d: %s %s" % (p.returncode, out[-400:], p.stderr.decode()[-300:]))
+        if backend == "sglang":  # token ids without text still time the first token and the gaps
+            ttft = re.search(r"^Mean TTFT \(ms\):\s+([0-9.]+)\s*$", out, re.M)
+            itl = re.search(r"^Mean ITL \(ms\):\s+([0-9.]+)\s*$", out, re.M)
+            check("dummy: moeserve-bench times TTFT and ITL from output_ids chunks (no text)",
+                  bool(ttft and itl and float(ttft.group(1)) > 0 and float(itl.group(1)) > 0),
+                  out[-600:])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 #include "scripts/bench/stream.h"
 
 #include <cjson/cJSON.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -101,7 +102,13 @@ void bench_stream_line(bench_stream *s, const char *line, size_t len, double now
             s->req->output_len = n;
             s->req->output_counted = 1;
         }
-        if (bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(data, "text"))) {
+        /* a chunk brings tokens when it has text, or, from a server without a tokenizer
+         * (--skip-tokenizer-init: no text, output_ids only), when its count grew */
+        const cJSON *ids = cJSON_GetObjectItemCaseSensitive(data, "output_ids");
+        bool ids_grew = cJSON_IsArray(ids) && cJSON_GetArraySize(ids) > 0 &&
+                        !bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(data, "text")) &&
+                        n > s->last_output_len;
+        if (bench_str_nonempty(cJSON_GetObjectItemCaseSensitive(data, "text")) || ids_grew) {
             int out = s->req->output_len;
             if (!s->seen_text) {
                 s->seen_text = 1;
