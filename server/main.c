@@ -107,14 +107,16 @@ static const char usage_serve[] =
     "                                (default 0: off; --disable-cuda-graph: off)\n"
     "  --matmul-precision P          CUDA GEMM inputs: high (default; faithful to the fp32\n"
     "                                activations) or medium (rounded to BF16; faster prefill)\n"
-    "  --max-running-requests N      requests decoded together at most (default 64)\n"
+    "  --max-running-requests N      requests decoded together at most (default 64; 256 on a\n"
+    "                                GPU)\n"
     "  --max-total-tokens N          KV cache capacity in tokens (default: 4 full contexts or\n"
     "                                65536 tokens, whichever is more, within a quarter of RAM;\n"
     "                                on a GPU: from --mem-fraction-static)\n"
     "  --mem-fraction-static F       share of the device's memory for the weights and the KV\n"
     "                                pool together, in (0, 1) (default 0.85 on a GPU; on the\n"
     "                                CPU only when given)\n"
-    "  --chunked-prefill-size N      prompt tokens per engine step, all requests (default 512)\n"
+    "  --chunked-prefill-size N      prompt tokens per engine step, all requests (default 512;\n"
+    "                                8192 on a GPU)\n"
     "  --context-length N            prompt + output limit per request (default: the model's\n"
     "                                max_position_embeddings, also the largest allowed)\n"
     "  --page-size N                 tokens per KV cache page (default 16)\n"
@@ -601,8 +603,6 @@ static int cmd_serve(int argc, char **argv) {
     server_args a = {.host = "127.0.0.1",
                      .port = 30000,
                      .device = "cpu",
-                     .max_running_requests = 64,
-                     .chunked_prefill_size = 512,
                      .page_size = 16,
                      .log_level = "info",
                      .max_body_bytes = 16u << 20,
@@ -769,6 +769,12 @@ static int cmd_serve(int argc, char **argv) {
         int cores = omp_get_num_procs(), per = cores / rank_group_local_size(group);
         a.threads = per > 0 ? per : 1;
     }
+
+    /* Batch limits by device, as SGLang sizes them for a large GPU: the CPU decodes few requests
+     * at a time and prefills in small steps; an H200 needs many of both to fill its bandwidth. */
+    bool on_gpu = !strcmp(a.device, "cuda");
+    if (!a.max_running_requests) a.max_running_requests = on_gpu ? 256 : 64;
+    if (!a.chunked_prefill_size) a.chunked_prefill_size = on_gpu ? 8192 : 512;
 
     model_config cfg;
     if (model_config_load(&cfg, a.model_path, err, sizeof err)) die("%s", err);
