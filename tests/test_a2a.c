@@ -474,7 +474,9 @@ static void test_peer_gone(a2a_transport t, int in_combine, int silent, int heal
             CHECK(rc == -1 && strstr(err, want), "%s: rc %d '%s', want '%s'", what, rc, err, want);
             CHECK(dt >= timeout_s - 0.01 && dt < timeout_s + 1.0,
                   "%s: timed out after %.3f s, want %g", what, dt, timeout_s);
-            CHECK(w.calls >= 2, "%s: check_peers called %d times in %.3f s", what, w.calls, dt);
+            /* at least once: on a loaded machine the waiting thread may sleep past several of
+             * its 100 ms checks and meet the timeout first */
+            CHECK(w.calls >= 1, "%s: check_peers called %d times in %.3f s", what, w.calls, dt);
         }
         rc = a2a_dispatch(a, x, ids, w2, 2, 2, err, sizeof err);
         CHECK(rc == -1 && strstr(err, "failed earlier"), "%s: dispatch after: rc %d '%s'", what, rc,

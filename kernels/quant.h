@@ -1,0 +1,125 @@
+/* The low-precision number formats of quantized experts and all-to-all payloads, element by
+ * element, written once for the CPU and the GPU (the functions are host and device code):
+ *   FP8 E4M3 (OCP "E4M3FN"): sign, 4 exponent bits (bias 7), 3 mantissa bits; largest 448, no
+ *     infinities, S.1111.111 is NaN; subnormals down to 2^-9.
+ *   FP4 E2M1 (NVFP4's elements): sign (bit 3), 2 exponent bits, 1 mantissa bit; magnitudes 0, 0.5,
+ *     1, 1.5, 2, 3, 4, 6.
+ * Conversions from float round to nearest, ties to even, and saturate: a finite value beyond the
+ * largest becomes the largest of its sign (what DeepSeek's and ModelOpt's quantizers reach by
+ * clamping first). NaN becomes E4M3's NaN; E2M1 has none (0). The block scalings built on these
+ * are in kernels/cpu/quant.c. */
+#ifndef MOESERVE_QUANT_H
+#define MOESERVE_QUANT_H
+
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define QUANT_HD __host__ __device__
+#else
+#define QUANT_HD
+#endif
+
+#define FP8_E4M3_MAX 448.0f
+#define FP4_E2M1_MAX 6.0f
+
+static inline QUANT_HD float fp8_e4m3_to_float(uint8_t c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    float v;
+    if (e == 15 && m == 7)
+        v = NAN;
+    else if (e == 0)
+        v = ldexpf((float)m, -9); /* subnormal: m 2^-3 2^(1-7) */
+    else
+        v = ldexpf((float)(8 + m), e - 10); /* (1 + m/8) 2^(e-7) */
+    return (c & 0x80) ? -v : v;
+}
+
+/* Round to nearest even of a float that is already a non-negative integer plus a fraction, within
+ * float's exact range (here at most 16). */
+static inline QUANT_HD float quant_rne(float x) {
+    float f = floorf(x), r = x - f;
+    if (r > 0.5f || (r == 0.5f && fmodf(f, 2.0f) != 0.0f)) f += 1.0f;
+    return f;
+}
+
+static inline QUANT_HD uint8_t fp8_e4m3_from_float(float x) {
+    if (isnan(x)) return 0x7f;
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    float a = fabsf(x);
+    if (a >= FP8_E4M3_MAX) return sign | 0x7e; /* 448 = 2^8 x 1.75 */
+    if (a < ldexpf(1.0f, -6)) {                /* subnormal range: steps of 2^-9 */
+        const float m = quant_rne(ldexpf(a, 9)); /* 0 .. 8; 8 is the smallest normal */
+        return sign | (uint8_t)m;
+    }
+    int e;
+    (void)frexpf(a, &e);                     /* a = f 2^e, f in [0.5, 1) */
+    e -= 1;                                  /* a = (1 + m/8) 2^e, e in [-6, 8] */
+    float m = quant_rne(ldexpf(a, 3 - e)) - 8.0f; /* 0 .. 8 */
+    if (m == 8.0f) {
+        m = 0.0f;
+        e += 1;
+    }
+    if (e > 8 || (e == 8 && m > 6.0f)) return sign | 0x7e; /* rounded past 448: saturate */
+    return sign | (uint8_t)((e + 7) << 3) | (uint8_t)m;
+}
+
+static inline QUANT_HD float fp4_e2m1_to_float(uint8_t nib) {
+    /* codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
+    const int c = nib & 7;
+    const float v = c < 2 ? 0.5f * (float)c : ldexpf((float)(2 + (c & 1)), (c >> 1) - 2);
+    return (nib & 8) ? -v : v;
+}
+
+static inline QUANT_HD uint8_t fp4_e2m1_from_float(float x) {
+    if (isnan(x)) return 0;
+    const uint8_t sign = signbit(x) ? 8 : 0;
+    const float a = fabsf(x);
+    uint8_t c;
+    if (a >= FP4_E2M1_MAX)
+        c = 7;
+    else if (a < 2.0f) /* steps of 0.5 from 0 to 2: codes 0..4 */
+        c = (uint8_t)quant_rne(a * 2.0f);
+    else if (a < 4.0f) /* steps of 1: 2 (4), 3 (5), 4 (6) */
+        c = (uint8_t)(quant_rne(a) + 2.0f);
+    else /* 4 (6) or 6 (7): the tie at 5 goes to the even code, 4 */
+        c = a > 5.0f ? 7 : 6;
+    return sign | c;
+}
+
+/* ---- block scalings (kernels/cpu/quant.c: the CPU reference) ----
+ * FP8 activations (DeepSeek-V3's dynamic scheme): each token's D channels in groups of
+ * QUANT_FP8_GROUP; group g of row t: s = max(amax, 1e-10) / 448, q = e4m3(x / s), x ~ q s.
+ * FP8 weights (DeepSeek-V3's checkpoints): blocks of 128 x 128; s = amax / 448 (1 for a zero
+ * block), q = e4m3(w / s), w ~ q s (the checkpoint's weight_scale_inv is s, despite its name).
+ * NVFP4 (NVIDIA ModelOpt): a tensor scale s2 = amax / (6 448) (1 for a zero tensor); each group of
+ * QUANT_FP4_GROUP consecutive elements of a row has sf = e4m3(amax_group / (6 s2)) and
+ * q = e2m1(x / (e4m3(sf) s2)), packed two a byte (the even element in the low nibble); x ~ e2m1(q)
+ * e4m3(sf) s2. Weights and activations use the same formula (for activations s2 is the
+ * checkpoint's input_scale, or the tensor's own amax when the caller passes s2 <= 0). */
+#define QUANT_FP8_GROUP 128
+#define QUANT_FP8_BLOCK 128
+#define QUANT_FP4_GROUP 16
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* q[T, D], s[T, ceil(D / 128)] from x[T, D]; and back. */
+void quant_fp8_rows(uint8_t *q, float *s, const float *x, int T, int D);
+void dequant_fp8_rows(float *x, const uint8_t *q, const float *s, int T, int D);
+
+/* q[N, K], s[ceil(N / 128), ceil(K / 128)] from w[N, K]; and back. */
+void quant_fp8_blocks(uint8_t *q, float *s, const float *w, int N, int K);
+void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K);
+
+/* q[R, C / 2] (packed), sf[R, C / 16] (E4M3 codes) from x[R, C] (C % 16 == 0) with tensor scale
+ * s2 (<= 0: computed from x's amax and returned); and back. */
+float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s2);
+void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int R, int C);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,221 @@
+/* The FP8 E4M3 and FP4 E2M1 conversions and the block scalings of kernels/quant.h against
+ * independent references: every code decoded from its bits, every conversion from float against a
+ * brute-force nearest-code search (ties to the even code) on random values, exact codes and every
+ * midpoint, and the block quantizers' errors against the bound the format allows. */
+#include "kernels/quant.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/check.h"
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double rnd(void) { /* [0, 1) */
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (double)(rng >> 11) * (1.0 / 9007199254740992.0);
+}
+static float gauss(void) {
+    double u = rnd() + 1e-12, v = rnd();
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* E4M3 from the bits, in double */
+static double e4m3_ref(int c) {
+    int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+    if (e == 15 && m == 7) return NAN;
+    double v = e == 0 ? m / 8.0 * pow(2.0, -6) : (1.0 + m / 8.0) * pow(2.0, e - 7);
+    return s ? -v : v;
+}
+
+/* the nearest of n positive codes (values val[]) to a >= 0, ties to the even code; saturating */
+static int nearest(const double *val, int n, double a) {
+    int best = 0;
+    for (int c = 1; c < n; c++) {
+        double d = fabs(val[c] - a), db = fabs(val[best] - a);
+        if (d < db || (d == db && (c & 1) == 0)) best = c;
+    }
+    return best;
+}
+
+static void test_e4m3(void) {
+    double pos[127]; /* positive finite codes 0x00..0x7e */
+    for (int c = 0; c < 256; c++) {
+        double want = e4m3_ref(c);
+        float got = fp8_e4m3_to_float((uint8_t)c);
+        if (isnan(want))
+            CHECK(isnan(got), "e4m3 code 0x%02x: want NaN, got %g", c, got);
+        else
+            CHECK(got == (float)want && !!signbit(got) == (c >> 7), "e4m3 code 0x%02x: got %g want %g",
+                  c, got, want);
+        if (c < 127) pos[c] = want;
+        if (!isnan(want))
+            CHECK(fp8_e4m3_from_float(got) == c, "e4m3 round trip of 0x%02x gave 0x%02x", c,
+                  fp8_e4m3_from_float(got));
+    }
+    CHECK(fp8_e4m3_to_float(0x7e) == 448.0f && fp8_e4m3_to_float(0x38) == 1.0f &&
+              fp8_e4m3_to_float(0x08) == 0x1p-6f && fp8_e4m3_to_float(0x01) == 0x1p-9f,
+          "e4m3 landmarks");
+    CHECK(fp8_e4m3_from_float(NAN) == 0x7f, "NaN -> 0x7f");
+    CHECK(fp8_e4m3_from_float(1e30f) == 0x7e && fp8_e4m3_from_float(-1e30f) == 0xfe &&
+              fp8_e4m3_from_float(INFINITY) == 0x7e && fp8_e4m3_from_float(464.0f) == 0x7e,
+          "e4m3 saturates");
+    /* every midpoint between neighbouring codes, and random values over the whole range */
+    int bad = 0;
+    for (int c = 0; c + 1 < 127; c++) {
+        double mid = 0.5 * (pos[c] + pos[c + 1]);
+        int want = nearest(pos, 127, mid), got = fp8_e4m3_from_float((float)mid);
+        if (got != want && bad++ < 5)
+            fprintf(stderr, "e4m3 midpoint %g: got 0x%02x want 0x%02x\n", mid, got, want);
+        got = fp8_e4m3_from_float((float)-mid);
+        if (got != (want | 0x80) && bad++ < 5)
+            fprintf(stderr, "e4m3 midpoint %g: got 0x%02x want 0x%02x\n", -mid, got, want | 0x80);
+    }
+    for (int i = 0; i < 200000; i++) {
+        float a = (float)ldexp(rnd() + 0.5, (int)(rnd() * 24) - 14); /* 2^-15 .. 2^10 */
+        int want = a >= 448.0f ? 0x7e : nearest(pos, 127, a);
+        int got = fp8_e4m3_from_float(a);
+        if (got != want && bad++ < 5)
+            fprintf(stderr, "e4m3 of %.9g: got 0x%02x want 0x%02x\n", a, got, want);
+    }
+    CHECK(bad == 0, "e4m3 conversions: %d against the nearest-code search", bad);
+}
+
+static void test_e2m1(void) {
+    const double val[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    for (int c = 0; c < 16; c++) {
+        double want = (c & 8) ? -val[c & 7] : val[c & 7];
+        CHECK(fp4_e2m1_to_float((uint8_t)c) == (float)want, "e2m1 code %d: got %g want %g", c,
+              fp4_e2m1_to_float((uint8_t)c), want);
+        CHECK(fp4_e2m1_from_float((float)want) == (c == 8 ? 8 : c), "e2m1 round trip of %d", c);
+    }
+    int bad = 0;
+    for (int c = 0; c + 1 < 8; c++) {
+        double mid = 0.5 * (val[c] + val[c + 1]);
+        int want = nearest(val, 8, mid);
+        if (fp4_e2m1_from_float((float)mid) != want || fp4_e2m1_from_float((float)-mid) != (want | 8))
+            bad++;
+    }
+    for (int i = 0; i < 100000; i++) {
+        float a = (float)(rnd() * 8.0);
+        int want = a >= 6.0f ? 7 : nearest(val, 8, a);
+        if (fp4_e2m1_from_float(a) != want && bad++ < 5)
+            fprintf(stderr, "e2m1 of %.9g: got %d want %d\n", a, fp4_e2m1_from_float(a), want);
+    }
+    CHECK(bad == 0, "e2m1 conversions: %d against the nearest-code search", bad);
+    CHECK(fp4_e2m1_from_float(0.25f) == 0 && fp4_e2m1_from_float(0.75f) == 2 &&
+              fp4_e2m1_from_float(2.5f) == 4 && fp4_e2m1_from_float(5.0f) == 6 &&
+              fp4_e2m1_from_float(1e9f) == 7 && fp4_e2m1_from_float(-7.0f) == 15,
+          "e2m1 ties to even and saturation");
+}
+
+/* half the distance to the next E4M3 code above |v| (|v| <= 448): the most rounding can move v */
+static double e4m3_half_step(double v) {
+    v = fabs(v);
+    if (v < 0x1p-6) return 0x1p-10;
+    int e;
+    frexp(v, &e);
+    return ldexp(1.0, e - 1 - 4);
+}
+
+static void test_fp8_blocks(void) {
+    const int T = 37, D = 300; /* a partial last group */
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
+    uint8_t *q = malloc((size_t)T * D);
+    const int G = (D + 127) / 128;
+    float *s = malloc(sizeof(float) * T * G);
+    for (int i = 0; i < T * D; i++)
+        x[i] = gauss() * (float)ldexp(1.0, (i / 128) % 9 - 4); /* groups of different magnitude */
+    for (int c = 0; c < D; c++)
+        x[5 * D + c] = 0.0f; /* an all-zero row */
+    quant_fp8_rows(q, s, x, T, D);
+    dequant_fp8_rows(y, q, s, T, D);
+    int bad = 0;
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < G; g++) {
+            float a = 0.0f;
+            for (int c = g * 128; c < D && c < g * 128 + 128; c++)
+                a = fmaxf(a, fabsf(x[t * D + c]));
+            if (s[t * G + g] != fmaxf(a, 1e-10f) / 448.0f) bad++;
+        }
+    CHECK(bad == 0, "fp8 row scales are amax / 448: %d differ", bad);
+    bad = 0;
+    double worst = 0;
+    for (int i = 0; i < T * D; i++) {
+        double sc = s[(i / D) * G + (i % D) / 128], err = fabs((double)y[i] - x[i]);
+        double bound = sc * e4m3_half_step(x[i] / sc) * (1 + 1e-6);
+        if (err > bound) bad++;
+        if (err / bound > worst) worst = err / bound;
+    }
+    CHECK(bad == 0, "fp8 rows: %d errors above half an E4M3 step (worst %.3f of it)", bad, worst);
+    CHECK(y[5 * D] == 0.0f && q[5 * D + 7] == 0, "fp8 rows: a zero row stays zero");
+
+    const int N = 200, K = 300; /* partial blocks both ways */
+    float *w = malloc(sizeof(float) * N * K), *v = malloc(sizeof(float) * N * K);
+    uint8_t *wq = malloc((size_t)N * K);
+    float *ws = malloc(sizeof(float) * 2 * 3);
+    for (int i = 0; i < N * K; i++)
+        w[i] = gauss() * 0.02f;
+    for (int r = 128; r < N; r++)
+        for (int c = 256; c < K; c++)
+            w[r * K + c] = 0.0f; /* an all-zero block */
+    quant_fp8_blocks(wq, ws, w, N, K);
+    dequant_fp8_blocks(v, wq, ws, N, K);
+    bad = 0;
+    for (int i = 0; i < N * K; i++) {
+        double sc = ws[((i / K) / 128) * 3 + (i % K) / 128];
+        if (fabs((double)v[i] - w[i]) > sc * e4m3_half_step(w[i] / sc) * (1 + 1e-6)) bad++;
+    }
+    CHECK(bad == 0, "fp8 blocks: %d errors above half an E4M3 step", bad);
+    CHECK(ws[1 * 3 + 2] == 1.0f, "fp8 blocks: a zero block has scale 1");
+    free(x), free(y), free(q), free(s), free(w), free(v), free(wq), free(ws);
+}
+
+static void test_nvfp4(void) {
+    const int R = 64, C = 2048;
+    float *x = malloc(sizeof(float) * R * C), *y = malloc(sizeof(float) * R * C);
+    uint8_t *q = malloc((size_t)R * C / 2), *sf = malloc((size_t)R * C / 16);
+    for (int i = 0; i < R * C; i++)
+        x[i] = gauss() * (float)ldexp(1.0, (i / 16) % 7 - 3);
+    for (int c = 0; c < 16; c++)
+        x[3 * C + 32 + c] = 0.0f; /* an all-zero group */
+    float amax = 0.0f;
+    for (int i = 0; i < R * C; i++)
+        amax = fmaxf(amax, fabsf(x[i]));
+    float s2 = quant_nvfp4(q, sf, x, R, C, 0.0f);
+    CHECK(s2 == amax / (6.0f * 448.0f), "nvfp4: tensor scale amax / (6 448): %g", s2);
+    dequant_nvfp4(y, q, sf, s2, R, C);
+    int bad = 0;
+    double se = 0, sx = 0;
+    for (int i = 0; i < R * C; i++) {
+        /* the group scale, then at most the half step between 4 and 6 (1 scale), or the clip of a
+         * value the E4M3 rounding of its scale put above 6 scales (at most 6 x 2^-4 scales) */
+        double sc = fp8_e4m3_to_float(sf[i / 16]) * (double)s2;
+        double err = fabs((double)y[i] - x[i]);
+        if (err > sc * 1.0 * (1 + 1e-6) + 1e-12) bad++;
+        se += err * err;
+        sx += (double)x[i] * x[i];
+    }
+    CHECK(bad == 0, "nvfp4: %d errors above one group scale", bad);
+    double rel = sqrt(se / sx);
+    printf("nvfp4 on Gaussian rows: relative RMS error %.4f\n", rel);
+    CHECK(rel < 0.12, "nvfp4 relative RMS error %.4f (E2M1's 1 significant bit: expect about 0.1)",
+          rel);
+    CHECK(y[3 * C + 40] == 0.0f && sf[(3 * C + 32) / 16] == 0, "nvfp4: a zero group stays zero");
+    /* packing: even element in the low nibble, sign in bit 3 */
+    float z[16] = {6.0f, -0.5f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f,
+                   0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 3.0f};
+    uint8_t zq[8], zs[1];
+    quant_nvfp4(zq, zs, z, 1, 16, 6.0f / (6.0f * 448.0f)); /* group scale code 448: 1.0 after s2 */
+    CHECK(fp8_e4m3_to_float(zs[0]) == 448.0f, "nvfp4: group scale code %#x", zs[0]);
+    CHECK(zq[0] == (7 | 9 << 4) && zq[1] == 2 && zq[7] == 5 << 4,
+          "nvfp4 packing: %#x %#x %#x", zq[0], zq[1], zq[7]);
+    free(x), free(y), free(q), free(sf);
+}
+
+int main(void) {
+    test_e4m3();
+    test_e2m1();
+    test_fp8_blocks();
+    test_nvfp4();
+    CHECK_SUMMARY();
+}
