@@ -17,7 +17,9 @@
 #include "kernels/a2a.h"
 
 #include "common/log.h"
+#include "common/tensor.h"
 #include "kernels/cpu/a2a_internal.h"
+#include "kernels/quant.h"
 
 #include <errno.h>
 #include <math.h>
@@ -63,6 +65,100 @@ const char *a2a_transport_name(a2a_transport t) {
     case A2A_NCCL: return "nccl";
     }
     return "unknown";
+}
+
+bool a2a_payload_parse(const char *s, a2a_payload *out) {
+    static const struct {
+        const char *name;
+        a2a_payload p;
+    } names[] = {{"f32", A2A_PAYLOAD_F32},
+                 {"fp32", A2A_PAYLOAD_F32},
+                 {"bf16", A2A_PAYLOAD_BF16},
+                 {"fp8", A2A_PAYLOAD_FP8},
+                 {"nvfp4", A2A_PAYLOAD_NVFP4}};
+    if (!s) return false;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(s, names[i].name) == 0) {
+            if (out) *out = names[i].p;
+            return true;
+        }
+    return false;
+}
+
+const char *a2a_payload_name(a2a_payload p) {
+    switch (p) {
+    case A2A_PAYLOAD_F32: return "f32";
+    case A2A_PAYLOAD_BF16: return "bf16";
+    case A2A_PAYLOAD_FP8: return "fp8";
+    case A2A_PAYLOAD_NVFP4: return "nvfp4";
+    }
+    return "unknown";
+}
+
+size_t a2a_payload_bytes(a2a_payload p, int D) {
+    switch (p) {
+    case A2A_PAYLOAD_F32: return (size_t)D * 4;
+    case A2A_PAYLOAD_BF16: return (size_t)D * 2;
+    case A2A_PAYLOAD_FP8: return (size_t)D + 4 * (size_t)((D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP);
+    case A2A_PAYLOAD_NVFP4: return 4 + (size_t)D / QUANT_FP4_GROUP + (size_t)D / 2;
+    }
+    return 0;
+}
+
+/* One token into its payload bytes, and back. Scales go first so they stay 4-byte aligned. */
+static void payload_encode(a2a_payload p, void *dst, const float *x, int D) {
+    switch (p) {
+    case A2A_PAYLOAD_F32: memcpy(dst, x, (size_t)D * 4); break;
+    case A2A_PAYLOAD_BF16:
+        for (int i = 0; i < D; i++)
+            ((uint16_t *)dst)[i] = f32_to_bf16(x[i]);
+        break;
+    case A2A_PAYLOAD_FP8: {
+        float *sc = dst;
+        quant_fp8_rows((uint8_t *)(sc + (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP), sc, x, 1, D);
+        break;
+    }
+    case A2A_PAYLOAD_NVFP4: {
+        uint8_t *sf = (uint8_t *)dst + 4;
+        float s2 = quant_nvfp4(sf + D / QUANT_FP4_GROUP, sf, x, 1, D, 0.0f);
+        memcpy(dst, &s2, 4);
+        break;
+    }
+    }
+}
+
+static void payload_decode(a2a_payload p, float *x, const void *src, int D) {
+    switch (p) {
+    case A2A_PAYLOAD_F32: memcpy(x, src, (size_t)D * 4); break;
+    case A2A_PAYLOAD_BF16:
+        for (int i = 0; i < D; i++)
+            x[i] = bf16_to_f32(((const uint16_t *)src)[i]);
+        break;
+    case A2A_PAYLOAD_FP8: {
+        const float *sc = src;
+        dequant_fp8_rows(x, (const uint8_t *)(sc + (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP), sc,
+                         1, D);
+        break;
+    }
+    case A2A_PAYLOAD_NVFP4: {
+        float s2;
+        memcpy(&s2, src, 4);
+        const uint8_t *sf = (const uint8_t *)src + 4;
+        dequant_nvfp4(x, sf + D / QUANT_FP4_GROUP, sf, s2, 1, D);
+        break;
+    }
+    }
+}
+
+void a2a_payload_roundtrip(a2a_payload p, float *y, const float *x, int D) {
+    if (p == A2A_PAYLOAD_F32) {
+        if (y != x) memmove(y, x, (size_t)D * 4);
+        return;
+    }
+    void *buf = xmalloc(a2a_payload_bytes(p, D) + 4);
+    payload_encode(p, buf, x, D);
+    payload_decode(p, y, buf, D);
+    free(buf);
 }
 
 void a2a_split_experts(int n_experts, int n_ranks, int *expert_begin) {
@@ -151,22 +247,29 @@ void a2a_format_missing(char *buf, size_t len, const bool *arrived, int ep) {
     }
 }
 
-/* One token as `target` sees it: x, ids local to target (-1 where it owns no slot), w. */
-static void pack_fields(const a2a *a, float *x, int32_t *ids, float *w, int target,
-                        const float *x_t, const int32_t *ids_t, const float *w_t) {
-    const int D = a->cfg.hidden, K = a->cfg.top_k;
+/* One token's routing as `target` sees it: ids local to target (-1 where it owns no slot), w. */
+static void pack_routing(const a2a *a, int32_t *ids, float *w, int target, const int32_t *ids_t,
+                         const float *w_t) {
+    const int K = a->cfg.top_k;
     const int begin = a->cfg.expert_begin[target];
-    memcpy(x, x_t, (size_t)D * sizeof(float));
     for (int k = 0; k < K; k++)
         ids[k] = a->owner[ids_t[k]] == target ? ids_t[k] - begin : -1;
     memcpy(w, w_t, (size_t)K * sizeof(float));
 }
 
+/* A token this rank keeps for its own experts: x after the payload's round trip, as a peer would
+ * receive it, and its routing. */
+static void pack_fields(const a2a *a, float *x, int32_t *ids, float *w, int target,
+                        const float *x_t, const int32_t *ids_t, const float *w_t) {
+    a2a_payload_roundtrip(a->cfg.payload, x, x_t, a->cfg.hidden);
+    pack_routing(a, ids, w, target, ids_t, w_t);
+}
+
 void a2a_pack_record(const a2a *a, void *rec, int target, const float *x_t, const int32_t *ids_t,
                      const float *w_t) {
-    float *x = (float *)rec;
-    int32_t *ids = (int32_t *)(x + a->cfg.hidden);
-    pack_fields(a, x, ids, (float *)(ids + a->cfg.top_k), target, x_t, ids_t, w_t);
+    payload_encode(a->cfg.payload, rec, x_t, a->cfg.hidden);
+    int32_t *ids = (int32_t *)((char *)rec + a->layout.pay_bytes);
+    pack_routing(a, ids, (float *)(ids + a->cfg.top_k), target, ids_t, w_t);
 }
 
 int a2a_read_counts(a2a *a, const char *segment, char *err, size_t errlen) {
@@ -212,11 +315,11 @@ void a2a_compact_received(a2a *a, const char *segment, const float *x_in, const 
             continue;
         }
         for (int j = 0; j < a->recv_count[p]; j++) {
-            const float *x = (const float *)(src + (size_t)j * L->rec_bytes);
-            const int32_t *ids = (const int32_t *)(x + D);
+            const char *rec = src + (size_t)j * L->rec_bytes;
+            const int32_t *ids = (const int32_t *)(rec + L->pay_bytes);
             const float *w = (const float *)(ids + K);
             size_t i = (size_t)(base + j);
-            memcpy(a->recv_x + i * D, x, (size_t)D * sizeof(float));
+            payload_decode(a->cfg.payload, a->recv_x + i * D, rec, D);
             memcpy(a->recv_ids + i * K, ids, (size_t)K * sizeof(int32_t));
             memcpy(a->recv_w + i * K, w, (size_t)K * sizeof(float));
         }
@@ -248,7 +351,8 @@ static int none_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const 
                          char *err, size_t errlen) {
     const int D = a->cfg.hidden, K = a->cfg.top_k, T = a->T;
     if (T > 0) {
-        memcpy(a->recv_x, x, (size_t)T * D * sizeof(float));
+        for (int t = 0; t < T; t++) /* the payload's round trip, as with several ranks */
+            a2a_payload_roundtrip(a->cfg.payload, a->recv_x + (size_t)t * D, x + (size_t)t * D, D);
         memcpy(a->recv_ids, topk_ids, (size_t)T * K * sizeof(int32_t)); /* rank 0 owns [0, E) */
         memcpy(a->recv_w, topk_w, (size_t)T * K * sizeof(float));
     }
@@ -278,7 +382,8 @@ static int layout_compute(a2a_layout *L, const a2a_config *c) {
     L->line_cflag0 = L->line_dflag0 + ep * A2A_LINE;
     L->line_count0 = L->line_cflag0 + ep * A2A_LINE;
     size_t header = L->line_count0 + ep * A2A_LINE;
-    L->rec_bytes = (D + 2 * K) * 4;
+    L->pay_bytes = (a2a_payload_bytes(c->payload, (int)D) + 3) & ~(size_t)3;
+    L->rec_bytes = L->pay_bytes + 2 * K * 4;
     L->recv_off = (header + 4095) & ~(size_t)4095;
     /* The operands are bounded by the validation (each factor < 2^31 and ep <= 256), so the
      * products below cannot wrap in 64 bits before the size check. */
@@ -327,6 +432,11 @@ static int config_check_local(const a2a_config *c, MPI_Comm comm, char *err, siz
         return set_err(err, errlen, "a2a: max_tokens_per_rank %d must be >= 1",
                        c->max_tokens_per_rank);
     if (c->hidden < 1) return set_err(err, errlen, "a2a: hidden %d must be >= 1", c->hidden);
+    if ((unsigned)c->payload > (unsigned)A2A_PAYLOAD_NVFP4)
+        return set_err(err, errlen, "a2a: unknown payload %d", (int)c->payload);
+    if (c->payload == A2A_PAYLOAD_NVFP4 && c->hidden % QUANT_FP4_GROUP != 0)
+        return set_err(err, errlen, "a2a: an nvfp4 payload needs hidden %% %d == 0, hidden is %d",
+                       QUANT_FP4_GROUP, c->hidden);
     if (c->n_experts < 1)
         return set_err(err, errlen, "a2a: n_experts %d must be >= 1", c->n_experts);
     if (c->top_k < 1 || c->top_k > c->n_experts)
@@ -362,10 +472,12 @@ enum {
     AGREE_TOP_K,
     AGREE_EXPERTS,
     AGREE_SPLIT,
+    AGREE_PAYLOAD,
     AGREE_N
 };
 static const char *const agree_names[AGREE_N] = {
-    "ok", "transport", "max_tokens_per_rank", "hidden", "top_k", "n_experts", "expert_begin"};
+    "ok",        "transport", "max_tokens_per_rank", "hidden", "top_k", "n_experts",
+    "expert_begin", "payload"};
 
 static int split_hash(const a2a_config *c) {
     uint32_t h = 2166136261u;
@@ -388,6 +500,7 @@ static int config_agree(const a2a_config *c, MPI_Comm comm, int local_ok, char *
     v[AGREE_TOP_K] = c->top_k;
     v[AGREE_EXPERTS] = c->n_experts;
     v[AGREE_SPLIT] = split_hash(c);
+    v[AGREE_PAYLOAD] = (int)c->payload;
     for (int i = 0; i < AGREE_N; i++)
         v[AGREE_N + i] = -v[i];
     if (MPI_Allreduce(v, r, 2 * AGREE_N, MPI_INT, MPI_MAX, comm) != MPI_SUCCESS)

@@ -38,6 +38,31 @@ typedef enum {
 bool a2a_transport_parse(const char *s, a2a_transport *out);
 const char *a2a_transport_name(a2a_transport t);
 
+/* How dispatched tokens travel (combine always returns fp32 slots). Quantized payloads are made
+ * with kernels/quant.h's formats and turned back into fp32 on arrival; a rank's tokens for its own
+ * experts take the same round trip, so a token's expert input does not depend on where its expert
+ * lives:
+ *   f32    the activations as they are (4 D bytes a token)
+ *   bf16   rounded to BF16, nearest even (2 D)
+ *   fp8    E4M3 with one fp32 scale per 128 channels (D + 4 ceil(D / 128))
+ *   nvfp4  E2M1 with an E4M3 scale per 16 channels and the token's own fp32 scale
+ *          (D / 2 + D / 16 + 4; D % 16 == 0) */
+typedef enum {
+    A2A_PAYLOAD_F32,
+    A2A_PAYLOAD_BF16,
+    A2A_PAYLOAD_FP8,
+    A2A_PAYLOAD_NVFP4,
+} a2a_payload;
+
+/* "f32" (also "fp32"), "bf16", "fp8", "nvfp4"; false for anything else. */
+bool a2a_payload_parse(const char *s, a2a_payload *out);
+const char *a2a_payload_name(a2a_payload p);
+/* Bytes of one token's payload of D channels (before the record's ids and weights). */
+size_t a2a_payload_bytes(a2a_payload p, int D);
+/* What a token of D channels becomes after the payload's round trip: y = decode(encode(x)) (y may
+ * equal x). The reference for every transport, the GPU's included. */
+void a2a_payload_roundtrip(a2a_payload p, float *y, const float *x, int D);
+
 #define A2A_MAX_RANKS 256
 
 typedef struct {
@@ -48,6 +73,7 @@ typedef struct {
     int hidden;              /* D */
     int top_k;               /* K */
     int n_experts;           /* E */
+    a2a_payload payload;     /* dispatch format (zero: f32) */
     int expert_begin[A2A_MAX_RANKS + 1]; /* [ep_size + 1] ownership ranges */
     double timeout_s;        /* a wait longer than this fails with a message naming the peer */
     /* Optional, called every 100 ms of a wait: -1 with a message when a peer is known to be gone

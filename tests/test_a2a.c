@@ -212,8 +212,10 @@ static int run_round(a2a *a, const suite *S, int round) {
                     mine |= owner_of(c, s->ids[(size_t)t * K + k]) == me;
                 if (!mine) continue;
                 if (n < got.n && !bad) {
-                    if (memcmp(got.x + (size_t)n * D, s->x + (size_t)t * D, (size_t)D * 4) != 0)
-                        bad = 1;
+                    /* x as the payload's round trip leaves it, bit for bit */
+                    float xs[256];
+                    a2a_payload_roundtrip(c->payload, xs, s->x + (size_t)t * D, D);
+                    if (memcmp(got.x + (size_t)n * D, xs, (size_t)D * 4) != 0) bad = 1;
                     for (int k = 0; k < K; k++) {
                         int g = s->ids[(size_t)t * K + k];
                         int want = owner_of(c, g) == me ? g - c->expert_begin[me] : -1;
@@ -260,9 +262,10 @@ static int run_round(a2a *a, const suite *S, int round) {
             for (int k = 0; k < K && !bad; k++) {
                 int g = in->ids[(size_t)t * K + k];
                 int lid = g - c->expert_begin[owner_of(c, g)];
+                float xs[256];
+                a2a_payload_roundtrip(c->payload, xs, in->x + (size_t)t * D, D);
                 for (int d = 0; d < D; d++) {
-                    float want =
-                        fake_expert(in->x[(size_t)t * D + d], in->w[(size_t)t * K + k], lid, d);
+                    float want = fake_expert(xs[d], in->w[(size_t)t * K + k], lid, d);
                     float have = out[((size_t)t * K + k) * D + d];
                     if (memcmp(&want, &have, 4) != 0) {
                         fprintf(stderr,
@@ -290,6 +293,10 @@ done:
 
 /* ---- suites ---- */
 
+/* The payload and hidden size of the suites (the payload suites use 32: nvfp4 needs D % 16). */
+static a2a_payload g_payload = A2A_PAYLOAD_F32;
+static int g_hidden = 24;
+
 static a2a_config make_config(a2a_transport t, int E, int K) {
     a2a_config c;
     memset(&c, 0, sizeof c);
@@ -297,7 +304,8 @@ static a2a_config make_config(a2a_transport t, int E, int K) {
     c.ep_size = g_size;
     c.rank = g_rank;
     c.max_tokens_per_rank = 12;
-    c.hidden = 24;
+    c.hidden = g_hidden;
+    c.payload = g_payload;
     c.top_k = K;
     c.n_experts = E;
     a2a_split_experts(E, g_size, c.expert_begin);
@@ -309,7 +317,8 @@ static a2a_config make_config(a2a_transport t, int E, int K) {
 static void test_rounds(a2a_transport t, int E, int K, int cfg_id) {
     a2a_config c = make_config(t, E, K);
     char what[96], err[512] = "";
-    snprintf(what, sizeof what, "%s E=%d K=%d np=%d", a2a_transport_name(t), E, K, g_size);
+    snprintf(what, sizeof what, "%s E=%d K=%d np=%d payload %s", a2a_transport_name(t), E, K,
+             g_size, a2a_payload_name(c.payload));
     suite S = {&c, cfg_id, what};
     a2a *a = a2a_create(&c, MPI_COMM_WORLD, err, sizeof err);
     CHECK(a != NULL, "rank %d %s: create: %s", g_rank, what, err);
@@ -323,7 +332,7 @@ static void test_rounds(a2a_transport t, int E, int K, int cfg_id) {
 
     /* Phase guard: a second dispatch before the combine is refused and changes nothing. */
     if (failed_rounds == 0) {
-        float x[24 * 2] = {0}, w[4 * 2] = {0};
+        float x[64 * 2] = {0}, w[4 * 2] = {0};
         int32_t ids[4 * 2] = {0};
         int rc = a2a_dispatch(a, x, ids, w, 1, 1, err, sizeof err);
         CHECK(rc == 0, "rank %d %s: guard round dispatch: %s", g_rank, what, err);
@@ -331,12 +340,13 @@ static void test_rounds(a2a_transport t, int E, int K, int cfg_id) {
         CHECK(rc == -1 && strstr(err, "twice"), "rank %d %s: second dispatch: rc %d, '%s'", g_rank,
               what, rc, err);
         a2a_received got = a2a_get_received(a);
-        float *eo = calloc((size_t)got.n * K * 24 + 1, sizeof(float));
-        float out[4 * 24];
+        float *eo = calloc((size_t)got.n * K * c.hidden + 1, sizeof(float));
+        float *out = calloc((size_t)K * c.hidden + 1, sizeof(float));
         rc = a2a_combine(a, eo, out, err, sizeof err);
         CHECK(rc == 0, "rank %d %s: combine after the refused dispatch: %s", g_rank, what, err);
         rc = a2a_combine(a, eo, out, err, sizeof err);
         free(eo);
+        free(out);
         CHECK(rc == -1 && strstr(err, "without a dispatch"),
               "rank %d %s: combine without dispatch: rc %d, '%s'", g_rank, what, rc, err);
 
@@ -524,6 +534,12 @@ static void test_config(void) {
     b = c;
     b.timeout_s = -1;
     EXPECT_REJECT(b, "timeout_s");
+    b = c; /* hidden 24 is not a whole number of NVFP4 groups */
+    b.payload = A2A_PAYLOAD_NVFP4;
+    EXPECT_REJECT(b, "nvfp4");
+    b = c;
+    b.payload = (a2a_payload)7;
+    EXPECT_REJECT(b, "payload");
     if (g_size > 1) {
         b = c;
         b.transport = A2A_NONE;
@@ -534,6 +550,9 @@ static void test_config(void) {
         b = c; /* every rank valid alone, but they disagree */
         if (g_rank == g_size - 1) b.hidden = 32;
         EXPECT_REJECT(b, "hidden differs");
+        b = c;
+        if (g_rank == 0) b.payload = A2A_PAYLOAD_BF16;
+        EXPECT_REJECT(b, "payload differs");
     }
 #undef EXPECT_REJECT
 }
@@ -563,6 +582,44 @@ static void test_names_and_split(void) {
     CHECK(b[1] == 1 && b[2] == 2 && b[3] == 3 && b[4] == 3, "3 on 4");
     a2a_split_experts(128, 1, b);
     CHECK(b[0] == 0 && b[1] == 128, "128 on 1");
+}
+
+/* The round trips against their formats' error bounds, and the names and sizes. */
+static void test_payload_errors(void) {
+    const int D = 2048;
+    float *x = malloc(sizeof(float) * D), *y = malloc(sizeof(float) * D);
+    uint64_t s = 77;
+    for (int i = 0; i < D; i++)
+        x[i] = (2.0f * rand_float(&s) - 1.0f) * (float)(1 << (i % 5)); /* mixed magnitudes */
+    const struct {
+        a2a_payload p;
+        const char *name;
+        size_t bytes;
+        double rel_rms; /* relative RMS error allowed */
+    } f[] = {{A2A_PAYLOAD_F32, "f32", 8192, 0.0},
+             {A2A_PAYLOAD_BF16, "bf16", 4096, 0x1p-8},
+             {A2A_PAYLOAD_FP8, "fp8", 2048 + 64, 0x1p-4},
+             {A2A_PAYLOAD_NVFP4, "nvfp4", 1024 + 128 + 4, 0.15}};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        a2a_payload parsed = A2A_PAYLOAD_F32;
+        CHECK(a2a_payload_parse(f[i].name, &parsed) && parsed == f[i].p &&
+                  strcmp(a2a_payload_name(f[i].p), f[i].name) == 0,
+              "payload name %s", f[i].name);
+        CHECK(a2a_payload_bytes(f[i].p, D) == f[i].bytes, "payload %s: %zu bytes a token of %d",
+              f[i].name, a2a_payload_bytes(f[i].p, D), D);
+        a2a_payload_roundtrip(f[i].p, y, x, D);
+        double se = 0, sx = 0;
+        for (int d = 0; d < D; d++) {
+            se += ((double)y[d] - x[d]) * ((double)y[d] - x[d]);
+            sx += (double)x[d] * x[d];
+        }
+        double rel = sqrt(se / sx);
+        CHECK(f[i].p == A2A_PAYLOAD_F32 ? se == 0 : rel <= f[i].rel_rms && rel > 0,
+              "payload %s: relative RMS error %.3g, allowed %.3g", f[i].name, rel, f[i].rel_rms);
+    }
+    CHECK(!a2a_payload_parse("int4", NULL), "an unknown payload name is refused");
+    free(x);
+    free(y);
 }
 
 int main(int argc, char **argv) {
@@ -601,6 +658,19 @@ int main(int argc, char **argv) {
             test_peer_gone(transports[i], 0, 0, 1000000, 0.35);
         }
     }
+
+    /* Quantized payloads: the same rounds, every token as the round trip leaves it. */
+    if (g_rank == 0) test_payload_errors();
+    g_hidden = 32;
+    for (a2a_payload p = A2A_PAYLOAD_BF16; p <= A2A_PAYLOAD_NVFP4; p++) {
+        g_payload = p;
+        for (int i = 0; i < n_t; i++) {
+            test_rounds(transports[i], 10, 2, 0);
+            test_rounds(transports[i], 10, 4, 2);
+        }
+    }
+    g_payload = A2A_PAYLOAD_F32;
+    g_hidden = 24;
 
     int mine[2] = {check_passed, check_failed}, sum[2] = {0, 0};
     MPI_Allreduce(mine, sum, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

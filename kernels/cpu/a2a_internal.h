@@ -10,7 +10,8 @@
  *   line 1 + ep + p             combine_flag[p]:  round value written by peer p (2N+2)
  *   line 1 + 2 ep + p           count line from peer p: {tokens sent to me, its runtime_max}
  *   recv_off                    receive region [src][runtime_max] x record
- *                                 record = x[D] floats | ids[K] int32 (local, -1) | w[K] floats
+ *                                 record = payload (a2a_payload_bytes, padded to 4 bytes: the
+ *                                 fp32 x[D] by default) | ids[K] int32 (local, -1) | w[K] floats
  *   comb_off                    combine region [receiver][runtime_max][K][D] floats
  *
  * Each line is A2A_LINE bytes, so no two writers share a cache line (128 covers the adjacent-line
@@ -41,7 +42,8 @@ typedef struct {
     size_t line_dflag0; /* dispatch_flag[0]; flag p at + p * A2A_LINE */
     size_t line_cflag0; /* combine_flag[0] */
     size_t line_count0; /* count line of peer 0 */
-    size_t rec_bytes;   /* one record: (D + 2K) * 4 */
+    size_t pay_bytes;   /* the payload part of a record, padded to 4 bytes */
+    size_t rec_bytes;   /* one record: pay_bytes + 2K * 4 */
     size_t recv_off;    /* receive region */
     size_t comb_off;    /* combine region */
     size_t seg_bytes;   /* whole segment, a multiple of 4096 */
@@ -101,9 +103,8 @@ typedef struct a2a_transport_ops {
 int a2a_shm_init(a2a *a, char *err, size_t errlen);
 int a2a_mpi_init(a2a *a, char *err, size_t errlen);
 
-/* Record helpers, one token: x[D] | ids[K] (local to target, -1 where target does not own the
- * slot) | w[K]. */
-static inline float *a2a_record_x(void *rec) { return (float *)rec; }
+/* Record helpers, one token: payload (x in the config's format) | ids[K] (local to target, -1
+ * where target does not own the slot) | w[K]. */
 void a2a_pack_record(const a2a *a, void *rec, int target, const float *x_t /* [D] */,
                      const int32_t *ids_t /* [K] */, const float *w_t /* [K] */);
 
