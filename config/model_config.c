@@ -428,6 +428,57 @@ static int validate(model_config *c, const cJSON *j, const char *path, char *err
     return 0;
 }
 
+/* quantization_config of config.json (or the "quantization" object of ModelOpt's
+ * hf_quant_config.json): the formats this server reads, with the published parameters. */
+static int parse_quant(model_config *c, const cJSON *q, const char *path, char *err,
+                       size_t errlen) {
+    const cJSON *method = cJSON_GetObjectItemCaseSensitive(q, "quant_method");
+    const cJSON *algo = cJSON_GetObjectItemCaseSensitive(q, "quant_algo");
+    if (cJSON_IsString(method) && strcmp(method->valuestring, "fp8") == 0) {
+        c->quant = MODEL_QUANT_FP8;
+        c->quant_block[0] = c->quant_block[1] = 128;
+        const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(q, "fmt");
+        if (fmt && !(cJSON_IsString(fmt) && strcmp(fmt->valuestring, "e4m3") == 0))
+            return set_err(err, errlen, "%s: quantization_config.fmt: only \"e4m3\" is read", path);
+        const cJSON *bs = cJSON_GetObjectItemCaseSensitive(q, "weight_block_size");
+        if (bs) {
+            if (!cJSON_IsArray(bs) || cJSON_GetArraySize(bs) != 2 ||
+                !cJSON_IsNumber(cJSON_GetArrayItem(bs, 0)) ||
+                !cJSON_IsNumber(cJSON_GetArrayItem(bs, 1)))
+                return set_err(err, errlen,
+                               "%s: quantization_config.weight_block_size must be [rows, columns]",
+                               path);
+            c->quant_block[0] = cJSON_GetArrayItem(bs, 0)->valueint;
+            c->quant_block[1] = cJSON_GetArrayItem(bs, 1)->valueint;
+        }
+        if (c->quant_block[0] != 128 || c->quant_block[1] != 128)
+            return set_err(err, errlen,
+                           "%s: quantization_config.weight_block_size [%d, %d]: only [128, 128] "
+                           "is read",
+                           path, c->quant_block[0], c->quant_block[1]);
+        return 0;
+    }
+    if ((cJSON_IsString(method) && strcmp(method->valuestring, "modelopt") == 0) ||
+        (!method && cJSON_IsString(algo))) {
+        if (!cJSON_IsString(algo) || strcmp(algo->valuestring, "NVFP4") != 0)
+            return set_err(err, errlen, "%s: quantization quant_algo %s%s%s: only \"NVFP4\" is read",
+                           path, cJSON_IsString(algo) ? "\"" : "",
+                           cJSON_IsString(algo) ? algo->valuestring : "(missing)",
+                           cJSON_IsString(algo) ? "\"" : "");
+        c->quant = MODEL_QUANT_NVFP4;
+        c->quant_group = 16;
+        const cJSON *gs = cJSON_GetObjectItemCaseSensitive(q, "group_size");
+        if (gs && (!cJSON_IsNumber(gs) || gs->valueint != 16))
+            return set_err(err, errlen, "%s: quantization group_size: NVFP4 groups are 16", path);
+        return 0;
+    }
+    return set_err(err, errlen, "%s: quantization_config.quant_method %s%s%s: fp8 and modelopt "
+                   "(NVFP4) are read",
+                   path, cJSON_IsString(method) ? "\"" : "",
+                   cJSON_IsString(method) ? method->valuestring : "(missing)",
+                   cJSON_IsString(method) ? "\"" : "");
+}
+
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {
     memset(c, 0, sizeof *c);
     char *path = path_join(dir, "config.json");
@@ -443,6 +494,23 @@ int model_config_load(model_config *c, const char *dir, char *err, size_t errlen
         if (rc == 0 && c->bos_token_id == -1) c->bos_token_id = bos;
     }
     if (rc == 0) rc = validate(c, j, path, err, errlen);
+    const cJSON *qc = rc == 0 ? cJSON_GetObjectItemCaseSensitive(j, "quantization_config") : NULL;
+    if (qc) {
+        rc = cJSON_IsObject(qc) ? parse_quant(c, qc, path, err, errlen)
+                                : set_err(err, errlen, "%s: quantization_config: not an object",
+                                          path);
+    } else if (rc == 0) { /* ModelOpt's own file, when config.json says nothing */
+        char *hq_path = path_join(dir, "hf_quant_config.json");
+        cJSON *hq = NULL;
+        rc = read_json(hq_path, true, &hq, err, errlen);
+        if (rc == 0 && hq) {
+            const cJSON *q = cJSON_GetObjectItemCaseSensitive(hq, "quantization");
+            rc = cJSON_IsObject(q) ? parse_quant(c, q, hq_path, err, errlen)
+                                   : set_err(err, errlen, "%s: no \"quantization\" object", hq_path);
+        }
+        cJSON_Delete(hq);
+        free(hq_path);
+    }
     cJSON_Delete(j);
     cJSON_Delete(g);
     free(path);

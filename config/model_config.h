@@ -32,7 +32,17 @@ typedef struct {
     int n_eos;
     int eos_token_ids[MODEL_CONFIG_MAX_EOS]; /* config.json and generation_config.json, merged */
     int bos_token_id;                        /* -1 when absent */
+    /* The checkpoint's quantization (config.json's quantization_config, else hf_quant_config.json):
+     * MODEL_QUANT_FP8 = DeepSeek-V3's block FP8 (weight F8_E4M3, weight_scale_inv per block of
+     * quant_block rows x columns), MODEL_QUANT_NVFP4 = ModelOpt NVFP4 (weight U8, two E2M1 a byte,
+     * weight_scale F8_E4M3 per quant_group, weight_scale_2). Each tensor's dtype in the
+     * safetensors header decides whether it is quantized (the ignore lists are not needed). */
+    int quant; /* MODEL_QUANT_* */
+    int quant_block[2];
+    int quant_group;
 } model_config;
+
+enum { MODEL_QUANT_NONE, MODEL_QUANT_FP8, MODEL_QUANT_NVFP4 };
 
 /* Read dir/config.json (required) and dir/generation_config.json (optional). Returns 0, or -1
  * with a message naming the file and the field: unknown model_type, missing or mistyped

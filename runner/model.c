@@ -3,9 +3,11 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
+#include "kernels/quant.h"
 
 static const model_arch *const model_archs[] = {&qwen3_moe_arch};
 
@@ -65,6 +67,7 @@ fail:
 struct model_tensor {
     struct model_tensor *next;
     tensor t;
+    bool host_owned; /* t.data is a host buffer of the model's own (a dequantized weight) */
 };
 
 void model_free(model *m) {
@@ -72,7 +75,10 @@ void model_free(model *m) {
     if (m->arch && m->arch->free) m->arch->free(m);
     for (struct model_tensor *mt = m->tensors, *nx; mt; mt = nx) {
         nx = mt->next;
-        if ((mt->t.device != DEVICE_CPU || m->dummy) && mt->t.data) m->ops->dev_free(mt->t.data);
+        if (mt->host_owned)
+            free(mt->t.data);
+        else if ((mt->t.device != DEVICE_CPU || m->dummy) && mt->t.data)
+            m->ops->dev_free(mt->t.data);
         free(mt);
     }
     checkpoint_close(&m->ckpt);
@@ -190,13 +196,89 @@ int model_weight_rows(model *m, int n, const char *const *names, const int64_t *
     return 0;
 }
 
-int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
+/* The companion tensor `suffix` of weight `name` (name's ".weight" replaced), checked for dtype
+ * and element count. */
+static const checkpoint_tensor *quant_part(const model *m, const char *name, const char *suffix,
+                                           dtype dt, int64_t numel, char *err, size_t errlen) {
+    char part[320];
+    size_t n = strlen(name);
+    snprintf(part, sizeof part, "%.*s%s", (int)(n > 7 ? n - 7 : n), name, suffix);
+    const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, part);
+    if (!ct) {
+        set_err(err, errlen, "%s: tensor '%s' is quantized but '%s' is missing from the checkpoint",
+                m->dir, name, part);
+        return NULL;
+    }
+    if (ct->t.dtype != dt || tensor_numel(&ct->t) != numel) {
+        char got[128];
+        tensor_format_shape(got, sizeof got, ct->t.ndim, ct->t.shape);
+        set_err(err, errlen, "%s: tensor '%s' is %s %s; expected %s of %lld elements", ct->file,
+                part, dtype_name(ct->t.dtype), got, dtype_name(dt), (long long)numel);
+        return NULL;
+    }
+    return ct;
+}
+
+/* A quantized checkpoint tensor as the F32 [N, K] weight it stands for (kernels/cpu/quant.c's
+ * formulas), made once at load and owned by the model: FP8 codes times their block's
+ * weight_scale_inv, or NVFP4 codes times their group's weight_scale times weight_scale_2. The
+ * backends then read it as any F32 weight (the CUDA experts round it to BF16); the quantized
+ * kernels come later. */
+static int dequant_weight(model *m, const checkpoint_tensor *ct, const char *name,
+                          const int64_t *shape, const tensor **out, char *err, size_t errlen) {
+    const model_config *c = &m->cfg;
+    const int64_t N = shape[0], K = shape[1];
+    const bool fp8 = ct->t.dtype == DTYPE_F8_E4M3;
+    if (fp8 ? c->quant != MODEL_QUANT_FP8 : c->quant != MODEL_QUANT_NVFP4)
+        return set_err(err, errlen,
+                       "%s: tensor '%s' has dtype %s, which %s/config.json's quantization_config "
+                       "does not describe (%s)",
+                       ct->file, name, dtype_name(ct->t.dtype), m->dir,
+                       c->quant == MODEL_QUANT_NONE ? "it has none" : "another format");
+    const int64_t want1 = fp8 ? K : K / 2;
+    if (ct->t.ndim != 2 || ct->t.shape[0] != N || ct->t.shape[1] != want1 ||
+        (!fp8 && K % QUANT_FP4_GROUP != 0)) {
+        char got[128];
+        tensor_format_shape(got, sizeof got, ct->t.ndim, ct->t.shape);
+        return set_err(err, errlen, "%s: tensor '%s' has shape %s but config.json implies [%lld, %lld]%s",
+                       ct->file, name, got, (long long)N, (long long)want1,
+                       fp8 ? "" : " (packed: two values a byte)");
+    }
+    float *w = malloc((size_t)N * K * sizeof(float));
+    if (!w) return set_err(err, errlen, "%s: out of memory dequantizing '%s'", m->dir, name);
+    if (fp8) {
+        const int64_t bn = (N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+        const int64_t bk = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+        const checkpoint_tensor *s =
+            quant_part(m, name, ".weight_scale_inv", DTYPE_F32, bn * bk, err, errlen);
+        if (!s) return free(w), -1;
+        dequant_fp8_blocks(w, ct->t.data, s->t.data, (int)N, (int)K);
+    } else {
+        const checkpoint_tensor *sf =
+            quant_part(m, name, ".weight_scale", DTYPE_F8_E4M3, N * K / QUANT_FP4_GROUP, err, errlen);
+        const checkpoint_tensor *s2 =
+            sf ? quant_part(m, name, ".weight_scale_2", DTYPE_F32, 1, err, errlen) : NULL;
+        if (!s2) return free(w), -1;
+        dequant_nvfp4(w, ct->t.data, sf->t.data, *(const float *)s2->t.data, (int)N, (int)K);
+    }
+    struct model_tensor *mt = xcalloc(1, sizeof *mt);
+    mt->t = (tensor){.dtype = DTYPE_F32, .ndim = 2, .shape = {N, K}, .device = DEVICE_CPU, .data = w};
+    mt->host_owned = true;
+    mt->next = m->tensors;
+    m->tensors = mt;
+    *out = &mt->t;
+    return 0;
+}
+
+int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen) {
     if (m->dummy)
         return set_err(err, errlen, "%s: tensor '%s': a dummy model has no checkpoint views",
                        m->dir, name);
     const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
     if (!ct) return set_err(err, errlen, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
+    if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8))
+        return dequant_weight(m, ct, name, shape, out, err, errlen);
     bool same = ct->t.ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = ct->t.shape[i] == shape[i];
     if (!same) {

@@ -83,9 +83,10 @@ void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int 
 void model_free(model *m);
 
 /* Look up a tensor by name and check its shape (ndim dims from shape[]) and dtype; ok -> 0 and
- * *out set to the checkpoint's view (host memory). The message names the checkpoint folder, the
- * tensor and both shapes. */
-int model_weight_info(const model *m, const char *name, int ndim, const int64_t *shape,
+ * *out set to the checkpoint's view (host memory), or, for a weight stored quantized (F8_E4M3 or
+ * packed U8, as cfg.quant says), to the F32 weight it stands for, dequantized once and owned by
+ * the model. The message names the checkpoint file or folder, the tensor and both shapes. */
+int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen);
 /* model_weight_info, then the model's own copy of the view, made usable by its backend
  * (ops->upload: on the device for CUDA); the copy lives as long as the model. */
