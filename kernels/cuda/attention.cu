@@ -124,15 +124,6 @@ static __device__ __forceinline__ void shfl_add4(float4 &a, int off) {
     a.w += __shfl_xor_sync(0xffffffffu, a.w, off);
 }
 
-// Programmatic dependent launch (sm_90): wait blocks until the previous kernel has completed and
-// its writes are visible; launch_dependents lets the next kernel's blocks start (they wait too).
-static __device__ __forceinline__ void grid_dependency_wait() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-static __device__ __forceinline__ void grid_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // 16 bytes global -> shared without registers (cp.async), in commit groups.
 static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -445,7 +436,7 @@ __global__ void __launch_bounds__(G / GW * 32)
     // the step), and the cache rows of positions no token of this batch stores. A decode step's
     // past context is then on its way while the q/k/v projection still runs; q and this step's
     // own rows are read after the wait.
-    grid_launch_dependents();
+    pdl_trigger();
     const int tl = blockIdx.x, hg = blockIdx.y, j = blockIdx.z;
     const int t = t0 + tl, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int n = pos[t] + 1; // positions 0..pos[t]
@@ -475,7 +466,7 @@ __global__ void __launch_bounds__(G / GW * 32)
             cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: V
     }
-    grid_dependency_wait();
+    pdl_wait();
     const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
     for (int i = tid; i < G * D4; i += NT)
         cp_async16(&qs[i], qt + i);
@@ -1105,21 +1096,11 @@ template <int DH, int G> static void launch_slices(const attn_args &a) {
     static size_t smem_set = 0;
     const size_t smem = slice_smem(DH, G, a.NC);
     smem_allow(kernel, smem, &smem_set);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(a.Ts, a.H / G, a.NC * ATTN_SLICES);
-    cfg.blockDim = dim3(G / GW * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = cuda_stream();
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
     const attn_batch *b = a.b;
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a.out, a.slice_o, a.slice_ml, a.part_o, a.part_ml,
-                                  a.cnt, a.q, (const float *)a.kv.k, (const float *)a.kv.v,
-                                  b->pos, b->seq, b->page_table, a.t0, b->T, a.H, a.Hkv,
-                                  b->max_pages, b->page_size, a.NC, a.scale));
+    cuda_launch_pdl(kernel, dim3(a.Ts, a.H / G, a.NC * ATTN_SLICES), dim3(G / GW * 32), smem, a.out,
+                    a.slice_o, a.slice_ml, a.part_o, a.part_ml, a.cnt, a.q, (const float *)a.kv.k,
+                    (const float *)a.kv.v, b->pos, b->seq, b->page_table, a.t0, b->T, a.H, a.Hkv,
+                    b->max_pages, b->page_size, a.NC, a.scale);
 }
 
 template <int DH, int G> static void launch_chunks(const attn_args &a, int tile_qt) {

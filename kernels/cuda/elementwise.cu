@@ -196,33 +196,41 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
     }
 }
 
-// rmsnorm_kernel's VEC path for rows of up to 32 * 4 * KEEP values: all of a lane's chunks are
-// loaded before its sum starts, so the lane waits for memory once (a loop that loads and adds one
-// chunk at a time waits once per chunk); the same chunks, in the same order, the same bits.
-template <int DT, int KEEP>
-__global__ void rmsnorm_keep_kernel(float *out, const float *x, const void *w, int R, int C,
-                                    float eps) {
-    const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
-    if (row >= R) return;
-    const float4 *xr = (const float4 *)(x + row * C);
-    float4 *o = (float4 *)(out + row * C);
-    const int n_chunks = C / 4;
-    float4 v[KEEP], wv[KEEP]; // the weights too: a load after a store to out would wait for it
+// One warp: dst[C] = src[C] normed with w, rmsnorm_kernel's chunks and arithmetic, for rows of up
+// to 32 * 4 * N values (16-byte aligned, C % 4 == 0). All of a lane's chunks and their weights are
+// loaded before its sum starts, and the stores come last: a load issued after a store that may
+// alias it would wait for that store, once per chunk. dst may equal src.
+template <int DT, int N>
+__device__ __forceinline__ void warp_norm_row(float4 *dst, const float4 *src, const void *w, int C,
+                                              float eps) {
+    const int lane = threadIdx.x & 31, n_chunks = C / 4;
+    float4 v[N], wv[N];
 #pragma unroll
-    for (int i = 0; i < KEEP; i++)
+    for (int i = 0; i < N; i++)
         if (lane + 32 * i < n_chunks) {
-            v[i] = xr[lane + 32 * i];
+            v[i] = src[lane + 32 * i];
             wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
         }
     double ss = 0.0;
 #pragma unroll
-    for (int i = 0; i < KEEP; i++)
+    for (int i = 0; i < N; i++)
         if (lane + 32 * i < n_chunks) ss = norm_sq4(ss, v[i]);
     const float inv = norm_inv(ss, C, eps);
 #pragma unroll
-    for (int i = 0; i < KEEP; i++)
-        if (lane + 32 * i < n_chunks) o[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+    for (int i = 0; i < N; i++)
+        if (lane + 32 * i < n_chunks) dst[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+}
+
+// rmsnorm_kernel's VEC path for rows of up to 32 * 4 * KEEP values, one warp_norm_row a warp: the
+// same chunks, in the same order, the same bits.
+template <int DT, int KEEP>
+__global__ void rmsnorm_keep_kernel(float *out, const float *x, const void *w, int R, int C,
+                                    float eps) {
+    const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
+    if (row >= R) return;
+    const float4 *xr = (const float4 *)(x + row * C);
+    float4 *o = (float4 *)(out + row * C);
+    warp_norm_row<DT, KEEP>(o, xr, w, C, eps);
 }
 
 template <int DT>
@@ -473,23 +481,8 @@ __device__ __forceinline__ void head_norm_rope(float *dst, const float *src, con
     const int lane = threadIdx.x & 31, Dh = 2 * half;
     const int n_chunks = (Dh + 3) / 4;
     if constexpr (VEC) { // a lane's chunks and weights loaded at once (Dh <= 512: 4 chunks)
-        constexpr int CH = 2 * ROPE_MAX_HALF / 4 / 32;
-        float4 v[CH], wv[CH];
-#pragma unroll
-        for (int i = 0; i < CH; i++)
-            if (lane + 32 * i < n_chunks) {
-                v[i] = ((const float4 *)src)[lane + 32 * i];
-                wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
-            }
-        double ss = 0.0;
-#pragma unroll
-        for (int i = 0; i < CH; i++)
-            if (lane + 32 * i < n_chunks) ss = norm_sq4(ss, v[i]);
-        const float inv = norm_inv(ss, Dh, eps);
-#pragma unroll
-        for (int i = 0; i < CH; i++)
-            if (lane + 32 * i < n_chunks)
-                ((float4 *)row)[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+        warp_norm_row<DT, 2 * ROPE_MAX_HALF / 4 / 32>((float4 *)row, (const float4 *)src, w, Dh,
+                                                      eps);
     } else {
         double ss = 0.0;
         for (int ch = lane; ch < n_chunks; ch += 32) {

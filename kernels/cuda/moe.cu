@@ -318,16 +318,6 @@ __device__ int block_exclusive_scan(int v, int *scratch /* [33] */, int *sum) {
     return r;
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while the
-// previous one finishes; griddepcontrol.wait blocks until that one has completed and its writes are
-// visible; launch_dependents lets the next kernel start once every block of this one has passed it.
-__device__ __forceinline__ void grid_dependency_wait() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-__device__ __forceinline__ void grid_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&b);
@@ -346,7 +336,7 @@ __device__ __forceinline__ void split_bf16x2(float a0, float a1, uint32_t *hi, u
 
 // Block 0 groups the pairs by expert; blocks 1.. convert x to BF16 meanwhile (high: also x_lo).
 __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_args a) {
-    grid_launch_dependents(); // GEMM 1 may take its place on the SMs; it waits for this grid
+    pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for this grid
     if (blockIdx.x > 0) {
         const int64_t step = (int64_t)(gridDim.x - 1) * blockDim.x;
         for (int64_t i = (int64_t)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < a.n_x8;
@@ -671,8 +661,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
     constexpr bool A_FULL = TINY && GATE_UP;
     if (GATE_UP) {
-        grid_dependency_wait();
-        grid_launch_dependents();
+        pdl_wait();
+        pdl_trigger();
     }
     const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -793,7 +783,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         for (int s = 0; s < STAGES - 1; s++)
             if (s < nk) load_b(s, s);
         cp_async_commit();
-        grid_dependency_wait();
+        pdl_wait();
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -1030,17 +1020,8 @@ static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = C::smem) {
     }
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(C::threads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = cuda_stream();
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_gemm_kernel<C, GATE_UP, TINY>, a));
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY>, dim3((unsigned)blocks), dim3(C::threads),
+                    smem, a);
 }
 
 // The scratch of moe_experts: device memory grown on demand and kept for the process.
