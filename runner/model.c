@@ -54,6 +54,27 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
                 m->cfg.model_type);
         goto fail;
     }
+    if (o->quantization && o->quantization[0]) {
+        const char *q = o->quantization;
+        int want = !strcmp(q, "fp8")                                   ? MODEL_QUANT_FP8
+                   : !strcmp(q, "modelopt_fp4") || !strcmp(q, "nvfp4") ? MODEL_QUANT_NVFP4
+                                                                        : -1;
+        if (want < 0) {
+            set_err(err, errlen, "--quantization '%s': fp8, modelopt_fp4 (nvfp4) are known", q);
+            goto fail;
+        }
+        if (m->cfg.quant != MODEL_QUANT_NONE && m->cfg.quant != want) {
+            set_err(err, errlen, "--quantization %s: %s/config.json describes a checkpoint in %s",
+                    q, dir, m->cfg.quant == MODEL_QUANT_FP8 ? "block FP8" : "NVFP4");
+            goto fail;
+        }
+        if (m->dummy) {
+            set_err(err, errlen, "--quantization %s with --load-format dummy is not supported yet",
+                    q);
+            goto fail;
+        }
+        if (m->cfg.quant == MODEL_QUANT_NONE) m->online_quant = want;
+    }
     if (!m->dummy && checkpoint_open(&m->ckpt, dir, err, errlen) != 0) goto fail;
     if (m->arch->load(m, err, errlen) != 0) goto fail;
     return m;
@@ -219,6 +240,16 @@ static const checkpoint_tensor *quant_part(const model *m, const char *name, con
     return ct;
 }
 
+/* w [N, K] (malloc'd) as an F32 host tensor the model owns and frees. */
+static const tensor *own_f32(model *m, float *w, int64_t N, int64_t K) {
+    struct model_tensor *mt = xcalloc(1, sizeof *mt);
+    mt->t = (tensor){.dtype = DTYPE_F32, .ndim = 2, .shape = {N, K}, .device = DEVICE_CPU, .data = w};
+    mt->host_owned = true;
+    mt->next = m->tensors;
+    m->tensors = mt;
+    return &mt->t;
+}
+
 /* A quantized checkpoint tensor as the F32 [N, K] weight it stands for (kernels/cpu/quant.c's
  * formulas), made once at load and owned by the model: FP8 codes times their block's
  * weight_scale_inv, or NVFP4 codes times their group's weight_scale times weight_scale_2. The
@@ -261,12 +292,40 @@ static int dequant_weight(model *m, const checkpoint_tensor *ct, const char *nam
         if (!s2) return free(w), -1;
         dequant_nvfp4(w, ct->t.data, sf->t.data, *(const float *)s2->t.data, (int)N, (int)K);
     }
-    struct model_tensor *mt = xcalloc(1, sizeof *mt);
-    mt->t = (tensor){.dtype = DTYPE_F32, .ndim = 2, .shape = {N, K}, .device = DEVICE_CPU, .data = w};
-    mt->host_owned = true;
-    mt->next = m->tensors;
-    m->tensors = mt;
-    *out = &mt->t;
+    *out = own_f32(m, w, N, K);
+    return 0;
+}
+
+/* --quantization on a BF16 (F16, F32) checkpoint: projection `name` [N, K] through the format's
+ * round trip (quantize, then dequantize as dequant_weight does), the same F32 weight the
+ * quantized checkpoint of scripts/make_quant_checkpoints.py gives. */
+static int quantize_weight(model *m, const checkpoint_tensor *ct, const char *name,
+                           const tensor **out, char *err, size_t errlen) {
+    const int64_t N = ct->t.shape[0], K = ct->t.shape[1];
+    if (m->online_quant == MODEL_QUANT_NVFP4 && K % QUANT_FP4_GROUP != 0)
+        return set_err(err, errlen, "%s: tensor '%s' has %lld columns: NVFP4 needs a multiple of %d",
+                       ct->file, name, (long long)K, QUANT_FP4_GROUP);
+    float *w = malloc((size_t)N * K * sizeof(float));
+    if (!w) return set_err(err, errlen, "%s: out of memory quantizing '%s'", m->dir, name);
+    for (int64_t i = 0; i < N * K; i++)
+        w[i] = tensor_get_f32(&ct->t, i);
+    if (m->online_quant == MODEL_QUANT_FP8) {
+        const int64_t nb = ((N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK) *
+                           ((K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK);
+        uint8_t *q = xmalloc((size_t)(N * K));
+        float *s = xmalloc((size_t)nb * sizeof(float));
+        quant_fp8_blocks(q, s, w, (int)N, (int)K);
+        dequant_fp8_blocks(w, q, s, (int)N, (int)K);
+        free(q);
+        free(s);
+    } else {
+        uint8_t *q = xmalloc((size_t)(N * K / 2)), *sf = xmalloc((size_t)(N * K / QUANT_FP4_GROUP));
+        float s2 = quant_nvfp4(q, sf, w, (int)N, (int)K, 0.0f);
+        dequant_nvfp4(w, q, sf, s2, (int)N, (int)K);
+        free(q);
+        free(sf);
+    }
+    *out = own_f32(m, w, N, K);
     return 0;
 }
 
@@ -291,6 +350,10 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
     if (ct->t.dtype != DTYPE_BF16 && ct->t.dtype != DTYPE_F32 && ct->t.dtype != DTYPE_F16)
         return set_err(err, errlen, "%s: tensor '%s' has dtype %s; supported: BF16, F16, F32",
                        ct->file, name, dtype_name(ct->t.dtype));
+    size_t len = strlen(name);
+    if (m->online_quant != MODEL_QUANT_NONE && ndim == 2 && len > 12 &&
+        strcmp(name + len - 12, "_proj.weight") == 0)
+        return quantize_weight(m, ct, name, out, err, errlen);
     *out = &ct->t;
     return 0;
 }

@@ -51,6 +51,7 @@ struct model {
     a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
+    int online_quant; /* MODEL_QUANT_*: BF16 projections quantized at load (--quantization) */
     char err[512]; /* why the last forward failed */
     uint64_t ws_epoch; /* moves on whenever the activation buffers are reallocated */
 };
@@ -70,6 +71,12 @@ typedef struct {
      * every rank and every backend makes the same model. Matrices are uniform in
      * [-1/sqrt(in), 1/sqrt(in)), norm weights in [0.95, 1.05). */
     bool dummy;
+    /* SGLang's --quantization: NULL or "" keeps the checkpoint's own format; "fp8" (block FP8)
+     * or "modelopt_fp4" / "nvfp4" (NVFP4) quantizes a BF16 checkpoint's projections as it loads,
+     * with the same formulas as scripts/make_quant_checkpoints.py, so the weights equal those of
+     * the checkpoint that script writes; on a checkpoint already quantized it must name its
+     * format. */
+    const char *quantization;
 } model_load_opts;
 model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o, char *err,
                         size_t errlen);

@@ -847,6 +847,10 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "stream_interval", 1);
     cJSON_AddBoolToObject(o, "skip_tokenizer_init", g->skip_tokenizer_init);
     cJSON_AddStringToObject(o, "load_format", g->load_format ? g->load_format : "auto");
+    if (g->quantization)
+        cJSON_AddStringToObject(o, "quantization", g->quantization);
+    else
+        cJSON_AddNullToObject(o, "quantization");
     cJSON_AddNumberToObject(o, "max_total_num_tokens", max_tokens);
     cJSON_AddNumberToObject(o, "max_req_input_len", g->context_length - 1);
     cJSON *states = cJSON_AddArrayToObject(o, "internal_states");

@@ -85,6 +85,8 @@ static const char usage_generate[] =
     "                           or medium (activations rounded to BF16: faster prefill)\n"
     "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
     "                           weights from config.json alone (give --input-ids)\n"
+    "  --quantization Q         fp8 or modelopt_fp4 (nvfp4): quantize a BF16 checkpoint's\n"
+    "                           projections as they load (default: the checkpoint's format)\n"
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
     "                           OMP_WAIT_POLICY=active is set)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
@@ -96,6 +98,8 @@ static const char usage_serve[] =
     "                                tokenizer.json, tokenizer_config.json)\n"
     "  --load-format F               auto (default) or safetensors: the checkpoint; dummy: random\n"
     "                                weights from config.json alone (the same on every run)\n"
+    "  --quantization Q              fp8 or modelopt_fp4 (nvfp4): quantize a BF16 checkpoint's\n"
+    "                                projections as they load (default: the checkpoint's format)\n"
     "  --skip-tokenizer-init         load no tokenizer (the folder may have none): /generate\n"
     "                                takes input_ids and answers output_ids without text,\n"
     "                                /v1/completions takes token-id prompts, chat answers 400,\n"
@@ -279,7 +283,7 @@ static int cmd_generate(int argc, char **argv) {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
     bool skip_special = true;
     int threads = 0, graph_bs = 0;
-    const char *device = "cpu", *load_format = "auto", *precision = "high";
+    const char *device = "cpu", *load_format = "auto", *precision = "high", *quantization = NULL;
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
     for (int i = 0; i < argc; i++) {
@@ -339,6 +343,8 @@ static int cmd_generate(int argc, char **argv) {
             device = v;
         else if (!strcmp(a, "--load-format"))
             load_format = v;
+        else if (!strcmp(a, "--quantization"))
+            quantization = v;
         else if (!strcmp(a, "--matmul-precision"))
             precision = v;
         else if (!strcmp(a, "--cuda-graph-max-bs"))
@@ -377,7 +383,10 @@ static int cmd_generate(int argc, char **argv) {
     if (strcmp(load_format, "auto") && strcmp(load_format, "safetensors") &&
         strcmp(load_format, "dummy"))
         die("--load-format: '%s' is not one of auto, safetensors, dummy", load_format);
-    model_load_opts lo = {.ep_rank = 0, .ep_size = 1, .dummy = !strcmp(load_format, "dummy")};
+    model_load_opts lo = {.ep_rank = 0,
+                          .ep_size = 1,
+                          .dummy = !strcmp(load_format, "dummy"),
+                          .quantization = quantization};
     model *m = model_load_with(model_path, backend, &lo, err, sizeof err);
     if (!m) die("%s", err);
     tokenizer *tok = load_tokenizer(model_path, prompt != NULL || sw.n_stops > 0);
@@ -665,7 +674,8 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--ep",
                                                  "--ep-size",
                                                  "--dist-timeout",
-                                                 "--load-format"};
+                                                 "--load-format",
+                                                 "--quantization"};
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
             known = known || !strcmp(f, with_value[k]);
@@ -712,6 +722,8 @@ static int cmd_serve(int argc, char **argv) {
             a.moe_a2a_backend = v;
         else if (!strcmp(f, "--load-format"))
             a.load_format = v;
+        else if (!strcmp(f, "--quantization"))
+            a.quantization = v;
         else if (!strcmp(f, "--tp") || !strcmp(f, "--tp-size"))
             a.tp = (int)parse_long(f, v, 1, A2A_MAX_RANKS);
         else if (!strcmp(f, "--dp") || !strcmp(f, "--dp-size"))
@@ -858,7 +870,10 @@ static int cmd_serve(int argc, char **argv) {
         LOG_WARN("serve", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
                  backend->name);
     model_load_opts lo = {
-        .ep_rank = rank, .ep_size = world, .dummy = !strcmp(a.load_format, "dummy")};
+        .ep_rank = rank,
+        .ep_size = world,
+        .dummy = !strcmp(a.load_format, "dummy"),
+        .quantization = a.quantization};
     model *m = model_load_with(a.model_path, backend, &lo, err, sizeof err);
     if (!m) die("%s", err);
     if (size_after_load)

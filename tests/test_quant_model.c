@@ -5,7 +5,9 @@
  * next-token distributions printed. This test checkpoint's random weights give very peaked,
  * mostly wrong predictions (mean teacher-forced logprob about -15 over a vocabulary of 2051), so
  * the KL it measures is far above what a trained model shows for the same formats: the figures
- * are reported, and only their sanity is checked here. */
+ * are reported, and only their sanity is checked here. Also: --quantization (model_load_opts) on
+ * the BF16 checkpoint gives the quantized checkpoints' logits bit for bit, and bad values stop the
+ * load with a message. */
 #include "runner/model.h"
 
 #include <math.h>
@@ -20,9 +22,10 @@
 enum { T = 256, S = 16 };
 
 /* logits[T, V] of one pass over ids (one sequence, positions 0..T-1). */
-static float *run_model(const char *dir, const int32_t *ids, int *V) {
+static float *run_model(const char *dir, const char *quantization, const int32_t *ids, int *V) {
     char err[512];
-    model *m = model_load(dir, ops_cpu(), err, sizeof err);
+    model_load_opts o = {.ep_rank = 0, .ep_size = 1, .quantization = quantization};
+    model *m = model_load_with(dir, ops_cpu(), &o, err, sizeof err);
     CHECK(m != NULL, "%s: %s", dir, err);
     if (!m) return NULL;
     *V = m->cfg.vocab_size;
@@ -135,10 +138,28 @@ int main(void) {
         r = r * 6364136223846793005ull + 1442695040888963407ull;
         ids[t] = (int32_t)((r >> 33) % 2048);
     }
-    float *ref = run_model(DATA "tiny-qwen3-moe", ids, &V);
-    float *f8 = run_model(DATA "tiny-qwen3-moe-fp8", ids, &V8);
-    float *f4 = run_model(DATA "tiny-qwen3-moe-nvfp4", ids, &V4);
+    float *ref = run_model(DATA "tiny-qwen3-moe", NULL, ids, &V);
+    float *f8 = run_model(DATA "tiny-qwen3-moe-fp8", NULL, ids, &V8);
+    float *f4 = run_model(DATA "tiny-qwen3-moe-nvfp4", NULL, ids, &V4);
     if (!ref || !f8 || !f4 || V != V8 || V != V4) CHECK_SUMMARY();
+    /* --quantization on the BF16 checkpoint: the same model as the quantized checkpoint's */
+    int Vq = 0;
+    float *q8 = run_model(DATA "tiny-qwen3-moe", "fp8", ids, &Vq);
+    CHECK(q8 && memcmp(q8, f8, sizeof(float) * T * V) == 0,
+          "--quantization fp8: logits differ from the FP8 checkpoint's");
+    float *q4 = run_model(DATA "tiny-qwen3-moe", "modelopt_fp4", ids, &Vq);
+    CHECK(q4 && memcmp(q4, f4, sizeof(float) * T * V) == 0,
+          "--quantization modelopt_fp4: logits differ from the NVFP4 checkpoint's");
+    free(q8), free(q4);
+    char err[512];
+    model_load_opts bad = {.ep_rank = 0, .ep_size = 1, .quantization = "nvfp4"};
+    model *m = model_load_with(DATA "tiny-qwen3-moe-fp8", ops_cpu(), &bad, err, sizeof err);
+    CHECK(!m && strstr(err, "block FP8"), "nvfp4 on the FP8 checkpoint: '%s'", err);
+    model_free(m);
+    bad.quantization = "int4";
+    m = model_load_with(DATA "tiny-qwen3-moe", ops_cpu(), &bad, err, sizeof err);
+    CHECK(!m && strstr(err, "int4"), "an unknown --quantization: '%s'", err);
+    model_free(m);
     double *lp = malloc(sizeof(double) * V), *lq = malloc(sizeof(double) * V);
     double kl8 = 0, kl4 = 0, worst8 = 0, worst4 = 0;
     for (int t = 0; t < T; t++) {
