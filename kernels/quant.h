@@ -118,6 +118,14 @@ void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K
 float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s2);
 void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int R, int C);
 
+/* The FP8 GEMM of DeepSeek-V3's scheme, the reference of the quantized kernels: out[T, N] =
+ * x[T, K] w[N, K]^T with x quantized per token per 128 channels (quant_fp8_rows) and w in 128 x 128
+ * blocks (codes w_q [N, K], scales w_s [ceil(N / 128), ceil(K / 128)]): each 128-wide slice of K
+ * sums its products of decoded codes (exact in fp32) in increasing k in fp32, is multiplied by the
+ * product of its two scales, and the slices are added in increasing K. */
+void quant_linear_fp8(float *out, const float *x, const uint8_t *w_q, const float *w_s, int T,
+                      int N, int K);
+
 #ifdef __cplusplus
 }
 #endif

@@ -108,3 +108,30 @@ void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int 
                    fp8_e4m3_to_float(sf[(int64_t)r * G + c / QUANT_FP4_GROUP]) * s2;
         }
 }
+
+void quant_linear_fp8(float *out, const float *x, const uint8_t *w_q, const float *w_s, int T,
+                      int N, int K) {
+    const int G = (K + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP;
+    uint8_t *xq = xmalloc((size_t)T * K + 1);
+    float *xs = xmalloc(sizeof(float) * ((size_t)T * G + 1));
+    quant_fp8_rows(xq, xs, x, T, K);
+    float wv[256]; /* E4M3 decode table */
+    for (int c = 0; c < 256; c++)
+        wv[c] = fp8_e4m3_to_float((uint8_t)c);
+#pragma omp parallel for schedule(static) if ((int64_t)T * N * K >= (1 << 20))
+    for (int n = 0; n < N; n++)
+        for (int t = 0; t < T; t++) {
+            const uint8_t *a = xq + (int64_t)t * K, *b = w_q + (int64_t)n * K;
+            float acc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const int k0 = g * QUANT_FP8_GROUP, k1 = k0 + QUANT_FP8_GROUP < K ? k0 + QUANT_FP8_GROUP : K;
+                float part = 0.0f; /* products of two E4M3 values are exact in fp32 */
+                for (int k = k0; k < k1; k++)
+                    part += wv[a[k]] * wv[b[k]];
+                acc += part * (xs[(int64_t)t * G + g] * w_s[(int64_t)(n / QUANT_FP8_BLOCK) * G + g]);
+            }
+            out[(int64_t)t * N + n] = acc;
+        }
+    free(xq);
+    free(xs);
+}
