@@ -21,7 +21,10 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 ifeq ($(CUDA),0)
   NVCC :=
 endif
-CU_SRCS  := $(wildcard kernels/cuda/*.cu)
+# The GPU all-to-all (kernels/cuda/a2a_*.cu) links only into its test and benchmark for now: it
+# needs NCCL and MPI's headers, which the engine's objects do not.
+CU_SRCS  := $(filter-out kernels/cuda/a2a_%.cu,$(wildcard kernels/cuda/*.cu))
+A2A_CU_SRCS := $(wildcard kernels/cuda/a2a_*.cu)
 ifneq ($(NVCC),)
   ifneq ($(CU_SRCS),)
     CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
@@ -29,6 +32,8 @@ ifneq ($(NVCC),)
     CFLAGS    += -DMOESERVE_CUDA=1 -I$(CUDA_HOME)/include
     LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
     CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
+    A2A_CU_OBJS := $(A2A_CU_SRCS:%.cu=$(BUILD)/%.o)
+    A2A_CU_LIBS := -lnccl
   endif
 endif
 $(info moeserve: cc=$(CC) nvcc=$(if $(NVCC),$(NVCC),none) cuda objects=$(words $(CU_OBJS)))
@@ -111,6 +116,19 @@ A2A_OBJS := $(BUILD)/kernels/a2a.o $(BUILD)/kernels/cpu/a2a_shm.o $(BUILD)/kerne
             $(BUILD)/common/log.o
 $(BUILD)/bench_a2a: $(BUILD)/scripts/bench_a2a.o $(A2A_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
+
+# The GPU all-to-all (nvlink_one_sided, nccl): its test runs under mpirun on the GPU machine
+# (scripts/gpu_check.sh runs it with one rank); bench_a2a_cuda needs two GPUs and mpirun -np 2.
+# Without nvcc the test builds as a stub that says "skipped".
+$(A2A_CU_OBJS): NVCCFLAGS += $(MPI_CFLAGS)
+$(BUILD)/tests/test_cuda_a2a: $(BUILD)/tests/test_cuda_a2a.o $(LIB_OBJS) $(A2A_CU_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDLIBS) $(A2A_CU_LIBS)
+ifneq ($(A2A_CU_OBJS),)
+all: $(BUILD)/bench_a2a_cuda
+endif
+$(BUILD)/bench_a2a_cuda: $(BUILD)/scripts/bench_a2a_cuda.o $(LIB_OBJS) $(A2A_CU_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS) $(A2A_CU_LIBS)
 
 # Engine step benchmark (decode step time against the memory floor, prefill throughput).
 $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
