@@ -13,7 +13,16 @@
  * uniform routing, E (1 - (1 - K/E)^B)), and the KV cache of every sequence, over the device's
  * bandwidth: one 1 GiB device-to-device copy (bytes read + written over its time), measured in the
  * same run.
- * Prefill: P prompts of --prefill-len tokens through steps of at most --chunk tokens; tokens/s. */
+ * Prefill: P prompts of --prefill-len tokens through steps of at most --chunk tokens; tokens/s.
+ *
+ * --skip OPS (comma-separated: attention, experts, linear, qkv_prepare, router, norms) replaces
+ * those ops with ones that do nothing during the timed decode steps (the prefill and the KV it
+ * leaves are real), so the step time that remains shows what the skipped ops cost in place, with
+ * the overlap of their neighbours (programmatic dependent launch, graphs) that a profiler running
+ * one kernel at a time does not see. The tokens such steps make are meaningless. With graphs, the
+ * graph of each batch size is captured with the skipped ops. linear is every projection (lm_head
+ * too), router the top-k alone, norms the residual adds with their norms (add_rmsnorm and the
+ * experts' moe_finalize_add_rmsnorm). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -155,6 +164,48 @@ static int set_step(bench_set *b) {
     return T;
 }
 
+/* --skip: ops that leave their outputs as they are. */
+static void skip_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D,
+                             float eps) {}
+static void skip_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin) {}
+static void skip_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H,
+                           int Hkv, int Dh, float scale) {}
+static void skip_router_topk(int32_t *ids, float *w, const float *logits, int T, int E, int K,
+                             bool norm) {}
+static void skip_moe_experts(float *out, const float *x, const int32_t *ids, const moe_experts *w,
+                             int T, int K, int D, int F) {}
+static void skip_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
+                             const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
+                             double theta, float eps) {}
+static void skip_finalize_add_rmsnorm(float *x, float *h, const float *expert_out,
+                                      const float *topk_w, const tensor *w, int T, int K, int D,
+                                      float eps) {}
+
+/* A copy of o with the ops named in list (see the file comment) doing nothing; NULL with a
+ * message for an unknown name. */
+static const ops *skip_ops(const ops *o, const char *list) {
+    static ops s;
+    s = *o;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", list);
+    for (char *save = NULL, *w = strtok_r(buf, ",", &save); w; w = strtok_r(NULL, ",", &save)) {
+        if (!strcmp(w, "attention")) s.attention = skip_attention;
+        else if (!strcmp(w, "experts")) s.moe_experts = skip_moe_experts;
+        else if (!strcmp(w, "linear")) s.linear = skip_linear;
+        else if (!strcmp(w, "qkv_prepare")) s.qkv_prepare = skip_qkv_prepare;
+        else if (!strcmp(w, "router")) s.router_topk = skip_router_topk;
+        else if (!strcmp(w, "norms")) {
+            s.add_rmsnorm = skip_add_rmsnorm;
+            s.moe_finalize_add_rmsnorm = skip_finalize_add_rmsnorm;
+        } else {
+            fprintf(stderr, "bench_step: --skip: unknown op %s (attention, experts, linear, "
+                            "qkv_prepare, router, norms)\n", w);
+            return NULL;
+        }
+    }
+    return &s;
+}
+
 /* Bytes a decode step of B sequences at context ctx must read. */
 static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t kv_elem) {
     double D = c->hidden_size, Dh = c->head_dim, H = c->num_attention_heads;
@@ -176,13 +227,15 @@ int main(int argc, char **argv) {
     const char *model_path = NULL, *device = "cuda", *load_format = "auto";
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
     int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
+    const char *skip = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             puts("usage: bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]\n"
                  "       [--batches 1,8,64,256] [--context 1024] [--steps 16]\n"
                  "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
-                 "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]");
+                 "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
+                 "       [--skip attention,experts,linear,qkv_prepare,router,norms]");
             return 0;
         }
         if (!v) {
@@ -200,6 +253,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill-len")) prefill_len = atoi(v);
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
         else if (!strcmp(a, "--cuda-graph-max-bs")) graph_bs = atoi(v);
+        else if (!strcmp(a, "--skip")) skip = v;
         else if (!strcmp(a, "--matmul-precision")) {
             char e2[256];
             if (ops_cuda_set_matmul_precision(v, e2, sizeof e2)) {
@@ -260,6 +314,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (graph_bs > 0) printf("decode steps of up to %d sequences replayed as CUDA graphs\n", graph_bs);
+    const ops *timed_ops = o;
+    if (skip) {
+        timed_ops = skip_ops(o, skip);
+        if (!timed_ops) return 2;
+        printf("decode steps skip: %s (their tokens are meaningless)\n", skip);
+    }
 
     printf("\ndecode, context %d, %d timed steps (median)\n", context, steps);
     printf("%6s %10s %10s %10s %12s %10s %8s\n", "batch", "step ms", "fwd ms", "tok/s",
@@ -275,6 +335,7 @@ int main(int argc, char **argv) {
             if (!pending) break;
             set_step(&set);
         }
+        m->ops = timed_ops;
         set_step(&set); /* warm-up decode step */
         double *t_step = xcalloc(steps, sizeof(double)), *t_fwd = xcalloc(steps, sizeof(double));
         for (int s = 0; s < steps; s++) {
@@ -285,6 +346,7 @@ int main(int argc, char **argv) {
         }
         qsort(t_step, steps, sizeof(double), cmp_double);
         qsort(t_fwd, steps, sizeof(double), cmp_double);
+        m->ops = o;
         double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
         double bytes = decode_floor_bytes(c, B, context + steps / 2, sizeof(float));
         double floor_s = bw > 0 ? bytes / (bw * 1e9) : 0;
