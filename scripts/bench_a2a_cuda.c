@@ -1,13 +1,14 @@
 /* GPU all-to-all benchmark: nvlink_one_sided against nccl in one run, on two GPUs of one node.
- *   mpirun --allow-run-as-root -np 2 build/bench_a2a_cuda [--quick]
+ *   mpirun --allow-run-as-root -np 2 build/bench_a2a_cuda [--quick] [--hidden D] [--payload P]
  * (NCCL_NVLS_ENABLE=0 in the environment.) For hidden 2048 and 7168, payloads bf16, fp8 and
  * nvfp4, tokens per rank 1, 8, 32, 128, 512, 2048, 8192, top-8 of 256 experts, random routing
  * (every rank its own), runtime_max = T on every rank:
- *   one-sided   dispatch, combine partial and combine slots, each captured in its own CUDA graph
- *               and replayed in rounds (dispatch, combine, dispatch, combine, ...), CUDA events
- *               around every replay;
- *   nccl        the same rounds as plain calls (its dispatch reads the counts on the host, so it
- *               cannot be captured).
+ *   one-sided   10 rounds (dispatch, combine partial, dispatch, combine slots, ...) captured in
+ *               one CUDA graph with event record nodes between the pieces, the graph replayed;
+ *               as in the engine, where the all-to-all sits inside the captured forward pass,
+ *               what is timed is the GPU's work without the host's launch latency;
+ *   nccl        the same rounds as plain calls, events between them (its dispatch reads the
+ *               counts on the host, so it cannot be captured).
  * Each figure is the median over the rounds of the slower rank's median. Bytes are only those
  * that cross NVLink, per direction (the mean of what each rank sends to the other): dispatch =
  * (token, remote rank) pairs x record bytes; partial = pairs x 2 D; slots = remote slots x 4 D
@@ -130,86 +131,83 @@ typedef struct {
     float disp, part, slots; /* microseconds, median of the slower rank */
 } times;
 
-/* R rounds on a: dispatch then combine (partial on even rounds, slots on odd). Graphs for the
- * one-sided transport, plain calls for nccl. */
+#define NR 10 /* rounds in one captured graph */
+
+/* Rounds on a: dispatch then combine (partial on even rounds, slots on odd). One-sided: NR
+ * rounds captured in one CUDA graph with event record nodes between the pieces (so what is
+ * timed is the GPU's work, not the host's launches), the graph replayed reps times. nccl: plain
+ * calls, events between them. */
 static times run_rounds(a2a_gpu *a, bool graphs, const float *x, const int32_t *ids, const float *w,
-                        const float *eo, float *out, int T, int R, cudaStream_t s) {
+                        const float *eo, float *out, int T, int reps, cudaStream_t s) {
     char err[512];
-    cudaGraphExec_t gd = NULL, gp = NULL, gs = NULL;
-    if (graphs) {
-        cudaGraph_t g;
-        /* warm up and capture each piece in its own graph (each replay is a new round) */
-        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
-        A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
-        A2A(a2a_gpu_check(a, err, sizeof err));
-        CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
-        CU(cudaStreamEndCapture(s, &g));
-        CU(cudaGraphInstantiate(&gd, g, 0));
-        cudaGraphDestroy(g);
-        CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-        A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
-        CU(cudaStreamEndCapture(s, &g));
-        CU(cudaGraphInstantiate(&gp, g, 0));
-        cudaGraphDestroy(g);
-        /* the phase guard: a combine is expected; capture slots after one dispatch */
-        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err)); /* not run: discarded */
-        CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-        A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
-        CU(cudaStreamEndCapture(s, &g));
-        CU(cudaGraphInstantiate(&gs, g, 0));
-        cudaGraphDestroy(g);
-        /* the dispatch above was queued (not captured): finish its round with the slots graph */
-        CU(cudaGraphLaunch(gs, s));
-        A2A(a2a_gpu_check(a, err, sizeof err));
-    } else {
-        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
-        A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
-        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
-        A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
-        A2A(a2a_gpu_check(a, err, sizeof err));
-    }
-    cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * (size_t)(3 * R));
+    const int R = graphs ? NR : reps;
+    cudaEvent_t ev[3 * NR + 3 * 400];
     for (int i = 0; i < 3 * R; i++)
         CU(cudaEventCreate(&ev[i]));
-    CU(cudaStreamSynchronize(s));
-    MPI_Barrier(MPI_COMM_WORLD);
-    for (int r = 0; r < R; r++) {
-        CU(cudaEventRecord(ev[3 * r], s));
-        if (graphs)
-            CU(cudaGraphLaunch(gd, s));
-        else
-            A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
-        CU(cudaEventRecord(ev[3 * r + 1], s));
-        if (graphs)
-            CU(cudaGraphLaunch(r & 1 ? gs : gp, s));
-        else if (r & 1)
-            A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
-        else
-            A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
-        CU(cudaEventRecord(ev[3 * r + 2], s));
-    }
+    /* warm-up */
+    A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
+    A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
+    A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
+    A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
     A2A(a2a_gpu_check(a, err, sizeof err));
-    float *d = malloc(sizeof(float) * (size_t)R), *p = malloc(sizeof(float) * (size_t)R),
-          *sl = malloc(sizeof(float) * (size_t)R);
-    int np = 0, ns = 0;
-    for (int r = 0; r < R; r++) {
-        float ms;
-        CU(cudaEventElapsedTime(&ms, ev[3 * r], ev[3 * r + 1]));
-        d[r] = ms * 1e3f;
-        CU(cudaEventElapsedTime(&ms, ev[3 * r + 1], ev[3 * r + 2]));
-        if (r & 1)
-            sl[ns++] = ms * 1e3f;
-        else
-            p[np++] = ms * 1e3f;
+    cudaGraphExec_t exec = NULL;
+    if (graphs) {
+        cudaGraph_t g;
+        CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+        for (int r = 0; r < R; r++) {
+            CU(cudaEventRecordWithFlags(ev[3 * r], s, cudaEventRecordExternal));
+            A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
+            CU(cudaEventRecordWithFlags(ev[3 * r + 1], s, cudaEventRecordExternal));
+            if (r & 1)
+                A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
+            else
+                A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
+            CU(cudaEventRecordWithFlags(ev[3 * r + 2], s, cudaEventRecordExternal));
+        }
+        CU(cudaStreamEndCapture(s, &g));
+        CU(cudaGraphInstantiate(&exec, g, 0));
+        cudaGraphDestroy(g);
+        CU(cudaGraphLaunch(exec, s)); /* warm-up */
+        A2A(a2a_gpu_check(a, err, sizeof err));
     }
-    times t = {slowest(median(d, R)), slowest(median(p, np)), slowest(median(sl, ns))};
+    const int n_rep = graphs ? (reps + NR - 1) / NR : 1;
+    float *d = malloc(sizeof(float) * (size_t)(R * n_rep)), *p = malloc(sizeof(float) * (size_t)(R * n_rep)),
+          *sl = malloc(sizeof(float) * (size_t)(R * n_rep));
+    int nd = 0, np = 0, ns = 0;
+    for (int rep = 0; rep < n_rep; rep++) {
+        CU(cudaStreamSynchronize(s));
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (graphs) {
+            CU(cudaGraphLaunch(exec, s));
+        } else {
+            for (int r = 0; r < R; r++) {
+                CU(cudaEventRecord(ev[3 * r], s));
+                A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
+                CU(cudaEventRecord(ev[3 * r + 1], s));
+                if (r & 1)
+                    A2A(a2a_gpu_combine(a, eo, out, s, err, sizeof err));
+                else
+                    A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
+                CU(cudaEventRecord(ev[3 * r + 2], s));
+            }
+        }
+        A2A(a2a_gpu_check(a, err, sizeof err));
+        for (int r = 0; r < R; r++) {
+            float ms;
+            CU(cudaEventElapsedTime(&ms, ev[3 * r], ev[3 * r + 1]));
+            d[nd++] = ms * 1e3f;
+            CU(cudaEventElapsedTime(&ms, ev[3 * r + 1], ev[3 * r + 2]));
+            if (r & 1)
+                sl[ns++] = ms * 1e3f;
+            else
+                p[np++] = ms * 1e3f;
+        }
+    }
+    times t = {slowest(median(d, nd)), slowest(median(p, np)), slowest(median(sl, ns))};
     for (int i = 0; i < 3 * R; i++)
         cudaEventDestroy(ev[i]);
-    free(ev), free(d), free(p), free(sl);
-    if (gd) cudaGraphExecDestroy(gd);
-    if (gp) cudaGraphExecDestroy(gp);
-    if (gs) cudaGraphExecDestroy(gs);
+    free(d), free(p), free(sl);
+    if (exec) cudaGraphExecDestroy(exec);
     return t;
 }
 
@@ -218,7 +216,23 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
-    const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    bool quick = false;
+    int only_d = 0, only_p = -1;
+    for (int i = 1; i < argc; i++) {
+        a2a_payload pl;
+        if (strcmp(argv[i], "--quick") == 0)
+            quick = true;
+        else if (strcmp(argv[i], "--hidden") == 0 && i + 1 < argc)
+            only_d = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--payload") == 0 && i + 1 < argc && a2a_payload_parse(argv[i + 1], &pl))
+            only_p = (int)pl, i++;
+        else {
+            if (g_rank == 0)
+                fprintf(stderr, "usage: bench_a2a_cuda [--quick] [--hidden D] [--payload bf16|fp8|nvfp4]\n");
+            MPI_Finalize();
+            return 2;
+        }
+    }
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
         if (g_rank == 0) printf("bench_a2a_cuda: no CUDA device\n");
@@ -239,6 +253,7 @@ int main(int argc, char **argv) {
                g_size, K, E);
     for (int di = 0; di < 2; di++) {
         const int D = Ds[di];
+        if (only_d && D != only_d) continue;
         float *x, *w, *eo, *out;
         int32_t *ids;
         CU(cudaMalloc((void **)&x, (size_t)M * D * 4));
@@ -256,6 +271,7 @@ int main(int argc, char **argv) {
             free(hx);
         }
         for (int pi = 0; pi < 3; pi++) {
+            if (only_p >= 0 && (int)pls[pi] != only_p) continue;
             a2a_config c;
             memset(&c, 0, sizeof c);
             c.ep_size = g_size;
@@ -312,7 +328,7 @@ int main(int argc, char **argv) {
                 free(hid), free(hw);
                 const int R = T <= 512 ? 200 : T <= 2048 ? 60 : 20;
                 times a = run_rounds(one, true, x, ids, w, eo, out, T, R, s);
-                times b = run_rounds(two, false, x, ids, w, eo, out, T, R / 2 < 10 ? 10 : R / 2, s);
+                times b = run_rounds(two, false, x, ids, w, eo, out, T, R, s);
                 const double bd = mean_over_ranks((double)pairs * rec);
                 const double bp = mean_over_ranks((double)pairs * D * 2);
                 const double bs = mean_over_ranks((double)rslots * D * 4);

@@ -7,8 +7,9 @@
  *                               in its route kernel, flag = 2N+1 last (release)
  *   dispatch chunk flags [src][A2A_GPU_NCHUNK]  2N+1 once rows [c ch, (c+1) ch) of src are here
  *   combine chunk flags [src][A2A_GPU_NCHUNK]   2N+2 once src's returns for those rows are here
- *   combine end flag [src]      2N+2 once src has sent everything of its combine (a barrier: the
- *                               next round's writes cannot overtake a slow reader)
+ *   combine end flag [src]      2N+2 once src is done with round N (its sends and its reads);
+ *                               the route kernel of N+1 waits for it before writing into src, so
+ *                               the next round cannot overtake a slow reader
  *   recv region [src][runtime_max] x record      (record: codes | scales | ids[K] | w[K])
  *   comb region [src][runtime_max] x (K D fp32 slots, or D BF16 partial sums)
  * A chunk is ch = ceil(runtime_max / A2A_GPU_NCHUNK) rows of one source, so the receiver decodes

@@ -21,12 +21,14 @@
  *                            flag), SELF (own tokens: straight into out, or the partial into the
  *                            local region), RECV (home: wait for a chunk flag, copy the slots /
  *                            sum the partials in rank order into out), FINISH (the last block to
- *                            finish writes the end flag into every rank, waits for every rank's,
- *                            then advances the round).
+ *                            finish writes the end flag 2N+2 into every rank and advances the
+ *                            round; it does not wait: the next route kernel does).
  *
- * Why no more flags are needed: a rank writes into a peer's regions for round N+1 only after its
- * combine N ended, which waited for that peer's end flag N, stored after the peer finished its
- * combine N sends, which run after its dispatch N decode (stream order). Flag values never
+ * Why no more flags are needed: a rank writes into a peer's memory for round N+1 only after its
+ * route kernel N+1 saw that peer's end flag of round N, which the peer stores once every block of
+ * its combine N is past its sends and its gathers, and its combine runs after its dispatch N
+ * decode (stream order). The wait sits where it costs least: between one round's combine and
+ * the next dispatch the engine runs the rest of the layer. Flag values never
  * repeat (2N+1, 2N+2; the round lives in device memory and advances in the kernel), so CUDA
  * graph replays are new rounds and an equal flag can only be this round's.
  *
@@ -130,9 +132,16 @@ __device__ __forceinline__ uint16_t bf16_rne(float f) {
     return (uint16_t)(u >> 16);
 }
 __device__ __forceinline__ float bf16_f32(uint32_t h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ float bf16_round(float f) { return bf16_f32(bf16_rne(f)); }
+__device__ __forceinline__ uint32_t bf16x2(float a, float b) {
+    return bf16_rne(a) | (uint32_t)bf16_rne(b) << 16;
+}
 __device__ __forceinline__ float amax_acc(float m, float x) {
     float a = fabsf(x);
     return a > m ? a : m; /* NaN never wins, as kernels/cpu/quant.c's amax_of */
+}
+__device__ __forceinline__ float amax4(float m, float4 v) {
+    return amax_acc(amax_acc(amax_acc(amax_acc(m, v.x), v.y), v.z), v.w);
 }
 __device__ __forceinline__ float warp_max(float m) {
     for (int o = 16; o > 0; o >>= 1) {
@@ -141,152 +150,352 @@ __device__ __forceinline__ float warp_max(float m) {
     }
     return m;
 }
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-/* Block-wide: token t's record for target rank r at rec (codes | scales | ids | w). */
-__device__ void encode_token(const a2a_kp &p, char *rec, int t, int r, float *s_red) {
-    const int D = p.D, tid = threadIdx.x, nt = blockDim.x;
-    const float *x = p.x + (size_t)t * D;
-    switch (p.payload) {
-    case A2A_PAYLOAD_F32:
-        for (int c = tid * 4; c < D; c += nt * 4)
-            *(float4 *)(rec + (size_t)c * 4) = *(const float4 *)(x + c);
-        break;
-    case A2A_PAYLOAD_BF16:
-        for (int c = tid * 8; c < D; c += nt * 8) {
-            float4 u = *(const float4 *)(x + c), v = *(const float4 *)(x + c + 4);
-            uint4 o;
-            o.x = bf16_rne(u.x) | (uint32_t)bf16_rne(u.y) << 16;
-            o.y = bf16_rne(u.z) | (uint32_t)bf16_rne(u.w) << 16;
-            o.z = bf16_rne(v.x) | (uint32_t)bf16_rne(v.y) << 16;
-            o.w = bf16_rne(v.z) | (uint32_t)bf16_rne(v.w) << 16;
-            *(uint4 *)(rec + (size_t)c * 2) = o;
-        }
-        break;
-    case A2A_PAYLOAD_FP8: {
-        const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
-        const int G = (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP;
-        for (int g = warp; g < G; g += nw) {
-            const int c = g * QUANT_FP8_GROUP + lane * 4;
-            const bool ok = c < D;
-            float4 v = ok ? *(const float4 *)(x + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-            float m = amax_acc(amax_acc(amax_acc(amax_acc(0.0f, v.x), v.y), v.z), v.w);
+/* Work is spread over the block's threads as flat "units" (a row and 8 or 16 of its channels,
+ * or a row and a slot); each thread loads A2A_UNR units before it stores any, so loads from
+ * HBM overlap instead of waiting one by one. Rows go A2A_SUB at a time, their metadata in
+ * shared memory. */
+#define A2A_UNR 4
+#define A2A_SUB 32
+
+typedef struct {
+    int tok[A2A_SUB];                /* token (or row) of each row of the sub-chunk */
+    int ids[A2A_SUB][A2A_GPU_KMAX];  /* local ids of the rows' slots (or a slot mask) */
+    float w[A2A_SUB][A2A_GPU_KMAX];
+    int nr[A2A_SUB];                 /* partial gather: ranks of each token, in rank order, */
+    int rr[A2A_SUB][A2A_GPU_KMAX];   /* and the token's row there */
+    int rj[A2A_SUB][A2A_GPU_KMAX];
+    float amax[A2A_SUB];             /* NVFP4: each row's amax */
+    float red[32];
+    float lut[256];                  /* E4M3 code -> value */
+    int send[A2A_MAX_RANKS], count[A2A_MAX_RANKS], begin[A2A_MAX_RANKS + 1];
+    unsigned long long seen[A2A_MAX_RANKS];
+    int ok;
+} a2a_smem;
+
+/* NVFP4: s.amax[row] = max |x| of token s.tok[row] (NaN never wins). Block-wide. */
+__device__ void rows_amax(const a2a_kp &p, a2a_smem &s, int R) {
+    const int D4 = p.D / 4, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5,
+              nw = nt >> 5;
+    if (R < nw) { /* few rows: the whole block on each */
+        for (int row = 0; row < R; row++) {
+            const float4 *x = (const float4 *)(p.x + (size_t)s.tok[row] * p.D);
+            float m = 0.0f;
+            for (int u0 = tid; u0 < D4; u0 += nt * A2A_UNR) {
+                float4 v[A2A_UNR];
+#pragma unroll
+                for (int q = 0; q < A2A_UNR; q++)
+                    if (u0 + q * nt < D4) v[q] = x[u0 + q * nt];
+#pragma unroll
+                for (int q = 0; q < A2A_UNR; q++)
+                    if (u0 + q * nt < D4) m = amax4(m, v[q]);
+            }
             m = warp_max(m);
-            const float sc = (m > 1e-10f ? m : 1e-10f) / FP8_E4M3_MAX;
-            if (ok)
-                *(uint32_t *)(rec + c) = (uint32_t)fp8_e4m3_from_float(v.x / sc) |
-                                         (uint32_t)fp8_e4m3_from_float(v.y / sc) << 8 |
-                                         (uint32_t)fp8_e4m3_from_float(v.z / sc) << 16 |
-                                         (uint32_t)fp8_e4m3_from_float(v.w / sc) << 24;
-            if (lane == 0) *(float *)(rec + p.off_sc + g * 4) = sc;
+            if (lane == 0) s.red[warp] = m;
+            __syncthreads();
+            if (tid == 0) {
+                float a = 0.0f;
+                for (int i = 0; i < nw; i++)
+                    a = s.red[i] > a ? s.red[i] : a;
+                s.amax[row] = a;
+            }
+            __syncthreads();
         }
-        break;
-    }
-    case A2A_PAYLOAD_NVFP4: {
-        float m = 0.0f;
-        for (int c = tid * 4; c < D; c += nt * 4) {
-            float4 v = *(const float4 *)(x + c);
-            m = amax_acc(amax_acc(amax_acc(amax_acc(m, v.x), v.y), v.z), v.w);
+    } else { /* a warp per row */
+        for (int row = warp; row < R; row += nw) {
+            const float4 *x = (const float4 *)(p.x + (size_t)s.tok[row] * p.D);
+            float m = 0.0f;
+            for (int u0 = lane; u0 < D4; u0 += 32 * A2A_UNR) {
+                float4 v[A2A_UNR];
+#pragma unroll
+                for (int q = 0; q < A2A_UNR; q++)
+                    if (u0 + q * 32 < D4) v[q] = x[u0 + q * 32];
+#pragma unroll
+                for (int q = 0; q < A2A_UNR; q++)
+                    if (u0 + q * 32 < D4) m = amax4(m, v[q]);
+            }
+            m = warp_max(m);
+            if (lane == 0) s.amax[row] = m;
         }
-        m = warp_max(m);
-        if ((tid & 31) == 0) s_red[tid >> 5] = m;
         __syncthreads();
-        float a = 0.0f;
-        for (int i = 0; i < (nt >> 5); i++)
-            a = s_red[i] > a ? s_red[i] : a;
-        __syncthreads(); /* s_red is reused by the next token */
-        const float s2 = a > 0.0f ? a / (FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
-        for (int g = tid; g < D / QUANT_FP4_GROUP; g += nt) {
-            float v[16];
-            const float4 *xg = (const float4 *)(x + g * 16);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4 q = xg[i];
-                v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
-            }
-            float am = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; i++)
-                am = amax_acc(am, v[i]);
-            const uint8_t code = fp8_e4m3_from_float(am / (FP4_E2M1_MAX * s2));
-            const float scale = fp8_e4m3_to_float(code) * s2;
-            uint32_t lo = 0, hi = 0;
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                uint32_t nib = scale > 0.0f ? fp4_e2m1_from_float(v[i] / scale) : 0;
-                if (i < 8)
-                    lo |= nib << (4 * i);
-                else
-                    hi |= nib << (4 * (i - 8));
-            }
-            *(uint2 *)(rec + g * 8) = make_uint2(lo, hi);
-            rec[p.off_sc + g] = (char)code;
-        }
-        if (tid == 0) *(float *)(rec + p.off_s2) = s2;
-        break;
-    }
-    }
-    const int32_t *ids = p.ids + (size_t)t * p.K;
-    const float *w = p.w + (size_t)t * p.K;
-    const int begin = p.ebegin[r];
-    for (int k = tid; k < p.K; k += nt) {
-        const int id = ids[k];
-        const bool ok = id >= 0 && id < p.E && p.owner[id] == r;
-        ((int32_t *)(rec + p.off_ids))[k] = ok ? id - begin : -1;
-        ((float *)(rec + p.off_w))[k] = w[k];
     }
 }
 
-/* Block-wide: the record at rec -> received row i (fp32 x, ids, w). Reads through L2: a peer
- * wrote it. lut: the 256 E4M3 values. */
-__device__ void decode_token(const a2a_kp &p, int i, const char *rec, const float *lut) {
-    const int D = p.D, tid = threadIdx.x, nt = blockDim.x;
-    float *x = p.rx + (size_t)i * D;
+/* Block-wide: R tokens s.tok[0..R) for target rank r. SELF = false: encode each into its record
+ * at rec0 + row * rec (codes | scales | ids | w). SELF = true: this rank's own tokens, the same
+ * round trip in registers, decoded into received rows out0 + row. */
+template <bool SELF>
+__device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int out0, int r) {
+    const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
     switch (p.payload) {
     case A2A_PAYLOAD_F32:
-        for (int c = tid * 4; c < D; c += nt * 4)
-            *(float4 *)(x + c) = __ldcg((const float4 *)(rec + (size_t)c * 4));
-        break;
-    case A2A_PAYLOAD_BF16:
-        for (int c = tid * 8; c < D; c += nt * 8) {
-            uint4 q = __ldcg((const uint4 *)(rec + (size_t)c * 2));
-            *(float4 *)(x + c) = make_float4(bf16_f32(q.x & 0xffff), bf16_f32(q.x >> 16),
-                                             bf16_f32(q.y & 0xffff), bf16_f32(q.y >> 16));
-            *(float4 *)(x + c + 4) = make_float4(bf16_f32(q.z & 0xffff), bf16_f32(q.z >> 16),
-                                                 bf16_f32(q.w & 0xffff), bf16_f32(q.w >> 16));
-        }
-        break;
-    case A2A_PAYLOAD_FP8:
-        for (int c = tid * 4; c < D; c += nt * 4) {
-            uint32_t q = __ldcg((const unsigned int *)(rec + c));
-            float sc = __ldcg((const float *)(rec + p.off_sc) + c / QUANT_FP8_GROUP);
-            *(float4 *)(x + c) =
-                make_float4(__fmul_rn(lut[q & 255], sc), __fmul_rn(lut[(q >> 8) & 255], sc),
-                            __fmul_rn(lut[(q >> 16) & 255], sc), __fmul_rn(lut[q >> 24], sc));
-        }
-        break;
-    case A2A_PAYLOAD_NVFP4: {
-        const float s2 = __ldcg((const float *)(rec + p.off_s2));
-        for (int g = tid; g < D / QUANT_FP4_GROUP; g += nt) {
-            uint2 q = __ldcg((const uint2 *)(rec + g * 8));
-            const float sf = lut[(uint8_t)__ldcg((const signed char *)(rec + p.off_sc + g))];
-            float v[16];
+    case A2A_PAYLOAD_BF16: {
+        const bool bf = p.payload == A2A_PAYLOAD_BF16;
+        const int upr = D / 8, U = R * upr;
+        for (int u0 = tid; u0 < U; u0 += nt * A2A_UNR) {
+            float4 a[A2A_UNR], b[A2A_UNR];
 #pragma unroll
-            for (int e = 0; e < 16; e++) {
-                uint32_t nib = ((e < 8 ? q.x : q.y) >> (4 * (e & 7))) & 15;
-                /* e2m1 x e4m3 is exact; one rounding, by s2 (as dequant_nvfp4) */
-                v[e] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float((uint8_t)nib), sf), s2);
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / upr, c = (u - row * upr) * 8;
+                const float4 *x = (const float4 *)(p.x + (size_t)s.tok[row] * D + c);
+                a[q] = x[0];
+                b[q] = x[1];
             }
-            float4 *xo = (float4 *)(x + g * 16);
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                xo[e] = make_float4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / upr, c = (u - row * upr) * 8;
+                if (SELF) {
+                    float4 *y = (float4 *)(p.rx + (size_t)(out0 + row) * D + c);
+                    if (bf) {
+                        y[0] = make_float4(bf16_round(a[q].x), bf16_round(a[q].y),
+                                           bf16_round(a[q].z), bf16_round(a[q].w));
+                        y[1] = make_float4(bf16_round(b[q].x), bf16_round(b[q].y),
+                                           bf16_round(b[q].z), bf16_round(b[q].w));
+                    } else {
+                        y[0] = a[q];
+                        y[1] = b[q];
+                    }
+                } else {
+                    char *rec = rec0 + (size_t)row * p.rec;
+                    if (bf) {
+                        *(uint4 *)(rec + (size_t)c * 2) =
+                            make_uint4(bf16x2(a[q].x, a[q].y), bf16x2(a[q].z, a[q].w),
+                                       bf16x2(b[q].x, b[q].y), bf16x2(b[q].z, b[q].w));
+                    } else {
+                        float4 *o = (float4 *)(rec + (size_t)c * 4);
+                        o[0] = a[q];
+                        o[1] = b[q];
+                    }
+                }
+            }
+        }
+        break;
+    }
+    case A2A_PAYLOAD_FP8: { /* a warp per (row, group of 128 channels) */
+        const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+        const int G = cdiv(D, QUANT_FP8_GROUP), W = R * G;
+        for (int w0 = warp; w0 < W; w0 += nw * 2) {
+            float4 v[2];
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int wu = w0 + q * nw, row = wu / G, c = (wu - row * G) * QUANT_FP8_GROUP + lane * 4;
+                v[q] = wu < W && c < D ? *(const float4 *)(p.x + (size_t)s.tok[row] * D + c)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int wu = w0 + q * nw;
+                if (wu >= W) break; /* warp-uniform */
+                const int row = wu / G, g = wu - row * G, c = g * QUANT_FP8_GROUP + lane * 4;
+                const float m = warp_max(amax4(0.0f, v[q]));
+                const float sc = (m > 1e-10f ? m : 1e-10f) / FP8_E4M3_MAX;
+                const uint8_t c0 = fp8_e4m3_from_float(v[q].x / sc),
+                              c1 = fp8_e4m3_from_float(v[q].y / sc),
+                              c2 = fp8_e4m3_from_float(v[q].z / sc),
+                              c3 = fp8_e4m3_from_float(v[q].w / sc);
+                if (c >= D) continue;
+                if (SELF) {
+                    *(float4 *)(p.rx + (size_t)(out0 + row) * D + c) =
+                        make_float4(__fmul_rn(s.lut[c0], sc), __fmul_rn(s.lut[c1], sc),
+                                    __fmul_rn(s.lut[c2], sc), __fmul_rn(s.lut[c3], sc));
+                } else {
+                    char *rec = rec0 + (size_t)row * p.rec;
+                    *(uint32_t *)(rec + c) = (uint32_t)c0 | (uint32_t)c1 << 8 |
+                                             (uint32_t)c2 << 16 | (uint32_t)c3 << 24;
+                    if (lane == 0) *(float *)(rec + p.off_sc + g * 4) = sc;
+                }
+            }
+        }
+        break;
+    }
+    case A2A_PAYLOAD_NVFP4: {
+        rows_amax(p, s, R);
+        const int gpr = D / QUANT_FP4_GROUP, U = R * gpr;
+        for (int u0 = tid; u0 < U; u0 += nt * 2) {
+            float4 v[2][4];
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / gpr, g = u - row * gpr;
+                const float4 *x = (const float4 *)(p.x + (size_t)s.tok[row] * D + g * 16);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    v[q][i] = x[i];
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / gpr, g = u - row * gpr;
+                const float a = s.amax[row];
+                const float s2 = a > 0.0f ? a / (FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
+                const float e[16] = {v[q][0].x, v[q][0].y, v[q][0].z, v[q][0].w,
+                                     v[q][1].x, v[q][1].y, v[q][1].z, v[q][1].w,
+                                     v[q][2].x, v[q][2].y, v[q][2].z, v[q][2].w,
+                                     v[q][3].x, v[q][3].y, v[q][3].z, v[q][3].w};
+                float am = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    am = amax_acc(am, e[i]);
+                const uint8_t code = fp8_e4m3_from_float(am / (FP4_E2M1_MAX * s2));
+                const float sfv = s.lut[code], scale = sfv * s2;
+                uint32_t nib[16];
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    nib[i] = scale > 0.0f ? fp4_e2m1_from_float(e[i] / scale) : 0;
+                if (SELF) {
+                    float y[16];
+#pragma unroll
+                    for (int i = 0; i < 16; i++)
+                        y[i] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float((uint8_t)nib[i]), sfv), s2);
+                    float4 *o = (float4 *)(p.rx + (size_t)(out0 + row) * D + g * 16);
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        o[i] = make_float4(y[4 * i], y[4 * i + 1], y[4 * i + 2], y[4 * i + 3]);
+                } else {
+                    char *rec = rec0 + (size_t)row * p.rec;
+                    uint32_t lo = 0, hi = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        lo |= nib[i] << (4 * i);
+                        hi |= nib[8 + i] << (4 * i);
+                    }
+                    *(uint2 *)(rec + g * 8) = make_uint2(lo, hi);
+                    rec[p.off_sc + g] = (char)code;
+                    if (g == 0) *(float *)(rec + p.off_s2) = s2;
+                }
+            }
         }
         break;
     }
     }
-    for (int k = tid; k < p.K; k += nt) {
-        p.rids[(size_t)i * p.K + k] = __ldcg((const int *)(rec + p.off_ids) + k);
-        p.rw[(size_t)i * p.K + k] = __ldcg((const float *)(rec + p.off_w) + k);
+    const int begin = p.ebegin[r];
+    for (int u = tid; u < R * K; u += nt) {
+        const int row = u / K, k = u - row * K, t = s.tok[row];
+        const int id = p.ids[(size_t)t * K + k];
+        const float w = p.w[(size_t)t * K + k];
+        const int lid = id >= 0 && id < p.E && p.owner[id] == r ? id - begin : -1;
+        if (SELF) {
+            p.rids[(size_t)(out0 + row) * K + k] = lid;
+            p.rw[(size_t)(out0 + row) * K + k] = w;
+        } else {
+            char *rec = rec0 + (size_t)row * p.rec;
+            ((int32_t *)(rec + p.off_ids))[k] = lid;
+            ((float *)(rec + p.off_w))[k] = w;
+        }
+    }
+}
+
+/* Block-wide: R records at rec0 + row * rec -> received rows out0 + row (fp32 x, ids, w). Reads
+ * through L2 (ld.global.cg): a peer wrote them. */
+__device__ void decode_rows(const a2a_kp &p, const a2a_smem &s, int R, const char *rec0, int out0) {
+    const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
+    switch (p.payload) {
+    case A2A_PAYLOAD_F32:
+    case A2A_PAYLOAD_BF16:
+    case A2A_PAYLOAD_FP8: {
+        const int upr = D / 8, U = R * upr, pl = p.payload;
+        for (int u0 = tid; u0 < U; u0 += nt * A2A_UNR) {
+            uint4 a[A2A_UNR], b[A2A_UNR];
+            float sc[A2A_UNR];
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / upr, c = (u - row * upr) * 8;
+                const char *rec = rec0 + (size_t)row * p.rec;
+                if (pl == A2A_PAYLOAD_F32) {
+                    a[q] = __ldcg((const uint4 *)(rec + (size_t)c * 4));
+                    b[q] = __ldcg((const uint4 *)(rec + (size_t)c * 4 + 16));
+                } else if (pl == A2A_PAYLOAD_BF16) {
+                    a[q] = __ldcg((const uint4 *)(rec + (size_t)c * 2));
+                } else {
+                    uint2 cc = __ldcg((const uint2 *)(rec + c));
+                    a[q] = make_uint4(cc.x, cc.y, 0, 0);
+                    sc[q] = __ldcg((const float *)(rec + p.off_sc) + c / QUANT_FP8_GROUP);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / upr, c = (u - row * upr) * 8;
+                float4 *y = (float4 *)(p.rx + (size_t)(out0 + row) * D + c);
+                if (pl == A2A_PAYLOAD_F32) {
+                    y[0] = make_float4(__uint_as_float(a[q].x), __uint_as_float(a[q].y),
+                                       __uint_as_float(a[q].z), __uint_as_float(a[q].w));
+                    y[1] = make_float4(__uint_as_float(b[q].x), __uint_as_float(b[q].y),
+                                       __uint_as_float(b[q].z), __uint_as_float(b[q].w));
+                } else if (pl == A2A_PAYLOAD_BF16) {
+                    y[0] = make_float4(bf16_f32(a[q].x & 0xffff), bf16_f32(a[q].x >> 16),
+                                       bf16_f32(a[q].y & 0xffff), bf16_f32(a[q].y >> 16));
+                    y[1] = make_float4(bf16_f32(a[q].z & 0xffff), bf16_f32(a[q].z >> 16),
+                                       bf16_f32(a[q].w & 0xffff), bf16_f32(a[q].w >> 16));
+                } else {
+                    const uint32_t lo = a[q].x, hi = a[q].y;
+                    const float f = sc[q];
+                    y[0] = make_float4(__fmul_rn(s.lut[lo & 255], f),
+                                       __fmul_rn(s.lut[(lo >> 8) & 255], f),
+                                       __fmul_rn(s.lut[(lo >> 16) & 255], f),
+                                       __fmul_rn(s.lut[lo >> 24], f));
+                    y[1] = make_float4(__fmul_rn(s.lut[hi & 255], f),
+                                       __fmul_rn(s.lut[(hi >> 8) & 255], f),
+                                       __fmul_rn(s.lut[(hi >> 16) & 255], f),
+                                       __fmul_rn(s.lut[hi >> 24], f));
+                }
+            }
+        }
+        break;
+    }
+    case A2A_PAYLOAD_NVFP4: {
+        const int gpr = D / QUANT_FP4_GROUP, U = R * gpr;
+        for (int u0 = tid; u0 < U; u0 += nt * A2A_UNR) {
+            uint2 cc[A2A_UNR];
+            uint8_t sf[A2A_UNR];
+            float s2[A2A_UNR];
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / gpr, g = u - row * gpr;
+                const char *rec = rec0 + (size_t)row * p.rec;
+                cc[q] = __ldcg((const uint2 *)(rec + g * 8));
+                sf[q] = (uint8_t)__ldcg((const signed char *)(rec + p.off_sc + g));
+                s2[q] = __ldcg((const float *)(rec + p.off_s2));
+            }
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / gpr, g = u - row * gpr;
+                const float sfv = s.lut[sf[q]];
+                float y[16];
+#pragma unroll
+                for (int e = 0; e < 16; e++) {
+                    const uint32_t nib = ((e < 8 ? cc[q].x : cc[q].y) >> (4 * (e & 7))) & 15;
+                    /* e2m1 x e4m3 is exact; one rounding, by s2 (as dequant_nvfp4) */
+                    y[e] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float((uint8_t)nib), sfv), s2[q]);
+                }
+                float4 *o = (float4 *)(p.rx + (size_t)(out0 + row) * D + g * 16);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    o[i] = make_float4(y[4 * i], y[4 * i + 1], y[4 * i + 2], y[4 * i + 3]);
+            }
+        }
+        break;
+    }
+    }
+    for (int u = tid; u < R * K; u += nt) {
+        const int row = u / K, k = u - row * K;
+        const char *rec = rec0 + (size_t)row * p.rec;
+        p.rids[(size_t)(out0 + row) * K + k] = __ldcg((const int *)(rec + p.off_ids) + k);
+        p.rw[(size_t)(out0 + row) * K + k] = __ldcg((const float *)(rec + p.off_w) + k);
     }
 }
 
@@ -327,75 +536,100 @@ __device__ void block_scan8(int v[8], int tot[8], int (*s_w)[8]) {
     __syncthreads();
 }
 
-__device__ __forceinline__ int owner_of(const a2a_kp &p, int t, int k, unsigned long long round) {
-    const int id = p.ids[(size_t)t * p.K + k];
-    if (id < 0 || id >= p.E) {
-        raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id, round);
-        return 0;
-    }
-    return p.owner[id];
-}
-
-/* Is slot k the first of token t that goes to rank r? Else the earlier slot (>= 0). */
-__device__ __forceinline__ int first_slot_of(const a2a_kp &p, int t, int k, int r,
-                                             unsigned long long round) {
-    for (int k2 = 0; k2 < k; k2++)
-        if (owner_of(p, t, k2, round) == r) return k2;
-    return -1;
-}
-
+/* One block. Pass 1, a warp per 32 / K tokens, a lane per slot: the owner rank of every slot,
+ * and whether it is the token's first slot on that rank (__match_any_sync over (token, rank));
+ * a later slot records which earlier one it shares a row with. Pass 2, a thread per run of
+ * tokens: count first slots per rank, scan over the block (ranks 8 at a time), hand out rows in
+ * token order, the inverse map row -> token, the totals. Then the count lines. */
 __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp p) {
     pdl_trigger_(); /* the dispatch kernel may launch now; it waits for this one to finish */
     __shared__ int s_w[32][8];
     if (broken(p)) return;
     const unsigned long long round = p.st->round, v = 2 * round + 1;
-    const int T = p.T, K = p.K, nt = blockDim.x, tid = threadIdx.x;
+    const int T = p.T, K = p.K, nt = blockDim.x, tid = threadIdx.x, lane = tid & 31,
+              warp = tid >> 5, nw = nt >> 5;
+    const int tpw = 32 / K, lt = lane / K, k = lane - lt * K;
+    for (int t0 = warp * tpw; t0 < T; t0 += nw * tpw * 4) {
+        int id[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int t = t0 + q * nw * tpw + lt;
+            id[q] = lt < tpw && t < T ? p.ids[(size_t)t * K + k] : 0;
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int t = t0 + q * nw * tpw + lt;
+            const bool act = lt < tpw && t < T;
+            int r = 0;
+            if (act) {
+                if (id[q] < 0 || id[q] >= p.E) {
+                    raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
+                    id[q] = 0;
+                }
+                r = __ldg(p.owner + id[q]);
+            }
+            const unsigned key = act ? (unsigned)lt << 9 | (unsigned)r : 0xffffffffu;
+            const int first = __ffs(__match_any_sync(0xffffffffu, key)) - 1;
+            if (act) {
+                p.slot_rank[(size_t)t * K + k] = r;
+                p.slot_index[(size_t)t * K + k] = first == lane ? -1 : -2 - (first - lt * K);
+            }
+        }
+    }
+    __syncthreads();
     const int per = (T + nt - 1) / nt;
     const int t0 = min(T, tid * per), t1 = min(T, t0 + per);
     for (int rg = 0; rg < p.ep; rg += 8) {
         int cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0}, tot[8];
         for (int t = t0; t < t1; t++)
-            for (int k = 0; k < K; k++) {
-                const int r = owner_of(p, t, k, round);
-                if (r >= rg && r < rg + 8 && first_slot_of(p, t, k, r, round) < 0) {
+            for (int kk = 0; kk < K; kk++) {
+                const size_t i = (size_t)t * K + kk;
+                const int r = p.slot_rank[i] - rg;
+                if (p.slot_index[i] == -1 && r >= 0 && r < 8) {
 #pragma unroll
-                    for (int i = 0; i < 8; i++)
-                        cnt[i] += i == r - rg;
+                    for (int q = 0; q < 8; q++)
+                        cnt[q] += q == r;
                 }
             }
         block_scan8(cnt, tot, s_w);
         for (int t = t0; t < t1; t++)
-            for (int k = 0; k < K; k++) {
-                const int r = owner_of(p, t, k, round);
+            for (int kk = 0; kk < K; kk++) {
+                const size_t i = (size_t)t * K + kk;
+                const int r = p.slot_rank[i];
                 if (r < rg || r >= rg + 8) continue;
-                const size_t tk = (size_t)t * K + k;
-                const int k2 = first_slot_of(p, t, k, r, round);
-                int s = 0;
-                if (k2 >= 0) {
-                    s = p.slot_index[(size_t)t * K + k2];
-                } else {
+                const int m = p.slot_index[i];
+                if (m == -1) {
+                    int s = 0;
 #pragma unroll
-                    for (int i = 0; i < 8; i++)
-                        if (i == r - rg) s = cnt[i]++;
+                    for (int q = 0; q < 8; q++)
+                        if (q == r - rg) s = cnt[q]++;
+                    p.slot_index[i] = s;
                     p.inv[(size_t)r * p.M + s] = t;
+                } else { /* shares the row of its first slot on r, handed out above */
+                    p.slot_index[i] = p.slot_index[(size_t)t * K + (-2 - m)];
                 }
-                p.slot_rank[tk] = r;
-                p.slot_index[tk] = s;
             }
         if (tid < 8 && rg + tid < p.ep) {
             int c = 0;
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-                if (i == tid) c = tot[i];
+            for (int q = 0; q < 8; q++)
+                if (q == tid) c = tot[q];
             p.st->send[rg + tid] = c;
         }
         __syncthreads();
     }
     __syncthreads();
-    /* Count lines, before any payload: receivers learn their row offsets early. */
+    /* Count lines, before any payload: receivers learn their row offsets early. Nothing of
+     * this round goes into rank r's memory before r has ended the previous round (its combine
+     * end flag, 2N): by then it has read everything of that round. */
     for (int r = tid; r < p.ep; r += nt) {
         const int c = p.st->send[r];
         if (p.one_sided) {
+            if (!wait_flag(p,
+                           (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
+                                                        (size_t)r * A2A_GPU_LINE),
+                           2 * round, r, A2A_GPU_W_COMBINE_END, round))
+                return;
             a2a_gpu_count_line *line =
                 (a2a_gpu_count_line *)(p.peer[r] + p.off_count + (size_t)p.me * A2A_GPU_LINE);
             line->count = c;
@@ -411,10 +645,8 @@ __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp
 
 /* ---- dispatch ---- */
 
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-/* Item i of the SEND list: targets me+1, me+2, ... (mod ep), each cdiv(count[r], ch) chunks.
- * Returns the target, or -1 past the end; *c = the chunk. */
+/* Item i of the list: ranks me+1, me+2, ... (mod ep), each cdiv(count[r], ch) chunks. Returns
+ * the rank, or -1 past the end; *c = the chunk. */
 __device__ int nth_item(const a2a_kp &p, const int *count, int i, int *c) {
     for (int q = 1; q < p.ep; q++) {
         const int r = (p.me + q) % p.ep, n = cdiv(count[r], p.ch);
@@ -429,8 +661,7 @@ __device__ int nth_item(const a2a_kp &p, const int *count, int i, int *c) {
 
 /* All count lines of this round: every rank's count for me and its runtime_max. Block-wide;
  * false when the round cannot go on (the error is recorded). */
-__device__ bool read_counts(const a2a_kp &p, unsigned long long round, int *s_count, int *s_begin,
-                            int *s_ok) {
+__device__ bool read_counts(const a2a_kp &p, unsigned long long round, a2a_smem &s) {
     const unsigned long long v = 2 * round + 1;
     if (threadIdx.x == 0) {
         int ok = 1, sum = 0;
@@ -449,340 +680,374 @@ __device__ bool read_counts(const a2a_kp &p, unsigned long long round, int *s_co
                 raise_error(p, A2A_GPU_E_COUNT, q, 0, c, p.rm, 0, round);
                 ok = 0;
             }
-            s_count[q] = c;
-            s_begin[q] = sum;
+            s.count[q] = c;
+            s.begin[q] = sum;
             sum += c;
         }
-        s_begin[p.ep] = sum;
-        *s_ok = ok;
+        s.begin[p.ep] = sum;
+        s.ok = ok;
     }
     __syncthreads();
-    return *s_ok;
+    return s.ok;
 }
 
-__global__ void __launch_bounds__(A2A_GPU_THREADS) a2a_dispatch_kernel(a2a_kp p) {
-    __shared__ int s_send[A2A_MAX_RANKS], s_count[A2A_MAX_RANKS], s_begin[A2A_MAX_RANKS + 1];
-    __shared__ int s_ok;
-    __shared__ float s_red[32], s_lut[256];
+__global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp p) {
+    __shared__ a2a_smem s;
     pdl_wait_();
     if (broken(p)) return;
     const int tid = threadIdx.x, me = p.me, ch = p.ch, G = gridDim.x;
     const unsigned long long round = p.st->round, v = 2 * round + 1;
     for (int i = tid; i < 256; i += blockDim.x)
-        s_lut[i] = fp8_e4m3_to_float((uint8_t)i);
+        s.lut[i] = fp8_e4m3_to_float((uint8_t)i);
     for (int r = tid; r < p.ep; r += blockDim.x)
-        s_send[r] = p.st->send[r];
+        s.send[r] = p.st->send[r];
     __syncthreads();
 
     /* SEND items, then SELF items, one list over the blocks */
-    const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s_send[me], ch) : 0;
+    const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s.send[me], ch) : 0;
     int n_send = 0;
     if (p.roles & A2A_GPU_SEND)
         for (int q = 1; q < p.ep; q++)
-            n_send += cdiv(s_send[(me + q) % p.ep], ch);
+            n_send += cdiv(s.send[(me + q) % p.ep], ch);
     bool have_counts = false;
     for (int it = blockIdx.x; it < n_send + n_self; it += G) {
         if (it < n_send) {
             int c = 0;
-            const int r = nth_item(p, s_send, it, &c);
-            char *dst = p.one_sided
-                            ? p.peer[r] + p.off_recv + (size_t)me * p.rm * p.rec
-                            : p.send_buf + (size_t)r * p.rm * p.rec;
-            const int j1 = min(s_send[r], (c + 1) * ch);
-            for (int j = c * ch; j < j1; j++)
-                encode_token(p, dst + (size_t)j * p.rec, p.inv[(size_t)r * p.M + j], r, s_red);
-            if (p.one_sided) {
+            const int r = nth_item(p, s.send, it, &c);
+            char *dst = p.one_sided ? p.peer[r] + p.off_recv + (size_t)me * p.rm * p.rec
+                                    : p.send_buf + (size_t)r * p.rm * p.rec;
+            const int j1 = min(s.send[r], (c + 1) * ch);
+            for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
+                const int R = min(A2A_SUB, j1 - j0);
+                if (tid < R) s.tok[tid] = p.inv[(size_t)r * p.M + j0 + tid];
                 __syncthreads();
-                if (tid == 0) {
-                    __threadfence_system();
-                    st_release_sys((unsigned long long *)(p.peer[r] + p.off_dchunk) +
-                                       (size_t)me * A2A_GPU_NCHUNK + c,
-                                   v);
-                }
+                encode_rows<false>(p, s, R, dst + (size_t)j0 * p.rec, 0, r);
+                __syncthreads();
             }
+            if (p.one_sided && tid == 0) /* after the block's stores (the barrier above) */
+                st_release_sys((unsigned long long *)(p.peer[r] + p.off_dchunk) +
+                                   (size_t)me * A2A_GPU_NCHUNK + c,
+                               v);
         } else {
             if (!have_counts) {
-                if (!read_counts(p, round, s_count, s_begin, &s_ok)) return;
+                if (!read_counts(p, round, s)) return;
                 have_counts = true;
             }
-            const int c = it - n_send, j1 = min(s_send[me], (c + 1) * ch);
-            for (int j = c * ch; j < j1; j++) {
-                char *rec = p.recv_base + ((size_t)me * p.rm + j) * p.rec;
-                encode_token(p, rec, p.inv[(size_t)me * p.M + j], me, s_red);
+            const int c = it - n_send, j1 = min(s.send[me], (c + 1) * ch);
+            for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
+                const int R = min(A2A_SUB, j1 - j0);
+                if (tid < R) s.tok[tid] = p.inv[(size_t)me * p.M + j0 + tid];
                 __syncthreads();
-                decode_token(p, s_begin[me] + j, rec, s_lut);
+                encode_rows<true>(p, s, R, NULL, s.begin[me] + j0, me);
+                __syncthreads();
             }
         }
-        __syncthreads();
     }
     if (!(p.roles & (A2A_GPU_SELF | A2A_GPU_RECV))) return;
-    if (!have_counts && !read_counts(p, round, s_count, s_begin, &s_ok)) return;
+    if (!have_counts && !read_counts(p, round, s)) return;
     if (blockIdx.x == 0) {
         for (int q = tid; q < p.ep; q += blockDim.x) {
-            p.st->count[q] = s_count[q];
-            p.st->begin[q] = s_begin[q];
+            p.st->count[q] = s.count[q];
+            p.st->begin[q] = s.begin[q];
         }
         if (tid == 0) {
-            p.st->begin[p.ep] = s_begin[p.ep];
-            p.st->n = s_begin[p.ep];
+            p.st->begin[p.ep] = s.begin[p.ep];
+            p.st->n = s.begin[p.ep];
         }
     }
     if (!(p.roles & A2A_GPU_RECV)) return;
     /* RECV items from the top block down, so they land on the blocks with the least to send */
     int n_recv = 0;
     for (int q = 1; q < p.ep; q++)
-        n_recv += cdiv(s_count[(me + q) % p.ep], ch);
+        n_recv += cdiv(s.count[(me + q) % p.ep], ch);
     for (int it = G - 1 - blockIdx.x; it < n_recv; it += G) {
         int c = 0;
-        const int src = nth_item(p, s_count, it, &c);
+        const int src = nth_item(p, s.count, it, &c);
         if (p.one_sided) {
             if (tid == 0)
-                s_ok = wait_flag(p,
+                s.ok = wait_flag(p,
                                  (const unsigned long long *)(p.peer[me] + p.off_dchunk) +
                                      (size_t)src * A2A_GPU_NCHUNK + c,
                                  v, src, A2A_GPU_W_DISPATCH_DATA, round);
             __syncthreads();
-            if (!s_ok) return;
+            if (!s.ok) return;
         }
-        const int j1 = min(s_count[src], (c + 1) * ch);
-        for (int j = c * ch; j < j1; j++)
-            decode_token(p, s_begin[src] + j, p.recv_base + ((size_t)src * p.rm + j) * p.rec,
-                         s_lut);
+        const int j1 = min(s.count[src], (c + 1) * ch);
+        for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB)
+            decode_rows(p, s, min(A2A_SUB, j1 - j0),
+                        p.recv_base + ((size_t)src * p.rm + j0) * p.rec, s.begin[src] + j0);
         __syncthreads();
     }
 }
 
 /* ---- combine ---- */
 
-/* Block-wide: received row i's return to its home at dst (slots: the owned slots' fp32 rows at
- * [K][D]; partial: the BF16 weighted sum of them in slot order). */
-__device__ void pack_return(const a2a_kp &p, char *dst, int i, int *s_ids, float *s_w) {
-    const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
-    for (int k = tid; k < K; k += nt) {
-        s_ids[k] = p.rids[(size_t)i * K + k];
-        s_w[k] = p.rw[(size_t)i * K + k];
-    }
-    __syncthreads();
-    const float *eo = p.eo + (size_t)i * K * D;
+/* Block-wide: the returns of received rows i0 + row (row < R; s.ids / s.w hold their local ids
+ * and weights). Slots form: each owned slot's fp32 row, to dst0 + row * ret + k D 4, or with
+ * to_out straight into out[s.tok[row], k]. Partial form: the BF16 sum of w * expert_out over
+ * the owned slots in slot order (fp32, no fused multiply-add), to dst0 + row * ret. */
+__device__ void pack_rows(const a2a_kp &p, const a2a_smem &s, int R, int i0, char *dst0,
+                          bool to_out) {
+    const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x, upr = D / 8;
+    const size_t ret = p.partial ? (size_t)D * 2 : (size_t)K * D * 4;
     if (!p.partial) {
-        for (int k = 0; k < K; k++) {
-            if (s_ids[k] < 0) continue;
-            float4 *o = (float4 *)(dst + (size_t)k * D * 4);
-            const float4 *s = (const float4 *)(eo + (size_t)k * D);
-            for (int c = tid; c < D / 4; c += nt)
-                o[c] = s[c];
+        const int U = R * K * upr;
+        for (int u0 = tid; u0 < U; u0 += nt * A2A_UNR) {
+            float4 a[A2A_UNR], b[A2A_UNR];
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / (K * upr), rem = u - row * K * upr, k = rem / upr,
+                          c = (rem - k * upr) * 8;
+                if (s.ids[row][k] < 0) continue;
+                const float4 *e = (const float4 *)(p.eo + ((size_t)(i0 + row) * K + k) * D + c);
+                a[q] = e[0];
+                b[q] = e[1];
+            }
+#pragma unroll
+            for (int q = 0; q < A2A_UNR; q++) {
+                const int u = u0 + q * nt;
+                if (u >= U) break;
+                const int row = u / (K * upr), rem = u - row * K * upr, k = rem / upr,
+                          c = (rem - k * upr) * 8;
+                if (s.ids[row][k] < 0) continue;
+                float4 *o = to_out ? (float4 *)(p.out + ((size_t)s.tok[row] * K + k) * D + c)
+                                   : (float4 *)(dst0 + (size_t)row * ret + ((size_t)k * D + c) * 4);
+                o[0] = a[q];
+                o[1] = b[q];
+            }
         }
     } else {
-        for (int c = tid * 8; c < D; c += nt * 8) {
+        const int U = R * upr;
+        for (int u = tid; u < U; u += nt) {
+            const int row = u / upr, c = (u - row * upr) * 8;
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            const float *eo = p.eo + (size_t)(i0 + row) * K * D + c;
+#pragma unroll 4
             for (int k = 0; k < K; k++) {
-                if (s_ids[k] < 0) continue;
-                const float wk = s_w[k];
-                const float4 a = *(const float4 *)(eo + (size_t)k * D + c);
-                const float4 b = *(const float4 *)(eo + (size_t)k * D + c + 4);
+                if (s.ids[row][k] < 0) continue;
+                const float wk = s.w[row][k];
+                const float4 a = *(const float4 *)(eo + (size_t)k * D);
+                const float4 b = *(const float4 *)(eo + (size_t)k * D + 4);
                 const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
                 for (int q = 0; q < 8; q++)
                     acc[q] = __fadd_rn(acc[q], __fmul_rn(wk, e[q]));
             }
-            uint4 o;
-            o.x = bf16_rne(acc[0]) | (uint32_t)bf16_rne(acc[1]) << 16;
-            o.y = bf16_rne(acc[2]) | (uint32_t)bf16_rne(acc[3]) << 16;
-            o.z = bf16_rne(acc[4]) | (uint32_t)bf16_rne(acc[5]) << 16;
-            o.w = bf16_rne(acc[6]) | (uint32_t)bf16_rne(acc[7]) << 16;
-            *(uint4 *)(dst + (size_t)c * 2) = o;
+            *(uint4 *)(dst0 + (size_t)row * ret + (size_t)c * 2) =
+                make_uint4(bf16x2(acc[0], acc[1]), bf16x2(acc[2], acc[3]),
+                           bf16x2(acc[4], acc[5]), bf16x2(acc[6], acc[7]));
         }
     }
-    __syncthreads();
 }
 
-__global__ void __launch_bounds__(A2A_GPU_THREADS) a2a_combine_kernel(a2a_kp p) {
-    __shared__ int s_send[A2A_MAX_RANKS], s_count[A2A_MAX_RANKS], s_begin[A2A_MAX_RANKS + 1];
-    __shared__ int s_ids[A2A_GPU_KMAX], s_ok, s_nr, s_rr[A2A_GPU_KMAX], s_rj[A2A_GPU_KMAX];
-    __shared__ float s_w[A2A_GPU_KMAX];
-    __shared__ unsigned long long s_seen[A2A_MAX_RANKS];
+__global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp p) {
+    __shared__ a2a_smem s;
     pdl_wait_();
     if (broken(p)) return;
-    const int tid = threadIdx.x, me = p.me, ch = p.ch, G = gridDim.x, D = p.D, K = p.K;
+    const int tid = threadIdx.x, nt = blockDim.x, me = p.me, ch = p.ch, G = gridDim.x, D = p.D,
+              K = p.K;
     const unsigned long long round = p.st->round, v = 2 * round + 2;
     const size_t ret = p.partial ? (size_t)D * 2 : (size_t)K * D * 4; /* one return */
-    for (int r = tid; r < p.ep; r += blockDim.x) {
-        s_send[r] = p.st->send[r];
-        s_count[r] = p.st->count[r];
-        s_begin[r] = p.st->begin[r];
-        s_seen[r] = ~0ull;
+    for (int r = tid; r < p.ep; r += nt) {
+        s.send[r] = p.st->send[r];
+        s.count[r] = p.st->count[r];
+        s.begin[r] = p.st->begin[r];
+        s.seen[r] = ~0ull;
     }
-    if (tid == 0) s_ok = 1;
+    if (tid == 0) s.ok = 1;
     __syncthreads();
 
     /* SEND then SELF items */
     int n_send = 0;
     if (p.roles & A2A_GPU_SEND)
         for (int q = 1; q < p.ep; q++)
-            n_send += cdiv(s_count[(me + q) % p.ep], ch);
-    const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s_count[me], ch) : 0;
+            n_send += cdiv(s.count[(me + q) % p.ep], ch);
+    const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s.count[me], ch) : 0;
     for (int it = blockIdx.x; it < n_send + n_self; it += G) {
         int c = 0, r = me;
         if (it < n_send)
-            r = nth_item(p, s_count, it, &c);
+            r = nth_item(p, s.count, it, &c);
         else
             c = it - n_send;
-        const int j1 = min(s_count[r], (c + 1) * ch);
-        if (r != me) {
-            char *dst = p.one_sided ? p.peer[r] + p.off_comb + (size_t)me * p.rm * ret
-                                    : p.csend_buf + (size_t)r * p.rm * ret;
-            for (int j = c * ch; j < j1; j++)
-                pack_return(p, dst + (size_t)j * ret, s_begin[r] + j, s_ids, s_w);
+        const int j1 = min(s.count[r], (c + 1) * ch);
+        for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
+            const int R = min(A2A_SUB, j1 - j0), i0 = s.begin[r] + j0;
+            for (int u = tid; u < R * K; u += nt) {
+                const int row = u / K, k = u - row * K;
+                s.ids[row][k] = p.rids[(size_t)(i0 + row) * K + k];
+                s.w[row][k] = p.rw[(size_t)(i0 + row) * K + k];
+            }
+            if (tid < R) s.tok[tid] = p.inv[(size_t)me * p.M + j0 + tid];
             __syncthreads();
-            if (p.one_sided && tid == 0) {
-                __threadfence_system();
-                st_release_sys((unsigned long long *)(p.peer[r] + p.off_cchunk) +
-                                   (size_t)me * A2A_GPU_NCHUNK + c,
-                               v);
-            }
-        } else if (p.partial) { /* own tokens' partial sums into the local region */
-            for (int j = c * ch; j < j1; j++)
-                pack_return(p, p.comb_base + ((size_t)me * p.rm + j) * ret, s_begin[me] + j, s_ids,
-                            s_w);
+            if (r != me)
+                pack_rows(p, s, R, i0,
+                          (p.one_sided ? p.peer[r] + p.off_comb + (size_t)me * p.rm * ret
+                                       : p.csend_buf + (size_t)r * p.rm * ret) +
+                              (size_t)j0 * ret,
+                          false);
+            else if (p.partial) /* own tokens' partial sums into the local region */
+                pack_rows(p, s, R, i0, p.comb_base + ((size_t)me * p.rm + j0) * ret, false);
+            else /* own tokens' slots straight into out */
+                pack_rows(p, s, R, i0, NULL, true);
             __syncthreads();
-            if (p.one_sided && tid == 0) {
-                __threadfence_system();
-                st_release_sys((unsigned long long *)(p.peer[me] + p.off_cchunk) +
-                                   (size_t)me * A2A_GPU_NCHUNK + c,
-                               v);
-            }
-        } else { /* own tokens' slots straight into out */
-            for (int j = c * ch; j < j1; j++) {
-                const int i = s_begin[me] + j, t = p.inv[(size_t)me * p.M + j];
-                for (int k = 0; k < K; k++) {
-                    if (p.rids[(size_t)i * K + k] < 0) continue;
-                    const float4 *s = (const float4 *)(p.eo + ((size_t)i * K + k) * D);
-                    float4 *o = (float4 *)(p.out + ((size_t)t * K + k) * D);
-                    for (int q = tid; q < D / 4; q += blockDim.x)
-                        o[q] = s[q];
-                }
-            }
         }
-        __syncthreads();
+        if (p.one_sided && (r != me || p.partial) && tid == 0)
+            st_release_sys((unsigned long long *)(p.peer[r] + p.off_cchunk) +
+                               (size_t)me * A2A_GPU_NCHUNK + c,
+                           v);
     }
 
     /* RECV (home): gather the returns */
-    if (p.roles & A2A_GPU_RECV) {
-        if (!p.partial) {
-            int n_recv = 0;
-            for (int q = 1; q < p.ep; q++)
-                n_recv += cdiv(s_send[(me + q) % p.ep], ch);
-            for (int it = G - 1 - blockIdx.x; it < n_recv && s_ok; it += G) {
-                int c = 0;
-                const int src = nth_item(p, s_send, it, &c);
-                if (p.one_sided) {
-                    if (tid == 0)
-                        s_ok = wait_flag(p,
-                                         (const unsigned long long *)(p.peer[me] + p.off_cchunk) +
-                                             (size_t)src * A2A_GPU_NCHUNK + c,
-                                         v, src, A2A_GPU_W_COMBINE_DATA, round);
-                    __syncthreads();
-                    if (!s_ok) break;
+    if ((p.roles & A2A_GPU_RECV) && !p.partial) {
+        int n_recv = 0;
+        for (int q = 1; q < p.ep; q++)
+            n_recv += cdiv(s.send[(me + q) % p.ep], ch);
+        const int upr = D / 8;
+        for (int it = G - 1 - blockIdx.x; it < n_recv && s.ok; it += G) {
+            int c = 0;
+            const int src = nth_item(p, s.send, it, &c);
+            if (p.one_sided) {
+                if (tid == 0)
+                    s.ok = wait_flag(p,
+                                     (const unsigned long long *)(p.peer[me] + p.off_cchunk) +
+                                         (size_t)src * A2A_GPU_NCHUNK + c,
+                                     v, src, A2A_GPU_W_COMBINE_DATA, round);
+                __syncthreads();
+                if (!s.ok) break;
+            }
+            const int j1 = min(s.send[src], (c + 1) * ch);
+            for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
+                const int R = min(A2A_SUB, j1 - j0);
+                for (int u = tid; u < R * K; u += nt) {
+                    const int row = u / K, k = u - row * K;
+                    const int t = p.inv[(size_t)src * p.M + j0 + row];
+                    if (k == 0) s.tok[row] = t;
+                    s.ids[row][k] = p.slot_rank[(size_t)t * K + k] == src ? 0 : -1;
                 }
-                const int j1 = min(s_send[src], (c + 1) * ch);
-                for (int j = c * ch; j < j1; j++) {
-                    const int t = p.inv[(size_t)src * p.M + j];
-                    const char *row = p.comb_base + ((size_t)src * p.rm + j) * ret;
-                    for (int k = 0; k < K; k++) {
-                        if (p.slot_rank[(size_t)t * K + k] != src) continue;
-                        const float4 *s = (const float4 *)(row + (size_t)k * D * 4);
-                        float4 *o = (float4 *)(p.out + ((size_t)t * K + k) * D);
-                        for (int q = tid; q < D / 4; q += blockDim.x)
-                            o[q] = __ldcg(s + q);
+                __syncthreads();
+                const char *rows = p.comb_base + ((size_t)src * p.rm + j0) * ret;
+                const int U = R * K * upr;
+                for (int u0 = tid; u0 < U; u0 += nt * A2A_UNR) {
+                    uint4 a[A2A_UNR], b[A2A_UNR];
+#pragma unroll
+                    for (int q = 0; q < A2A_UNR; q++) {
+                        const int u = u0 + q * nt;
+                        if (u >= U) break;
+                        const int row = u / (K * upr), rem = u - row * K * upr, k = rem / upr,
+                                  cc = (rem - k * upr) * 8;
+                        if (s.ids[row][k] < 0) continue;
+                        const uint4 *e =
+                            (const uint4 *)(rows + (size_t)row * ret + ((size_t)k * D + cc) * 4);
+                        a[q] = __ldcg(e);
+                        b[q] = __ldcg(e + 1);
+                    }
+#pragma unroll
+                    for (int q = 0; q < A2A_UNR; q++) {
+                        const int u = u0 + q * nt;
+                        if (u >= U) break;
+                        const int row = u / (K * upr), rem = u - row * K * upr, k = rem / upr,
+                                  cc = (rem - k * upr) * 8;
+                        if (s.ids[row][k] < 0) continue;
+                        uint4 *o = (uint4 *)(p.out + ((size_t)s.tok[row] * K + k) * D + cc);
+                        o[0] = a[q];
+                        o[1] = b[q];
                     }
                 }
                 __syncthreads();
             }
-        } else {
-            const int n_recv = cdiv(p.T, ch);
-            for (int it = G - 1 - blockIdx.x; it < n_recv && s_ok; it += G) {
-                const int t1 = min(p.T, (it + 1) * ch);
-                for (int t = it * ch; t < t1 && s_ok; t++) {
-                    if (tid == 0) { /* the ranks of t's slots, in rank order, and t's rows there */
-                        int nr = 0;
-                        for (int k = 0; k < K; k++) {
-                            const int r = p.slot_rank[(size_t)t * K + k];
-                            const int j = p.slot_index[(size_t)t * K + k];
-                            int pos = nr;
-                            bool dup = false;
-                            for (int q = 0; q < nr; q++)
-                                if (s_rr[q] == r) dup = true;
-                            if (dup) continue;
-                            while (pos > 0 && s_rr[pos - 1] > r) {
-                                s_rr[pos] = s_rr[pos - 1];
-                                s_rj[pos] = s_rj[pos - 1];
-                                pos--;
-                            }
-                            s_rr[pos] = r;
-                            s_rj[pos] = j;
-                            nr++;
+        }
+    } else if (p.roles & A2A_GPU_RECV) {
+        const int n_recv = cdiv(p.T, ch), upr = D / 8;
+        for (int it = G - 1 - blockIdx.x; it < n_recv && s.ok; it += G) {
+            const int t1 = min(p.T, (it + 1) * ch);
+            for (int t0 = it * ch; t0 < t1 && s.ok; t0 += A2A_SUB) {
+                const int R = min(A2A_SUB, t1 - t0);
+                if (tid < R) { /* the ranks of the token's slots in rank order, its rows there */
+                    const int t = t0 + tid;
+                    int nr = 0;
+                    for (int k = 0; k < K; k++) {
+                        const int r = p.slot_rank[(size_t)t * K + k];
+                        const int j = p.slot_index[(size_t)t * K + k];
+                        bool dup = false;
+                        for (int q = 0; q < nr; q++)
+                            dup |= s.rr[tid][q] == r;
+                        if (dup) continue;
+                        int pos = nr++;
+                        while (pos > 0 && s.rr[tid][pos - 1] > r) {
+                            s.rr[tid][pos] = s.rr[tid][pos - 1];
+                            s.rj[tid][pos] = s.rj[tid][pos - 1];
+                            pos--;
                         }
-                        s_nr = nr;
-                        if (p.one_sided)
-                            for (int q = 0; q < nr && s_ok; q++) {
-                                const int r = s_rr[q], c = s_rj[q] / ch;
-                                if (s_seen[r] == (unsigned long long)c) continue;
-                                if (!wait_flag(p,
-                                               (const unsigned long long *)(p.peer[me] +
-                                                                            p.off_cchunk) +
-                                                   (size_t)r * A2A_GPU_NCHUNK + c,
-                                               v, r, A2A_GPU_W_COMBINE_DATA, round))
-                                    s_ok = 0;
-                                s_seen[r] = c;
-                            }
+                        s.rr[tid][pos] = r;
+                        s.rj[tid][pos] = j;
                     }
-                    __syncthreads();
-                    if (!s_ok) break;
-                    for (int c = tid * 8; c < D; c += blockDim.x * 8) {
-                        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                        for (int q = 0; q < s_nr; q++) {
-                            const uint4 b = __ldcg(
-                                (const uint4 *)(p.comb_base +
-                                                ((size_t)s_rr[q] * p.rm + s_rj[q]) * ret +
-                                                (size_t)c * 2));
-                            const uint32_t h[4] = {b.x, b.y, b.z, b.w};
+                    s.nr[tid] = nr;
+                }
+                __syncthreads();
+                if (p.one_sided && tid == 0)
+                    for (int row = 0; row < R && s.ok; row++)
+                        for (int q = 0; q < s.nr[row] && s.ok; q++) {
+                            const int r = s.rr[row][q], c = s.rj[row][q] / ch;
+                            if (s.seen[r] == (unsigned long long)c) continue;
+                            if (!wait_flag(p,
+                                           (const unsigned long long *)(p.peer[me] +
+                                                                        p.off_cchunk) +
+                                               (size_t)r * A2A_GPU_NCHUNK + c,
+                                           v, r, A2A_GPU_W_COMBINE_DATA, round))
+                                s.ok = 0;
+                            s.seen[r] = c;
+                        }
+                __syncthreads();
+                if (!s.ok) break;
+                for (int u = tid; u < R * upr; u += nt) {
+                    const int row = u / upr, cc = (u - row * upr) * 8;
+                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    uint4 b[8];
+                    const int nr = s.nr[row];
+                    for (int q0 = 0; q0 < nr; q0 += 8) { /* loads first, then the sums in order */
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                            if (q0 + q < nr)
+                                b[q] = __ldcg((const uint4 *)(p.comb_base +
+                                                              ((size_t)s.rr[row][q0 + q] * p.rm +
+                                                               s.rj[row][q0 + q]) * ret +
+                                                              (size_t)cc * 2));
+#pragma unroll
+                        for (int q = 0; q < 8; q++) {
+                            if (q0 + q >= nr) break;
+                            const uint32_t h[4] = {b[q].x, b[q].y, b[q].z, b[q].w};
 #pragma unroll
                             for (int e = 0; e < 4; e++) {
                                 acc[2 * e] = __fadd_rn(acc[2 * e], bf16_f32(h[e] & 0xffff));
                                 acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], bf16_f32(h[e] >> 16));
                             }
                         }
-                        float4 *o = (float4 *)(p.out + (size_t)t * D + c);
-                        o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                        o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
                     }
-                    __syncthreads();
+                    float4 *o = (float4 *)(p.out + (size_t)(t0 + row) * D + cc);
+                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
                 }
+                __syncthreads();
             }
         }
     }
     if (!(p.roles & A2A_GPU_FINISH)) return;
-    /* FINISH: the last block through tells every rank this one is done, waits for all of them,
-     * then advances the round (every block read it before arriving). */
+    /* FINISH: the last block through tells every rank this one is done with the round (the
+     * next round's route kernel waits for it) and advances the round (every block read it
+     * before arriving). */
     __syncthreads();
     if (tid != 0) return;
     __threadfence();
     const unsigned int prev = atomicAdd(&p.st->arrive, 1u);
     if (prev != (unsigned int)G - 1) return;
     __threadfence();
-    if (p.one_sided) {
-        __threadfence_system();
+    if (p.one_sided) /* waited for by the next round's route kernel on every rank */
         for (int r = 0; r < p.ep; r++)
             st_release_sys((unsigned long long *)(p.peer[r] + p.off_cdone +
                                                   (size_t)me * A2A_GPU_LINE),
                            v);
-        for (int r = 0; r < p.ep; r++)
-            if (!wait_flag(p,
-                           (const unsigned long long *)(p.peer[me] + p.off_cdone +
-                                                        (size_t)r * A2A_GPU_LINE),
-                           v, r, A2A_GPU_W_COMBINE_END, round))
-                return;
-    }
     p.st->arrive = 0;
     if (!broken(p)) p.st->round = round + 1;
 }
@@ -1286,7 +1551,8 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
     const volatile a2a_gpu_err *r = a->herr;
     const int me = a->cfg.rank;
     char msg[320];
-    static const char *where[] = {"dispatch", "dispatch data", "combine data", "combine end"};
+    static const char *where[] = {"dispatch", "dispatch data", "combine data",
+                                  "end of the previous round"};
     switch (r->code) {
     case A2A_GPU_E_NONE:
         if (a->phase == A2A_GPU_BROKEN)
