@@ -43,7 +43,7 @@ typedef struct {
  * A backend that wants them in one piece makes its own copy once, in prepare_experts: CUDA keeps
  * gate_up [E, 2F, D] (expert e's gate rows, then its up rows) and down [E, D, F] on the device,
  * in the checkpoint's dtype. The CPU reads the per-expert tensors and leaves these NULL. */
-typedef struct {
+typedef struct moe_experts { /* the tag: C++ sees the member moe_experts below in ops */
     int E;
     const tensor *gate; /* [E] tensors of [F, D] */
     const tensor *up;   /* [E] tensors of [F, D] */
@@ -184,6 +184,18 @@ typedef struct ops {
      * rank owns its expert): its row of out is left as it was. */
     void (*moe_experts)(float *out, const float *x, const int32_t *topk_ids,
                         const moe_experts *w, int T, int K, int D, int F);
+
+    /* moe_experts over rows 0..n-1 of x and topk_ids, where n = *n_rows is in the backend's
+     * memory (written by an earlier op: the all-to-all's received count) and T >= n bounds it on
+     * the host; the rows from n on are not read and their rows of out are left as they are. The
+     * same bits as moe_experts with T = n. */
+    void (*moe_experts_n)(float *out, const float *x, const int32_t *topk_ids,
+                          const int32_t *n_rows, const struct moe_experts *w, int T, int K, int D,
+                          int F);
+
+    /* The backend's own queue, for code outside the op table that queues work beside the ops
+     * (the GPU all-to-all): CUDA's cudaStream_t; NULL on the CPU. */
+    void *(*native_stream)(void);
 
     /* out[T, D] = sum over k = 0..K-1, in that order, of topk_w[t, k] * expert_out[t, k, :]. */
     void (*moe_finalize)(float *out, const float *expert_out, const float *topk_w, int T, int K,

@@ -826,6 +826,44 @@ static void test_small(void) {
     }
 }
 
+/* moe_experts_n: rows 0..n-1 of a batch bounded by T, n on the device (the all-to-all's received
+ * count), in both precisions: the rows below n are moe_experts' of those n rows bit for bit, the
+ * rows from n on keep the sentinel (their ids are never read: they hold out-of-range garbage). */
+static void run_rows_n(const model *m, int T, int n) {
+    const int K = m->K, D = m->D;
+    const size_t nx = (size_t)T * D, no = (size_t)T * K * D;
+    float *x = xmalloc(nx * 4 + 4), *want = xmalloc(no * 4 + 4), *got = xmalloc(no * 4 + 4);
+    int32_t *ids = xmalloc((size_t)T * K * 4 + 4);
+    for (size_t i = 0; i < nx; i++)
+        x[i] = rng_uniform();
+    make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.1);
+    for (int64_t i = (int64_t)n * K; i < (int64_t)T * K; i++)
+        ids[i] = m->E + 7; /* out of range: reading it would trap */
+    float *gx = dev_alloc_checked(nx * 4 + 4), *gout = dev_alloc_checked(no * 4 + 4);
+    int32_t *gids = dev_alloc_checked((size_t)T * K * 4 + 4), *gn = dev_alloc_checked(4);
+    gpu->to_device(gx, x, nx * 4);
+    gpu->to_device(gids, ids, (size_t)T * K * 4);
+    gpu->to_device(gn, &n, 4);
+    for (int pi = 0; pi < N_PRECISIONS; pi++) {
+        set_precision((matmul_precision)pi);
+        for (size_t i = 0; i < no; i++)
+            want[i] = SENTINEL;
+        if (n > 0) gpu_moe(m, want, x, ids, n);
+        for (size_t i = 0; i < no; i++)
+            got[i] = SENTINEL;
+        gpu->to_device(gout, got, no * 4);
+        gpu->moe_experts_n(gout, gx, gids, gn, &m->w, T, K, D, m->F);
+        gpu->to_host(got, gout, no * 4);
+        CHECK(memcmp(got, want, no * 4) == 0,
+              "%s %s moe_experts_n: %d of T = %d rows on the device == moe_experts of %d rows, "
+              "the rest untouched",
+              m->name, precision_name[pi], n, T, n);
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
+    gpu->dev_free(gx), gpu->dev_free(gout), gpu->dev_free(gids), gpu->dev_free(gn);
+    free(x), free(want), free(got), free(ids);
+}
+
 static void test_tiny(void) {
     model m;
     model_init(&m, "tiny", 8, 64, 64, 2, DTYPE_BF16);
@@ -839,6 +877,9 @@ static void test_tiny(void) {
         run_case(&m, 1000, ROUTE_ONE, 0.2, 1000, true, NULL);
         run_case(&m, 512, ROUTE_BALANCED, 0.0, 512, true, NULL);
         run_empty_cases(&m);
+        const int rows_n[][2] = {{2, 1}, {2, 0}, {2, 2}, {9, 4}, {64, 33}, {300, 299}, {600, 10}};
+        for (size_t i = 0; i < sizeof rows_n / sizeof rows_n[0]; i++)
+            run_rows_n(&m, rows_n[i][0], rows_n[i][1]);
     }
     model_free(&m);
 }

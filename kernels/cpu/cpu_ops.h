@@ -32,6 +32,8 @@ void cpu_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int 
                      bool norm);
 void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                      int T, int K, int D, int F);
+void cpu_moe_experts_n(float *out, const float *x, const int32_t *topk_ids, const int32_t *n_rows,
+                       const moe_experts *w, int T, int K, int D, int F);
 void cpu_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
                       int D);
 void cpu_silu_mul(float *out, const float *gate, const float *up, int T, int F);

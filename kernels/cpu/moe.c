@@ -120,3 +120,9 @@ void cpu_moe_finalize(float *out, const float *expert_out, const float *topk_w, 
         }
     }
 }
+
+void cpu_moe_experts_n(float *out, const float *x, const int32_t *topk_ids, const int32_t *n_rows,
+                       const moe_experts *w, int T, int K, int D, int F) {
+    const int n = *n_rows < T ? *n_rows : T;
+    cpu_moe_experts(out, x, topk_ids, w, n > 0 ? n : 0, K, D, F);
+}

@@ -69,6 +69,8 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
 int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen);
 void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                       int T, int K, int D, int F);
+void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
+                        const int32_t *n_rows, const moe_experts *w, int T, int K, int D, int F);
 
 /* attention.cu */
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,

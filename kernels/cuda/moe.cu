@@ -288,6 +288,8 @@ typedef struct {
     int64_t n_x8;            // T * D / 8
     int n_pairs;             // T * K
     int E, BM, S;            // S: warps that each count and scatter one segment of the pairs
+    const int32_t *n_rows;   // NULL, or the rows to group (device; pairs of later rows skipped)
+    int K;
 } moe_prep_args;
 
 // Exclusive prefix sum of v over the block's threads in thread order; *sum = the block's total.
@@ -365,6 +367,8 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
     __shared__ int scratch[33];
     const int E = a.E, S = a.S, tid = threadIdx.x, nthr = blockDim.x;
     const int lane = tid & 31, warp = tid >> 5;
+    // moe_experts_n: the pairs of rows 0..*n_rows-1 only (the rest are as skipped slots)
+    const int n_pairs = a.n_rows ? min(a.n_pairs, max(0, __ldcg(a.n_rows)) * a.K) : a.n_pairs;
     int *cnt = sm;             // [S, E] pairs of segment s for expert e, then its first row
     int *off = cnt + S * E;    // [E + 1] pairs per expert, then first row per expert
     int *toff = off + E + 1;   // [E + 1] first tile per expert
@@ -374,7 +378,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
 
     // 1. count per (segment, expert)
     const int seg = (a.n_pairs + S - 1) / S;
-    const int s0 = warp * seg, s1 = min(a.n_pairs, s0 + seg);
+    const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
     if (warp < S)
         for (int i = s0 + lane; i < s1; i += 32) {
             const int e = a.topk_ids[i];
@@ -519,6 +523,7 @@ typedef struct {
     const float *x;             // GEMM 1: [T, Kd]
     const int32_t *topk_ids;    // [n_pairs]
     int n_pairs, E;             // T * K; local experts
+    const int32_t *n_rows;      // TINY, moe_experts_n: the rows to take (device), or NULL
     int tile_rows;              // rows per tile (GEMM 1: R1, its x rows held for all of Kd)
 } moe_gemm_args;
 
@@ -669,8 +674,11 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     __shared__ int s_tile[2], s_pair[TINY ? 16 : 1];
     int e, row0 = 0, rows;
     if constexpr (TINY) {
-        if (warp == 0)
-            tiny_group(a.topk_ids, a.n_pairs, a.E, a.tile_rows, tile, s_tile, s_pair);
+        if (warp == 0) {
+            const int np =
+                a.n_rows ? min(a.n_pairs, max(0, __ldcg(a.n_rows)) * a.topk) : a.n_pairs;
+            tiny_group(a.topk_ids, np, a.E, a.tile_rows, tile, s_tile, s_pair);
+        }
         __syncthreads();
         e = s_tile[0];
         rows = s_tile[1];
@@ -1047,7 +1055,7 @@ static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 template <class C>
 static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
-                    int T, int K, int D, int F) {
+                    int T, int K, int D, int F, const int32_t *n_rows) {
     const int E = w->E, BM = C::BM;
     const int64_t n_pairs = (int64_t)T * K;
     // Tiles: sum over busy experts of ceil(c_e / BM) <= (n + busy * (BM - 1)) / BM, and <= n.
@@ -1077,6 +1085,8 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     p.n_pairs = (int)n_pairs;
     p.E = E;
     p.BM = BM;
+    p.n_rows = n_rows;
+    p.K = K;
     // Segments of about 64 pairs (one per warp, at most 32), within the shared memory.
     const int s_fit = (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / E;
     MS_ASSERT(s_fit >= 1); // E up to ~4000 local experts
@@ -1117,18 +1127,19 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
 // from the H200 (see the header): the middle shape beat the decode one by 10-20% at 16 pairs per
 // expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
 // 32.
+// (With n_rows the shape follows the bound T: the result does not depend on it either.)
 template <class DECODE, class MID, class MID_WIDE, class PREFILL>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
-                         int T, int K, int D, int F) {
+                         int T, int K, int D, int F, const int32_t *n_rows) {
     const int64_t n_pairs = (int64_t)T * K, E = w->E;
     if (n_pairs <= 12 * E)
-        moe_run<DECODE>(out, x, topk_ids, w, T, K, D, F);
+        moe_run<DECODE>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 48 * E)
-        moe_run<MID>(out, x, topk_ids, w, T, K, D, F);
+        moe_run<MID>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 96 * E)
-        moe_run<MID_WIDE>(out, x, topk_ids, w, T, K, D, F);
+        moe_run<MID_WIDE>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else
-        moe_run<PREFILL>(out, x, topk_ids, w, T, K, D, F);
+        moe_run<PREFILL>(out, x, topk_ids, w, T, K, D, F, n_rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1144,7 +1155,7 @@ typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
 
 template <class C1, class C2>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
-                         int T, int K, int D, int F) {
+                         int T, int K, int D, int F, const int32_t *n_rows) {
     static_assert(C1::SPLIT == C2::SPLIT, "one precision");
     const int n = T * K, AP = C1::A_PARTS, busy = std::min(w->E, n);
     unsigned char *ws = moe_workspace((size_t)AP * n * F * 2);
@@ -1157,6 +1168,7 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.topk_ids = topk_ids;
     g.n_pairs = n;
     g.E = w->E;
+    g.n_rows = n_rows;
 
     // GEMM 1: tiles of R1 rows, R1 as small as the batch allows (one row at T = 1) and x's rows
     // within MOE_TINY_A_BYTES, so that three blocks fit on an SM
@@ -1181,22 +1193,35 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     launch_gemm<C2, false, true>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
 }
 
-void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
-                      int T, int K, int D, int F) {
+// moe_experts and moe_experts_n (n_rows: NULL, or the device count of rows to take, <= T).
+static void moe_experts_any(float *out, const float *x, const int32_t *topk_ids,
+                            const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
+                            int F) {
     if (T <= 0 || K <= 0) return;
     MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
     MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if ((int64_t)T * K <= MOE_TINY_PAIRS) {
         if (medium)
-            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F);
+            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F, n_rows);
         else
-            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high>(out, x, topk_ids, w, T, K, D, F);
+            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high>(out, x, topk_ids, w, T, K, D, F,
+                                                                  n_rows);
     } else if (medium) {
         moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill>(
-            out, x, topk_ids, w, T, K, D, F);
+            out, x, topk_ids, w, T, K, D, F, n_rows);
     } else {
         moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
-                     moe_cfg_prefill_high>(out, x, topk_ids, w, T, K, D, F);
+                     moe_cfg_prefill_high>(out, x, topk_ids, w, T, K, D, F, n_rows);
     }
+}
+
+void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                      int T, int K, int D, int F) {
+    moe_experts_any(out, x, topk_ids, nullptr, w, T, K, D, F);
+}
+
+void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
+                        const int32_t *n_rows, const moe_experts *w, int T, int K, int D, int F) {
+    moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
 }
