@@ -21,8 +21,8 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 ifeq ($(CUDA),0)
   NVCC :=
 endif
-# The GPU all-to-all (kernels/cuda/a2a_*.cu) links only into its test and benchmark for now: it
-# needs NCCL and MPI's headers, which the engine's objects do not.
+# The GPU all-to-all (kernels/cuda/a2a_*.cu) needs NCCL, and MPI's headers to compile (the other
+# CUDA objects do not); it links into everything (the server's ranks use it with --device cuda).
 CU_SRCS  := $(filter-out kernels/cuda/a2a_%.cu,$(wildcard kernels/cuda/*.cu))
 A2A_CU_SRCS := $(wildcard kernels/cuda/a2a_*.cu)
 ifneq ($(NVCC),)
@@ -52,7 +52,8 @@ LDLIBS      += $(CURL_LIBS)
 $(info moeserve: curl=$(if $(CURL_LIBS),$(CURL_LIBS),none (apt-get install libcurl4-openssl-dev)))
 LIB_SRCS  := $(wildcard common/*.c config/*.c kernels/*.c kernels/cpu/*.c runner/*.c runner/models/*.c server/*.c)
 LIB_SRCS  := $(filter-out server/main.c,$(LIB_SRCS))
-LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(CU_OBJS)
+LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(CU_OBJS) $(A2A_CU_OBJS)
+LDLIBS    += $(A2A_CU_LIBS)
 TEST_SRCS := $(wildcard tests/test_*.c)
 TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 

@@ -49,6 +49,7 @@ struct model {
     int ep_rank, ep_size;
     int expert_begin, expert_end;
     a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
+    struct a2a_gpu *a2a_gpu; /* or the GPU's (kernels/cuda/a2a_cuda.h), the same way */
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     int online_quant; /* MODEL_QUANT_*: BF16 projections quantized at load (--quantization) */

@@ -27,6 +27,9 @@
 
 #include "common/log.h"
 #include "kernels/a2a.h"
+#ifdef MOESERVE_CUDA
+#include "kernels/cuda/a2a_cuda.h"
+#endif
 #include "kernels/ops.h"
 #include "runner/engine.h"
 #include "runner/model.h"
@@ -542,12 +545,13 @@ static void *serve_engine_main(void *p) {
     return NULL;
 }
 
-/* --moe-a2a-backend, or the machine's choice: none for one rank, shm when every rank is on this
- * node, else mpi. */
-static a2a_transport serve_transport(const char *name, const rank_group *g) {
+/* --moe-a2a-backend, or the machine's choice: none for one rank; on the GPU nvlink_one_sided;
+ * on the CPU shm when every rank is on this node, else mpi. */
+static a2a_transport serve_transport(const char *name, const rank_group *g, bool cuda) {
     a2a_transport t;
     if (!name) {
         if (rank_group_size(g) == 1) return A2A_NONE;
+        if (cuda) return A2A_NVLINK_ONE_SIDED;
         return rank_group_same_node(g) ? A2A_SHM : A2A_MPI;
     }
     if (!strcmp(name, "flashinfer")) {
@@ -559,10 +563,21 @@ static a2a_transport serve_transport(const char *name, const rank_group *g) {
         die("--moe-a2a-backend: '%s' is not one of none, shm, mpi, nvlink_one_sided "
             "(flashinfer_nvlink_one_sided), nccl",
             name);
+#ifdef MOESERVE_CUDA
+    if ((t == A2A_NVLINK_ONE_SIDED || t == A2A_NCCL) && !cuda)
+        die("--moe-a2a-backend %s: moves GPU memory and needs --device cuda; on the CPU use shm "
+            "(ranks on one node) or mpi",
+            a2a_transport_name(t));
+    if ((t == A2A_SHM || t == A2A_MPI) && cuda)
+        die("--moe-a2a-backend %s: moves host memory; with --device cuda use nvlink_one_sided or "
+            "nccl",
+            a2a_transport_name(t));
+#else
     if (t == A2A_NVLINK_ONE_SIDED || t == A2A_NCCL)
         die("--moe-a2a-backend %s: moves GPU memory and needs --device cuda, which this build "
             "does not have; on the CPU use shm (ranks on one node) or mpi",
             a2a_transport_name(t));
+#endif
     if (t == A2A_NONE && rank_group_size(g) > 1)
         die("--moe-a2a-backend none: serves one rank, this group has %d (use shm or mpi)",
             rank_group_size(g));
@@ -770,7 +785,7 @@ static int cmd_serve(int argc, char **argv) {
     if (rank_group_check_parallel_flags(world, a.tp, a.dp, a.ep, a.enable_dp_attention, err,
                                         sizeof err))
         die("%s", err);
-    a2a_transport transport = serve_transport(a.moe_a2a_backend, group);
+    a2a_transport transport = serve_transport(a.moe_a2a_backend, group, !strcmp(a.device, "cuda"));
     a.moe_a2a_backend = a2a_transport_name(transport);
     if (a.port && a.port + world - 1 > 65535)
         die("--port %d: ranks 0..%d need ports up to %d, above 65535", a.port, world - 1,
@@ -859,12 +874,14 @@ static int cmd_serve(int argc, char **argv) {
     if (a.threads) omp_set_num_threads(a.threads);
     const ops *backend = ops_cpu();
     if (!strcmp(a.device, "cuda")) {
-        if (world > 1)
-            die("--device cuda with %d ranks: the GPU all-to-all (nvlink_one_sided, nccl) is not "
-                "built yet; run one rank per GPU group later, or --device cpu",
-                world);
         backend = ops_cuda(rank_group_local_rank(group), err, sizeof err);
         if (!backend) die("--device cuda: %s", err);
+        if (world > 1 && a.cuda_graph_max_bs > 0) {
+            LOG_WARN("serve", "--cuda-graph-max-bs: decode steps run eagerly with %d ranks "
+                              "(graphs of the all-to-all's rounds are not wired in yet)",
+                     world);
+            a.cuda_graph_max_bs = 0;
+        }
     }
     if (a.cuda_graph_max_bs > 0 && !backend->graph_begin)
         LOG_WARN("serve", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
@@ -879,6 +896,7 @@ static int cmd_serve(int argc, char **argv) {
     if (size_after_load)
         a.max_total_tokens = serve_kv_tokens(&a, backend, kv_bytes_per_token);
     a2a *all_to_all = NULL;
+    struct a2a_gpu *all_to_all_gpu = NULL;
     if (world > 1 && cfg.num_experts > 0) {
         a2a_config ac = {.transport = transport,
                          .ep_size = world,
@@ -891,9 +909,17 @@ static int cmd_serve(int argc, char **argv) {
                          .check_peers = rank_group_check_peers_cb,
                          .check_ctx = group};
         a2a_split_experts(cfg.num_experts, world, ac.expert_begin);
-        all_to_all = a2a_create(&ac, rank_group_comm(group), err, sizeof err);
-        if (!all_to_all) die("%s", err);
-        m->a2a = all_to_all;
+        if (transport == A2A_NVLINK_ONE_SIDED || transport == A2A_NCCL) {
+#ifdef MOESERVE_CUDA
+            all_to_all_gpu = a2a_gpu_create(&ac, rank_group_comm(group), err, sizeof err);
+            if (!all_to_all_gpu) die("%s", err);
+            m->a2a_gpu = all_to_all_gpu;
+#endif
+        } else {
+            all_to_all = a2a_create(&ac, rank_group_comm(group), err, sizeof err);
+            if (!all_to_all) die("%s", err);
+            m->a2a = all_to_all;
+        }
     }
     if (world > 1)
         LOG_INFO("serve",
@@ -957,6 +983,9 @@ static int cmd_serve(int argc, char **argv) {
     api_free(api);
     scheduler_free(sched);
     a2a_destroy(all_to_all);
+#ifdef MOESERVE_CUDA
+    if (all_to_all_gpu) a2a_gpu_destroy(all_to_all_gpu);
+#endif
     model_free(m);
     metrics_free(met);
     tokenizer_free(tok);

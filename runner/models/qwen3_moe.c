@@ -10,6 +10,9 @@
 
 #include "common/log.h"
 #include "runner/model.h"
+#ifdef MOESERVE_CUDA
+#include "kernels/cuda/a2a_cuda.h"
+#endif
 
 typedef struct {
     const tensor *input_norm;    /* [D] */
@@ -268,6 +271,23 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
         op->linear(ws->router, ws->h, l->router, T, E, D);
         op->router_topk(ws->topk_ids, ws->topk_w, ws->router, T, E, K, c->norm_topk_prob);
     }
+#ifdef MOESERVE_CUDA
+    if (m->a2a_gpu) { /* the same on the GPU, nothing read back: the received count stays there */
+        void *s = op->native_stream();
+        if (a2a_gpu_dispatch(m->a2a_gpu, ws->h, ws->topk_ids, ws->topk_w, T, runtime_max, s,
+                             m->err, sizeof m->err))
+            return -1;
+        a2a_gpu_received rv = a2a_gpu_get_received(m->a2a_gpu);
+        size_t need = (size_t)rv.n_max * K * D;
+        if (need > ws->cap_recv) {
+            ws->recv_out = ws_grow(m, ws->recv_out, need * sizeof(float));
+            ws->cap_recv = need;
+        }
+        op->moe_experts_n(ws->recv_out, rv.x, rv.ids, rv.n, &l->experts, rv.n_max, K, D, F);
+        return a2a_gpu_combine(m->a2a_gpu, ws->recv_out, ws->expert_out, s, m->err,
+                               sizeof m->err);
+    }
+#endif
     if (!m->a2a) {
         op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &l->experts, T, K, D, F);
     } else {
@@ -287,12 +307,22 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
 }
 
 /* A rank with no tokens this step: only the all-to-alls of the MoE layers, in layer order. */
+/* The GPU all-to-all's kernels record a failure (a peer that did not arrive in time, a
+ * runtime_max mismatch) on the device; once a step's work is queued this waits for it and
+ * reports one as the forward's error. */
+static int a2a_gpu_step_check(model *m) {
+#ifdef MOESERVE_CUDA
+    if (m->a2a_gpu) return a2a_gpu_check(m->a2a_gpu, m->err, sizeof m->err);
+#endif
+    return 0;
+}
+
 static int qwen3_moe_forward_empty(model *m, const forward_batch *b) {
     const qwen3_moe_weights *w = m->weights;
     qwen3_moe_workspace *ws = m->workspace;
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (w->layers[i].is_moe && moe_block(m, &w->layers[i], ws, 0, b->runtime_max)) return -1;
-    return 0;
+    return a2a_gpu_step_check(m);
 }
 
 static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, float *logits) {
@@ -303,7 +333,7 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
     int T = b->T, D = c->hidden_size, H = c->num_attention_heads, Hkv = c->num_key_value_heads;
     int Dh = c->head_dim;
     float eps = c->rms_norm_eps, scale = 1.0f / sqrtf((float)Dh);
-    if (T == 0) return m->a2a ? qwen3_moe_forward_empty(m, b) : 0;
+    if (T == 0) return m->a2a || m->a2a_gpu ? qwen3_moe_forward_empty(m, b) : 0;
     qwen3_moe_workspace_reserve(m, ws, T > b->n_logits ? T : b->n_logits);
 
     /* Each residual add is fused with the norm that reads its result (add_rmsnorm): after
@@ -355,12 +385,12 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
         else
             op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
     }
-    if (b->n_logits == 0) return 0;
+    if (b->n_logits == 0) return a2a_gpu_step_check(m);
     /* Only the rows that sample or score go through the final norm and lm_head. */
     op->gather_rows(ws->h, ws->x, b->logit_rows, b->n_logits, D);
     op->rmsnorm(ws->h, ws->h, w->norm, b->n_logits, D, eps);
     op->linear(logits, ws->h, w->lm_head, b->n_logits, c->vocab_size, D);
-    return 0;
+    return a2a_gpu_step_check(m);
 }
 
 static void qwen3_moe_free(model *m) {

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Expert parallelism over two GPUs in one command, run ON a machine with two GPUs from the
+# repository root with the build carried there (build here: `make -j2 && scripts/gpu_bundle.sh`):
+#   1. build/tests/test_cuda_a2a under mpirun -np 2: the GPU all-to-all against the CPU's shm
+#   2. scripts/gpu_ep_compare.py: `mpirun -np 2 moeserve serve --device cuda` with
+#      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens
+#   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights) on one GPU and
+#      on two (SKIP=serve leaves it out)
+# Logs go to ${OUT:-/tmp/gpu-ep}; each part prints its summary, the last line is "N passed, M
+# failed" over parts 1 and 2.
+set -u
+cd "$(dirname "$0")/.."
+b=${BUILD:-build}
+export LD_LIBRARY_PATH=$b/gpu-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export NCCL_NVLS_ENABLE=0
+out=${OUT:-/tmp/gpu-ep}
+mkdir -p "$out"
+mpi=(mpirun --allow-run-as-root -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH)
+pass=0
+fail=0
+count() { # the "N passed, M failed" line of a log into the totals
+    local line
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$1" | tail -n 1)
+    if [ -z "$line" ]; then
+        fail=$((fail + 1))
+        echo "FAIL $1: no summary"
+        return
+    fi
+    pass=$((pass + ${line%% passed*}))
+    local f=${line#*, }
+    fail=$((fail + ${f%% failed*}))
+}
+
+echo "== 1. test_cuda_a2a, 2 ranks"
+timeout 300 "${mpi[@]}" -np 2 "$b/tests/test_cuda_a2a" > "$out/test_cuda_a2a.txt" 2>&1
+grep -E "^(FAIL|ok)" "$out/test_cuda_a2a.txt" | grep -c "^ok" | sed 's/^/ok lines: /'
+grep -E "^FAIL" "$out/test_cuda_a2a.txt" | head -n 10
+count "$out/test_cuda_a2a.txt"
+
+echo "== 2. the server on 2 GPUs against 1"
+OUT=$out timeout 900 python3 scripts/gpu_ep_compare.py > "$out/compare.txt" 2>&1
+grep -vE '^[0-9]+ passed' "$out/compare.txt"
+count "$out/compare.txt"
+
+if [[ " ${SKIP:-} " != *" serve "* ]]; then
+    echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU"
+    OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh
+    echo "== 3. serving, two GPUs (nvlink_one_sided)"
+    OUT=$out/serve2 LAUNCH="${mpi[*]} -np 2" timeout 600 bash scripts/gpu_serve_bench.sh \
+        --moe-a2a-backend nvlink_one_sided
+fi
+echo "$pass passed, $fail failed"
