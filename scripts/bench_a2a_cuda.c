@@ -211,6 +211,40 @@ static times run_rounds(a2a_gpu *a, bool graphs, const float *x, const int32_t *
     return t;
 }
 
+/* With MOESERVE_A2A_TRACE=1: 20 plain rounds (dispatch, combine partial), each read back, and
+ * the median time of each point of the round's timeline (a2a_gpu_trace) on every rank. */
+static void trace_rounds(a2a_gpu *a, const float *x, const int32_t *ids, const float *w,
+                         const float *eo, float *out, int T, cudaStream_t s) {
+    enum { N = 11, R = 21 };
+    char err[512];
+    float v[N][R];
+    unsigned long long t[N];
+    for (int r = 0; r < R; r++) {
+        CU(cudaStreamSynchronize(s));
+        MPI_Barrier(MPI_COMM_WORLD);
+        A2A(a2a_gpu_dispatch(a, x, ids, w, T, T, s, err, sizeof err));
+        A2A(a2a_gpu_combine_partial(a, eo, out, s, err, sizeof err));
+        A2A(a2a_gpu_check(a, err, sizeof err));
+        if (a2a_gpu_trace(a, t, N) != N) return;
+        for (int i = 0; i < N; i++)
+            v[i][r] = (float)((double)(t[i] - t[i < 7 ? 0 : 7]) * 1e-3);
+    }
+    float med[N], all[2 * N];
+    for (int i = 0; i < N; i++)
+        med[i] = median(v[i], R);
+    if (g_size != 2) return;
+    MPI_Gather(med, N, MPI_FLOAT, all, N, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    if (g_rank == 0)
+        for (int r = 0; r < 2; r++) {
+            const float *m = all + r * N;
+            printf("  trace T=%d rank %d, us from the route kernel's start: rows handed out %.1f, count "
+                   "lines out %.1f, dispatch kernel in %.1f, block 0 sent %.1f, last block has the "
+                   "counts %.1f, received %.1f; from the combine kernel's start: block 0 sent %.1f, "
+                   "gathered %.1f, end flags out %.1f\n",
+                   T, r, m[1], m[2], m[3], m[4], m[5], m[6], m[8], m[9], m[10]);
+        }
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     MPI_Init(&argc, &argv);
@@ -329,6 +363,7 @@ int main(int argc, char **argv) {
                 const int R = T <= 512 ? 200 : T <= 2048 ? 60 : 20;
                 times a = run_rounds(one, true, x, ids, w, eo, out, T, R, s);
                 times b = run_rounds(two, false, x, ids, w, eo, out, T, R, s);
+                if (getenv("MOESERVE_A2A_TRACE")) trace_rounds(one, x, ids, w, eo, out, T, s);
                 const double bd = mean_over_ranks((double)pairs * rec);
                 const double bp = mean_over_ranks((double)pairs * D * 2);
                 const double bs = mean_over_ranks((double)rslots * D * 4);

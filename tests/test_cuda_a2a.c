@@ -15,7 +15,7 @@
  * Rounds: random routing with T random in [0, max] on each rank (runtime_max = the max, different
  * every round), skewed (every slot to rank 0's experts), T = 0 on one rank, T = 0 everywhere (with
  * runtime_max 0 and 5), uneven expert splits, D = 144 (a partial FP8 group), and runtime_max
- * up to 4200 (chunks of 1 to 33 rows: one row per block, several, a warp per row, more rows than
+ * up to 8500 (chunks of 1 to 34 rows: one row per block, several, a warp per row, more rows than
  * a block takes at once). Then: a dispatch + combine captured in a CUDA graph
  * and replayed on new inputs (one-sided); a runtime_max that differs between ranks (every rank
  * reports it); 10,000 rounds without a hang (every 1000th compared with shm); and a rank that
@@ -311,7 +311,7 @@ static void test_rounds(a2a_transport tr) {
     struct {
         int M, D, K, E, rounds;
     } shapes[] = {{64, 256, 8, 64, 6},   {40, 144, 4, 10, 4},   {600, 2048, 8, 256, 3},
-                  {1100, 256, 8, 64, 2}, {4200, 64, 4, 16, 2}};
+                  {1100, 256, 8, 64, 2}, {8500, 64, 4, 16, 2}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (size_t pi = 0; pi < 4; pi++) {
             pair P;

@@ -103,6 +103,12 @@ int a2a_gpu_combine_partial(a2a_gpu *a, const float *expert_out, float *out /* [
  * 7)". After -1 the object is broken. */
 int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen);
 
+/* With MOESERVE_A2A_TRACE=1 in the environment at create: the %globaltimer nanoseconds of the
+ * last round's fixed points (route start, rows handed out, count lines out, dispatch start,
+ * sends done, counts in, receives done, combine start, sends done, gathers done, end flags out),
+ * up to n of them; returns how many (0 without the trace). Diagnostics only. */
+int a2a_gpu_trace(const a2a_gpu *a, unsigned long long *t, int n);
+
 /* Bytes of one dispatched record (payload, ids, weights, padded to 16) of this object: what a
  * (token, remote rank) pair moves over the link in dispatch. */
 size_t a2a_gpu_record_bytes(const a2a_gpu *a);

@@ -12,7 +12,8 @@
  *                               the next round cannot overtake a slow reader
  *   recv region [src][runtime_max] x record      (record: codes | scales | ids[K] | w[K])
  *   comb region [src][runtime_max] x (K D fp32 slots, or D BF16 partial sums)
- * A chunk is ch = ceil(runtime_max / A2A_GPU_NCHUNK) rows of one source, so the receiver decodes
+ * A chunk is ch = ceil(runtime_max / A2A_GPU_NCHUNK) rows of one source (fewer chunks with
+ * MOESERVE_A2A_CHUNKS, a tuning knob that every rank must set alike), so the receiver decodes
  * (and the home rank gathers) a chunk as soon as it lands, while the rest is still on the wire. */
 #ifndef MOESERVE_A2A_CUDA_INTERNAL_H
 #define MOESERVE_A2A_CUDA_INTERNAL_H
@@ -22,7 +23,7 @@
 #include <cuda_runtime.h>
 
 #define A2A_GPU_LINE 128
-#define A2A_GPU_NCHUNK 128
+#define A2A_GPU_NCHUNK 256
 #define A2A_GPU_THREADS 256
 #define A2A_GPU_ROUTE_THREADS 1024
 #define A2A_GPU_KMAX 32
@@ -37,6 +38,22 @@ enum {
     A2A_GPU_SELF = 2,   /* this rank's rows to itself */
     A2A_GPU_RECV = 4,   /* dispatch: decode what arrived; combine: gather the returns (home) */
     A2A_GPU_FINISH = 8, /* combine: the end barrier and the round's advance */
+};
+
+/* points of the optional timeline (a2a_gpu_trace) */
+enum {
+    A2A_TR_ROUTE,             /* route kernel starts */
+    A2A_TR_ROUTE_SCANNED,     /* rows handed out */
+    A2A_TR_ROUTE_END,         /* count line to rank 0 written (after its end flag) */
+    A2A_TR_DISPATCH,          /* dispatch kernel, block 0 past the PDL wait */
+    A2A_TR_DISPATCH_SENT,     /* block 0 done with its SEND / SELF items */
+    A2A_TR_DISPATCH_COUNTS,   /* last block has every count line */
+    A2A_TR_DISPATCH_END,      /* last block done with its RECV items */
+    A2A_TR_COMBINE,           /* combine kernel, block 0 */
+    A2A_TR_COMBINE_SENT,      /* block 0 done with its SEND / SELF items */
+    A2A_TR_COMBINE_GATHERED,  /* last block done with its gathers */
+    A2A_TR_COMBINE_END,       /* the last block to arrive has written the end flags */
+    A2A_TR_N
 };
 
 /* The first error of the object, written by a kernel into mapped host memory. */
@@ -90,6 +107,7 @@ typedef struct {
     int cnt_stride;
     a2a_gpu_count_line *cnt_out; /* nccl: [ep] this rank's lines, sent by NCCL */
     int partial;     /* combine form */
+    unsigned long long *trace; /* [A2A_TR_N] or NULL */
     const float *x, *w;
     const int32_t *ids;
     const float *eo; /* expert_out [n, K, D] */
@@ -102,6 +120,7 @@ struct a2a_gpu {
     a2a_config cfg;
     MPI_Comm comm;
     int device, n_sm, cap_dispatch, cap_combine;
+    int nchunks; /* chunks per source (A2A_GPU_NCHUNK, or MOESERVE_A2A_CHUNKS) */
     bool pdl;
     a2a_gpu_phase phase;
     char broken_why[320];
@@ -121,6 +140,7 @@ struct a2a_gpu {
     int32_t *owner, *ebegin, *slot_rank, *slot_index, *inv, *rids;
     float *rx, *rw;
 
+    unsigned long long *trace; /* device [A2A_TR_N], MOESERVE_A2A_TRACE=1 only */
     void *nccl; /* a2a_nccl.cu's state */
 };
 

@@ -86,6 +86,11 @@ __device__ __forceinline__ unsigned long long globaltimer() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+/* Optional timeline (MOESERVE_A2A_TRACE=1): %globaltimer at fixed points of a round. */
+__device__ __forceinline__ void trace(const a2a_kp &p, int point) {
+    if (p.trace) p.trace[point] = globaltimer();
+}
+
 __device__ __forceinline__ void pdl_wait_() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger_() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -543,12 +548,13 @@ __device__ void block_scan8(int v[8], int tot[8], int (*s_w)[8]) {
  * token order, the inverse map row -> token, the totals. Then the count lines. */
 __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp p) {
     pdl_trigger_(); /* the dispatch kernel may launch now; it waits for this one to finish */
-    __shared__ int s_w[32][8];
+    __shared__ int s_w[32][8], s_tot[A2A_MAX_RANKS];
     if (broken(p)) return;
     const unsigned long long round = p.st->round, v = 2 * round + 1;
     const int T = p.T, K = p.K, nt = blockDim.x, tid = threadIdx.x, lane = tid & 31,
               warp = tid >> 5, nw = nt >> 5;
     const int tpw = 32 / K, lt = lane / K, k = lane - lt * K;
+    if (tid == 0) trace(p, A2A_TR_ROUTE);
     for (int t0 = warp * tpw; t0 < T; t0 += nw * tpw * 4) {
         int id[4];
 #pragma unroll
@@ -615,15 +621,17 @@ __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp
             for (int q = 0; q < 8; q++)
                 if (q == tid) c = tot[q];
             p.st->send[rg + tid] = c;
+            s_tot[rg + tid] = c;
         }
         __syncthreads();
     }
     __syncthreads();
+    if (tid == 0) trace(p, A2A_TR_ROUTE_SCANNED);
     /* Count lines, before any payload: receivers learn their row offsets early. Nothing of
      * this round goes into rank r's memory before r has ended the previous round (its combine
      * end flag, 2N): by then it has read everything of that round. */
     for (int r = tid; r < p.ep; r += nt) {
-        const int c = p.st->send[r];
+        const int c = s_tot[r];
         if (p.one_sided) {
             if (!wait_flag(p,
                            (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
@@ -635,6 +643,7 @@ __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp
             line->count = c;
             line->runtime_max = p.rm;
             st_release_sys(&line->flag, v);
+            if (r == 0) trace(p, A2A_TR_ROUTE_END);
         } else {
             p.cnt_out[r].count = c;
             p.cnt_out[r].runtime_max = p.rm;
@@ -657,6 +666,19 @@ __device__ int nth_item(const a2a_kp &p, const int *count, int i, int *c) {
         i -= n;
     }
     return -1;
+}
+
+/* The SEND and SELF items of a block list, interleaved (send 0, self 0, send 1, self 1, ...) so
+ * the link (SEND) and local memory (SELF) work at once; *send says which, the index returned. No
+ * item of this list waits for a peer's data, so a block never holds a send back behind a wait. */
+__device__ __forceinline__ int mixed_item(int it, int n_send, int n_self, bool *send) {
+    const int m = min(n_send, n_self);
+    if (it < 2 * m) {
+        *send = !(it & 1);
+        return it >> 1;
+    }
+    *send = n_send > n_self;
+    return it - m;
 }
 
 /* All count lines of this round: every rank's count for me and its runtime_max. Block-wide;
@@ -703,17 +725,20 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
         s.send[r] = p.st->send[r];
     __syncthreads();
 
-    /* SEND items, then SELF items, one list over the blocks */
+    /* SEND and SELF items interleaved, one list over the blocks (mixed_item) */
     const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s.send[me], ch) : 0;
     int n_send = 0;
     if (p.roles & A2A_GPU_SEND)
         for (int q = 1; q < p.ep; q++)
             n_send += cdiv(s.send[(me + q) % p.ep], ch);
     bool have_counts = false;
+    if (blockIdx.x == 0 && tid == 0) trace(p, A2A_TR_DISPATCH);
     for (int it = blockIdx.x; it < n_send + n_self; it += G) {
-        if (it < n_send) {
+        bool send = false;
+        const int idx = mixed_item(it, n_send, n_self, &send);
+        if (send) {
             int c = 0;
-            const int r = nth_item(p, s.send, it, &c);
+            const int r = nth_item(p, s.send, idx, &c);
             char *dst = p.one_sided ? p.peer[r] + p.off_recv + (size_t)me * p.rm * p.rec
                                     : p.send_buf + (size_t)r * p.rm * p.rec;
             const int j1 = min(s.send[r], (c + 1) * ch);
@@ -733,7 +758,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
                 if (!read_counts(p, round, s)) return;
                 have_counts = true;
             }
-            const int c = it - n_send, j1 = min(s.send[me], (c + 1) * ch);
+            const int c = idx, j1 = min(s.send[me], (c + 1) * ch);
             for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
                 const int R = min(A2A_SUB, j1 - j0);
                 if (tid < R) s.tok[tid] = p.inv[(size_t)me * p.M + j0 + tid];
@@ -743,8 +768,10 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
             }
         }
     }
+    if (blockIdx.x == 0 && tid == 0) trace(p, A2A_TR_DISPATCH_SENT);
     if (!(p.roles & (A2A_GPU_SELF | A2A_GPU_RECV))) return;
     if (!have_counts && !read_counts(p, round, s)) return;
+    if (blockIdx.x == G - 1 && tid == 0) trace(p, A2A_TR_DISPATCH_COUNTS);
     if (blockIdx.x == 0) {
         for (int q = tid; q < p.ep; q += blockDim.x) {
             p.st->count[q] = s.count[q];
@@ -778,6 +805,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
                         p.recv_base + ((size_t)src * p.rm + j0) * p.rec, s.begin[src] + j0);
         __syncthreads();
     }
+    if (blockIdx.x == G - 1 && tid == 0) trace(p, A2A_TR_DISPATCH_END);
 }
 
 /* ---- combine ---- */
@@ -859,18 +887,21 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
     if (tid == 0) s.ok = 1;
     __syncthreads();
 
-    /* SEND then SELF items */
+    /* SEND and SELF items interleaved (mixed_item) */
     int n_send = 0;
     if (p.roles & A2A_GPU_SEND)
         for (int q = 1; q < p.ep; q++)
             n_send += cdiv(s.count[(me + q) % p.ep], ch);
     const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s.count[me], ch) : 0;
+    if (blockIdx.x == 0 && tid == 0) trace(p, A2A_TR_COMBINE);
     for (int it = blockIdx.x; it < n_send + n_self; it += G) {
         int c = 0, r = me;
-        if (it < n_send)
-            r = nth_item(p, s.count, it, &c);
+        bool send = false;
+        const int idx = mixed_item(it, n_send, n_self, &send);
+        if (send)
+            r = nth_item(p, s.count, idx, &c);
         else
-            c = it - n_send;
+            c = idx;
         const int j1 = min(s.count[r], (c + 1) * ch);
         for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
             const int R = min(A2A_SUB, j1 - j0), i0 = s.begin[r] + j0;
@@ -899,6 +930,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
                            v);
     }
 
+    if (blockIdx.x == 0 && tid == 0) trace(p, A2A_TR_COMBINE_SENT);
     /* RECV (home): gather the returns */
     if ((p.roles & A2A_GPU_RECV) && !p.partial) {
         int n_recv = 0;
@@ -1033,6 +1065,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
             }
         }
     }
+    if (blockIdx.x == G - 1 && tid == 0) trace(p, A2A_TR_COMBINE_GATHERED);
     if (!(p.roles & A2A_GPU_FINISH)) return;
     /* FINISH: the last block through tells every rank this one is done with the round (the
      * next round's route kernel waits for it) and advances the round (every block read it
@@ -1048,6 +1081,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
             st_release_sys((unsigned long long *)(p.peer[r] + p.off_cdone +
                                                   (size_t)me * A2A_GPU_LINE),
                            v);
+    trace(p, A2A_TR_COMBINE_END);
     p.st->arrive = 0;
     if (!broken(p)) p.st->round = round + 1;
 }
@@ -1055,6 +1089,13 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
 /* ---- host ---- */
 
 size_t a2a_gpu_record_bytes(const a2a_gpu *a) { return a ? (size_t)a->rec : 0; }
+
+int a2a_gpu_trace(const a2a_gpu *a, unsigned long long *t, int n) {
+    if (!a || !a->trace) return 0;
+    if (n > A2A_TR_N) n = A2A_TR_N;
+    if (cudaMemcpy(t, a->trace, (size_t)n * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+    return n;
+}
 
 size_t a2a_gpu_return_bytes(const a2a_gpu *a, int partial) {
     return partial ? (size_t)a->cfg.hidden * 2 : (size_t)a->cfg.top_k * a->cfg.hidden * 4;
@@ -1098,7 +1139,7 @@ void a2a_gpu_params(const a2a_gpu *a, a2a_kp *kp, const float *x, const int32_t 
     kp->M = c->max_tokens_per_rank;
     kp->T = a->T;
     kp->rm = a->runtime_max;
-    kp->ch = a->runtime_max > 0 ? (a->runtime_max + A2A_GPU_NCHUNK - 1) / A2A_GPU_NCHUNK : 1;
+    kp->ch = a->runtime_max > 0 ? (a->runtime_max + a->nchunks - 1) / a->nchunks : 1;
     kp->nch = (a->runtime_max + kp->ch - 1) / kp->ch;
     kp->payload = (int)c->payload;
     kp->one_sided = c->transport == A2A_NVLINK_ONE_SIDED;
@@ -1108,6 +1149,7 @@ void a2a_gpu_params(const a2a_gpu *a, a2a_kp *kp, const float *x, const int32_t 
     kp->off_ids = a->off_ids;
     kp->off_w = a->off_w;
     kp->timeout_ns = (unsigned long long)(c->timeout_s * 1e9);
+    kp->trace = a->trace;
     kp->st = a->st;
     kp->herr = a->herr_dev;
     kp->owner = a->owner;
@@ -1321,8 +1363,25 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
     a->cfg = *cfg;
     a->comm = MPI_COMM_NULL;
     if (a->cfg.timeout_s == 0) a->cfg.timeout_s = A2A_DEFAULT_TIMEOUT_S;
-    const char *pdl = getenv("MOESERVE_A2A_PDL");
+    const char *pdl = getenv("MOESERVE_A2A_PDL"), *tr = getenv("MOESERVE_A2A_TRACE");
     a->pdl = !(pdl && strcmp(pdl, "0") == 0);
+    const bool want_trace = tr && strcmp(tr, "1") == 0;
+    /* chunks per source (tuning; every rank must use the same: agreed below) */
+    const char *nc = getenv("MOESERVE_A2A_CHUNKS");
+    a->nchunks = nc ? atoi(nc) : A2A_GPU_NCHUNK;
+    if (a->nchunks < 1 || a->nchunks > A2A_GPU_NCHUNK) a->nchunks = A2A_GPU_NCHUNK;
+    {
+        int v[2] = {a->nchunks, -a->nchunks}, m[2] = {0, 0};
+        MPI_Allreduce(v, m, 2, MPI_INT, MPI_MAX, comm);
+        if (m[0] != -m[1]) {
+            gerr(err, errlen,
+                 "all-to-all: MOESERVE_A2A_CHUNKS differs between ranks (%d .. %d): every rank "
+                 "must use the same",
+                 -m[1], m[0]);
+            free(a);
+            return NULL;
+        }
+    }
     record_layout(a);
     const int ep = cfg->ep_size, M = cfg->max_tokens_per_rank, D = cfg->hidden,
               K = cfg->top_k, E = cfg->n_experts;
@@ -1353,6 +1412,10 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         a->cap_dispatch = (a->n_sm - 1) * (occ_d > 0 ? occ_d : 1);
         a->cap_combine = (a->n_sm - 1) * (occ_c > 0 ? occ_c : 1);
         TRY(cudaMalloc((void **)&a->st, sizeof(a2a_gpu_state)), "cudaMalloc of the state");
+        if (want_trace) {
+            TRY(cudaMalloc((void **)&a->trace, A2A_TR_N * 8), "cudaMalloc of the trace");
+            TRY(cudaMemset(a->trace, 0, A2A_TR_N * 8), "cudaMemset");
+        }
         TRY(cudaMemset(a->st, 0, sizeof(a2a_gpu_state)), "cudaMemset");
         TRY(cudaHostAlloc((void **)&a->herr, sizeof(a2a_gpu_err), cudaHostAllocMapped),
             "cudaHostAlloc (mapped) of the error record");
@@ -1421,6 +1484,7 @@ void a2a_gpu_destroy(a2a_gpu *a) {
     cudaFree(a->peer_dev);
     cudaFree(a->seg);
     cudaFree(a->st);
+    cudaFree(a->trace);
     if (a->herr) cudaFreeHost(a->herr);
     cudaFree(a->owner);
     cudaFree(a->ebegin);
