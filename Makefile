@@ -33,10 +33,12 @@ ifneq ($(NVCC),)
     LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
     CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
     A2A_CU_OBJS := $(A2A_CU_SRCS:%.cu=$(BUILD)/%.o)
-    A2A_CU_LIBS := -lnccl
+    NCCL_H    ?= $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+    A2A_CU_LIBS := $(if $(NCCL_H),-lnccl)
   endif
 endif
 $(info moeserve: cc=$(CC) nvcc=$(if $(NVCC),$(NVCC),none) cuda objects=$(words $(CU_OBJS)))
+$(if $(A2A_CU_OBJS),$(info moeserve: nccl=$(if $(NCCL_H),$(NCCL_H),none (the nccl all-to-all transport reports itself missing))))
 
 # MPI (OpenMPI's C bindings) for the rank group and the all-to-all, on every object.
 MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null)
@@ -121,7 +123,7 @@ $(BUILD)/bench_a2a: $(BUILD)/scripts/bench_a2a.o $(A2A_OBJS)
 # The GPU all-to-all (nvlink_one_sided, nccl): its test runs under mpirun on the GPU machine
 # (scripts/gpu_check.sh runs it with one rank); bench_a2a_cuda needs two GPUs and mpirun -np 2.
 # Without nvcc the test builds as a stub that says "skipped".
-$(A2A_CU_OBJS): NVCCFLAGS += $(MPI_CFLAGS)
+$(A2A_CU_OBJS): NVCCFLAGS += $(MPI_CFLAGS) $(if $(NCCL_H),,-DMOESERVE_NO_NCCL)
 $(BUILD)/tests/test_cuda_a2a: $(BUILD)/tests/test_cuda_a2a.o $(LIB_OBJS) $(A2A_CU_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(LDLIBS) $(A2A_CU_LIBS)

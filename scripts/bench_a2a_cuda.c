@@ -32,7 +32,7 @@ static int g_rank, g_size;
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "rank %d: %s failed at %s:%d: %s\n", g_rank, #call, __FILE__,         \
+            fprintf(stderr, "rank %d: %s failed at %s:%d: %s\n", g_rank, #call, __FILE__,          \
                     __LINE__, cudaGetErrorString(e_));                                             \
             MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
         }                                                                                          \
@@ -171,7 +171,8 @@ static times run_rounds(a2a_gpu *a, bool graphs, const float *x, const int32_t *
         A2A(a2a_gpu_check(a, err, sizeof err));
     }
     const int n_rep = graphs ? (reps + NR - 1) / NR : 1;
-    float *d = malloc(sizeof(float) * (size_t)(R * n_rep)), *p = malloc(sizeof(float) * (size_t)(R * n_rep)),
+    float *d = malloc(sizeof(float) * (size_t)(R * n_rep)),
+          *p = malloc(sizeof(float) * (size_t)(R * n_rep)),
           *sl = malloc(sizeof(float) * (size_t)(R * n_rep));
     int nd = 0, np = 0, ns = 0;
     for (int rep = 0; rep < n_rep; rep++) {
@@ -237,11 +238,13 @@ static void trace_rounds(a2a_gpu *a, const float *x, const int32_t *ids, const f
     if (g_rank == 0)
         for (int r = 0; r < 2; r++) {
             const float *m = all + r * N;
-            printf("  trace T=%d rank %d, us from the route kernel's start: rows handed out %.1f, count "
-                   "lines out %.1f, dispatch kernel in %.1f, block 0 sent %.1f, last block has the "
-                   "counts %.1f, received %.1f; from the combine kernel's start: block 0 sent %.1f, "
-                   "gathered %.1f, end flags out %.1f\n",
-                   T, r, m[1], m[2], m[3], m[4], m[5], m[6], m[8], m[9], m[10]);
+            printf(
+                "  trace T=%d rank %d, us from the route kernel's start: rows handed out %.1f, "
+                "count "
+                "lines out %.1f, dispatch kernel in %.1f, block 0 sent %.1f, last block has the "
+                "counts %.1f, received %.1f; from the combine kernel's start: block 0 sent %.1f, "
+                "gathered %.1f, end flags out %.1f\n",
+                T, r, m[1], m[2], m[3], m[4], m[5], m[6], m[8], m[9], m[10]);
         }
 }
 
@@ -258,11 +261,14 @@ int main(int argc, char **argv) {
             quick = true;
         else if (strcmp(argv[i], "--hidden") == 0 && i + 1 < argc)
             only_d = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--payload") == 0 && i + 1 < argc && a2a_payload_parse(argv[i + 1], &pl))
+        else if (strcmp(argv[i], "--payload") == 0 && i + 1 < argc &&
+                 a2a_payload_parse(argv[i + 1], &pl))
             only_p = (int)pl, i++;
         else {
             if (g_rank == 0)
-                fprintf(stderr, "usage: bench_a2a_cuda [--quick] [--hidden D] [--payload bf16|fp8|nvfp4]\n");
+                fprintf(
+                    stderr,
+                    "usage: bench_a2a_cuda [--quick] [--hidden D] [--payload bf16|fp8|nvfp4]\n");
             MPI_Finalize();
             return 2;
         }

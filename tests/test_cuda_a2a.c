@@ -55,7 +55,7 @@ static void ok(const char *fmt, ...) {
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "rank %d: %s failed at %s:%d: %s\n", g_rank, #call, __FILE__,         \
+            fprintf(stderr, "rank %d: %s failed at %s:%d: %s\n", g_rank, #call, __FILE__,          \
                     __LINE__, cudaGetErrorString(e_));                                             \
             MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
         }                                                                                          \
@@ -86,8 +86,8 @@ static float value(uint64_t *s) {
 
 enum { ROUTE_RANDOM, ROUTE_SKEWED };
 
-static void make_inputs(const a2a_config *c, int T, int route, uint64_t seed, float *x, int32_t *ids,
-                        float *w) {
+static void make_inputs(const a2a_config *c, int T, int route, uint64_t seed, float *x,
+                        int32_t *ids, float *w) {
     uint64_t s = seed;
     const int D = c->hidden, K = c->top_k;
     const int lo = route == ROUTE_SKEWED ? c->expert_begin[0] : 0;
@@ -149,8 +149,8 @@ static bool pair_open(pair *P, a2a_config cfg) {
     P->gpu = a2a_gpu_create(&cfg, MPI_COMM_WORLD, err, sizeof err);
     CHECK(P->gpu != NULL, "%s: %s", a2a_transport_name(cfg.transport), err);
     if (!P->cpu || !P->gpu) return false;
-    const size_t M = (size_t)cfg.max_tokens_per_rank, D = (size_t)cfg.hidden,
-                 K = (size_t)cfg.top_k, ep = (size_t)cfg.ep_size;
+    const size_t M = (size_t)cfg.max_tokens_per_rank, D = (size_t)cfg.hidden, K = (size_t)cfg.top_k,
+                 ep = (size_t)cfg.ep_size;
     P->x = malloc(M * D * 4);
     P->ids = malloc(M * K * 4);
     P->w = malloc(M * K * 4);
@@ -246,8 +246,8 @@ static bool compare_round(pair *P, int T, int rm, int form, bool gpu_already_ran
         CU(cudaMemcpy(P->rids, g.ids, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
         CU(cudaMemcpy(P->rw, g.w, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
         long d = first_diff(P->rx, r.x, (size_t)n * D);
-        CHECK(d < 0, "%s: received x differs at row %ld col %ld: %.9g, shm %.9g", label,
-              d / D, d % D, d >= 0 ? P->rx[d] : 0.0, d >= 0 ? r.x[d] : 0.0);
+        CHECK(d < 0, "%s: received x differs at row %ld col %ld: %.9g, shm %.9g", label, d / D,
+              d % D, d >= 0 ? P->rx[d] : 0.0, d >= 0 ? r.x[d] : 0.0);
         int di = memcmp(P->rids, r.ids, (size_t)n * K * 4);
         CHECK(di == 0, "%s: received ids differ", label);
         int dw = memcmp(P->rw, r.w, (size_t)n * K * 4);
@@ -274,8 +274,7 @@ static bool compare_round(pair *P, int T, int rm, int form, bool gpu_already_ran
         }
         long d = first_diff(P->out_gpu, want, len);
         CHECK(d < 0, "%s: %s out differs at %ld: %.9g, expected %.9g", label,
-              form ? "partial" : "slots", d, d >= 0 ? P->out_gpu[d] : 0.0,
-              d >= 0 ? want[d] : 0.0);
+              form ? "partial" : "slots", d, d >= 0 ? P->out_gpu[d] : 0.0, d >= 0 ? want[d] : 0.0);
         if (d >= 0) good = false;
     }
     return good;
@@ -310,13 +309,16 @@ static void test_rounds(a2a_transport tr) {
     const char *tn = a2a_transport_name(tr);
     struct {
         int M, D, K, E, rounds;
-    } shapes[] = {{64, 256, 8, 64, 6},   {40, 144, 4, 10, 4},   {600, 2048, 8, 256, 3},
-                  {1100, 256, 8, 64, 2}, {8500, 64, 4, 16, 2}};
+    } shapes[] = {{64, 256, 8, 64, 6},
+                  {40, 144, 4, 10, 4},
+                  {600, 2048, 8, 256, 3},
+                  {1100, 256, 8, 64, 2},
+                  {8500, 64, 4, 16, 2}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (size_t pi = 0; pi < 4; pi++) {
             pair P;
-            a2a_config c = make_cfg(tr, payloads[pi], shapes[si].M, shapes[si].D, shapes[si].K,
-                                    shapes[si].E);
+            a2a_config c =
+                make_cfg(tr, payloads[pi], shapes[si].M, shapes[si].D, shapes[si].K, shapes[si].E);
             bool good = pair_open(&P, c);
             char label[160];
             int n_ok = 0, n = 0;
@@ -324,8 +326,8 @@ static void test_rounds(a2a_transport tr) {
                 snprintf(label, sizeof label, "%s %s D=%d random round %d", tn,
                          a2a_payload_name(c.payload), c.hidden, i);
                 /* round 0 full everywhere: the largest chunks (rows per chunk flag) */
-                n_ok += random_round(&P, ROUTE_RANDOM, i & 1, 100 + 31 * i + si, i ? -1 : c.max_tokens_per_rank,
-                                     -1, label);
+                n_ok += random_round(&P, ROUTE_RANDOM, i & 1, 100 + 31 * i + si,
+                                     i ? -1 : c.max_tokens_per_rank, -1, label);
             }
             if (good && si == 0) {
                 for (int form = 0; form < 2; form++, n += 5) {
@@ -344,14 +346,15 @@ static void test_rounds(a2a_transport tr) {
                     n_ok += compare_round(&P, 0, 5, form, false, label);
                     snprintf(label, sizeof label, "%s %s full form %d", tn,
                              a2a_payload_name(c.payload), form);
-                    n_ok += random_round(&P, ROUTE_RANDOM, form, 13, c.max_tokens_per_rank, -1,
-                                         label);
+                    n_ok +=
+                        random_round(&P, ROUTE_RANDOM, form, 13, c.max_tokens_per_rank, -1, label);
                 }
             }
             if (good && n_ok == n)
                 ok("%s %s M=%d D=%d K=%d E=%d: %d rounds equal shm bit for bit%s", tn,
                    a2a_payload_name(c.payload), c.max_tokens_per_rank, c.hidden, c.top_k,
-                   c.n_experts, n, si == 0 ? " (random, skewed, empty, full; slots and partial)" : "");
+                   c.n_experts, n,
+                   si == 0 ? " (random, skewed, empty, full; slots and partial)" : "");
             pair_close(&P);
         }
 }
@@ -390,7 +393,9 @@ static void test_graph(void) {
         snprintf(label, sizeof label, "graph replay %d", rep);
         if (rc == 0) good += compare_round(&P, T, rm, 0, true, label);
     }
-    if (good == 4) ok("nvlink_one_sided: dispatch + combine captured in a CUDA graph, 4 replays on new inputs equal shm");
+    if (good == 4)
+        ok("nvlink_one_sided: dispatch + combine captured in a CUDA graph, 4 replays on new inputs "
+           "equal shm");
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     pair_close(&P);
@@ -420,8 +425,9 @@ static void test_mismatch(a2a_transport tr) {
     int all = 0, mine = named;
     MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (g_rank == 0 && all) printf("     rank 0 says: %s\n", err);
-    if (all) ok("%s: a runtime_max that differs between ranks is reported on every rank",
-                a2a_transport_name(tr));
+    if (all)
+        ok("%s: a runtime_max that differs between ranks is reported on every rank",
+           a2a_transport_name(tr));
     a2a_gpu_destroy(a);
     cudaFree(x), cudaFree(ids), cudaFree(w);
 }
@@ -450,16 +456,16 @@ static void test_many_rounds(a2a_transport tr, int n_rounds) {
             if (Tr > rm) rm = Tr;
         }
         if (i % 1000 == 999) {
-            snprintf(label, sizeof label, "%s round %d of %d", a2a_transport_name(tr), i,
-                     n_rounds);
+            snprintf(label, sizeof label, "%s round %d of %d", a2a_transport_name(tr), i, n_rounds);
             compared++;
             if (!compare_round(&P, T, rm, (i / 1000) & 1, false, label)) failed = 1;
             continue;
         }
         int rc = a2a_gpu_dispatch(P.gpu, P.d_x, P.d_ids, P.d_w, T, rm, g_stream, err, sizeof err);
         if (rc == 0)
-            rc = (i & 1) ? a2a_gpu_combine_partial(P.gpu, P.d_eo, P.d_out, g_stream, err, sizeof err)
-                         : a2a_gpu_combine(P.gpu, P.d_eo, P.d_out, g_stream, err, sizeof err);
+            rc = (i & 1)
+                     ? a2a_gpu_combine_partial(P.gpu, P.d_eo, P.d_out, g_stream, err, sizeof err)
+                     : a2a_gpu_combine(P.gpu, P.d_eo, P.d_out, g_stream, err, sizeof err);
         if (rc == 0 && i % 1000 == 500) rc = a2a_gpu_check(P.gpu, err, sizeof err);
         CHECK(rc == 0, "%s round %d: %s", a2a_transport_name(tr), i, err);
         if (rc != 0) failed = 1;

@@ -36,7 +36,7 @@
 #define MOESERVE_A2A_CUDA_H
 
 #if defined(__cplusplus) && !defined(OMPI_SKIP_MPICXX)
-#define OMPI_SKIP_MPICXX 1 /* the C bindings only */
+#define OMPI_SKIP_MPICXX  1 /* the C bindings only */
 #define MPICH_SKIP_MPICXX 1
 #endif
 #include <mpi.h>

@@ -22,14 +22,20 @@
 
 #include <cuda_runtime.h>
 
-#define A2A_GPU_LINE 128
-#define A2A_GPU_NCHUNK 256
-#define A2A_GPU_THREADS 256
+#define A2A_GPU_LINE          128
+#define A2A_GPU_NCHUNK        256
+#define A2A_GPU_THREADS       256
 #define A2A_GPU_ROUTE_THREADS 1024
-#define A2A_GPU_KMAX 32
+#define A2A_GPU_KMAX          32
 
 /* error codes of a2a_gpu_err.code */
-enum { A2A_GPU_E_NONE, A2A_GPU_E_TIMEOUT, A2A_GPU_E_RUNTIME_MAX, A2A_GPU_E_COUNT, A2A_GPU_E_EXPERT };
+enum {
+    A2A_GPU_E_NONE,
+    A2A_GPU_E_TIMEOUT,
+    A2A_GPU_E_RUNTIME_MAX,
+    A2A_GPU_E_COUNT,
+    A2A_GPU_E_EXPERT
+};
 /* which wait timed out (a2a_gpu_err.where) */
 enum { A2A_GPU_W_DISPATCH, A2A_GPU_W_DISPATCH_DATA, A2A_GPU_W_COMBINE_DATA, A2A_GPU_W_COMBINE_END };
 /* roles of one kernel launch (one-sided: all of them in one launch) */
@@ -42,17 +48,17 @@ enum {
 
 /* points of the optional timeline (a2a_gpu_trace) */
 enum {
-    A2A_TR_ROUTE,             /* route kernel starts */
-    A2A_TR_ROUTE_SCANNED,     /* rows handed out */
-    A2A_TR_ROUTE_END,         /* count line to rank 0 written (after its end flag) */
-    A2A_TR_DISPATCH,          /* dispatch kernel, block 0 past the PDL wait */
-    A2A_TR_DISPATCH_SENT,     /* block 0 done with its SEND / SELF items */
-    A2A_TR_DISPATCH_COUNTS,   /* last block has every count line */
-    A2A_TR_DISPATCH_END,      /* last block done with its RECV items */
-    A2A_TR_COMBINE,           /* combine kernel, block 0 */
-    A2A_TR_COMBINE_SENT,      /* block 0 done with its SEND / SELF items */
-    A2A_TR_COMBINE_GATHERED,  /* last block done with its gathers */
-    A2A_TR_COMBINE_END,       /* the last block to arrive has written the end flags */
+    A2A_TR_ROUTE,            /* route kernel starts */
+    A2A_TR_ROUTE_SCANNED,    /* rows handed out */
+    A2A_TR_ROUTE_END,        /* count line to rank 0 written (after its end flag) */
+    A2A_TR_DISPATCH,         /* dispatch kernel, block 0 past the PDL wait */
+    A2A_TR_DISPATCH_SENT,    /* block 0 done with its SEND / SELF items */
+    A2A_TR_DISPATCH_COUNTS,  /* last block has every count line */
+    A2A_TR_DISPATCH_END,     /* last block done with its RECV items */
+    A2A_TR_COMBINE,          /* combine kernel, block 0 */
+    A2A_TR_COMBINE_SENT,     /* block 0 done with its SEND / SELF items */
+    A2A_TR_COMBINE_GATHERED, /* last block done with its gathers */
+    A2A_TR_COMBINE_END,      /* the last block to arrive has written the end flags */
     A2A_TR_N
 };
 
@@ -64,13 +70,13 @@ typedef struct {
 
 /* Device memory of this rank only. */
 typedef struct {
-    unsigned long long round;       /* completed rounds: dispatch N publishes 2N+1, combine 2N+2 */
-    unsigned int arrive;            /* blocks of the running combine past their items */
-    int err;                        /* != 0 once a kernel recorded an error: every kernel returns */
-    int n;                          /* rows received this round */
-    int count[A2A_MAX_RANKS];       /* rows from each source */
-    int begin[A2A_MAX_RANKS + 1];   /* first row of each source */
-    int send[A2A_MAX_RANKS];        /* tokens sent to each rank */
+    unsigned long long round;     /* completed rounds: dispatch N publishes 2N+1, combine 2N+2 */
+    unsigned int arrive;          /* blocks of the running combine past their items */
+    int err;                      /* != 0 once a kernel recorded an error: every kernel returns */
+    int n;                        /* rows received this round */
+    int count[A2A_MAX_RANKS];     /* rows from each source */
+    int begin[A2A_MAX_RANKS + 1]; /* first row of each source */
+    int send[A2A_MAX_RANKS];      /* tokens sent to each rank */
 } a2a_gpu_state;
 
 /* A source's count line in the receiver's header (one-sided) or in the exchanged array (nccl). */
@@ -86,7 +92,7 @@ typedef struct {
     int rec, off_sc, off_s2, off_ids, off_w; /* record sections, bytes */
     unsigned long long timeout_ns;
     a2a_gpu_state *st;
-    a2a_gpu_err *herr; /* mapped host memory */
+    a2a_gpu_err *herr;     /* mapped host memory */
     const int32_t *owner;  /* [E] owner rank of each expert */
     const int32_t *ebegin; /* [ep + 1] */
     int32_t *slot_rank;    /* [M, K] owner rank of slot k of token t */
@@ -106,8 +112,8 @@ typedef struct {
     char *cnt_base;  /* count lines, cnt_stride bytes apart */
     int cnt_stride;
     a2a_gpu_count_line *cnt_out; /* nccl: [ep] this rank's lines, sent by NCCL */
-    int partial;     /* combine form */
-    unsigned long long *trace; /* [A2A_TR_N] or NULL */
+    int partial;                 /* combine form */
+    unsigned long long *trace;   /* [A2A_TR_N] or NULL */
     const float *x, *w;
     const int32_t *ids;
     const float *eo; /* expert_out [n, K, D] */
@@ -141,7 +147,7 @@ struct a2a_gpu {
     float *rx, *rw;
 
     unsigned long long *trace; /* device [A2A_TR_N], MOESERVE_A2A_TRACE=1 only */
-    void *nccl; /* a2a_nccl.cu's state */
+    void *nccl;                /* a2a_nccl.cu's state */
 };
 
 /* a2a_nvlink.cu */
@@ -150,10 +156,8 @@ void a2a_gpu_params(const a2a_gpu *a, a2a_kp *kp, const float *x, const int32_t 
                     const float *w, const float *eo, float *out);
 /* Launch the route kernel / a dispatch / a combine kernel with kp's roles on stream s. 0 or -1. */
 int a2a_gpu_launch_route(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err, size_t errlen);
-int a2a_gpu_launch_dispatch(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err,
-                            size_t errlen);
-int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err,
-                           size_t errlen);
+int a2a_gpu_launch_dispatch(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err, size_t errlen);
+int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err, size_t errlen);
 /* Bytes of one return (a combine row) in the given form. */
 size_t a2a_gpu_return_bytes(const a2a_gpu *a, int partial);
 int a2a_gpu_cuda_fail(char *err, size_t errlen, int rank, const char *what, cudaError_t e);

@@ -17,6 +17,7 @@
  * instead of timing out: the baseline, not the transport to serve with. */
 #include "kernels/cuda/a2a_cuda_internal.h"
 
+#ifndef MOESERVE_NO_NCCL
 #include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,8 +67,7 @@ int a2a_nccl_init(a2a_gpu *a, char *err, size_t errlen) {
     CTRY(cudaMalloc((void **)&s->recv_buf, (size_t)ep * M * a->rec), "cudaMalloc");
     CTRY(cudaMalloc((void **)&s->csend_buf, (size_t)ep * M * ret), "cudaMalloc");
     CTRY(cudaMalloc((void **)&s->comb_buf, (size_t)ep * M * ret), "cudaMalloc");
-    CTRY(cudaMalloc((void **)&s->lines, 2 * (size_t)ep * sizeof(a2a_gpu_count_line)),
-         "cudaMalloc");
+    CTRY(cudaMalloc((void **)&s->lines, 2 * (size_t)ep * sizeof(a2a_gpu_count_line)), "cudaMalloc");
     CTRY(cudaMallocHost((void **)&s->lines_host, 2 * (size_t)ep * sizeof(a2a_gpu_count_line)),
          "cudaMallocHost");
     return 0;
@@ -168,3 +168,24 @@ int a2a_nccl_combine(a2a_gpu *a, a2a_kp *kp, cudaStream_t st, char *err, size_t 
     kp->roles = A2A_GPU_RECV | A2A_GPU_FINISH;
     return a2a_gpu_launch_combine(a, kp, st, err, errlen);
 }
+
+#else /* built without nccl.h (the Makefile found none): the transport says so at create */
+
+#include <stdio.h>
+
+int a2a_nccl_init(a2a_gpu *a, char *err, size_t errlen) {
+    snprintf(err, errlen,
+             "all-to-all rank %d: this build has no NCCL (nccl.h was not found): use the "
+             "nvlink_one_sided transport, or install NCCL and rebuild",
+             a->cfg.rank);
+    return -1;
+}
+void a2a_nccl_free(a2a_gpu *a) {}
+int a2a_nccl_dispatch(a2a_gpu *a, a2a_kp *kp, cudaStream_t s, char *err, size_t errlen) {
+    return a2a_nccl_init(a, err, errlen);
+}
+int a2a_nccl_combine(a2a_gpu *a, a2a_kp *kp, cudaStream_t s, char *err, size_t errlen) {
+    return a2a_nccl_init(a, err, errlen);
+}
+
+#endif

@@ -165,15 +165,15 @@ __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 #define A2A_SUB 32
 
 typedef struct {
-    int tok[A2A_SUB];                /* token (or row) of each row of the sub-chunk */
-    int ids[A2A_SUB][A2A_GPU_KMAX];  /* local ids of the rows' slots (or a slot mask) */
+    int tok[A2A_SUB];               /* token (or row) of each row of the sub-chunk */
+    int ids[A2A_SUB][A2A_GPU_KMAX]; /* local ids of the rows' slots (or a slot mask) */
     float w[A2A_SUB][A2A_GPU_KMAX];
-    int nr[A2A_SUB];                 /* partial gather: ranks of each token, in rank order, */
-    int rr[A2A_SUB][A2A_GPU_KMAX];   /* and the token's row there */
+    int nr[A2A_SUB];               /* partial gather: ranks of each token, in rank order, */
+    int rr[A2A_SUB][A2A_GPU_KMAX]; /* and the token's row there */
     int rj[A2A_SUB][A2A_GPU_KMAX];
-    float amax[A2A_SUB];             /* NVFP4: each row's amax */
+    float amax[A2A_SUB]; /* NVFP4: each row's amax */
     float red[32];
-    float lut[256];                  /* E4M3 code -> value */
+    float lut[256]; /* E4M3 code -> value */
     int send[A2A_MAX_RANKS], count[A2A_MAX_RANKS], begin[A2A_MAX_RANKS + 1];
     unsigned long long seen[A2A_MAX_RANKS];
     int ok;
@@ -288,7 +288,8 @@ __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int
             float4 v[2];
 #pragma unroll
             for (int q = 0; q < 2; q++) {
-                const int wu = w0 + q * nw, row = wu / G, c = (wu - row * G) * QUANT_FP8_GROUP + lane * 4;
+                const int wu = w0 + q * nw, row = wu / G,
+                          c = (wu - row * G) * QUANT_FP8_GROUP + lane * 4;
                 v[q] = wu < W && c < D ? *(const float4 *)(p.x + (size_t)s.tok[row] * D + c)
                                        : make_float4(0.f, 0.f, 0.f, 0.f);
             }
@@ -310,8 +311,8 @@ __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int
                                     __fmul_rn(s.lut[c2], sc), __fmul_rn(s.lut[c3], sc));
                 } else {
                     char *rec = rec0 + (size_t)row * p.rec;
-                    *(uint32_t *)(rec + c) = (uint32_t)c0 | (uint32_t)c1 << 8 |
-                                             (uint32_t)c2 << 16 | (uint32_t)c3 << 24;
+                    *(uint32_t *)(rec + c) =
+                        (uint32_t)c0 | (uint32_t)c1 << 8 | (uint32_t)c2 << 16 | (uint32_t)c3 << 24;
                     if (lane == 0) *(float *)(rec + p.off_sc + g * 4) = sc;
                 }
             }
@@ -445,14 +446,12 @@ __device__ void decode_rows(const a2a_kp &p, const a2a_smem &s, int R, const cha
                 } else {
                     const uint32_t lo = a[q].x, hi = a[q].y;
                     const float f = sc[q];
-                    y[0] = make_float4(__fmul_rn(s.lut[lo & 255], f),
-                                       __fmul_rn(s.lut[(lo >> 8) & 255], f),
-                                       __fmul_rn(s.lut[(lo >> 16) & 255], f),
-                                       __fmul_rn(s.lut[lo >> 24], f));
-                    y[1] = make_float4(__fmul_rn(s.lut[hi & 255], f),
-                                       __fmul_rn(s.lut[(hi >> 8) & 255], f),
-                                       __fmul_rn(s.lut[(hi >> 16) & 255], f),
-                                       __fmul_rn(s.lut[hi >> 24], f));
+                    y[0] = make_float4(
+                        __fmul_rn(s.lut[lo & 255], f), __fmul_rn(s.lut[(lo >> 8) & 255], f),
+                        __fmul_rn(s.lut[(lo >> 16) & 255], f), __fmul_rn(s.lut[lo >> 24], f));
+                    y[1] = make_float4(
+                        __fmul_rn(s.lut[hi & 255], f), __fmul_rn(s.lut[(hi >> 8) & 255], f),
+                        __fmul_rn(s.lut[(hi >> 16) & 255], f), __fmul_rn(s.lut[hi >> 24], f));
                 }
             }
         }
@@ -864,8 +863,8 @@ __device__ void pack_rows(const a2a_kp &p, const a2a_smem &s, int R, int i0, cha
                     acc[q] = __fadd_rn(acc[q], __fmul_rn(wk, e[q]));
             }
             *(uint4 *)(dst0 + (size_t)row * ret + (size_t)c * 2) =
-                make_uint4(bf16x2(acc[0], acc[1]), bf16x2(acc[2], acc[3]),
-                           bf16x2(acc[4], acc[5]), bf16x2(acc[6], acc[7]));
+                make_uint4(bf16x2(acc[0], acc[1]), bf16x2(acc[2], acc[3]), bf16x2(acc[4], acc[5]),
+                           bf16x2(acc[6], acc[7]));
         }
     }
 }
@@ -1024,8 +1023,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
                             const int r = s.rr[row][q], c = s.rj[row][q] / ch;
                             if (s.seen[r] == (unsigned long long)c) continue;
                             if (!wait_flag(p,
-                                           (const unsigned long long *)(p.peer[me] +
-                                                                        p.off_cchunk) +
+                                           (const unsigned long long *)(p.peer[me] + p.off_cchunk) +
                                                (size_t)r * A2A_GPU_NCHUNK + c,
                                            v, r, A2A_GPU_W_COMBINE_DATA, round))
                                 s.ok = 0;
@@ -1044,7 +1042,8 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
                             if (q0 + q < nr)
                                 b[q] = __ldcg((const uint4 *)(p.comb_base +
                                                               ((size_t)s.rr[row][q0 + q] * p.rm +
-                                                               s.rj[row][q0 + q]) * ret +
+                                                               s.rj[row][q0 + q]) *
+                                                                  ret +
                                                               (size_t)cc * 2));
 #pragma unroll
                         for (int q = 0; q < 8; q++) {
@@ -1078,9 +1077,8 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_combine_kernel(a2a_kp 
     __threadfence();
     if (p.one_sided) /* waited for by the next round's route kernel on every rank */
         for (int r = 0; r < p.ep; r++)
-            st_release_sys((unsigned long long *)(p.peer[r] + p.off_cdone +
-                                                  (size_t)me * A2A_GPU_LINE),
-                           v);
+            st_release_sys(
+                (unsigned long long *)(p.peer[r] + p.off_cdone + (size_t)me * A2A_GPU_LINE), v);
     trace(p, A2A_TR_COMBINE_END);
     p.st->arrive = 0;
     if (!broken(p)) p.st->round = round + 1;
@@ -1216,8 +1214,7 @@ int a2a_gpu_launch_dispatch(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *
                   "the dispatch kernel's launch", err, errlen);
 }
 
-int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err,
-                           size_t errlen) {
+int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err, size_t errlen) {
     const int ep = kp->ep, nch = kp->nch;
     long ub = 0;
     if (kp->roles & A2A_GPU_SEND) ub += (long)(ep - 1) * nch;
@@ -1277,8 +1274,8 @@ static int config_agree(const a2a_config *c, MPI_Comm comm, int ok, char *err, s
     uint32_t h = 2166136261u;
     for (int r = 0; r <= c->ep_size && r <= A2A_MAX_RANKS; r++)
         h = (h ^ (uint32_t)c->expert_begin[r]) * 16777619u;
-    int v[2 * N] = {ok, (int)c->transport, c->max_tokens_per_rank, c->hidden, c->top_k,
-                    c->n_experts, (int)(h & 0x7fffffff), (int)c->payload};
+    int v[2 * N] = {ok,       (int)c->transport, c->max_tokens_per_rank, c->hidden,
+                    c->top_k, c->n_experts,      (int)(h & 0x7fffffff),  (int)c->payload};
     static const char *names[N] = {"ok",    "transport", "max_tokens_per_rank", "hidden",
                                    "top_k", "n_experts", "expert_begin",        "payload"};
     int r[2 * N];
@@ -1383,8 +1380,8 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         }
     }
     record_layout(a);
-    const int ep = cfg->ep_size, M = cfg->max_tokens_per_rank, D = cfg->hidden,
-              K = cfg->top_k, E = cfg->n_experts;
+    const int ep = cfg->ep_size, M = cfg->max_tokens_per_rank, D = cfg->hidden, K = cfg->top_k,
+              E = cfg->n_experts;
     bool good = false;
     int32_t *owner = (int32_t *)malloc((size_t)E * sizeof(int32_t));
     if (MPI_Comm_dup(comm, &a->comm) != MPI_SUCCESS) {
@@ -1425,8 +1422,7 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         TRY(cudaMalloc((void **)&a->owner, (size_t)E * 4), "cudaMalloc");
         TRY(cudaMemcpy(a->owner, owner, (size_t)E * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
         TRY(cudaMalloc((void **)&a->ebegin, (size_t)(ep + 1) * 4), "cudaMalloc");
-        TRY(cudaMemcpy(a->ebegin, cfg->expert_begin, (size_t)(ep + 1) * 4,
-                       cudaMemcpyHostToDevice),
+        TRY(cudaMemcpy(a->ebegin, cfg->expert_begin, (size_t)(ep + 1) * 4, cudaMemcpyHostToDevice),
             "cudaMemcpy");
         TRY(cudaMalloc((void **)&a->slot_rank, (size_t)M * K * 4), "cudaMalloc");
         TRY(cudaMalloc((void **)&a->slot_index, (size_t)M * K * 4), "cudaMalloc");
@@ -1502,7 +1498,8 @@ void a2a_gpu_destroy(a2a_gpu *a) {
 
 static int phase_error(const a2a_gpu *a, const char *call, char *err, size_t errlen) {
     if (a->phase == A2A_GPU_BROKEN)
-        return gerr(err, errlen, "all-to-all rank %d: %s refused: the all-to-all failed earlier (%s)",
+        return gerr(err, errlen,
+                    "all-to-all rank %d: %s refused: the all-to-all failed earlier (%s)",
                     a->cfg.rank, call, a->broken_why);
     if (a->phase == A2A_GPU_DISPATCHED)
         return gerr(err, errlen,
@@ -1570,8 +1567,7 @@ static int combine(a2a_gpu *a, const float *expert_out, float *out, int partial,
         return gerr(err, errlen, "all-to-all rank %d: combine with a NULL out for %d tokens",
                     a->cfg.rank, a->T);
     if (a->runtime_max > 0 && !expert_out)
-        return gerr(err, errlen, "all-to-all rank %d: combine with a NULL expert_out",
-                    a->cfg.rank);
+        return gerr(err, errlen, "all-to-all rank %d: combine with a NULL expert_out", a->cfg.rank);
     a->stream = (cudaStream_t)stream;
     a2a_kp kp;
     a2a_gpu_params(a, &kp, NULL, NULL, NULL, expert_out, out);
@@ -1644,9 +1640,7 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
                  "all-to-all rank %d: round %llu token %d slot %d: expert id %d outside [0, %d)",
                  me, r->round, r->a, r->b, r->c, a->cfg.n_experts);
         break;
-    default:
-        snprintf(msg, sizeof msg, "all-to-all rank %d: unknown error %d", me, r->code);
-        break;
+    default: snprintf(msg, sizeof msg, "all-to-all rank %d: unknown error %d", me, r->code); break;
     }
     a->phase = A2A_GPU_BROKEN;
     snprintf(a->broken_why, sizeof a->broken_why, "%s", msg);
