@@ -31,7 +31,12 @@
  * mismatch, a bad count, an expert id out of range) are written by the kernel into mapped host
  * memory and every later kernel of this object returns at once; a2a_gpu_check syncs the stream
  * and turns the record into a message. The object is then unusable (a late peer may still write
- * into the workspace): report and exit. */
+ * into the workspace): report and exit. cfg.check_peers is not called (a kernel cannot): a peer
+ * that is gone shows as a timeout naming it.
+ *
+ * Sizes: each rank holds ep * max_tokens_per_rank received rows of D fp32, and (one-sided) a
+ * segment of ep * max_tokens_per_rank * (record + K D 4) bytes: choose max_tokens_per_rank with
+ * care at large D (2 ranks, 8192 tokens, D 7168, K 8: 4.2 GB of segment). */
 #ifndef MOESERVE_A2A_CUDA_H
 #define MOESERVE_A2A_CUDA_H
 

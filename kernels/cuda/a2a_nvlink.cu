@@ -38,8 +38,11 @@
  * a budget (cfg.timeout_s, %globaltimer); on timeout the first block records {peer, wait, round}
  * in mapped host memory, sets the device error word, and every block and later kernel returns.
  *
- * Co-residency: blocks that wait (RECV, the end barrier) wait for peer blocks that may wait in
- * turn, so every grid is at most what fits on the device at once (occupancy x SMs).
+ * Co-residency: blocks that wait (RECV) wait for peer blocks that may wait in turn, so every grid
+ * is at most what fits on the device at once (occupancy x SMs), and a block does all its SEND
+ * and SELF items (which wait for no peer's data) before any RECV item. Grids follow the work: a
+ * rank with T = 0 and nothing to receive launches one block per kernel (it still publishes its
+ * zero counts and its end flag); with rows to receive, as many as their chunks.
  *
  * Payload encoding mirrors kernels/a2a.c's payload_encode/decode with kernels/quant.h's element
  * conversions (host and device code), the same divisions and products, no fused multiply-add:
