@@ -6,9 +6,11 @@
  * chunks over cached prefixes, and both mixed; fp32 on both sides. Tolerance per output element:
  * |cuda - cpu| <= 1e-4 * max|v| (the output is a convex combination of v rows). Exact
  * (bit-identical): each token of a batch of 64 against the same token alone, decode of a position
- * against the same position inside a prefill chunk, the three paths of the kernel file (slices,
- * chunks, tiles; cuda_attention_debug_path forces one) against each other on the same batch, and a
- * captured CUDA graph replayed twice against the direct call.
+ * against the same position inside a prefill chunk, the four paths of the kernel file (slices,
+ * chunks, tiles, clusters; cuda_attention_debug_path forces one) against each other on the same
+ * batch, batches of 1 to 4 tokens with contexts of 1 to 40000 positions against each token alone
+ * and the slice and chunk kernels, and a captured CUDA graph replayed twice against the direct
+ * call.
  *
  *   test_cuda_attention               run the tests (skipped without a CUDA build or a GPU)
  *   test_cuda_attention --bench       then time decode and prefill at Qwen3-30B-A3B's attention
@@ -47,12 +49,13 @@ extern int cudaEventDestroy(cuda_event event);
 extern int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, void *stream);
 enum { CUDA_MEMCPY_DEVICE_TO_DEVICE = 3 };
 void *cuda_stream(void); /* kernels/cuda/ops_cuda.cu: the stream every op runs on */
-/* kernels/cuda/attention.cu: force a path (0 slices, 1 chunks, 2 tiles; -1 the usual choice).
+/* kernels/cuda/attention.cu: force a path (0 slices, 1 chunks, 2 tiles, 3 clusters; -1 the usual
+ * choice).
  * Weak: a build of the kernel file without it (an older one, timed for comparison) skips the
  * checks that need it. */
 extern void cuda_attention_debug_path(int path) __attribute__((weak));
-enum { PATH_AUTO = -1, PATH_SLICES = 0, PATH_CHUNKS = 1, PATH_TILES = 2 };
-static const char *const path_names[] = {"slices", "chunks", "tiles"};
+enum { PATH_AUTO = -1, PATH_SLICES = 0, PATH_CHUNKS = 1, PATH_TILES = 2, PATH_CLUSTERS = 3 };
+static const char *const path_names[] = {"slices", "chunks", "tiles", "clusters"};
 
 static void set_path(int path) {
     if (cuda_attention_debug_path) cuda_attention_debug_path(path);
@@ -431,7 +434,7 @@ static void test_paths(const char *what, int H, int Hkv, int Dh, int S, int n_de
     const int64_t n = (int64_t)b.T * H * Dh;
     float *want = xmalloc((size_t)n * sizeof(float)), *got = xmalloc((size_t)n * sizeof(float));
     run_gpu(want, &c, &b);
-    for (int p = PATH_SLICES; p <= PATH_TILES; p++) {
+    for (int p = PATH_SLICES; p <= PATH_CLUSTERS; p++) {
         set_path(p);
         run_gpu(got, &c, &b);
         const int64_t d = count_diff(got, want, n);
@@ -446,6 +449,84 @@ static void test_paths(const char *what, int H, int Hkv, int Dh, int S, int n_de
     cache_free(&c);
     free(len);
     free(lo);
+}
+
+/* Batches of 1 to 4 tokens (the cluster kernel for one, the slice kernel for more) over sequences
+ * of 1 to 40000 positions, many chunks and few: each batch against the CPU, each token against
+ * itself alone and each batch against the slice and chunk kernels, bit for bit. The last batches
+ * hold three positions of one sequence (rows the batch itself stores) and a decode of another. */
+static void test_small_batches(const char *what, int H, int Hkv, int Dh, int S) {
+    enum { N = 9 };
+    const int len[N] = {40000, 1, 2049, 257, 1024, 33, 8192, 512, 4097};
+    int max_pages = 0;
+    for (int s = 0; s < N; s++)
+        if ((len[s] + S - 1) / S > max_pages) max_pages = (len[s] + S - 1) / S;
+    paged_cache c = cache_make(H, Hkv, Dh, S, N, len, max_pages);
+    const int HD = H * Dh;
+    float *alone = xmalloc((size_t)N * HD * sizeof(float));
+    batch b1[N];
+    for (int s = 0; s < N; s++) {
+        memset(&b1[s], 0, sizeof b1[s]);
+        batch_add(&b1[s], &c, s, len[s] - 1, 1.0f);
+        run_gpu(alone + (size_t)s * HD, &c, &b1[s]);
+    }
+    float *got = xmalloc((size_t)4 * HD * sizeof(float));
+    float *ref = xmalloc((size_t)4 * HD * sizeof(float));
+    int64_t diff_alone = 0, diff_path = 0;
+    int n_batches = 0;
+    for (int T = 1; T <= 4; T++)
+        for (int s0 = 0; s0 < N; s0 += T) {
+            batch b = {0};
+            for (int k = 0; k < T; k++)
+                batch_copy_token(&b, &c, &b1[(s0 + k) % N], 0);
+            if (s0 == 0) check_case(what, &c, &b);
+            run_gpu(got, &c, &b);
+            for (int k = 0; k < T; k++)
+                diff_alone +=
+                    count_diff(got + (size_t)k * HD, alone + (size_t)((s0 + k) % N) * HD, HD);
+            for (int p = PATH_SLICES; cuda_attention_debug_path && p <= PATH_CHUNKS; p++) {
+                set_path(p);
+                run_gpu(ref, &c, &b);
+                diff_path += count_diff(got, ref, (int64_t)T * HD);
+            }
+            set_path(PATH_AUTO);
+            n_batches++;
+            batch_free(&b);
+        }
+    /* positions 39997..39999 of sequence 0 in one batch, then a decode of sequence 2 */
+    for (int T = 3; T <= 4; T++) {
+        batch b = {0};
+        batch_add_range(&b, &c, 0, len[0] - 3, len[0], 1.0f);
+        if (T == 4) batch_add(&b, &c, 2, len[2] - 1, 1.0f);
+        check_case(what, &c, &b);
+        run_gpu(got, &c, &b);
+        for (int k = 0; k < T; k++) {
+            batch one = {0};
+            batch_copy_token(&one, &c, &b, k);
+            run_gpu(ref, &c, &one);
+            diff_alone += count_diff(got + (size_t)k * HD, ref, HD);
+            batch_free(&one);
+        }
+        for (int p = PATH_SLICES; cuda_attention_debug_path && p <= PATH_CHUNKS; p++) {
+            set_path(p);
+            run_gpu(ref, &c, &b);
+            diff_path += count_diff(got, ref, (int64_t)T * HD);
+        }
+        set_path(PATH_AUTO);
+        batch_free(&b);
+    }
+    printf("  %-62s %d batches: alone %s, slices/chunks %s\n", what, n_batches + 2,
+           diff_alone ? "DIFFERS" : "bit-identical", diff_path ? "DIFFER" : "bit-identical");
+    CHECK(diff_alone == 0, "%s: %lld elements differ from the token alone", what,
+          (long long)diff_alone);
+    CHECK(diff_path == 0, "%s: %lld elements differ from the slice or chunk kernel", what,
+          (long long)diff_path);
+    for (int s = 0; s < N; s++)
+        batch_free(&b1[s]);
+    free(alone);
+    free(got);
+    free(ref);
+    cache_free(&c);
 }
 
 /* A batch of n_dec decode tokens and one prefill chunk of n_pre tokens, captured as a CUDA graph
@@ -551,7 +632,14 @@ static void run_tests(void) {
     test_decode_vs_prefill("decode vs prefill L=600, H16 Hkv1 Dh256 S16", 16, 1, 256, 16, 600);
     test_decode_vs_prefill("decode vs prefill L=300, H8 Hkv8 Dh64 S5", 8, 8, 64, 5, 300);
 
-    printf("every path (slices, chunks, tiles) == the usual one\n");
+    printf("batches of 1 to 4 tokens, contexts 1 to 40000\n");
+    test_small_batches("small batches, H32 Hkv4 Dh128 S16", 32, 4, 128, 16);
+    test_small_batches("small batches, H4 Hkv2 Dh32 S16", 4, 2, 32, 16);
+    test_small_batches("small batches, H16 Hkv1 Dh256 S16", 16, 1, 256, 16);
+    test_small_batches("small batches, H16 Hkv16 Dh64 S7", 16, 16, 64, 7);
+    test_small_batches("small batches, H8 Hkv1 Dh16 S1", 8, 1, 16, 1);
+
+    printf("every path (slices, chunks, tiles, clusters) == the usual one\n");
     test_paths("paths: 12 decodes + 3 chunks, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 12, 3, 5000,
                400);
     test_paths("paths: 5 decodes + 2 chunks, H4 Hkv2 Dh32 S16", 4, 2, 32, 16, 5, 2, 3000, 300);
@@ -561,6 +649,8 @@ static void run_tests(void) {
 
     printf("CUDA graph replay == direct call\n");
     test_graph("graph: 1 decode, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 0, 1, 3000);
+    test_graph("graph: 1 decode of 40000, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 0, 1, 40000);
+    test_graph("graph: 3 decodes, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 2, 1, 700);
     test_graph("graph: 4 decodes + 3-token chunk, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 4, 3, 3000);
     test_graph("graph: 40 decodes + 24-token chunk, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 40, 24,
                3000);
@@ -650,11 +740,11 @@ static void bench(void) {
 
     /* decode: B sequences, one token each at position ctx - 1; the usual path, then (where the
      * kernel file can be told) each path forced */
-    const int batches[] = {1, 8, 64, 256}, ctxs[] = {1024, 2048, 8192};
+    const int batches[] = {1, 2, 4, 8, 64, 256}, ctxs[] = {1024, 2048, 8192};
     const int n_forced = cuda_attention_debug_path ? 2 : 0;
     const int forced[] = {PATH_SLICES, PATH_CHUNKS};
     for (int ci = 0; ci < 3; ci++)
-        for (int bi = 0; bi < 4; bi++) {
+        for (int bi = 0; bi < 6; bi++) {
             const int B = batches[bi], ctx = ctxs[ci];
             for (int t = 0; t < B; t++) {
                 hseq[t] = t;
@@ -680,6 +770,39 @@ static void bench(void) {
                 if (k < 0)
                     printf(" %9.1f us %6.0f GB/s %5.1f%% of copy", sec * 1e6, bytes / sec / 1e9,
                            100.0 * bytes / sec / 1e9 / copy_gbs);
+                else
+                    printf(" | %s %8.1f us", path_names[forced[k]], sec * 1e6);
+            }
+            set_path(PATH_AUTO);
+            printf("\n");
+        }
+
+    /* decode again with page tables of 2560 pages a sequence (the graphs of a server for 40960
+     * positions): the grids are sized from that bound */
+    for (int ci = 0; ci < 2; ci++)
+        for (int bi = 0; bi < 4; bi++) {
+            const int B = batches[bi], ctx = ctxs[ci], room = 2560;
+            for (int t = 0; t < B; t++) {
+                hseq[t] = t;
+                hpos[t] = ctx - 1;
+            }
+            gpu->to_device(dpos, hpos, B * sizeof(int32_t));
+            gpu->to_device(dseq, hseq, B * sizeof(int32_t));
+            attn_batch ab = {.T = B, .pos = dpos, .seq = dseq, .page_table = dpt,
+                             .max_pages = room, .page_size = S};
+            const int iters = 500;
+            printf("decode B=%-3d ctx=%-5d room %d", B, ctx, room * S);
+            for (int k = -1; k < n_forced; k++) {
+                set_path(k < 0 ? PATH_AUTO : forced[k]);
+                for (int i = 0; i < 3; i++)
+                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+                cudaEventRecord(e0, cuda_stream());
+                for (int i = 0; i < iters; i++)
+                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
+                cudaEventRecord(e1, cuda_stream());
+                const double sec = event_ms(e0, e1) / 1e3 / iters;
+                if (k < 0)
+                    printf(" %9.1f us", sec * 1e6);
                 else
                     printf(" | %s %8.1f us", path_names[forced[k]], sec * 1e6);
             }

@@ -15,14 +15,30 @@
 // a block takes, so a token's output is bit-identical alone or in any batch, and prefill and decode
 // of the same position give bit-identical results (the deterministic-mode contract). The kernels
 // differ only in how the work is spread, chosen from T and the shapes:
-// - attn_slice_kernel (batches of at most ATTN_SMALL_T tokens: decode at small batch): one block per
-//   (token, head group, slice), so a batch-1 decode at context 1024 has 128 blocks. The slice's K and
-//   V rows are requested at once into shared memory (cp.async), so each block waits for the cache
-//   about once. The combine is in the same launch: the last block of a chunk to finish (an atomic
-//   counter) merges the chunk's slices, and the last chunk of a token merges the chunks; which block
-//   does it varies, the order of the arithmetic does not. The counters return to zero, so the launch
-//   can be replayed from a CUDA graph. Launched with programmatic dependent launch, so its blocks are
-//   resident while the previous kernel finishes.
+// - attn_cluster_kernel (one token: batch-1 decode): a thread-block cluster of ATTN_CLUSTER_CS (16)
+//   blocks per (token, head group, two chunks), one slice a block, computed as attn_slice_kernel
+//   computes it; the slices' o_w, m_w, l_w stay in the blocks' shared memory. After a hardware
+//   cluster barrier each of a chunk's 8 blocks merges an eighth of the chunk's outputs, reading the
+//   slices from the other blocks' shared memory, in the order above. A token of at most two chunks
+//   is then merged the same way behind a second barrier (each block a sixteenth of the outputs),
+//   with no global atomic and no round trip through global memory; a longer one writes its chunk
+//   results out and the last of its clusters (an atomic counter, left at zero) merges them.
+//   The grid has only as many clusters a (token, head group) as fit the device at once (occupancy
+//   query); each takes chunk groups z, z + ZC, ... so the clusters past a short context that exit
+//   at once stay few. Measured against the slice kernel (same binary, --bench, H200): context 1024
+//   11.1 us against 14.4 (11.1 against 11.7 with page tables of 40960 positions, as the server's
+//   graphs have), 2048 12.9 against 15.9 (13.0 against 15.2); but 8192 46.0 against 34.6, where
+//   the clusters loop over chunk groups and fewer slices run at once. At 2 to 4 tokens it lost
+//   everywhere (B=4 context 1024: 24.8 against 15.9), as did 2 slices a block (10.5 us at 1024
+//   but 18.3 at 2048) and clusters of 8 (12.5, 14.3), so those take the slice kernel.
+// - attn_slice_kernel (batches of 2 to ATTN_SMALL_T tokens, and one token where no cluster fits):
+//   one block per (token, head group, slice), so a batch-1 decode at context 1024 has 128 blocks.
+//   The slice's K and V rows are requested at once into shared memory (cp.async), so each block
+//   waits for the cache about once. The combine is in the same launch: the last block of a chunk to
+//   finish (an atomic counter) merges the chunk's slices, and the last chunk of a token merges the
+//   chunks; which block does it varies, the order of the arithmetic does not. The counters return
+//   to zero, so the launch can be replayed from a CUDA graph. Launched with programmatic dependent
+//   launch, so its blocks are resident while the previous kernel finishes (the cluster kernel too).
 // - attn_chunk_kernel (larger batches): one block per (token, head group, chunk), a warp per slice;
 //   each warp goes through its 32 positions on its own (scores, softmax, weighted V, rows requested
 //   in batches into registers), the block merges its warps in warp order. Three blocks a
@@ -44,9 +60,9 @@
 //   (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass ATTN_WORKSPACE_CAP
 //   is processed in slices of tokens, which changes no token's result.
 // - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV; tests/test_cuda_attention.c --bench):
-//   batch-1 decode 13.4 us at context 1024 and 16.6 us at 2048 (two kernels before: 25.7, 26.1),
-//   still far from the 1-2 us of KV reads: the slice block's chain of dependent requests (position,
-//   page table, rows, then two merge levels each behind an atomic) is most of it. From batch 64 the
+//   batch-1 decode 11.1 us at context 1024 and 12.9 us at 2048 (the slice kernel: 14.4, 15.9; two
+//   kernels before that: 25.7, 26.1), still far from the 1-2 us of KV reads: the chain of dependent
+//   requests (position, page table, rows, the merges) is most of it. From batch 64 the
 //   chunk kernel reads the cache at 60-72% of the copy rate. Prefill of 2048-token prompts (one
 //   sequence or eight) 1.24x faster than one chunk block per token (14.3 TFLOP/s fp32); what holds
 //   the tile kernel back is not known yet (no profile: 2 blocks a multiprocessor, 128 registers).
@@ -54,7 +70,11 @@
 #include <cstdint>
 #include <cstdio>
 
+#include <cooperative_groups.h>
+
 #include "kernels/cuda/cuda_ops.h"
+
+namespace cg = cooperative_groups;
 
 enum {
     ATTN_CHUNK = 256,              // KV positions per chunk: fixed, never chosen by T
@@ -71,6 +91,22 @@ enum {
     ATTN_TILE_THREADS = ATTN_TILE_WARPS * 32,
     ATTN_TILE_ZC = 4,              // chunk columns of the tile grid (a block takes every 4th chunk)
 };
+// The cluster kernel's shape: slices a block (fewer where Dh * SPB > 512) and blocks a cluster
+// (16 needs cudaFuncAttributeNonPortableClusterSizeAllowed).
+#ifndef ATTN_CLUSTER_SPB
+#define ATTN_CLUSTER_SPB 1
+#endif
+#ifndef ATTN_CLUSTER_CS
+#define ATTN_CLUSTER_CS 16
+#endif
+// Clusters a (token, head group) at most: so many that WAVES waves of clusters fill the device.
+#ifndef ATTN_CLUSTER_WAVES
+#define ATTN_CLUSTER_WAVES 1
+#endif
+// Batches up to this many tokens take the cluster kernel, up to ATTN_SMALL_T the slice kernel.
+#ifndef ATTN_CLUSTER_T
+#define ATTN_CLUSTER_T 1
+#endif
 static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial results per slice
 
 // The lane layout of the slices for head dim DH; a warp requests DEPTH 16-byte pieces a lane at
@@ -706,6 +742,371 @@ __global__ void __launch_bounds__(G / GW * 32)
         }
     }
 }
+// ZC = gridDim.z / CS clusters of CS blocks per (token t0 + blockIdx.x, head group blockIdx.y);
+// cluster z takes the groups of CPC consecutive chunks z, z + ZC, ... in turn. Block r of the
+// cluster takes SPB consecutive slices of chunk r / BPC of the group (a group of G / GW warps each,
+// as attn_slice_kernel's block does one) and keeps each slice's o_w, m_w, l_w in its shared memory.
+// After a cluster barrier the BPC blocks of a chunk merge its slices (each block a range of the
+// G * DH outputs, reading the slices from the cluster's shared memory); a token of one group then
+// merges its chunks the same way, behind a second barrier. Longer ones write the chunk results to
+// part_o, part_ml, and the last of the token's clusters to finish (an atomic counter of groups,
+// left at zero) merges them from there. The arithmetic is attn_slice_kernel's, in the same order.
+//   part_o, part_ml as for attn_chunk_kernel; out [T, H, DH]
+//   cnt [Ts, H / G, NC + 1]: entry NC counts finished chunk groups (left at zero)
+// Dynamic shared memory: max(2 * SPB * ATTN_SLICE * DH, 2 * NC * G) floats.
+template <int DH, int G, int GW, int SPB, int CS>
+__global__ void __launch_bounds__(SPB * G / GW * 32)
+    attn_cluster_kernel(float *__restrict__ out, float *__restrict__ part_o,
+                        float *__restrict__ part_ml, int *__restrict__ cnt,
+                        const float *__restrict__ q, const float *__restrict__ kc,
+                        const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                        const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
+                        int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+    using L = attn_layout<DH>;
+    constexpr int NTG = G / GW * 32, NT = SPB * NTG, D4 = DH / 4;
+    constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
+    constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
+    constexpr int BPC = ATTN_SLICES / SPB;    // blocks a chunk
+    constexpr int CPC = CS / BPC;             // chunks a cluster
+    constexpr int GE = G * D4;                // float4 of a chunk's o
+    constexpr int EPB = (GE + BPC - 1) / BPC; // of them merged by each block of the chunk
+    constexpr int EPF = (GE + CS - 1) / CS;   // outputs merged by each block of the cluster
+    static_assert(G % GW == 0 && G / GW <= 32 && NT <= 1024, "warps");
+    static_assert(ATTN_SLICES % SPB == 0 && CS % BPC == 0, "cluster shape");
+
+    cg::cluster_group cluster = cg::this_cluster();
+    extern __shared__ __align__(16) float4 attn_dyn[];
+    float4 *ks = attn_dyn;                   // [SPB][ATTN_SLICE][D4] K rows of the slices
+    float4 *vs = ks + SPB * ATTN_SLICE * D4; // [SPB][ATTN_SLICE][D4] V rows
+    __shared__ __align__(16) float4 qs[GE];
+    __shared__ __align__(16) float4 so[SPB][GE]; // each slice's o_w
+    __shared__ __align__(16) float4 co[EPB];     // this block's range of its chunk's o
+    __shared__ float s[SPB][ATTN_SLICE * G];     // scores, then exp weights [p][h]
+    __shared__ int rows[SPB][ATTN_SLICE];
+    __shared__ float sml[SPB][2 * G];                   // each slice's m_w, then l_w
+    __shared__ float fw[ATTN_SLICES * G], cm[G], cl[G]; // slice weights; the chunk's m, l
+    __shared__ float wcs[CPC * G], fl[G];               // chunk weights, L (in-cluster merge)
+    __shared__ int last;
+
+    // Before the wait for the kernel before, only what it cannot be writing is read (as in
+    // attn_slice_kernel): positions, sequences, page table and the rows no token of the batch
+    // stores.
+    pdl_trigger();
+    const int tl = blockIdx.x, hg = blockIdx.y;
+    const int t = t0 + tl, tid = threadIdx.x;
+    const int r = (int)cluster.block_rank();
+    const int zc = blockIdx.z / CS, ZC = gridDim.z / CS; // cluster of the token, clusters a token
+    const int n = pos[t] + 1;                            // positions 0..pos[t]
+    if (zc * CPC * ATTN_CHUNK >= n) return; // the whole cluster: the same test in each block
+    const int sq = seq[t];
+    int first_new = n - 1; // the lowest position a token of this batch stores for sequence sq
+    for (int u = 0; u < T; u++)
+        if (seq[u] == sq && pos[u] < first_new) first_new = pos[u];
+    const int nc = (n - 1) / ATTN_CHUNK + 1, ncl = (nc + CPC - 1) / CPC; // chunks, groups of CPC
+    const int64_t tg = (int64_t)tl * (H / G) + hg;                       // (token, head group)
+    float4 *ot = reinterpret_cast<float4 *>(out + ((int64_t)t * H + hg * G) * DH);
+    const int gs = tid / NTG, gt = tid % NTG, lane = tid & 31, w = gt >> 5;
+    const int k = r % BPC; // this block's place in its chunk
+    int groups = 0;        // chunk groups this cluster took
+    for (int cgr = zc; cgr < ncl; cgr += ZC, groups++) {
+        const int c = cgr * CPC + r / BPC;            // this block's chunk
+        const int j = c * ATTN_SLICES + k * SPB + gs; // the slice of warp group gs
+        const int p0 = j * ATTN_SLICE;
+        const int nv = max(0, min(ATTN_SLICE, n - p0)); // valid positions of the slice
+        const bool early = p0 + nv <= first_new;
+        const int g = hg * G / (H / Hkv); // kv head
+        if (gt < nv) {
+            const int p = p0 + gt;
+            rows[gs][gt] = page_table[(int64_t)sq * max_pages + p / S] * S + p % S;
+        }
+        __syncthreads();
+        const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
+        const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
+        const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
+        float4 *ksg = ks + gs * ATTN_SLICE * D4, *vsg = vs + gs * ATTN_SLICE * D4;
+        const int *rw = rows[gs];
+        if (early) {
+            for (int e = gt; e < nv * D4; e += NTG)
+                cp_async16(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+            cp_async_commit(); // group: K
+            for (int e = gt; e < nv * D4; e += NTG)
+                cp_async16(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+            cp_async_commit(); // group: V
+        }
+        pdl_wait();
+        const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
+        for (int i = tid; i < GE; i += NT)
+            cp_async16(&qs[i], qt + i);
+        if (!early)
+            for (int e = gt; e < nv * D4; e += NTG)
+                cp_async16(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+        cp_async_commit(); // group: q (and K)
+        if (!early) {
+            for (int e = gt; e < nv * D4; e += NTG)
+                cp_async16(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+            cp_async_commit();  // group: V
+            cp_async_wait<1>(); // q and K
+        } else {
+            cp_async_wait<0>(); // K and V long since, q now
+        }
+        __syncthreads();
+
+        // ---- the slice of warp group gs, as attn_slice_kernel computes it ----
+        const int h0 = w * GW;
+        float *sg = s[gs];
+        if (nv > 0) {
+            const int sub = lane % LK, pp = lane / LK;
+#pragma unroll
+            for (int i0 = 0; i0 < ATTN_SLICE; i0 += PK) {
+                if (i0 >= nv) break; // the same for the whole warp
+                const int i = i0 + pp, ic = i < nv ? i : 0;
+                float4 kr[FK];
+#pragma unroll
+                for (int f = 0; f < FK; f++)
+                    kr[f] = ksg[ic * D4 + f * LK + sub];
+                float acc[GW];
+#pragma unroll
+                for (int h = 0; h < GW; h++) {
+                    acc[h] = 0.0f;
+#pragma unroll
+                    for (int f = 0; f < FK; f++)
+                        fma4(acc[h], qs[(h0 + h) * D4 + f * LK + sub], kr[f]);
+                }
+#pragma unroll
+                for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+                    for (int h = 0; h < GW; h++)
+                        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+                if (i < nv) {
+#pragma unroll
+                    for (int h = 0; h < GW; h++)
+                        if (h % LK == sub) sg[i * G + h0 + h] = __fmul_rn(acc[h], scale);
+                }
+            }
+        }
+        __syncwarp();
+        float wm_[GW], wl_[GW];
+#pragma unroll
+        for (int hh = 0; hh < GW; hh++) {
+            const int h = h0 + hh;
+            float m = -INFINITY;
+            if (lane < nv) m = sg[lane * G + h];
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2)
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+            float l = 0.0f;
+            if (lane < nv) {
+                const float e = expf(sg[lane * G + h] - m);
+                sg[lane * G + h] = e;
+                l += e;
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2)
+                l += __shfl_xor_sync(0xffffffffu, l, off);
+            wm_[hh] = m;
+            wl_[hh] = l;
+        }
+        cp_async_wait<0>();
+        __syncthreads(); // V rows of every thread's copies
+
+        const int subv = lane % LV, rv = lane / LV;
+        float4 acc[GW][FV];
+#pragma unroll
+        for (int h = 0; h < GW; h++)
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < ATTN_SLICE / RV; kk++) {
+            const int i = kk * RV + rv; // increasing for each lane group
+            if (i < nv) {
+                float e[GW];
+#pragma unroll
+                for (int h = 0; h < GW; h++)
+                    e[h] = sg[i * G + h0 + h];
+#pragma unroll
+                for (int f = 0; f < FV; f++) {
+                    const float4 v = vsg[i * D4 + f * LV + subv];
+#pragma unroll
+                    for (int h = 0; h < GW; h++)
+                        acc[h][f] = fma4v(e[h], v, acc[h][f]);
+                }
+            }
+        }
+#pragma unroll
+        for (int off = 16; off >= LV; off /= 2)
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+#pragma unroll
+                for (int f = 0; f < FV; f++)
+                    shfl_add4(acc[h][f], off);
+        if (rv == 0) {
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+#pragma unroll
+                for (int f = 0; f < FV; f++)
+                    so[gs][(h0 + h) * D4 + f * LV + subv] = acc[h][f];
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int h = 0; h < GW; h++) {
+                sml[gs][h0 + h] = wm_[h];
+                sml[gs][G + h0 + h] = wl_[h];
+            }
+        }
+        cluster.sync(); // every slice's o_w, m_w, l_w
+
+        // ---- the chunk's slices ww < nsl (held by blocks r - k + ww / SPB) in order; block k of
+        // the chunk takes its outputs k * EPB .. ----
+        const int nsl = c * ATTN_CHUNK < n
+                            ? min(ATTN_SLICES, (n - c * ATTN_CHUNK + ATTN_SLICE - 1) / ATTN_SLICE)
+                            : 0;
+        const int rc = r - k; // the chunk's first block
+        if (nsl > 0) {
+            if (tid < G) {
+                float mw[ATTN_SLICES], lw[ATTN_SLICES];
+#pragma unroll
+                for (int ww = 0; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl) {
+                        const float *ml = cluster.map_shared_rank(&sml[ww % SPB][0], rc + ww / SPB);
+                        mw[ww] = ml[tid];
+                        lw[ww] = ml[G + tid];
+                    }
+                float m = -INFINITY;
+#pragma unroll
+                for (int ww = 0; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl) m = fmaxf(m, mw[ww]);
+                float l = 0.0f;
+#pragma unroll
+                for (int ww = 0; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl) {
+                        const float f = expf(mw[ww] - m);
+                        fw[ww * G + tid] = f;
+                        l = fmaf(lw[ww], f, l);
+                    }
+                cm[tid] = m;
+                cl[tid] = l;
+            }
+            __syncthreads();
+            for (int i = tid; i < EPB; i += NT) {
+                const int e = k * EPB + i;
+                if (e >= GE) break;
+                const int h = e / D4;
+                float4 a[ATTN_SLICES];
+#pragma unroll
+                for (int ww = 0; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl)
+                        a[ww] = cluster.map_shared_rank(&so[ww % SPB][0], rc + ww / SPB)[e];
+                float4 x = mul4v(fw[h], a[0]);
+#pragma unroll
+                for (int ww = 1; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl) x = fma4v(fw[ww * G + h], a[ww], x);
+                co[i] = x;
+            }
+        }
+
+        // ---- the token's chunks in increasing order ----
+        if (ncl == 1) { // all in this cluster: from its shared memory
+            cluster.sync(); // every chunk's range of o, m and l
+            if (r * EPF < GE) {
+                if (tid < G) {
+                    float M = -INFINITY;
+                    for (int cc = 0; cc < nc; cc++)
+                        M = fmaxf(M, cluster.map_shared_rank(cm, cc * BPC)[tid]);
+                    float Lh = 0.0f;
+                    for (int cc = 0; cc < nc; cc++) {
+                        const float wc = expf(cluster.map_shared_rank(cm, cc * BPC)[tid] - M);
+                        wcs[cc * G + tid] = wc;
+                        Lh = fmaf(cluster.map_shared_rank(cl, cc * BPC)[tid], wc, Lh);
+                    }
+                    fl[tid] = Lh;
+                }
+                __syncthreads();
+                for (int i = tid; i < EPF; i += NT) {
+                    const int e = r * EPF + i;
+                    if (e >= GE) break;
+                    const int h = e / D4;
+                    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+                    for (int cc = 0; cc < nc; cc++)
+                        o = fma4v(wcs[cc * G + h],
+                                  cluster.map_shared_rank(co, cc * BPC + e / EPB)[e % EPB], o);
+                    const float Lh = fl[h];
+                    ot[e] = make_float4(o.x / Lh, o.y / Lh, o.z / Lh, o.w / Lh);
+                }
+            }
+            cluster.sync(); // no block leaves while its shared memory is read
+            return;
+        }
+
+        // longer: the chunk results through global memory, the last cluster merges them
+        if (nsl > 0) {
+            const int64_t cblk = tg * NC + c;
+            float4 *po = reinterpret_cast<float4 *>(part_o + cblk * G * DH);
+            for (int i = tid; i < EPB; i += NT) {
+                const int e = k * EPB + i;
+                if (e >= GE) break;
+                po[e] = co[i];
+            }
+            if (k == 0 && tid < G) {
+                part_ml[cblk * 2 * G + tid] = cm[tid];
+                part_ml[cblk * 2 * G + G + tid] = cl[tid];
+            }
+        }
+        __threadfence();
+        // every block's chunk results are out, its shared memory free for the next group
+        cluster.sync();
+    }
+    if (r == 0 && tid == 0) {
+        int *cnt_t = cnt + tg * (NC + 1) + NC;
+        const int done = atomicAdd(cnt_t, groups) + groups;
+        if (done == ncl) *cnt_t = 0; // every cluster has counted: ready for the next launch
+        for (int rr = 0; rr < CS; rr++)
+            *cluster.map_shared_rank(&last, rr) = done == ncl;
+    }
+    cluster.sync();
+    if (!last || r * EPF >= GE) return;
+    __threadfence();
+    {
+        float *wc = reinterpret_cast<float *>(attn_dyn); // [nc][G] chunk m, then weights
+        float *lc = wc + nc * G;                         // [nc][G] chunk l
+        const float *pml = part_ml + tg * NC * 2 * G;
+        for (int i = tid; i < nc * G; i += NT) {
+            const int cc = i / G, h = i % G;
+            wc[i] = __ldcg(pml + cc * 2 * G + h);
+            lc[i] = __ldcg(pml + cc * 2 * G + G + h);
+        }
+        __syncthreads();
+        if (tid < G) {
+            float M = -INFINITY;
+            for (int cc = 0; cc < nc; cc++)
+                M = fmaxf(M, wc[cc * G + tid]);
+            cm[tid] = M;
+        }
+        __syncthreads();
+        for (int i = tid; i < nc * G; i += NT)
+            wc[i] = expf(wc[i] - cm[i % G]);
+        __syncthreads();
+        if (tid < G) {
+            float Lh = 0.0f;
+            for (int cc = 0; cc < nc; cc++)
+                Lh = fmaf(lc[cc * G + tid], wc[cc * G + tid], Lh);
+            fl[tid] = Lh;
+        }
+        __syncthreads();
+        const float4 *po = reinterpret_cast<const float4 *>(part_o + tg * NC * G * DH);
+        for (int i = tid; i < EPF; i += NT) {
+            const int e = r * EPF + i;
+            if (e >= GE) break;
+            const int h = e / D4;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+            for (int cc = 0; cc < nc; cc++)
+                o = fma4v(wc[cc * G + h], __ldcg(po + cc * G * D4 + e), o);
+            const float Lh = fl[h];
+            ot[e] = make_float4(o.x / Lh, o.y / Lh, o.z / Lh, o.w / Lh);
+        }
+    }
+}
 // One (tile blockIdx.x: QT = ATTN_TILE_ROWS / G consecutive tokens t0 + QT * blockIdx.x ..., head
 // group blockIdx.y, chunks blockIdx.z, + gridDim.z, ...), for a tile whose tokens are all of one
 // sequence: each token's chunk results, as attn_chunk_kernel gives them. Rows r = k * G + h (token k
@@ -1103,6 +1504,57 @@ template <int DH, int G> static void launch_slices(const attn_args &a) {
                     b->max_pages, b->page_size, a.NC, a.scale);
 }
 
+template <int DH> constexpr int cluster_spb() {
+    return ATTN_CLUSTER_SPB * DH <= 512 ? ATTN_CLUSTER_SPB : 512 / DH;
+}
+
+// False where no cluster of the kernel fits a GPC (then the caller takes the slice kernel).
+template <int DH, int G> static bool launch_clusters(const attn_args &a) {
+    constexpr int GW = G < 2 ? G : 2, SPB = cluster_spb<DH>(), CS = ATTN_CLUSTER_CS;
+    constexpr int CPC = CS * SPB / ATTN_SLICES;
+    auto kernel = attn_cluster_kernel<DH, G, GW, SPB, CS>;
+    static size_t smem_set = 0, smem_checked = 0;
+    static int max_active = 0; // clusters resident at once on the device
+    const size_t kv = (size_t)2 * SPB * ATTN_SLICE * DH, ml = (size_t)2 * a.NC * G;
+    const size_t smem = (kv > ml ? kv : ml) * sizeof(float);
+    smem_allow(kernel, smem, &smem_set);
+    const attn_batch *b = a.b;
+    cudaLaunchConfig_t cfg = {};
+    const int groups = (a.NC + CPC - 1) / CPC, pairs = a.Ts * (a.H / G);
+    cfg.gridDim = dim3(a.Ts, a.H / G, CS); // for the occupancy query; z set below
+    cfg.blockDim = dim3(SPB * G / GW * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = CS;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    if (smem > smem_checked) {
+        if (CS > 8)
+            CUDA_CHECK(
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        if (cudaOccupancyMaxActiveClusters(&max_active, kernel, &cfg) != cudaSuccess)
+            max_active = 0;
+        cudaGetLastError(); // not sticky: clear it
+        smem_checked = smem;
+    }
+    if (max_active <= 0) return false;
+    int zc = ATTN_CLUSTER_WAVES * max_active / pairs;
+    zc = zc < 1 ? 1 : zc > groups ? groups : zc;
+    cfg.gridDim.z = zc * CS;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a.out, a.part_o, a.part_ml, a.cnt, a.q,
+                                  (const float *)a.kv.k, (const float *)a.kv.v,
+                                  (const int32_t *)b->pos, (const int32_t *)b->seq,
+                                  (const int32_t *)b->page_table, a.t0, b->T, a.H, a.Hkv,
+                                  b->max_pages, b->page_size, a.NC, a.scale));
+    return true;
+}
+
 template <int DH, int G> static void launch_chunks(const attn_args &a, int tile_qt) {
     const dim3 grid(a.Ts, a.H / G, a.NC);
     const attn_batch *b = a.b;
@@ -1130,11 +1582,14 @@ template <int DH, int G> static void launch_tiles(const attn_args &a) {
 
 static size_t g_combine_smem_set = 48 << 10; // one kernel for every shape: one limit
 
-enum attn_path { ATTN_PATH_SLICES, ATTN_PATH_CHUNKS, ATTN_PATH_TILES };
+enum attn_path { ATTN_PATH_SLICES, ATTN_PATH_CHUNKS, ATTN_PATH_TILES, ATTN_PATH_CLUSTERS };
 
 template <int DH, int G> static void launch_path(attn_path path, const attn_args &a) {
     switch (path) {
     case ATTN_PATH_SLICES: launch_slices<DH, G>(a); return;
+    case ATTN_PATH_CLUSTERS:
+        if (!launch_clusters<DH, G>(a)) launch_slices<DH, G>(a);
+        return;
     case ATTN_PATH_TILES: launch_tiles<DH, G>(a); launch_chunks<DH, G>(a, ATTN_TILE_ROWS / G); break;
     case ATTN_PATH_CHUNKS: launch_chunks<DH, G>(a, 0); break;
     }
@@ -1193,14 +1648,18 @@ void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b
     // with chunks (and the in-launch combine fits shared memory), else chunks and tiles.
     const bool slices_fit =
         (int64_t)NC * ATTN_SLICES <= 65535 && slice_smem(Dh, G, NC) <= ((size_t)160 << 10);
-    attn_path path = T <= ATTN_SMALL_T && slices_fit ? ATTN_PATH_SLICES : ATTN_PATH_TILES;
+    attn_path path = T > ATTN_SMALL_T || !slices_fit ? ATTN_PATH_TILES
+                     : T <= ATTN_CLUSTER_T           ? ATTN_PATH_CLUSTERS
+                                                     : ATTN_PATH_SLICES;
     if (g_path_forced >= 0) path = (attn_path)g_path_forced;
-    if (path == ATTN_PATH_SLICES && !slices_fit) path = ATTN_PATH_CHUNKS;
+    const bool small = path == ATTN_PATH_SLICES || path == ATTN_PATH_CLUSTERS;
+    if (small && !slices_fit) path = ATTN_PATH_CHUNKS;
 
-    // workspace per token: every head group's chunk results, and for slices each slice's
+    // workspace per token: every head group's chunk results, and for slices each slice's (for
+    // clusters too: the slice kernel stands in where no cluster fits)
     const size_t chunk_res = (size_t)(H / G) * NC * G * (Dh + 2);
     const size_t per_token =
-        (chunk_res * (path == ATTN_PATH_SLICES ? 1 + ATTN_SLICES : 1)) * sizeof(float);
+        (chunk_res * (small && slices_fit ? 1 + ATTN_SLICES : 1)) * sizeof(float);
     int slice = (int)(ATTN_WORKSPACE_CAP / per_token);
     if (slice < 1) slice = 1;
     if (slice > T) slice = T;
@@ -1215,7 +1674,7 @@ void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b
     a.out = out;
     a.part_o = g_ws;
     a.part_ml = a.part_o + (size_t)slice * (H / G) * NC * G * Dh;
-    if (path == ATTN_PATH_SLICES) {
+    if (path == ATTN_PATH_SLICES || path == ATTN_PATH_CLUSTERS) {
         a.slice_o = a.part_ml + (size_t)slice * (H / G) * NC * 2 * G;
         a.slice_ml = a.slice_o + (size_t)slice * (H / G) * NC * ATTN_SLICES * G * Dh;
         cnt_reserve((size_t)slice * (H / G) * (NC + 1));
