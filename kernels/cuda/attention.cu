@@ -15,7 +15,8 @@
 // a block takes, so a token's output is bit-identical alone or in any batch, and prefill and decode
 // of the same position give bit-identical results (the deterministic-mode contract). The kernels
 // differ only in how the work is spread, chosen from T and the shapes:
-// - attn_cluster_kernel (one token: batch-1 decode): a thread-block cluster of ATTN_CLUSTER_CS (16)
+// - attn_cluster_kernel (one token: batch-1 decode; off by default, ATTN_CLUSTER_T, see below; the
+//   test forces it and checks it like the others): a thread-block cluster of ATTN_CLUSTER_CS (16)
 //   blocks per (token, head group, two chunks), one slice a block, computed as attn_slice_kernel
 //   computes it; the slices' o_w, m_w, l_w stay in the blocks' shared memory. After a hardware
 //   cluster barrier each of a chunk's 8 blocks merges an eighth of the chunk's outputs, reading the
@@ -30,7 +31,12 @@
 //   graphs have), 2048 12.9 against 15.9 (13.0 against 15.2); but 8192 46.0 against 34.6, where
 //   the clusters loop over chunk groups and fewer slices run at once. At 2 to 4 tokens it lost
 //   everywhere (B=4 context 1024: 24.8 against 15.9), as did 2 slices a block (10.5 us at 1024
-//   but 18.3 at 2048) and clusters of 8 (12.5, 14.3), so those take the slice kernel.
+//   but 18.3 at 2048) and clusters of 8 (12.5, 14.3), so those take the slice kernel. Off by
+//   default: the host cannot pick it by context (positions live on the device and the page
+//   table's bound is the server's whole context length), and a loss of 11 us at 8192 outweighs
+//   the 0.6 to 2.2 us it gains at 1024 to 2048 with the server's page tables. It becomes the
+//   default when it wins at every context (several slices a cluster at once, or the slice
+//   kernel's way taken inside it for long contexts).
 // - attn_slice_kernel (batches of 2 to ATTN_SMALL_T tokens, and one token where no cluster fits):
 //   one block per (token, head group, slice), so a batch-1 decode at context 1024 has 128 blocks.
 //   The slice's K and V rows are requested at once into shared memory (cp.async), so each block
@@ -103,9 +109,10 @@ enum {
 #ifndef ATTN_CLUSTER_WAVES
 #define ATTN_CLUSTER_WAVES 1
 #endif
-// Batches up to this many tokens take the cluster kernel, up to ATTN_SMALL_T the slice kernel.
+// Batches up to this many tokens take the cluster kernel (0: none, the default, see the header),
+// up to ATTN_SMALL_T the slice kernel.
 #ifndef ATTN_CLUSTER_T
-#define ATTN_CLUSTER_T 1
+#define ATTN_CLUSTER_T 0
 #endif
 static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial results per slice
 
