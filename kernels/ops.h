@@ -197,6 +197,11 @@ typedef struct ops {
      * (the GPU all-to-all): CUDA's cudaStream_t; NULL on the CPU. */
     void *(*native_stream)(void);
 
+    /* Makes the calling thread use the backend's device (CUDA: cudaSetDevice; a thread starts on
+     * device 0). A thread other than the one that created the backend calls it before any op;
+     * NULL on the CPU. */
+    void (*bind_thread)(void);
+
     /* out[T, D] = sum over k = 0..K-1, in that order, of topk_w[t, k] * expert_out[t, k, :]. */
     void (*moe_finalize)(float *out, const float *expert_out, const float *topk_w, int T, int K,
                          int D);

@@ -525,6 +525,7 @@ typedef struct {
     atomic_bool failed; /* the rank group failed; err says why */
     atomic_bool ended;  /* the engine loop has returned */
     int threads;
+    const ops *backend;
     char err[1024];
 } serve_engine;
 
@@ -534,6 +535,7 @@ typedef struct {
 static void *serve_engine_main(void *p) {
     serve_engine *e = p;
     if (e->threads) omp_set_num_threads(e->threads);
+    if (e->backend->bind_thread) e->backend->bind_thread(); /* the ops run on this thread */
     int rc = scheduler_run(e->sched, e->group, &e->stop, e->err, sizeof e->err);
     if (rc != 0) {
         LOG_ERROR("serve", "%s", e->err);
@@ -936,7 +938,7 @@ static int cmd_serve(int argc, char **argv) {
                            .cuda_graph_max_bs = a.cuda_graph_max_bs};
     scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
     if (!sched) die("%s", err);
-    serve_engine eng = {.sched = sched, .group = group, .threads = a.threads};
+    serve_engine eng = {.sched = sched, .group = group, .threads = a.threads, .backend = backend};
     atomic_init(&eng.stop, false);
     atomic_init(&eng.failed, false);
     atomic_init(&eng.ended, false);

@@ -16,6 +16,7 @@ static int g_device = -1;
 
 cudaStream_t cuda_stream(void) { return g_stream; }
 static void *cuda_native_stream(void) { return g_stream; }
+static void cuda_bind_thread(void) { CUDA_CHECK(cudaSetDevice(g_device)); }
 
 void cuda_fail(const char *file, int line, const char *what, const char *msg) {
     fprintf(stderr, "%s:%d: CUDA error in %s: %s\n", file, line, what, msg);
@@ -182,6 +183,7 @@ static const ops cuda_ops_table = {
     .moe_experts = cuda_moe_experts,
     .moe_experts_n = cuda_moe_experts_n,
     .native_stream = cuda_native_stream,
+    .bind_thread = cuda_bind_thread,
     .moe_finalize = cuda_moe_finalize,
     .moe_finalize_add_rmsnorm = cuda_moe_finalize_add_rmsnorm,
     .silu_mul = cuda_silu_mul,
