@@ -658,6 +658,8 @@ int a2a_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const float *t
     return 0;
 }
 
+const a2a_config *a2a_get_config(const a2a *a) { return &a->cfg; }
+
 a2a_received a2a_get_received(const a2a *a) {
     a2a_received r = {0, NULL, NULL, NULL};
     if (!a || a->phase == A2A_PHASE_BROKEN) return r;

@@ -109,6 +109,9 @@ int a2a_dispatch(a2a *a, const float *x, const int32_t *topk_ids, const float *t
                  int runtime_max, char *err, size_t errlen);
 
 a2a_received a2a_get_received(const a2a *a);
+/* The configuration it was created with (its payload: what the experts of the receiving ranks
+ * are handed). */
+const a2a_config *a2a_get_config(const a2a *a);
 
 /* expert_out[n, K, D] for the received tokens (slot k meaningful where ids[i, k] >= 0) -> out[T, K,
  * D] on the home rank: slot k of token t = the output of expert topk_ids[t, k] from its owner.

@@ -193,6 +193,16 @@ typedef struct ops {
                           const int32_t *n_rows, const struct moe_experts *w, int T, int K, int D,
                           int F);
 
+    /* The routed experts' activation format: y[T, D] = each token of x[T, D] after the round
+     * trip of all-to-all payload `payload` (an a2a_payload of kernels/a2a.h: A2A_PAYLOAD_FP8 is
+     * E4M3 with one fp32 scale per 128 channels, A2A_PAYLOAD_NVFP4 E2M1 with an E4M3 scale per
+     * 16 and the token's fp32 scale; A2A_PAYLOAD_F32 copies), the same bits as
+     * a2a_payload_roundtrip row by row. y may equal x. The model applies it to the experts'
+     * input when it runs without an all-to-all, so one process gives its experts what the
+     * all-to-all's quantized dispatch gives them on several ranks. NULL where the backend has
+     * none yet (the model then leaves the activations in fp32: runner/model.h). */
+    void (*moe_input_quant)(float *y, const float *x, int T, int D, int payload);
+
     /* The backend's own queue, for code outside the op table that queues work beside the ops
      * (the GPU all-to-all): CUDA's cudaStream_t; NULL on the CPU. */
     void *(*native_stream)(void);

@@ -75,6 +75,17 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
         }
         if (m->cfg.quant == MODEL_QUANT_NONE) m->online_quant = want;
     }
+    /* The experts' activation format follows their weights' format (model.h). */
+    const int quant = m->online_quant != MODEL_QUANT_NONE ? m->online_quant : m->cfg.quant;
+    m->expert_payload = !ops->moe_input_quant       ? A2A_PAYLOAD_F32
+                        : quant == MODEL_QUANT_FP8   ? A2A_PAYLOAD_FP8
+                        : quant == MODEL_QUANT_NVFP4 ? A2A_PAYLOAD_NVFP4
+                                                     : A2A_PAYLOAD_F32;
+    if (m->expert_payload == A2A_PAYLOAD_NVFP4 && m->cfg.hidden_size % QUANT_FP4_GROUP != 0) {
+        set_err(err, errlen, "%s/config.json: hidden_size %d: NVFP4 experts need a multiple of %d",
+                dir, m->cfg.hidden_size, QUANT_FP4_GROUP);
+        goto fail;
+    }
     if (!m->dummy && checkpoint_open(&m->ckpt, dir, err, errlen) != 0) goto fail;
     if (m->arch->load(m, err, errlen) != 0) goto fail;
     return m;

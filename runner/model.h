@@ -53,6 +53,17 @@ struct model {
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     int online_quant; /* MODEL_QUANT_*: BF16 projections quantized at load (--quantization) */
+    /* The routed experts' activation format, an a2a_payload (kernels/a2a.h), one rule for every
+     * rank count: A2A_PAYLOAD_FP8 with FP8 experts (DeepSeek-V3's W8A8: the input in E4M3 with
+     * one fp32 scale per token per 128 channels), A2A_PAYLOAD_NVFP4 with NVFP4 experts (E2M1,
+     * an E4M3 scale per 16 channels and the token's fp32 scale, as SGLang's flashinfer
+     * dispatcher sends tokens to the trtllm routed experts), else A2A_PAYLOAD_F32 (no
+     * rounding). The experts' input goes through it on every path: alone through
+     * ops->moe_input_quant, with an all-to-all through its dispatch, whose payload must be this
+     * one (the model checks each layer; the caller creates the all-to-all with it), so tokens
+     * cross quantized and each rank's experts see the bits one process gives them. A backend
+     * without moe_input_quant (CUDA for now) keeps F32 until it has one. */
+    int expert_payload;
     char err[512]; /* why the last forward failed */
     uint64_t ws_epoch; /* moves on whenever the activation buffers are reallocated */
 };

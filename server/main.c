@@ -907,6 +907,7 @@ static int cmd_serve(int argc, char **argv) {
                          .hidden = cfg.hidden_size,
                          .top_k = cfg.num_experts_per_tok,
                          .n_experts = cfg.num_experts,
+                         .payload = (a2a_payload)m->expert_payload, /* fp8 / nvfp4 experts */
                          .timeout_s = rank_group_timeout(group),
                          .check_peers = rank_group_check_peers_cb,
                          .check_ctx = group};
@@ -925,10 +926,12 @@ static int cmd_serve(int argc, char **argv) {
     }
     if (world > 1)
         LOG_INFO("serve",
-                 "rank %d of %d (%d on this node): experts [%d, %d) of %d, all-to-all %s, "
-                 "%d threads",
+                 "rank %d of %d (%d on this node): experts [%d, %d) of %d, all-to-all %s "
+                 "(%s tokens), %d threads",
                  rank, world, rank_group_local_size(group), m->expert_begin, m->expert_end,
-                 cfg.num_experts, a.moe_a2a_backend, a.threads ? a.threads : omp_get_max_threads());
+                 cfg.num_experts, a.moe_a2a_backend,
+                 a2a_payload_name((a2a_payload)m->expert_payload),
+                 a.threads ? a.threads : omp_get_max_threads());
     scheduler_config sc = {.max_running_requests = a.max_running_requests,
                            .max_total_tokens = a.max_total_tokens,
                            .page_size = a.page_size,

@@ -3,6 +3,8 @@
 # - the all-to-all (tests/test_a2a.c) at np 1, 2, 3 and 4, and once more at np 3 with the mpi
 #   transport over OpenMPI's pt2pt one-sided component (active messages, no shared memory: how
 #   ranks on different nodes talk);
+# - the model with FP8 and NVFP4 experts (tests/test_quant_ep.c) at np 1, 2 and 3: logits bit for
+#   bit those of one process, the tokens crossing the all-to-all quantized;
 # - the rank group (tests/test_rank_group.c) at np 1, 2, 3 and 4; its timeout case at np 3 (the
 #   highest rank sleeps through a step); its gone case at np 3 (the highest rank exits during a
 #   step, mpirun told to let a rank exit without MPI_Finalize instead of ending the job).
@@ -12,6 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 a2a=${BUILD:-build}/tests/test_a2a
 rank_group=${BUILD:-build}/tests/test_rank_group
+quant_ep=${BUILD:-build}/tests/test_quant_ep
 fail_early() {
     echo "FAIL a2a_test.sh: $1"
     echo "0 passed, 1 failed"
@@ -59,6 +62,9 @@ for np in 1 2 3 4; do
     run_case "a2a np $np" "$a2a" -np "$np"
 done
 run_case "a2a np 3, mpi over osc pt2pt" "$a2a" -np 3 --mca osc pt2pt -- mpi
+for np in 1 2 3; do
+    run_case "quantized experts np $np" "$quant_ep" -np "$np"
+done
 for np in 1 2 3 4; do
     run_case "rank group np $np" "$rank_group" -np "$np"
 done

@@ -16,14 +16,17 @@ top-2, 4 layers; 3 ranks split the experts 3,3,2):
   - a copy of the checkpoint whose routers are all zero (every token picks experts 0 and 1, all on
     rank 0; the other ranks receive nothing) at np 2, 3, 4 against one process on the same copy;
   - --moe-a2a-backend mpi at np 2, with --tp 2 --ep-size 2 --dp 2 --enable-dp-attention;
+  - the FP8 checkpoint at np 3 and the NVFP4 one at np 2: the tokens cross the all-to-all in the
+    experts' format (fp8 / nvfp4 payload, the log says so) and every logprob equals one process's
+    exactly (one process rounds the experts' input the same way);
   - rank 1 of 3 killed with SIGKILL while requests run: mpirun and every other rank exit within
     30 s, the requests in flight are answered, and the survivors say that rank 1 is gone;
   - flags: --tp 3, --ep-size 3, --dp-size 3 under np 2, nccl / nvlink_one_sided refused on a
     machine without GPU, the deprecated name flashinfer.
 
 Standard library only. Run from the repository root or anywhere:
-`python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, mpi, skew, kill,
-kill-all, flags; the reference is made whenever a group needs it; all of them by default).
+`python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, mpi, quant, skew,
+kill, kill-all, flags; the reference is made whenever a group needs it; all of them by default).
 kill checks that rank 0 names the killed rank 1; kill-all wants rank 2 to name it as well (when
 rank 0 has already left too, rank 2 names every rank it finds gone, rank 1 among them). The binary
 is ${BUILD:-build}/moeserve, mpirun comes from PATH. Each check prints one "ok name" or
@@ -800,6 +803,27 @@ def section_mpi():
         lambda g: case_server_info(g, True, "mpi"), case_spread, case_staggered])
 
 
+def section_quant():
+    """Quantized experts: the dispatch sends their format, and one process gives the same bits."""
+    for fmt, np in (("fp8", 3), ("nvfp4", 2)):
+        model = MODEL + "-" + fmt
+        if not need_reference(model, fmt):
+            continue
+
+        def exact(g, fmt=fmt):
+            plan = [(i % g.n_ranks, i % len(REQUESTS), 0) for i in range(len(REQUESTS))]
+            answers = run_requests(g, plan)
+            worst = max((compare(body, REFERENCE[g.model][ri])[0] if status == 200 else math.inf)
+                        for (_, ri, _), (status, body) in zip(plan, answers))
+            check("%s: logprobs over the %d ranks equal one process's exactly" % (g.name, g.n_ranks),
+                  worst == 0.0, "max |dlogprob| %.3g" % worst)
+            said = "(%s tokens)" % fmt in g.log_text()
+            check("%s: tokens cross the all-to-all as %s" % (g.name, fmt), said,
+                  "" if said else g.log_tail())
+
+        run_group(Group("np %d %s" % (np, fmt), np, model=model, flags=["--no-load-balance"]), [exact])
+
+
 def section_skew(tmp):
     skew = os.path.join(tmp, "tiny-qwen3-moe-skewed")
     n = make_skewed_copy(MODEL, skew)
@@ -833,7 +857,8 @@ def run_section(name, fn, *args):
 
 
 def main(argv):
-    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "skew", "kill", "kill-all", "flags"]
+    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "quant", "skew", "kill", "kill-all",
+                  "flags"]
     default = list(all_groups)
     groups = [a for a in argv if not a.startswith("-")] or default
     unknown = [a for a in groups if a not in all_groups]
@@ -862,6 +887,8 @@ def main(argv):
             run_section("balance", section_balance)
         if "mpi" in groups:
             run_section("mpi", section_mpi)
+        if "quant" in groups:
+            run_section("quant", section_quant)
         if "skew" in groups:
             run_section("skew", section_skew, tmp)
         if "kill" in groups or "kill-all" in groups:

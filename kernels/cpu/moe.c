@@ -11,11 +11,16 @@
  * OpenMP regions do not nest. Every linear is bit-identical however it is threaded and whatever
  * its token count, so a token's output does not depend on the batch or on the choice made here.
  *
+ * moe_input_quant is the experts' activation format (FP8 or NVFP4 experts): each token through
+ * the all-to-all payload's round trip, a2a_payload_roundtrip itself, so that one process and the
+ * quantized dispatch of several ranks hand the experts the same bits by construction.
+ *
  * moe_finalize sums the K slots of each token in slot order 0..K-1, in fp32. */
 #include <math.h>
 #include <omp.h>
 #include <string.h>
 
+#include "kernels/a2a.h"
 #include "kernels/cpu/cpu_ops.h"
 
 /* One expert over its n pairs: out[pair, D] for pair in pairs[n] (pair = t * K + k).
@@ -101,6 +106,16 @@ void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const 
     free(pairs);
     free(cursor);
     free(offsets);
+}
+
+/* y[T, D] = x[T, D] token by token through payload's round trip (y may equal x). Tokens are
+ * independent, so the thread split cannot change a bit. */
+void cpu_moe_input_quant(float *y, const float *x, int T, int D, int payload) {
+    MS_ASSERT((unsigned)payload <= (unsigned)A2A_PAYLOAD_NVFP4);
+    if (T <= 0) return;
+#pragma omp parallel for schedule(static) if ((int64_t)T * D >= (1 << 16))
+    for (int t = 0; t < T; t++)
+        a2a_payload_roundtrip((a2a_payload)payload, y + (int64_t)t * D, x + (int64_t)t * D, D);
 }
 
 /* out[T, D] = sum over k = 0..K-1, in that order, of topk_w[t, k] * expert_out[t, k, :]. */

@@ -3,7 +3,16 @@
  *   per layer: x += o_proj(attn(rope(qk_norm(q, k)), v)) of rmsnorm(x)
  *              x += moe(rmsnorm(x))   or a dense SwiGLU MLP on mlp_only / non-sparse layers
  *   logits = lm_head(rmsnorm(x))      (lm_head = embed_tokens when tied)
- * Only the rows that need logits go through the final norm and lm_head. */
+ * Only the rows that need logits go through the final norm and lm_head.
+ *
+ * Quantized experts (FP8, NVFP4): the experts' input x goes through their activation format
+ * (model.h's expert_payload) before the experts read it, whatever the rank count. The round trip
+ * is an op with a CPU reference (ops->moe_input_quant, a GPU kernel later) that the model calls
+ * when it runs alone, and the all-to-all's payload when it has one: the dispatch quantizes each
+ * token once on its home rank, sends the codes (fewer bytes), and decodes them where the experts
+ * are, its own rank included. Both are a2a_payload_roundtrip token by token, so the experts see
+ * the same bits on one rank or many. The router reads the unquantized x (it stays BF16 in both
+ * formats' checkpoints). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,6 +66,7 @@ typedef struct {
     int32_t *topk_ids; /* [T, K] */
     float *topk_w;  /* [T, K] */
     float *expert_out; /* [T, K, D] */
+    float *xq;         /* [T, D] the experts' input in their activation format (alone) */
     float *recv_out;   /* [n, K, D] expert outputs of the tokens the all-to-all brought */
     size_t cap_recv;   /* floats */
     float *gate;    /* [T, F] dense */
@@ -251,6 +261,7 @@ static void qwen3_moe_workspace_reserve(model *m, qwen3_moe_workspace *ws, int T
     ws->topk_ids = ws_grow(m, ws->topk_ids, T * (K ? K : 1) * sizeof(int32_t));
     ws->topk_w = ws_grow(m, ws->topk_w, T * (K ? K : 1) * sizeof(float));
     ws->expert_out = ws_grow(m, ws->expert_out, T * (K ? K : 1) * D * sizeof(float));
+    ws->xq = ws_grow(m, ws->xq, T * D * sizeof(float));
     ws->gate = ws_grow(m, ws->gate, T * F * sizeof(float));
     ws->up = ws_grow(m, ws->up, T * F * sizeof(float));
     ws->cap_T = T;
@@ -289,8 +300,21 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
     }
 #endif
     if (!m->a2a) {
-        op->moe_experts(ws->expert_out, ws->h, ws->topk_ids, &l->experts, T, K, D, F);
+        const float *x = ws->h;
+        if (m->expert_payload != A2A_PAYLOAD_F32) { /* what the dispatch would do to them */
+            op->moe_input_quant(ws->xq, ws->h, T, D, m->expert_payload);
+            x = ws->xq;
+        }
+        op->moe_experts(ws->expert_out, x, ws->topk_ids, &l->experts, T, K, D, F);
     } else {
+        const a2a_payload p = a2a_get_config(m->a2a)->payload;
+        if ((int)p != m->expert_payload) {
+            snprintf(m->err, sizeof m->err,
+                     "the all-to-all sends %s tokens but the experts read %s: create it with "
+                     "the model's expert_payload",
+                     a2a_payload_name(p), a2a_payload_name((a2a_payload)m->expert_payload));
+            return -1;
+        }
         if (a2a_dispatch(m->a2a, ws->h, ws->topk_ids, ws->topk_w, T, runtime_max, m->err,
                          sizeof m->err))
             return -1;
@@ -411,7 +435,7 @@ static void qwen3_moe_free(model *m) {
     if (ws) {
         void *bufs[] = {ws->x,          ws->h,        ws->q,    ws->k,      ws->v,   ws->qkv,
                         ws->att,        ws->o,        ws->router, ws->topk_w, ws->expert_out,
-                        ws->gate,       ws->up,       ws->topk_ids, ws->recv_out};
+                        ws->gate,       ws->up,       ws->topk_ids, ws->recv_out, ws->xq};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             if (bufs[i]) m->ops->dev_free(bufs[i]);
         free(ws);
