@@ -69,6 +69,9 @@
 //   - x converted per k tile from fp32 with single loads (a round trip per 16-byte chunk before
 //     the first product): DeepSeek-V3 shape at T = 1 202.8 us against 176.1 grouped; batching the
 //     loads fixed it.
+//   - Wider column blocks in the tiny path (BN 128 for GEMM 1, GEMM 2 or both: 96 or 128 blocks,
+//     one wave): T = 1 28.3 / 28.4 / 28.9 us medium against 27.0 with BN 64 in the same run
+//     (high 32.7 / 29.9 / 32.1 against 29.5); T = 2 up to 54 us against 44.
 //   - The tiny path at T = 4 (32 pairs, 2 waves of blocks): 83.0 / 87.0 us against the grouped
 //     path's 81.0 / 82.3, hence the limit of 16 pairs. Earlier (see git history): L2 prefetch
 //     hints before the PDL wait and evict-first weights, 29.8-30.1 us against 29.0.
