@@ -30,6 +30,7 @@
 
 #include "common/log.h"
 #include "common/tensor.h"
+#include "kernels/a2a.h"
 #include "kernels/ops.h"
 #include "tests/check.h"
 
@@ -823,6 +824,41 @@ static void test_moe_finalize(void) {
     }
 }
 
+/* moe_input_quant: each token through the fp8 or nvfp4 payload's round trip, bit for bit the
+ * CPU's (a2a_payload_roundtrip); rows of zeros, tiny and huge values, a partial FP8 group. */
+static void test_moe_input_quant(void) {
+    printf("moe_input_quant (fp8, nvfp4: exact)\n");
+    static const struct {
+        int T, D;
+    } cases[] = {{1, 2048}, {5, 7168}, {37, 2048}, {3, 144}, {4, 64}, {0, 2048}};
+    const int payloads[] = {A2A_PAYLOAD_FP8, A2A_PAYLOAD_NVFP4, A2A_PAYLOAD_F32};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int pi = 0; pi < 3; pi++) {
+            const int T = cases[c].T, D = cases[c].D, p = payloads[pi];
+            const int64_t n = (int64_t)T * D;
+            float *x = rand_floats(n, 3.0f);
+            for (int t = 0; t < T; t++) { /* row 1 zeros, row 2 tiny, row 3 huge */
+                float f = t == 1 ? 0.0f : t == 2 ? 1e-30f : t == 3 ? 1e30f : 1.0f;
+                for (int d = 0; d < D; d++)
+                    x[(int64_t)t * D + d] *= f;
+            }
+            float *want = xmalloc(sizeof(float) * (n + 1));
+            cpu->moe_input_quant(want, x, T, D, p);
+            float *gx = gdup(x, sizeof(float) * (n + 1)), *gy = galloc_poisoned(sizeof(float) * (n + 1));
+            gpu->moe_input_quant(gy, gx, T, D, p);
+            float *got = gfetch(gy, sizeof(float) * n);
+            gpu->moe_input_quant(gx, gx, T, D, p); /* in place */
+            float *got_in = gfetch(gx, sizeof(float) * n);
+            char what[96];
+            snprintf(what, sizeof what, "moe_input_quant %s T=%d D=%d",
+                     a2a_payload_name((a2a_payload)p), T, D);
+            compare_bits("moe_input_quant", what, got, want, n, sizeof(float));
+            compare_bits("moe_input_quant in place", what, got_in, want, n, sizeof(float));
+            free(x), free(want), free(got), free(got_in);
+            gpu->dev_free(gx), gpu->dev_free(gy);
+        }
+}
+
 static void test_silu_mul(void) {
     printf("silu_mul (atol 1e-7 + rtol 1e-6: the device expf is within 2 ulp)\n");
     static const struct {
@@ -1529,6 +1565,7 @@ int main(void) {
     test_router_topk();
     test_moe_finalize();
     test_moe_finalize_add_rmsnorm();
+    test_moe_input_quant();
     test_silu_mul();
     test_add();
     test_linear();

@@ -59,6 +59,7 @@ void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int
                       bool norm);
 void cuda_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
                        int D);
+void cuda_moe_input_quant(float *y, const float *x, int T, int D, int payload);
 void cuda_silu_mul(float *out, const float *gate, const float *up, int T, int F);
 void cuda_add(float *out, const float *a, const float *b, int64_t n);
 

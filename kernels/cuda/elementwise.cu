@@ -41,7 +41,9 @@
 #include <cstdio>
 
 #include "common/log.h"
+#include "kernels/a2a.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/quant.h"
 
 #define EW_THREADS    256       /* threads per block of the streaming kernels */
 #define EW_MAX_BLOCKS (1 << 16) /* grid cap; the kernels loop over what is left */
@@ -1101,5 +1103,113 @@ void cuda_add(float *out, const float *a, const float *b, int64_t n) {
         add_kernel<true><<<ew_blocks(n / 4), EW_THREADS, 0, cuda_stream()>>>(out, a, b, n);
     else
         add_kernel<false><<<ew_blocks(n), EW_THREADS, 0, cuda_stream()>>>(out, a, b, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+// ---- moe_input_quant: each token through an all-to-all payload's round trip ----
+//
+// The routed experts' input format (kernels/ops.h): y = decode(encode(x)) per token, with
+// kernels/a2a.c's payload formulas (quant_fp8_rows / quant_nvfp4 then their dequantization,
+// kernels/cpu/quant.c) and kernels/quant.h's element conversions, in the same order with the same
+// roundings (no contraction: __fdiv_rn / __fmul_rn). Group maxima are order-free (NaN never wins,
+// as the CPU's amax), so the thread split cannot change a bit. One block per token.
+
+__device__ __forceinline__ float amax_one(float m, float v) {
+    const float a = fabsf(v);
+    return a > m ? a : m; // NaN never wins
+}
+
+__device__ __forceinline__ float warp_amax(float m) {
+    for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    return m;
+}
+
+// FP8: a warp per group of QUANT_FP8_GROUP channels (the last one may be shorter).
+__global__ void moe_input_fp8_kernel(float *y, const float *x, int D) {
+    const int64_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float *xr = x + t * D;
+    float *yr = y + t * D;
+    const int G = (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP;
+    constexpr int PER = QUANT_FP8_GROUP / 32;
+    for (int g = warp; g < G; g += nw) {
+        const int c0 = g * QUANT_FP8_GROUP, n = min(QUANT_FP8_GROUP, D - c0);
+        float v[PER], a = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int c = lane + 32 * i;
+            v[i] = c < n ? xr[c0 + c] : 0.0f;
+            if (c < n) a = amax_one(a, v[i]);
+        }
+        a = warp_amax(a);
+        const float sc = __fdiv_rn(a > 1e-10f ? a : 1e-10f, FP8_E4M3_MAX);
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int c = lane + 32 * i;
+            if (c < n)
+                yr[c0 + c] =
+                    __fmul_rn(fp8_e4m3_to_float(fp8_e4m3_from_float(__fdiv_rn(v[i], sc))), sc);
+        }
+    }
+}
+
+// NVFP4: the token's scale s2 from its amax (a block reduction), then a thread per group of
+// QUANT_FP4_GROUP channels. D % QUANT_FP4_GROUP == 0.
+__global__ void moe_input_nvfp4_kernel(float *y, const float *x, int D) {
+    __shared__ float wmax[32];
+    const int64_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float *xr = x + t * D;
+    float *yr = y + t * D;
+    float a = 0.0f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x)
+        a = amax_one(a, xr[c]);
+    a = warp_amax(a);
+    if (lane == 0) wmax[warp] = a;
+    __syncthreads();
+    a = lane < nw ? wmax[lane] : 0.0f;
+    a = warp_amax(a);
+    const float s2 = a > 0.0f ? __fdiv_rn(a, FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
+    const float s6 = __fmul_rn(FP4_E2M1_MAX, s2);
+    for (int g = threadIdx.x; g < D / QUANT_FP4_GROUP; g += blockDim.x) {
+        const float *xg = xr + g * QUANT_FP4_GROUP;
+        float v[QUANT_FP4_GROUP], m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QUANT_FP4_GROUP; i++) {
+            v[i] = xg[i];
+            m = amax_one(m, v[i]);
+        }
+        const uint8_t code = fp8_e4m3_from_float(__fdiv_rn(m, s6));
+        const float sf = fp8_e4m3_to_float(code), scale = __fmul_rn(sf, s2);
+        float *yg = yr + g * QUANT_FP4_GROUP;
+#pragma unroll
+        for (int i = 0; i < QUANT_FP4_GROUP; i++) {
+            const uint8_t q = scale > 0.0f ? fp4_e2m1_from_float(__fdiv_rn(v[i], scale)) : 0;
+            yg[i] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
+        }
+    }
+}
+
+void cuda_moe_input_quant(float *y, const float *x, int T, int D, int payload) {
+    if (T <= 0 || D <= 0) return;
+    switch (payload) {
+    case A2A_PAYLOAD_F32:
+        if (y != x)
+            CUDA_CHECK(cudaMemcpyAsync(y, x, (size_t)T * D * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, cuda_stream()));
+        return;
+    case A2A_PAYLOAD_FP8:
+        moe_input_fp8_kernel<<<T, 256, 0, cuda_stream()>>>(y, x, D);
+        break;
+    case A2A_PAYLOAD_NVFP4:
+        if (D % QUANT_FP4_GROUP != 0)
+            cuda_fail(__FILE__, __LINE__, "moe_input_quant", "nvfp4 needs D % 16 == 0");
+        moe_input_nvfp4_kernel<<<T, 256, 0, cuda_stream()>>>(y, x, D);
+        break;
+    default:
+        cuda_fail(__FILE__, __LINE__, "moe_input_quant",
+                  "payload must be f32, fp8 or nvfp4 (the experts' formats)");
+    }
     CUDA_CHECK_LAUNCH();
 }
