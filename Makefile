@@ -123,7 +123,8 @@ $(BUILD)/bench_a2a: $(BUILD)/scripts/bench_a2a.o $(A2A_OBJS)
 # The GPU all-to-all (nvlink_one_sided, nccl): its test runs under mpirun on the GPU machine
 # (scripts/gpu_check.sh runs it with one rank); bench_a2a_cuda needs two GPUs and mpirun -np 2.
 # Without nvcc the test builds as a stub that says "skipped".
-$(A2A_CU_OBJS): NVCCFLAGS += $(MPI_CFLAGS) $(if $(NCCL_H),,-DMOESERVE_NO_NCCL)
+# (every CUDA object: elementwise.cu reads the payload formats of kernels/a2a.h too)
+$(CU_OBJS) $(A2A_CU_OBJS): NVCCFLAGS += $(MPI_CFLAGS) $(if $(NCCL_H),,-DMOESERVE_NO_NCCL)
 $(BUILD)/tests/test_cuda_a2a: $(BUILD)/tests/test_cuda_a2a.o $(LIB_OBJS) $(A2A_CU_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(LDLIBS) $(A2A_CU_LIBS)

@@ -126,6 +126,16 @@ void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int 
 void quant_linear_fp8(float *out, const float *x, const uint8_t *w_q, const float *w_s, int T,
                       int N, int K);
 
+/* The NVFP4 GEMM as Hopper runs it (W4A16: no FP4 tensor cores there), the reference of the
+ * W4A16 kernels: out[T, N] = x[T, K] w[N, K]^T with w in NVFP4 (codes w_q [N, K / 2] packed,
+ * group scales w_sf [N, K / 16] as E4M3 codes, tensor scale w_s2; K % 16 == 0) and x in 16 bits
+ * (act_bf16: x rounded to BF16, nearest even, as a kernel reading BF16 activations sees it) or
+ * fp32. Each weight decodes to e2m1(q) e4m3(sf), exact in BF16 (at most 6 significant bits),
+ * the products are summed in increasing k in fp32 and the sum is multiplied by w_s2 once (the
+ * tensor scale folded into the epilogue). */
+void quant_linear_nvfp4(float *out, const float *x, const uint8_t *w_q, const uint8_t *w_sf,
+                        float w_s2, int T, int N, int K, int act_bf16);
+
 #ifdef __cplusplus
 }
 #endif

@@ -74,6 +74,7 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
             goto fail;
         }
         if (m->cfg.quant == MODEL_QUANT_NONE) m->online_quant = want;
+        m->online_quant_experts_only = o->quantize_experts_only;
     }
     /* The experts' activation format follows their weights' format (model.h). */
     const int quant = m->online_quant != MODEL_QUANT_NONE ? m->online_quant : m->cfg.quant;
@@ -363,7 +364,8 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
                        ct->file, name, dtype_name(ct->t.dtype));
     size_t len = strlen(name);
     if (m->online_quant != MODEL_QUANT_NONE && ndim == 2 && len > 12 &&
-        strcmp(name + len - 12, "_proj.weight") == 0)
+        strcmp(name + len - 12, "_proj.weight") == 0 &&
+        (!m->online_quant_experts_only || strstr(name, ".mlp.experts.")))
         return quantize_weight(m, ct, name, out, err, errlen);
     *out = &ct->t;
     return 0;

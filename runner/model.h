@@ -53,6 +53,7 @@ struct model {
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     int online_quant; /* MODEL_QUANT_*: BF16 projections quantized at load (--quantization) */
+    bool online_quant_experts_only; /* only the routed experts' (model_load_opts) */
     /* The routed experts' activation format, an a2a_payload (kernels/a2a.h), one rule for every
      * rank count: A2A_PAYLOAD_FP8 with FP8 experts (DeepSeek-V3's W8A8: the input in E4M3 with
      * one fp32 scale per token per 128 channels), A2A_PAYLOAD_NVFP4 with NVFP4 experts (E2M1,
@@ -89,6 +90,10 @@ typedef struct {
      * the checkpoint that script writes; on a checkpoint already quantized it must name its
      * format. */
     const char *quantization;
+    /* With quantization on a BF16 checkpoint: only the routed experts' projections
+     * (.mlp.experts.*), the rest left as the checkpoint has it; what the experts' format alone
+     * costs (scripts/quant_kl.c measures it). */
+    bool quantize_experts_only;
 } model_load_opts;
 model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o, char *err,
                         size_t errlen);

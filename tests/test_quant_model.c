@@ -1,13 +1,17 @@
 /* The quantized test checkpoints (tests/data/tiny-qwen3-moe-fp8, -nvfp4) loaded by the model:
  * each quantized weight the loader hands out is, bit for bit, kernels/cpu/quant.c's round trip of
  * the BF16 checkpoint's weight (dequantized at load, runner/model.c); and the three checkpoints
- * teacher-forced on 256 tokens through the CPU model, with the mean KL(BF16 || quantized) of the
- * next-token distributions printed. This test checkpoint's random weights give very peaked,
- * mostly wrong predictions (mean teacher-forced logprob about -15 over a vocabulary of 2051), so
- * the KL it measures is far above what a trained model shows for the same formats: the figures
- * are reported, and only their sanity is checked here. Also: --quantization (model_load_opts) on
- * the BF16 checkpoint gives the quantized checkpoints' logits bit for bit, and bad values stop the
- * load with a message. */
+ * teacher-forced on 256 tokens through the CPU model (the routed experts' input in their
+ * activation format), with the mean KL(BF16 || quantized) of the next-token distributions
+ * printed. This test checkpoint's random weights are drawn large (gains above 1, a near one-hot
+ * router) and amplify any perturbation from layer to layer, so the KL it measures is far above
+ * what the formats cost a model of realistic scales; tests/data/tiny-qwen3-moe-kl has such scales
+ * (scripts/make_kl_checkpoint.py) and is measured the same way. Issue 8's limits (FP8 1e-3,
+ * NVFP4 2e-2) are not met by either (docs/benchmarks.md has the figures, build/quant_kl the
+ * fuller measure): the figures are printed, and only their sanity is checked here (finite,
+ * NVFP4 above FP8, realistic scales below the test checkpoint's). Also: --quantization
+ * (model_load_opts) on the BF16 checkpoint gives the quantized checkpoints' logits bit for bit,
+ * and bad values stop the load with a message. */
 #include "runner/model.h"
 
 #include <math.h>
@@ -64,6 +68,19 @@ static void log_softmax(double *out, const float *x, int V) {
         s += exp(x[i] - mx);
     for (int i = 0; i < V; i++)
         out[i] = x[i] - mx - log(s);
+}
+
+/* Mean over the T positions of KL(softmax(ref) || softmax(q)) for logits [T, V]. */
+static double mean_kl(const float *ref, const float *q, int V) {
+    double *lp = malloc(sizeof(double) * V), *lq = malloc(sizeof(double) * V), sum = 0;
+    for (int t = 0; t < T; t++) {
+        log_softmax(lp, ref + (size_t)t * V, V);
+        log_softmax(lq, q + (size_t)t * V, V);
+        for (int i = 0; i < V; i++)
+            sum += exp(lp[i]) * (lp[i] - lq[i]);
+    }
+    free(lp), free(lq);
+    return sum / T;
 }
 
 /* The loader's weight `name` [N, K] of the quantized checkpoint against the C round trip of the
@@ -183,6 +200,22 @@ int main(void) {
            T, kl8, worst8, kl4, worst4);
     CHECK(isfinite(kl8) && isfinite(kl4) && kl8 > 0 && kl4 > kl8,
           "the formats change the model, NVFP4 more than FP8 (%.3g, %.3g)", kl8, kl4);
+    /* The same measure on the checkpoint of realistic scales, quantized at load. */
+    int Vr = 0, Vr8 = 0, Vr4 = 0;
+    float *r0 = run_model(DATA "tiny-qwen3-moe-kl", NULL, ids, &Vr);
+    float *r8 = run_model(DATA "tiny-qwen3-moe-kl", "fp8", ids, &Vr8);
+    float *r4 = run_model(DATA "tiny-qwen3-moe-kl", "nvfp4", ids, &Vr4);
+    if (r0 && r8 && r4 && Vr == V && Vr8 == V && Vr4 == V) {
+        const double rk8 = mean_kl(r0, r8, V), rk4 = mean_kl(r0, r4, V);
+        printf("tiny-qwen3-moe-kl (realistic scales): FP8 mean %.3g, NVFP4 mean %.3g (issue 8's "
+               "limits: 1e-3 and 2e-2)\n",
+               rk8, rk4);
+        CHECK(isfinite(rk8) && isfinite(rk4) && rk8 > 0 && rk4 > rk8 && rk8 < kl8 && rk4 < kl4,
+              "realistic scales: NVFP4 (%.3g) above FP8 (%.3g), both below the test "
+              "checkpoint's (%.3g, %.3g)",
+              rk4, rk8, kl4, kl8);
+    }
+    free(r0), free(r8), free(r4);
     free(lp), free(lq), free(ref), free(f8), free(f4);
     CHECK_SUMMARY();
 }

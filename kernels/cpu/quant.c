@@ -1,6 +1,8 @@
 /* Block scalings of FP8 and NVFP4 (kernels/quant.h), the CPU reference of the CUDA quantizers and
  * of the quantize-at-load path. Plain loops in row order: amax and scales are exact (max and one
- * division), so the results do not depend on any order of evaluation. */
+ * division), so the results do not depend on any order of evaluation. Also the quantized GEMMs'
+ * references: FP8 W8A8 (DeepSeek-V3's recipe) and NVFP4 W4A16 (how Hopper runs NVFP4); each
+ * output is one fixed-order fp32 sum, so threads do not change a bit. */
 #include "kernels/quant.h"
 
 #include "kernels/cpu/cpu_ops.h"
@@ -134,4 +136,31 @@ void quant_linear_fp8(float *out, const float *x, const uint8_t *w_q, const floa
         }
     free(xq);
     free(xs);
+}
+
+void quant_linear_nvfp4(float *out, const float *x, const uint8_t *w_q, const uint8_t *w_sf,
+                        float w_s2, int T, int N, int K, int act_bf16) {
+    MS_ASSERT(K % QUANT_FP4_GROUP == 0);
+    const int G = K / QUANT_FP4_GROUP;
+    float *xa = xmalloc(sizeof(float) * ((size_t)T * K + 1)); /* the activations as read */
+    for (int64_t i = 0; i < (int64_t)T * K; i++)
+        xa[i] = act_bf16 ? bf16_to_f32(f32_to_bf16(x[i])) : x[i];
+#pragma omp parallel for schedule(static) if ((int64_t)T * N * K >= (1 << 20))
+    for (int n = 0; n < N; n++) {
+        float wr[QUANT_FP4_GROUP]; /* one group of row n, decoded without its tensor scale */
+        for (int t = 0; t < T; t++) {
+            const float *a = xa + (int64_t)t * K;
+            float acc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const float sf = fp8_e4m3_to_float(w_sf[(int64_t)n * G + g]);
+                const uint8_t *qg = w_q + ((int64_t)n * K + g * QUANT_FP4_GROUP) / 2;
+                for (int i = 0; i < QUANT_FP4_GROUP; i++)
+                    wr[i] = fp4_e2m1_to_float(i % 2 ? qg[i / 2] >> 4 : qg[i / 2] & 15) * sf;
+                for (int i = 0; i < QUANT_FP4_GROUP; i++)
+                    acc += a[g * QUANT_FP4_GROUP + i] * wr[i];
+            }
+            out[(int64_t)t * N + n] = acc * w_s2;
+        }
+    }
+    free(xa);
 }
