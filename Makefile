@@ -61,7 +61,7 @@ TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 .PHONY: all test run bench asan format clean deps
 .SECONDARY:
-all: $(BUILD)/moeserve $(BUILD)/moeserve-bench $(BUILD)/bench_step $(TEST_BINS)
+all: $(BUILD)/moeserve $(BUILD)/moeserve-bench $(BUILD)/bench_step $(BUILD)/quant_kl $(TEST_BINS)
 
 $(BUILD)/moeserve: $(BUILD)/server/main.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
@@ -136,6 +136,10 @@ $(BUILD)/bench_a2a_cuda: $(BUILD)/scripts/bench_a2a_cuda.o $(LIB_OBJS) $(A2A_CU_
 
 # Engine step benchmark (decode step time against the memory floor, prefill throughput).
 $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
+
+# Teacher-forced KL of the FP8 and NVFP4 models against BF16 (issue 8's measure).
+$(BUILD)/quant_kl: $(BUILD)/scripts/quant_kl.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/bench_membw: scripts/bench_membw.c
