@@ -63,7 +63,9 @@ struct model {
      * ops->moe_input_quant, with an all-to-all through its dispatch, whose payload must be this
      * one (the model checks each layer; the caller creates the all-to-all with it), so tokens
      * cross quantized and each rank's experts see the bits one process gives them. A backend
-     * without moe_input_quant (CUDA for now) keeps F32 until it has one. */
+     * without moe_input_quant keeps F32. Only the experts' input: their down projection reads
+     * silu(gate) * up unrounded (a W8A8 kernel that quantizes it too must say so in
+     * moe_experts, with the CPU following). */
     int expert_payload;
     char err[512]; /* why the last forward failed */
     uint64_t ws_epoch; /* moves on whenever the activation buffers are reallocated */
