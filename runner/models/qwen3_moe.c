@@ -267,6 +267,15 @@ static void qwen3_moe_workspace_reserve(model *m, qwen3_moe_workspace *ws, int T
     ws->cap_T = T;
 }
 
+/* ws->recv_out for the K slot outputs of D channels of n received tokens. */
+static void recv_out_reserve(model *m, qwen3_moe_workspace *ws, size_t n) {
+    size_t need = n * m->cfg.num_experts_per_tok * m->cfg.hidden_size;
+    if (need > ws->cap_recv) {
+        ws->recv_out = ws_grow(m, ws->recv_out, need * sizeof(float));
+        ws->cap_recv = need;
+    }
+}
+
 /* The routed experts of layer l for T tokens in ws->h -> ws->expert_out [T, K, D] and ws->topk_w
  * (the caller finalizes them, fused with what follows). Alone: every expert is here.
  * With the all-to-all: each token goes to the ranks owning its experts, this rank runs its own
@@ -289,11 +298,7 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
                              m->err, sizeof m->err))
             return -1;
         a2a_gpu_received rv = a2a_gpu_get_received(m->a2a_gpu);
-        size_t need = (size_t)rv.n_max * K * D;
-        if (need > ws->cap_recv) {
-            ws->recv_out = ws_grow(m, ws->recv_out, need * sizeof(float));
-            ws->cap_recv = need;
-        }
+        recv_out_reserve(m, ws, (size_t)rv.n_max);
         op->moe_experts_n(ws->recv_out, rv.x, rv.ids, rv.n, &l->experts, rv.n_max, K, D, F);
         return a2a_gpu_combine(m->a2a_gpu, ws->recv_out, ws->expert_out, s, m->err,
                                sizeof m->err);
@@ -319,11 +324,7 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
                          sizeof m->err))
             return -1;
         a2a_received rv = a2a_get_received(m->a2a);
-        size_t need = (size_t)rv.n * K * D;
-        if (need > ws->cap_recv) {
-            ws->recv_out = ws_grow(m, ws->recv_out, need * sizeof(float));
-            ws->cap_recv = need;
-        }
+        recv_out_reserve(m, ws, (size_t)rv.n);
         op->moe_experts(ws->recv_out, rv.x, rv.ids, &l->experts, rv.n, K, D, F);
         if (a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err)) return -1;
     }
