@@ -6,6 +6,9 @@
 #                                  run prints its tables), PyTorch side by side where installed
 #   3. scripts/gpu_bench.sh        decode steps and prefill of Qwen3-30B-A3B and the DeepSeek shape
 #   4. scripts/gpu_serve_bench.sh  serving over HTTP at concurrency 1, 64 and 256
+#   5. scripts/gpu_ep_check.sh     with two GPUs or more: the GPU all-to-all's test, the server
+#                                  on two GPUs against one, serving on two (its one-GPU serving
+#                                  is part 4's)
 # Run from the repository root with the build carried there (build here: `make -j2 &&
 # scripts/gpu_bundle.sh`). Logs go to ${OUT:-/tmp/gpu-all}, packed into logs.tgz there; the
 # console gets each part's summary. SKIP="serve bench" leaves parts out.
@@ -40,6 +43,11 @@ fi
 if part serve; then
     echo "== 4. serving"
     OUT="$out/serve" timeout 900 bash scripts/gpu_serve_bench.sh
+fi
+n_gpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ')
+if part ep && [ "$n_gpu" -ge 2 ]; then
+    echo "== 5. two GPUs"
+    OUT="$out/ep" SKIP_ONE=1 timeout 1200 bash scripts/gpu_ep_check.sh
 fi
 tar czf "$out/logs.tgz" -C "$out" --exclude logs.tgz . 2> /dev/null
 echo "logs: $out/logs.tgz"

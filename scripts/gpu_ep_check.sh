@@ -5,7 +5,7 @@
 #   2. scripts/gpu_ep_compare.py: `mpirun -np 2 moeserve serve --device cuda` with
 #      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens
 #   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights) on one GPU and
-#      on two (SKIP=serve leaves it out)
+#      on two (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU run)
 # Logs go to ${OUT:-/tmp/gpu-ep}; each part prints its summary, the last line is "N passed, M
 # failed" over parts 1 and 2.
 set -u
@@ -43,8 +43,10 @@ grep -vE '^[0-9]+ passed' "$out/compare.txt"
 count "$out/compare.txt"
 
 if [[ " ${SKIP:-} " != *" serve "* ]]; then
-    echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU"
-    OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh
+    if [ -z "${SKIP_ONE:-}" ]; then
+        echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU"
+        OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh
+    fi
     echo "== 3. serving, two GPUs (nvlink_one_sided)"
     OUT=$out/serve2 LAUNCH="${mpi[*]} -np 2" timeout 600 bash scripts/gpu_serve_bench.sh \
         --moe-a2a-backend nvlink_one_sided
