@@ -122,6 +122,12 @@ typedef struct {
     /* With expert parallelism, set by the caller before each engine_step: the step agreement's
      * runtime_max; the forward then runs even with no tokens here. 0 = alone. */
     int runtime_max;
+    /* --enable-deterministic-inference (set by the caller after engine_init): every request's
+     * results must not depend on the batch, the step's split into prefill and decode, the prefix
+     * cache or the ranks. The CPU backend keeps that in every mode, so nothing reads this there;
+     * it is where a backend whose fast kernels follow the batch's size (CUDA's cuBLASLt choices)
+     * will learn to take its fixed-order ones. */
+    bool deterministic;
     double last_forward_seconds; /* wall time of the last engine_step's forward pass */
     double last_sample_seconds;  /* and of its scoring and sampling after the forward */
     /* Scoring and sampling on the device (ops->sample, where the backend has it and its memory is

@@ -145,6 +145,7 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
         free(s);
         return NULL;
     }
+    s->e.deterministic = c.deterministic;
     radix_cache_init(&s->rc, &s->e.kv);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -152,9 +153,9 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
     s->stats.kv_pages_total = n_pages;
     LOG_INFO("scheduler",
              "%d KV pages of %d tokens; up to %d running, %d prefill tokens per step, context %d, "
-             "prefix cache %s",
+             "prefix cache %s%s",
              n_pages, c.page_size, c.max_running_requests, c.chunked_prefill_size, c.context_length,
-             c.enable_radix_cache ? "on" : "off");
+             c.enable_radix_cache ? "on" : "off", c.deterministic ? ", deterministic" : "");
     return s;
 }
 

@@ -31,6 +31,9 @@ typedef struct {
     bool enable_radix_cache;  /* share prompt-prefix pages between requests */
     int cuda_graph_max_bs;    /* decode steps of up to this many requests replayed as graphs
                                  where the backend has them (0: never) */
+    bool deterministic;       /* --enable-deterministic-inference: handed to the engine
+                                 (engine.deterministic); the CPU backend is batch-invariant
+                                 either way */
 } scheduler_config;
 
 /* Counters and gauges for /metrics and /get_server_info; a consistent snapshot. */

@@ -11,6 +11,7 @@
  *     fitted to what the context leaves.
  *   - A request without a seed gets a fresh one, so unseeded sampling differs between requests as
  *     clients expect; n samples with one seed use seed, seed + 1, ...
+ *     Under --enable-deterministic-inference the seed of an unseeded request is fixed instead.
  *   - Output text is decoded here, incrementally, from the output ids. While a request runs, text
  *     that could still turn out to be the start of a stop string is held back, so a streamed delta
  *     never has to be taken back.
@@ -41,6 +42,9 @@
 #define API_VERSION       "0.1.0"
 #define API_WAKE_INTERVAL 0.25
 #define API_RELAY_DRAIN_S 3.0 /* at shutdown, relays in flight get this long to end */
+/* The seed of an unseeded request under --enable-deterministic-inference: one fixed value, so
+ * that an unseeded sampled request also gives the same bits on every run. */
+#define API_DETERMINISTIC_SEED 42
 
 /* The one api of the process, for the notify callback (its context is a packed handle). */
 static api_server *api_global;
@@ -409,7 +413,12 @@ int api_job_add(api_job *j, int item, const int32_t *ids, int n_ids, const api_p
         int room = a->args.context_length - n_ids;
         if (room >= 0 && g.max_new_tokens > room) g.max_new_tokens = room;
     }
-    g.sampling.seed = p->seed_given ? p->gen.sampling.seed + (uint64_t)sample : api_random_seed(a);
+    if (p->seed_given)
+        g.sampling.seed = p->gen.sampling.seed + (uint64_t)sample;
+    else if (a->args.enable_deterministic_inference)
+        g.sampling.seed = API_DETERMINISTIC_SEED + (uint64_t)sample;
+    else
+        g.sampling.seed = api_random_seed(a);
     g.on_token = NULL;
     g.ctx = NULL;
     api_watch *w = NULL;
@@ -829,7 +838,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "page_size", g->page_size);
     cJSON_AddBoolToObject(o, "disable_radix_cache", g->disable_radix_cache);
     cJSON_AddBoolToObject(o, "enable_metrics", g->enable_metrics);
-    cJSON_AddBoolToObject(o, "enable_deterministic_inference", false);
+    cJSON_AddBoolToObject(o, "enable_deterministic_inference", g->enable_deterministic_inference);
     cJSON_AddBoolToObject(o, "api_key_set", g->api_key != NULL);
     cJSON_AddStringToObject(o, "log_level", g->log_level);
     cJSON_AddNumberToObject(o, "threads", g->threads);

@@ -53,6 +53,8 @@ typedef struct {
     const char *load_format;    /* auto | safetensors | dummy (random weights from config.json) */
     const char *quantization;   /* --quantization, or NULL: the checkpoint's own format */
     bool skip_tokenizer_init;   /* no tokenizer: token ids in and out (api_create gets NULL) */
+    bool enable_deterministic_inference; /* results independent of what else runs; unseeded
+                                            sampling takes API_DETERMINISTIC_SEED */
 } server_args;
 
 typedef struct api_server api_server;

@@ -92,6 +92,9 @@ static const char usage_generate[] =
     "                           projections as they load (default: the checkpoint's format)\n"
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
     "                           OMP_WAIT_POLICY=active is set)\n"
+    "  --enable-deterministic-inference\n"
+    "                           accepted on the CPU, whose results never depend on the batch;\n"
+    "                           refused with --device cuda (not batch-invariant yet)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
 
 static const char usage_serve[] =
@@ -133,6 +136,11 @@ static const char usage_serve[] =
     "                                stay open)\n"
     "  --enable-metrics              serve Prometheus metrics at GET /metrics\n"
     "  --disable-radix-cache         do not share prompt-prefix KV pages between requests\n"
+    "  --enable-deterministic-inference\n"
+    "                                a request's tokens and logprobs do not depend on what else\n"
+    "                                runs (batch, ranks, prefill chunks, prefix cache), and an\n"
+    "                                unseeded sampled request draws with seed 42; the CPU\n"
+    "                                always computes this way, --device cuda refuses it for now\n"
     "  --log-level LEVEL             debug, info, warn (or warning) or error (default info)\n"
     "  --threads N                   CPU threads of the engine (default: all cores; their waits\n"
     "                                sleep unless OMP_WAIT_POLICY=active is set)\n"
@@ -280,11 +288,26 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
     return false;
 }
 
+/* --enable-deterministic-inference promises a request the same bits whatever else runs. The CPU
+ * backend computes that way in every mode (each op's reduction order depends on its row, its
+ * position and the shapes alone: kernels/cpu/linear.c, attention.c, moe.c; the sampler draws
+ * from (seed, position)), so there the flag changes nothing but the default seed and what
+ * /server_info says. The CUDA backend does not yet, and the flag is refused there rather than
+ * claimed. */
+static void check_deterministic(bool on, const char *device) {
+    if (on && !strcmp(device, "cuda"))
+        die("--enable-deterministic-inference: not available with --device cuda yet: the CUDA "
+            "GEMMs take cuBLASLt's algorithm for each token count (tile, split-K, stream-K) and "
+            "switch from the decode kernel to cuBLASLt above a few tokens, so a token's logprobs "
+            "change in their last bits with the batch (kernels/cuda/linear.cu); run it with "
+            "--device cpu, or without the flag");
+}
+
 static int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
     gen_request q = {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
-    bool skip_special = true;
+    bool skip_special = true, deterministic = false;
     int threads = 0, graph_bs = 0;
     const char *device = "cpu", *load_format = "auto", *precision = "high", *quantization = NULL;
     stop_watch sw = {0};
@@ -306,6 +329,10 @@ static int cmd_generate(int argc, char **argv) {
         }
         if (!strcmp(a, "--no-skip-special-tokens")) {
             skip_special = false;
+            continue;
+        }
+        if (!strcmp(a, "--enable-deterministic-inference")) {
+            deterministic = true;
             continue;
         }
         if (i + 1 >= argc) die("generate: %s needs a value (see moeserve generate --help)", a);
@@ -369,6 +396,7 @@ static int cmd_generate(int argc, char **argv) {
     }
     if (!model_path) die("generate: --model-path is required");
     if (!!prompt == !!input_ids) die("generate: give exactly one of --prompt and --input-ids");
+    check_deterministic(deterministic, device);
     const char *bad = sampling_params_check(&q.sampling);
     if (bad) die("generate: %s", bad);
     if (threads) omp_set_num_threads(threads);
@@ -426,6 +454,7 @@ static int cmd_generate(int argc, char **argv) {
     int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
     engine e;
     if (engine_init(&e, m, n_pages, page_size, 512, err, sizeof err)) die("%s", err);
+    e.deterministic = deterministic;
     if (graph_bs > 0 && !backend->graph_begin)
         LOG_WARN("generate", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
                  backend->name);
@@ -666,6 +695,10 @@ static int cmd_serve(int argc, char **argv) {
             a.skip_tokenizer_init = true;
             continue;
         }
+        if (!strcmp(f, "--enable-deterministic-inference")) {
+            a.enable_deterministic_inference = true;
+            continue;
+        }
         static const char *const with_value[] = {"--model-path",
                                                  "--host",
                                                  "--port",
@@ -767,6 +800,7 @@ static int cmd_serve(int argc, char **argv) {
     if (!a.model_path) die("serve: --model-path is required (see moeserve serve --help)");
     if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
         die("--device: '%s' is not one of cpu, cuda", a.device);
+    check_deterministic(a.enable_deterministic_inference, a.device);
     if (!*a.host) die("--host: the address is empty");
     if (strcmp(a.load_format, "auto") && strcmp(a.load_format, "safetensors") &&
         strcmp(a.load_format, "dummy"))
@@ -938,6 +972,7 @@ static int cmd_serve(int argc, char **argv) {
                            .chunked_prefill_size = a.chunked_prefill_size,
                            .context_length = a.context_length,
                            .enable_radix_cache = !a.disable_radix_cache,
+                           .deterministic = a.enable_deterministic_inference,
                            .cuda_graph_max_bs = a.cuda_graph_max_bs};
     scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
     if (!sched) die("%s", err);
