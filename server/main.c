@@ -610,8 +610,8 @@ static a2a_transport serve_transport(const char *name, const rank_group *g, bool
             a2a_transport_name(t));
 #endif
     if (t == A2A_NONE && rank_group_size(g) > 1)
-        die("--moe-a2a-backend none: serves one rank, this group has %d (use shm or mpi)",
-            rank_group_size(g));
+        die("--moe-a2a-backend none: serves one rank, this group has %d (use %s)",
+            rank_group_size(g), cuda ? "nvlink_one_sided or nccl" : "shm or mpi");
     if (t == A2A_SHM && !rank_group_same_node(g))
         die("--moe-a2a-backend shm: the ranks are on more than one node (use mpi)");
     return t;
