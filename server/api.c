@@ -478,6 +478,26 @@ static void api_item_refuse(api_item *it, const char *why) {
 
 void api_job_start(api_job *j, http_exchange *x) {
     api_server *a = j->srv;
+    /* --max-queued-requests: a job whose requests would take the waiting queue past the limit is
+     * refused whole, before anything of it runs (the check and the submits share submit_mu, so
+     * concurrent jobs cannot pass it together). */
+    const int limit = a->args.max_queued_requests;
+    if (limit > 0) {
+        pthread_mutex_lock(&a->submit_mu);
+        scheduler_stats st;
+        scheduler_get_stats(a->sched, &st);
+        if (st.n_waiting + j->n_items > limit) {
+            pthread_mutex_unlock(&a->submit_mu);
+            api_error e = {0};
+            api_fail(&e, 503, NULL,
+                     "the waiting queue is full (%d waiting, --max-queued-requests %d): retry later",
+                     st.n_waiting, limit);
+            api_job_free(j);
+            api_reply_error_header(a, x, &e, "Retry-After: 1");
+            return;
+        }
+        pthread_mutex_unlock(&a->submit_mu);
+    }
     if (j->stream)
         http_stream(x, "text/event-stream", j, api_fill_cb, api_close_cb);
     else
@@ -843,6 +863,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddStringToObject(o, "log_level", g->log_level);
     cJSON_AddNumberToObject(o, "threads", g->threads);
     cJSON_AddNumberToObject(o, "max_body_bytes", (double)g->max_body_bytes);
+    cJSON_AddNumberToObject(o, "max_queued_requests", g->max_queued_requests);
     int world = a->group ? rank_group_size(a->group) : 1;
     int me = a->group ? rank_group_rank(a->group) : 0;
     cJSON_AddNumberToObject(o, "rank", me);

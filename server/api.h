@@ -42,6 +42,8 @@ typedef struct {
     const char *log_level;
     int threads; /* 0: all cores */
     size_t max_body_bytes;
+    int max_queued_requests; /* waiting requests at most; a request that would pass it gets 503
+                                with Retry-After (0: no limit) */
     /* the rank group */
     bool load_balance;           /* place generation requests on the least-loaded rank */
     const char *moe_a2a_backend; /* none | shm | mpi | nvlink_one_sided | nccl; NULL = by machine */

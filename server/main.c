@@ -145,6 +145,8 @@ static const char usage_serve[] =
     "  --threads N                   CPU threads of the engine (default: all cores; their waits\n"
     "                                sleep unless OMP_WAIT_POLICY=active is set)\n"
     "  --max-body-bytes N            largest request body; larger ones get 413 (default 16777216)\n"
+    "  --max-queued-requests N       requests waiting to run at most; more get 503 with Retry-After\n"
+    "                                (default 4096; 0: no limit)\n"
     "\n"
     "Several ranks (mpirun -np N moeserve serve ...): rank r serves on port PORT + r and runs\n"
     "attention for its own requests; every MoE layer's experts are split over the ranks.\n"
@@ -661,6 +663,7 @@ static int cmd_serve(int argc, char **argv) {
                      .page_size = 16,
                      .log_level = "info",
                      .max_body_bytes = 16u << 20,
+                     .max_queued_requests = 4096,
                      .load_balance = true,
                      .load_format = "auto"};
     char err0[256];
@@ -715,6 +718,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--api-key",
                                                  "--threads",
                                                  "--max-body-bytes",
+                                                 "--max-queued-requests",
                                                  "--log-level",
                                                  "--moe-a2a-backend",
                                                  "--tp",
@@ -768,6 +772,8 @@ static int cmd_serve(int argc, char **argv) {
             a.threads = (int)parse_long(f, v, 1, 4096);
         else if (!strcmp(f, "--max-body-bytes"))
             a.max_body_bytes = (size_t)parse_long(f, v, 1024, 1L << 40);
+        else if (!strcmp(f, "--max-queued-requests"))
+            a.max_queued_requests = (int)parse_long(f, v, 0, 1L << 24);
         else if (!strcmp(f, "--moe-a2a-backend"))
             a.moe_a2a_backend = v;
         else if (!strcmp(f, "--load-format"))

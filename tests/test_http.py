@@ -1617,6 +1617,52 @@ def test_queued_disconnect(srv):
     health_ok(srv, "queued disconnects")
 
 
+def test_queue_limit(srv):
+    """--max-running-requests 1 --max-queued-requests 2: one long request runs, two wait; the
+    next ones get 503 with Retry-After and a JSON error at once (/generate and
+    /v1/completions), the admitted ones all finish, and once the queue drains a request is
+    served again."""
+    long_req = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    held = [None] * 3
+
+    def run(i):
+        try:
+            held[i] = http_request(srv.port, "POST", "/generate", long_req)
+        except OSError as ex:
+            held[i] = ex
+
+    threads = []
+    for i in range(3):  # one by one, so that the first runs and the other two wait
+        t = threading.Thread(target=run, args=(i,))
+        t.start()
+        threads.append(t)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            c = queue_counts(srv)
+            if c and c[0] + c[1] >= i + 1:
+                break
+            time.sleep(0.02)
+    c = queue_counts(srv)
+    check("queue limit: 1 running and 2 waiting before the overflow", c == (1, 2), "running, waiting = %s" % (c,))
+    over = [http_request(srv.port, "POST", "/generate", long_req),
+            http_request(srv.port, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4}),
+            http_request(srv.port, "POST", "/generate", {"input_ids": [[5, 6], [7, 8]],
+                                                         "sampling_params": {"max_new_tokens": 2}})]
+    for name, r in zip(["/generate", "/v1/completions", "/generate batch of 2"], over):
+        j = r.json()
+        check("queue limit: %s over the limit gets 503 with Retry-After and a message" % name,
+              r.status == 503 and r.headers.get("retry-after") == "1" and isinstance(j, dict)
+              and "queue" in str(j.get("error", {}).get("message", "")), r)
+    for t in threads:
+        t.join(timeout=120)
+    ok = all(isinstance(h, Reply) and h.status == 200 and len((h.json() or {}).get("output_ids", [])) == 1000
+             for h in held)
+    check("queue limit: the 3 admitted requests finish with their 1000 tokens", ok, held)
+    info = http_request(srv.port, "GET", "/server_info").json() or {}
+    check("queue limit: /server_info reports max_queued_requests 2", info.get("max_queued_requests") == 2, info.get("max_queued_requests"))
+    gen_ok(srv, "queue limit: served again once the queue drained", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+
+
 def test_shutdown_in_flight(srv):
     """SIGTERM with a stream in flight: the client's stream ends (no hang) and the server exits."""
     body = json.dumps({"input_ids": [5, 6, 7], "stream": True,
@@ -1973,6 +2019,8 @@ def main(argv):
                     [(test_tight, ()), (test_shutdown_in_flight, ())])
     if "queue" in groups:
         with_server(Server("queue", ["--enable-metrics", "--max-running-requests", "1"]), [(test_queued_disconnect, ())])
+        with_server(Server("queuelimit", ["--enable-metrics", "--max-running-requests", "1", "--max-queued-requests", "2"]),
+                    [(test_queue_limit, ())])
     if "tokfree" in groups:
         with_server(Server("tokfree", ["--skip-tokenizer-init", "--enable-metrics"]), [(test_tokfree, ())])
     if "dummy" in groups:
