@@ -47,19 +47,19 @@ failed"; exit status 0 only when nothing failed. Every server started is stopped
 its group whatever happens; when $DET_TEST_PIDFILE names a file, the process groups still alive
 are listed there for tests/determinism_test.sh to kill if this script is itself killed.
 """
-import http.client
 import json
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("BUILD", "build")
@@ -77,36 +77,13 @@ EOS = 2048  # ids of prompts stay below it
 # Results
 
 
-class Results:
-    def __init__(self):
-        self.passed = 0
-        self.failed = 0
-        self.lock = threading.Lock()
-
-    def check(self, name, ok, detail=""):
-        with self.lock:
-            if ok:
-                self.passed += 1
-                print("ok   %s%s" % (name, " (%s)" % detail if detail else ""), flush=True)
-            else:
-                self.failed += 1
-                detail = str(detail)
-                if len(detail) > 1200:
-                    detail = detail[:1200] + "..."
-                print("FAIL %s: %s" % (name, detail), flush=True)
-        return bool(ok)
-
-
-R = Results()
+R = harness.Results(cut=1200)
+short = harness.short
+free_port_block = harness.free_port_block
 
 
 def check(name, ok, detail=""):
     return R.check(name, ok, detail)
-
-
-def short(obj, n=300):
-    s = obj if isinstance(obj, str) else repr(obj)
-    return s if len(s) <= n else s[:n] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,39 +91,7 @@ def short(obj, n=300):
 
 
 def http_json(port, method, path, body=None, timeout=REQUEST_TIMEOUT):
-    """One request on a fresh connection: (status, parsed JSON or None, raw text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=data, headers=headers)
-        r = conn.getresponse()
-        raw = r.read().decode("utf-8", "replace")
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None
-        return r.status, parsed, raw
-    finally:
-        conn.close()
-
-
-def port_free(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port_block(n):
-    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if all(port_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no block of %d free ports" % n)
+    return harness.http_json(port, method, path, body, timeout)
 
 
 LIVE = []

@@ -38,7 +38,6 @@ end of its case whatever happens; when $EP_TEST_PIDFILE names a file, the proces
 rank pids still alive are kept listed there so that tests/ep_test.sh can kill them if this script
 itself is killed.
 """
-import http.client
 import json
 import math
 import os
@@ -46,13 +45,14 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("BUILD", "build")
@@ -71,83 +71,18 @@ PIDFILE = os.environ.get("EP_TEST_PIDFILE")
 # Results
 
 
-class Results:
-    def __init__(self):
-        self.passed = 0
-        self.failed = 0
-        self.lock = threading.Lock()
-
-    def check(self, name, ok, detail=""):
-        with self.lock:
-            if ok:
-                self.passed += 1
-                print("ok   %s%s" % (name, " (%s)" % detail if detail else ""), flush=True)
-            else:
-                self.failed += 1
-                detail = str(detail)
-                if len(detail) > 900:
-                    detail = detail[:900] + "..."
-                print("FAIL %s: %s" % (name, detail), flush=True)
-        return bool(ok)
-
-    def summary(self):
-        return "%d passed, %d failed" % (self.passed, self.failed)
-
-
-R = Results()
+R = harness.Results(cut=900)
+short = harness.short
+port_free = harness.port_free
+free_port_block = harness.free_port_block
 
 
 def check(name, ok, detail=""):
     return R.check(name, ok, detail)
 
 
-def short(obj, n=300):
-    s = obj if isinstance(obj, str) else repr(obj)
-    return s if len(s) <= n else s[:n] + "..."
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP
-
-
 def http_json(port, method, path, body=None, timeout=REQUEST_TIMEOUT):
-    """One request on a fresh connection: (status, parsed JSON or None, raw text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        headers = {}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        conn.request(method, path, body=data, headers=headers)
-        r = conn.getresponse()
-        raw = r.read().decode("utf-8", "replace")
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None
-        return r.status, parsed, raw
-    finally:
-        conn.close()
-
-
-def port_free(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_port_block(n):
-    """A base port P with P .. P+n-1 all free now (rank r listens on P + r)."""
-    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if all(port_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no block of %d free ports" % n)
+    return harness.http_json(port, method, path, body, timeout)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""What the Python tests that start the real binary share (tests/test_ep.py,
+tests/test_determinism.py): one check line per result under a lock, with a summary; JSON over a
+fresh HTTP connection; a block of free ports for a rank group (rank r on P + r)."""
+import http.client
+import json
+import os
+import random
+import socket
+import threading
+import time
+
+
+class Results:
+    """ok / FAIL lines, counted; details longer than cut characters are shortened."""
+
+    def __init__(self, cut=900):
+        self.passed = 0
+        self.failed = 0
+        self.cut = cut
+        self.lock = threading.Lock()
+
+    def check(self, name, ok, detail=""):
+        with self.lock:
+            if ok:
+                self.passed += 1
+                print("ok   %s%s" % (name, " (%s)" % detail if detail else ""), flush=True)
+            else:
+                self.failed += 1
+                detail = str(detail)
+                if len(detail) > self.cut:
+                    detail = detail[:self.cut] + "..."
+                print("FAIL %s: %s" % (name, detail), flush=True)
+        return bool(ok)
+
+    def summary(self):
+        return "%d passed, %d failed" % (self.passed, self.failed)
+
+
+def short(obj, n=300):
+    s = obj if isinstance(obj, str) else repr(obj)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def http_json(port, method, path, body=None, timeout=60.0):
+    """One request on a fresh connection: (status, parsed JSON or None, raw text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        r = conn.getresponse()
+        raw = r.read().decode("utf-8", "replace")
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        return r.status, parsed, raw
+    finally:
+        conn.close()
+
+
+def port_free(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_block(n):
+    """A base port P with P .. P+n-1 all free now (rank r listens on P + r)."""
+    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if all(port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of %d free ports" % n)
