@@ -88,7 +88,7 @@ $(BUILD)/%.o: %.cu
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c -o $@ $<
 
 # Debian packages the build and the tests need; installed only when one is missing.
-DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl \
+DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl strace \
             libcurl4-openssl-dev libopenmpi-dev openmpi-bin python3 python3-pip
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -1,9 +1,16 @@
 /* Paged KV cache: contiguous pools per layer, a LIFO free list (recently freed pages are warm in
  * cache when reused) and a reference count per page. A double release or a retain of a free
- * page is a broken invariant and aborts. */
+ * page is a broken invariant and aborts.
+ *
+ * In host memory (the CPU backend) the pools are written once here: the operating system hands
+ * out a page of a large allocation only when it is first touched, so an untouched pool would
+ * make the process grow as pages are first used (up to the whole pool, pages kept by the
+ * prefix cache included), look like a leak under load, and fail late on a machine that cannot
+ * hold it. Written at start, the pool is resident from the start and stays what it is. */
 #include "runner/kv_cache.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/log.h"
 
@@ -24,6 +31,10 @@ int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, 
         kv_cache_free(kv);
         return set_err(err, errlen, "KV cache: cannot allocate %d pages of %d tokens (%.1f MiB)",
                        n_pages, page_size, 2.0 * n * sizeof(float) / (1 << 20));
+    }
+    if (!o || !strcmp(o->name, "cpu")) {
+        memset(kv->k, 0, n * sizeof(float));
+        memset(kv->v, 0, n * sizeof(float));
     }
     for (int i = 0; i < n_pages; i++)
         kv->free_pages[i] = n_pages - 1 - i;

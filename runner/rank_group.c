@@ -382,6 +382,9 @@ int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char
     out->runtime_max = 0;
     out->stop = false;
     out->stop_rank = -1;
+    out->drain = false;
+    out->drain_rank = -1;
+    out->drained = true;
     pthread_mutex_lock(&g->mu);
     for (int r = 0; r < g->size; r++) {
         report_unpack(&g->loads[r], g->recv + (size_t)r * F);
@@ -391,6 +394,11 @@ int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char
             out->stop = true;
             out->stop_rank = r;
         }
+        if (x->drain && !out->drain) {
+            out->drain = true;
+            out->drain_rank = r;
+        }
+        if (x->drain != 2) out->drained = false;
         g->recent[r] = 0;
     }
     g->loads_at = rg_now();

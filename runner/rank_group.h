@@ -9,7 +9,9 @@
  * The step agreement: before each forward pass every rank reports how many tokens it will
  * forward, its load and whether it wants to stop; rank_group_step gives every rank every report,
  * hence the same runtime_max (the largest token count) and the same decision: all zero = idle,
- * no forward; any stop = every rank stops after this exchange. A rank with no tokens of its own
+ * no forward; any stop = every rank stops after this exchange. A drain (a graceful shutdown) is
+ * agreed the same way: once one rank drains every rank drains, and the group stops only when
+ * every rank says it has nothing left, so that no rank stops while another still runs requests. A rank with no tokens of its own
  * still runs every layer with zero tokens and joins every all-to-all.
  *
  * Failure: every wait of the group (the agreement here, the all-to-all in kernels/a2a) times out
@@ -40,6 +42,8 @@ typedef struct {
     int64_t n_requests_done;
     int64_t n_generated_tokens;
     int64_t gen_throughput_milli; /* output tokens/s x 1000 over the last seconds */
+    int64_t drain; /* 0: serving; 1: draining (finishing its requests, taking no new ones);
+                      2: drained (draining, nothing left to run) */
 } rank_report;
 
 #define RANK_REPORT_FIELDS ((int)(sizeof(rank_report) / sizeof(int64_t)))
@@ -49,6 +53,9 @@ typedef struct {
     int runtime_max; /* the largest n_tokens of any rank: 0 = idle */
     bool stop;       /* some rank is stopping */
     int stop_rank;   /* the lowest rank that asked to stop (-1 if none) */
+    bool drain;      /* some rank is draining: every rank drains */
+    int drain_rank;  /* the lowest rank that is draining (-1 if none) */
+    bool drained;    /* every rank is drained: the group stops after this exchange */
 } rank_step;
 
 /* Start the group. timeout_s bounds every wait of the group (0 = 60 s). A process not started by

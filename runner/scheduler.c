@@ -81,7 +81,8 @@ struct scheduler {
     sched_seq *wait_head, *wait_tail;
     int n_waiting;
     bool wake_pending;
-    bool stopped; /* shut down: new requests are refused */
+    bool stopped;  /* shut down: new requests are refused */
+    bool draining; /* scheduler_drain: new requests are refused, the rest runs to its end */
     scheduler_stats stats;
     sched_rate_entry rate[SCHED_RATE_RING];
     int rate_next, rate_n;
@@ -413,7 +414,7 @@ void scheduler_submit(scheduler *s, request *r) {
     pthread_mutex_unlock(&r->mu);
     if (ok) {
         pthread_mutex_lock(&s->mu);
-        if (!s->stopped) {
+        if (!s->stopped && !s->draining) {
             queue_push_back(s, q);
             s->stats.n_waiting = s->n_waiting;
             s->wake_pending = true;
@@ -673,9 +674,36 @@ static void abort_all(scheduler *s, const char *msg) {
     pthread_mutex_unlock(&s->mu);
 }
 
+void scheduler_drain(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    s->draining = true;
+    s->wake_pending = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static bool is_draining(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    bool d = s->draining;
+    pthread_mutex_unlock(&s->mu);
+    return d;
+}
+
+/* Engine thread: draining and nothing left, queued or running. */
+static bool drained(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    bool d = s->draining && s->n_waiting == 0 && s->n_running == 0;
+    pthread_mutex_unlock(&s->mu);
+    return d;
+}
+
 static void run_alone(scheduler *s, atomic_bool *stop) {
     while (!atomic_load(stop)) {
         if (scheduler_step(s) > 0) continue;
+        if (drained(s)) {
+            LOG_INFO("scheduler", "drained: every request has finished");
+            return;
+        }
         pthread_mutex_lock(&s->mu);
         while (!s->wake_pending && !atomic_load(stop))
             pthread_cond_wait(&s->cv, &s->mu);
@@ -718,15 +746,26 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
         double t0 = now_seconds();
         int T = 0;
         bool stopping = atomic_load(stop);
+        bool draining = is_draining(s);
         int n_batch = stopping ? 0 : step_plan(s, &T);
         rank_report me;
         fill_report(s, T, stopping, &me);
+        if (draining) me.drain = T == 0 && drained(s) ? 2 : 1;
         rank_step st;
         if (rank_group_step(g, &me, &st, err, errlen) != 0) return -1;
         if (st.stop) {
             if (!stopping)
                 LOG_INFO("scheduler", "rank %d is stopping: stopping with it", st.stop_rank);
             return 0;
+        }
+        if (st.drained) {
+            LOG_INFO("scheduler", "drained: every request of every rank has finished");
+            return 0;
+        }
+        if (st.drain && !draining) {
+            LOG_INFO("scheduler", "rank %d is draining: draining with it", st.drain_rank);
+            scheduler_drain(s);
+            if (s->cfg.on_peer_drain) s->cfg.on_peer_drain(s->cfg.on_peer_drain_ctx, st.drain_rank);
         }
         if (st.runtime_max == 0) {
             idle_wait(s, stop);

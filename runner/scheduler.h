@@ -34,6 +34,10 @@ typedef struct {
     bool deterministic;       /* --enable-deterministic-inference: handed to the engine
                                  (engine.deterministic); the CPU backend is batch-invariant
                                  either way */
+    void (*on_peer_drain)(void *ctx, int rank); /* engine thread: another rank of the group
+                                                   started draining, so this one does too
+                                                   (NULL: nothing more to do) */
+    void *on_peer_drain_ctx;
 } scheduler_config;
 
 /* Counters and gauges for /metrics and /get_server_info; a consistent snapshot. */
@@ -95,6 +99,13 @@ int scheduler_step(scheduler *s);
  * with FINISH_ABORT and "the rank group failed: ...", and nothing collective may follow. */
 int scheduler_run(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen);
 void scheduler_wake(scheduler *s);
+
+/* Graceful shutdown: from now on new requests are refused ("server shutting down") and
+ * scheduler_run returns once every request queued or running has finished; in a rank group
+ * every rank drains with the first one that does (on_peer_drain tells the others) and the group
+ * returns together, once no rank has anything left. *stop still stops at once (the rest is
+ * aborted). Thread-safe; a second call does nothing. */
+void scheduler_drain(scheduler *s);
 
 /* Empty the prefix cache (pages held by running requests stay). Thread-safe: applied at the
  * start of the next step; returns at once. */

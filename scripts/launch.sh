@@ -15,7 +15,12 @@
 #       order) and --host 0.0.0.0 unless a --host is given, so that peers on other nodes reach
 #       each rank's HTTP port (load balancing relays requests between ranks);
 #   on one node with more ranks than cores: --oversubscribe and mpi_yield_when_idle;
-#   --allow-run-as-root when run as root.
+#   --allow-run-as-root when run as root;
+#   a graceful shutdown: mpirun answers SIGTERM or SIGINT by killing its ranks a second later
+#       (odls_base_sigkill_timeout), so it runs in a session of its own, out of reach of the
+#       terminal's Ctrl-C, and this script passes SIGTERM / SIGINT on to the ranks on this node
+#       instead: each drains (--shutdown-timeout), the ranks on other nodes drain with them, and
+#       the exit status is mpirun's (0 after a clean drain).
 set -euo pipefail
 
 script_dir=$(cd "$(dirname "$0")" && pwd)
@@ -165,4 +170,11 @@ if [ $dry_run -eq 1 ]; then
     printf '\n'
     exit 0
 fi
-exec "${cmd[@]}"
+setsid "${cmd[@]}" &
+pid=$!
+# the ranks on this node are mpirun's children; one rank signalled drains the whole group
+forward() { pkill "-$1" -P "$pid" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+wait "$pid"

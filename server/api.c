@@ -2,8 +2,11 @@
  * an HTTP exchange to the scheduler and back (see api.h and api_internal.h).
  *
  * Choices:
- *   - Authentication (--api-key) is checked before routing, as SGLang's middleware does; /health*
- *     and /metrics stay open. The key is compared in constant time.
+ *   - Authentication (--api-key) is checked before routing, as SGLang's middleware does, on every
+ *     path but /health (a liveness probe that tells nothing): /health_generate runs the model and
+ *     /metrics tells the load, so they need the key too (SGLang leaves them open). An unknown
+ *     path without the key gets 401, not 404, so paths cannot be probed. The key is compared in
+ *     constant time.
  *   - Errors use the OpenAI envelope {"error": {"message", "type", "param", "code"}} everywhere.
  *   - Every item is validated (parsing here, then scheduler_check) before anything is submitted:
  *     one bad item refuses the whole request with 400 and nothing runs.
@@ -412,6 +415,14 @@ int api_job_add(api_job *j, int item, const int32_t *ids, int n_ids, const api_p
     if (!p->max_new_given) {
         int room = a->args.context_length - n_ids;
         if (room >= 0 && g.max_new_tokens > room) g.max_new_tokens = room;
+    } else if (n_ids <= a->args.context_length &&
+               (long long)n_ids + g.max_new_tokens > a->args.context_length) {
+        const char *key = p->max_new_key ? p->max_new_key : "max_new_tokens";
+        return api_fail(e, 400, key,
+                        "prompt (%d tokens) + %s (%d) exceeds the context length %d: at most %d "
+                        "new tokens for this prompt",
+                        n_ids, key, g.max_new_tokens, a->args.context_length,
+                        a->args.context_length - n_ids);
     }
     if (p->seed_given)
         g.sampling.seed = p->gen.sampling.seed + (uint64_t)sample;
@@ -864,6 +875,8 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "threads", g->threads);
     cJSON_AddNumberToObject(o, "max_body_bytes", (double)g->max_body_bytes);
     cJSON_AddNumberToObject(o, "max_queued_requests", g->max_queued_requests);
+    cJSON_AddNumberToObject(o, "shutdown_timeout", g->shutdown_timeout);
+    cJSON_AddNumberToObject(o, "connection_timeout", g->connection_timeout);
     int world = a->group ? rank_group_size(a->group) : 1;
     int me = a->group ? rank_group_rank(a->group) : 0;
     cJSON_AddNumberToObject(o, "rank", me);
@@ -1022,7 +1035,7 @@ void api_on_request(void *app, http_exchange *x) {
     api_reap(a);
     const char *method = http_method(x), *path = http_path(x);
     api_error e;
-    if (a->args.api_key && strncmp(path, "/health", 7) && strcmp(path, "/metrics") &&
+    if (a->args.api_key && strcmp(path, "/health") &&
         !api_key_ok(http_header(x, "Authorization"), a->args.api_key)) {
         api_fail(&e, 401, NULL, "missing or wrong API key (send 'Authorization: Bearer KEY')");
         api_reply_error_header(a, x, &e, "WWW-Authenticate: Bearer");

@@ -44,6 +44,8 @@ typedef struct {
     size_t max_body_bytes;
     int max_queued_requests; /* waiting requests at most; a request that would pass it gets 503
                                 with Retry-After (0: no limit) */
+    double shutdown_timeout;   /* SIGTERM / SIGINT: seconds to finish what runs (0: abort it) */
+    double connection_timeout; /* seconds a connection may send and take nothing */
     /* the rank group */
     bool load_balance;           /* place generation requests on the least-loaded rank */
     const char *moe_a2a_backend; /* none | shm | mpi | nvlink_one_sided | nccl; NULL = by machine */

@@ -151,6 +151,7 @@ void api_free_stops(char **stops, int n);
 typedef struct {
     gen_request gen;
     bool max_new_given; /* max_new_tokens came from the client (else it is fitted to the context) */
+    const char *max_new_key; /* the field it came in (max_tokens, ...); NULL: max_new_tokens */
     bool seed_given;
     int top_logprobs_num;
     char **stops;

@@ -92,6 +92,7 @@ static int api_openai_params(api_server *a, const cJSON *body, api_params *p, bo
         if (rc) {
             p->gen.max_new_tokens = (int)v;
             p->max_new_given = true;
+            p->max_new_key = keys[k];
             break;
         }
     }

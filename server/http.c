@@ -2,7 +2,13 @@
  *
  * Choices:
  *   - One internal polling thread with epoll; MHD_ALLOW_SUSPEND_RESUME so that a request waiting
- *     for the engine costs nothing while it waits. The listening socket is made here (bind errors
+ *     for the engine costs nothing while it waits. No thread per connection: a slow client (a
+ *     byte a second) costs one slot and one socket, never a thread others wait for; one that
+ *     sends and takes nothing for timeout_s is closed (a suspended connection, waiting for the
+ *     engine, is not idle: libmicrohttpd restarts its clock when it is resumed).
+ *   - Each connection needs a file descriptor: the soft RLIMIT_NOFILE (often 1024) is raised to
+ *     cover max_connections plus what the rest of the process holds, as the hard limit allows
+ *     (llama.cpp and vLLM's servers do the same). The listening socket is made here (bind errors
  *     get a clear message; SO_REUSEADDR so a restart finds its port).
  *   - Exchanges live in a table allocated once, one slot per allowed connection; a slot has a
  *     mutex and a generation that is bumped when its exchange ends. An http_ref is (generation,
@@ -31,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -522,8 +529,24 @@ static int http_listen(const char *host, int port, int *fd_out, char *err, size_
     return 0;
 }
 
+/* Room for n connections' sockets besides the process's other files (model, MPI, relays). */
+static void http_raise_fd_limit(int n) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl)) return;
+    rlim_t want = (rlim_t)n + 1024;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        rlim_t was = rl.rlim_cur;
+        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < want)
+            LOG_WARN("http", "open files limited to %llu (hard limit; was %llu): fewer than the %d "
+                             "connections allowed can be held at once",
+                     (unsigned long long)rl.rlim_cur, (unsigned long long)was, n);
+    }
+}
+
 http_server *http_server_start(const http_config *cfg, char *err, size_t errlen) {
     int fd = -1;
+    http_raise_fd_limit(cfg->max_connections);
     if (http_listen(cfg->host, cfg->port, &fd, err, errlen)) return NULL;
     http_server *s = xcalloc(1, sizeof *s);
     s->cfg = *cfg;
@@ -562,7 +585,7 @@ http_server *http_server_start(const http_config *cfg, char *err, size_t errlen)
     s->daemon = MHD_start_daemon(flags, 0, NULL, NULL, http_on_access, s, MHD_OPTION_LISTEN_SOCKET,
                                  fd, MHD_OPTION_NOTIFY_COMPLETED, http_on_completed, s,
                                  MHD_OPTION_CONNECTION_LIMIT, (unsigned)s->n_slots,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)600,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, cfg->timeout_s,
                                  MHD_OPTION_EXTERNAL_LOGGER, http_mhd_log, s, MHD_OPTION_END);
     if (!s->daemon) {
         close(fd);

@@ -47,14 +47,17 @@ typedef struct {
     const char *host;      /* numeric address or a name getaddrinfo resolves */
     int port;              /* 0 = any free port (see http_server_port) */
     size_t max_body_bytes; /* larger bodies get 413 */
-    int max_connections;
+    int max_connections;   /* connections held at once; one more is closed at accept */
+    unsigned timeout_s;    /* a connection that sends and takes nothing this long is closed
+                              (0: never); one waiting for the engine is not counted idle */
     /* Runs once per complete request; must answer it, defer it or stream it. */
     void (*on_request)(void *app, http_exchange *x);
     void *app;
 } http_config;
 
-/* Start listening (the polling thread starts here). NULL with a message when the address cannot
- * be used (bad host, port in use). */
+/* Start listening (the polling thread starts here). Raises the process's open-file limit to
+ * what max_connections needs, as far as the hard limit allows. NULL with a message when the
+ * address cannot be used (bad host, port in use). */
 http_server *http_server_start(const http_config *cfg, char *err, size_t errlen);
 /* The port actually bound. */
 int http_server_port(const http_server *s);

@@ -6,10 +6,13 @@
  * serve builds, in order: model config (for the defaults) -> tokenizer (none with
  * --skip-tokenizer-init: the API then speaks token ids only) -> chat template -> metrics -> api ->
  * HTTP listener (answers 503 until ready) -> model -> scheduler -> engine thread; then waits for
- * SIGINT or SIGTERM and takes it all down in reverse: refuse new requests, stop the engine loop (it
- * finishes every request left with an abort, so each gets an answer), let the answers go out, stop
- * HTTP, free. The signals are blocked in every thread and taken by sigwait in the main thread, so
- * no handler runs inside library code. */
+ * SIGINT or SIGTERM and takes it all down in reverse: refuse new requests (503, /health too), let
+ * the engine finish what is queued and running for up to --shutdown-timeout seconds (in a rank
+ * group every rank drains with the first one signalled, and they stop together), then stop the
+ * engine loop (it finishes every request left with an abort, so each gets an answer), let the
+ * answers go out, stop HTTP, free, exit 0. A second signal while draining aborts at once. The
+ * signals are blocked in every thread and taken by sigwait in the main thread, so no handler
+ * runs inside library code. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -132,8 +135,8 @@ static const char usage_serve[] =
     "  --page-size N                 tokens per KV cache page (default 16)\n"
     "  --served-model-name NAME      the model id of /v1/models and OpenAI answers (default: the\n"
     "                                model path)\n"
-    "  --api-key KEY                 require 'Authorization: Bearer KEY' (/health* and /metrics\n"
-    "                                stay open)\n"
+    "  --api-key KEY                 require 'Authorization: Bearer KEY' on every endpoint but\n"
+    "                                /health\n"
     "  --enable-metrics              serve Prometheus metrics at GET /metrics\n"
     "  --disable-radix-cache         do not share prompt-prefix KV pages between requests\n"
     "  --enable-deterministic-inference\n"
@@ -147,6 +150,12 @@ static const char usage_serve[] =
     "  --max-body-bytes N            largest request body; larger ones get 413 (default 16777216)\n"
     "  --max-queued-requests N       requests waiting to run at most; more get 503 with Retry-After\n"
     "                                (default 4096; 0: no limit)\n"
+    "  --connection-timeout S        close a connection that sends and takes nothing for S\n"
+    "                                seconds (default 60; one waiting for its answer is not idle)\n"
+    "  --shutdown-timeout S          on SIGTERM or SIGINT, refuse new requests and finish the\n"
+    "                                queued and running ones for up to S seconds, then abort the\n"
+    "                                rest and exit 0 (default 30; 0: abort at once; a second\n"
+    "                                signal aborts at once)\n"
     "\n"
     "Several ranks (mpirun -np N moeserve serve ...): rank r serves on port PORT + r and runs\n"
     "attention for its own requests; every MoE layer's experts are split over the ranks.\n"
@@ -164,7 +173,9 @@ static const char usage_serve[] =
     "                                (default 60; a peer on the same node that dies is noticed\n"
     "                                at once)\n"
     "\n"
-    "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly.\n"
+    "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly. Under\n"
+    "mpirun, signal a rank (every rank drains with it) or use scripts/launch.sh: mpirun itself\n"
+    "answers SIGTERM by killing its ranks a second later.\n"
     "Endpoints: POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health,\n"
     "/health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics;\n"
     "GET|POST /flush_cache.\n";
@@ -555,6 +566,7 @@ typedef struct {
     atomic_bool stop;   /* set by main: stop (the group stops with this rank) */
     atomic_bool failed; /* the rank group failed; err says why */
     atomic_bool ended;  /* the engine loop has returned */
+    atomic_bool draining; /* main is draining: the loop ends by itself when nothing is left */
     int threads;
     const ops *backend;
     char err[1024];
@@ -573,9 +585,52 @@ static void *serve_engine_main(void *p) {
         atomic_store(&e->failed, true);
     }
     atomic_store(&e->ended, true);
-    if (!atomic_load(&e->stop)) kill(getpid(), SIGTERM);
+    if (!atomic_load(&e->stop) && !atomic_load(&e->draining)) kill(getpid(), SIGTERM);
     sampler_scratch_free();
     return NULL;
+}
+
+/* Engine thread: another rank is draining; the main thread drains this one as if signalled. */
+static void serve_on_peer_drain(void *ctx, int rank) {
+    serve_engine *e = ctx;
+    if (!atomic_load(&e->draining)) kill(getpid(), SIGTERM);
+}
+
+static double serve_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The graceful part of a shutdown (new requests are refused already): the engine finishes what
+ * is queued and running, every rank of a group together, and its loop then ends by itself.
+ * Returns when it has, after timeout_s, or at a second SIGINT / SIGTERM; the caller then stops
+ * the loop, which aborts whatever is left. */
+static void serve_drain(serve_engine *e, const sigset_t *sigs, double timeout_s) {
+    scheduler_stats st;
+    scheduler_get_stats(e->sched, &st);
+    LOG_INFO("serve",
+             "draining: %d running, %d waiting; new requests get 503 (up to %g s, "
+             "--shutdown-timeout; a second signal stops at once)",
+             st.n_running, st.n_waiting, timeout_s);
+    atomic_store(&e->draining, true);
+    scheduler_drain(e->sched);
+    const double t0 = serve_now();
+    while (!atomic_load(&e->ended)) {
+        if (serve_now() - t0 >= timeout_s) {
+            scheduler_get_stats(e->sched, &st);
+            LOG_WARN("serve", "--shutdown-timeout %g s passed: aborting %d running, %d waiting",
+                     timeout_s, st.n_running, st.n_waiting);
+            return;
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        int sig = sigtimedwait(sigs, NULL, &ts);
+        if ((sig == SIGINT || sig == SIGTERM) && !atomic_load(&e->ended)) {
+            LOG_WARN("serve", "%s again: aborting what is left", sig == SIGINT ? "SIGINT" : "SIGTERM");
+            return;
+        }
+    }
+    LOG_INFO("serve", "drained in %.1f s", serve_now() - t0);
 }
 
 /* --moe-a2a-backend, or the machine's choice: none for one rank; on the GPU nvlink_one_sided;
@@ -664,6 +719,8 @@ static int cmd_serve(int argc, char **argv) {
                      .log_level = "info",
                      .max_body_bytes = 16u << 20,
                      .max_queued_requests = 4096,
+                     .shutdown_timeout = 30,
+                     .connection_timeout = 60,
                      .load_balance = true,
                      .load_format = "auto"};
     char err0[256];
@@ -719,6 +776,8 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--threads",
                                                  "--max-body-bytes",
                                                  "--max-queued-requests",
+                                                 "--connection-timeout",
+                                                 "--shutdown-timeout",
                                                  "--log-level",
                                                  "--moe-a2a-backend",
                                                  "--tp",
@@ -774,6 +833,13 @@ static int cmd_serve(int argc, char **argv) {
             a.max_body_bytes = (size_t)parse_long(f, v, 1024, 1L << 40);
         else if (!strcmp(f, "--max-queued-requests"))
             a.max_queued_requests = (int)parse_long(f, v, 0, 1L << 24);
+        else if (!strcmp(f, "--connection-timeout"))
+            a.connection_timeout = (double)parse_long(f, v, 1, 86400);
+        else if (!strcmp(f, "--shutdown-timeout")) {
+            float t = parse_float(f, v);
+            if (!(t >= 0) || t > 86400) die("--shutdown-timeout: %g seconds is outside [0, 86400]", t);
+            a.shutdown_timeout = t;
+        }
         else if (!strcmp(f, "--moe-a2a-backend"))
             a.moe_a2a_backend = v;
         else if (!strcmp(f, "--load-format"))
@@ -903,6 +969,7 @@ static int cmd_serve(int argc, char **argv) {
                       .port = a.port,
                       .max_body_bytes = a.max_body_bytes,
                       .max_connections = 4096,
+                      .timeout_s = (unsigned)a.connection_timeout,
                       .on_request = api_on_request,
                       .app = api};
     http_server *http = http_server_start(&hc, err, sizeof err);
@@ -980,12 +1047,16 @@ static int cmd_serve(int argc, char **argv) {
                            .enable_radix_cache = !a.disable_radix_cache,
                            .deterministic = a.enable_deterministic_inference,
                            .cuda_graph_max_bs = a.cuda_graph_max_bs};
-    scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
-    if (!sched) die("%s", err);
-    serve_engine eng = {.sched = sched, .group = group, .threads = a.threads, .backend = backend};
+    serve_engine eng = {.group = group, .threads = a.threads, .backend = backend};
     atomic_init(&eng.stop, false);
     atomic_init(&eng.failed, false);
     atomic_init(&eng.ended, false);
+    atomic_init(&eng.draining, false);
+    sc.on_peer_drain = serve_on_peer_drain;
+    sc.on_peer_drain_ctx = &eng;
+    scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
+    if (!sched) die("%s", err);
+    eng.sched = sched;
     pthread_t engine_thread;
     if (pthread_create(&engine_thread, NULL, serve_engine_main, &eng))
         die("serve: cannot start the engine thread");
@@ -1000,13 +1071,16 @@ static int cmd_serve(int argc, char **argv) {
     int sig = 0;
     sigwait(&sigs, &sig);
     char gone[256];
+    bool peers_gone = false;
     if (!atomic_load(&eng.ended)) {
         LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
         /* mpirun ends the job this way when a rank dies: say which */
-        if (rank_group_check_peers(group, gone, sizeof gone))
-            LOG_ERROR("serve", "%s: the rank group cannot go on", gone);
+        peers_gone = rank_group_check_peers(group, gone, sizeof gone) != 0;
+        if (peers_gone) LOG_ERROR("serve", "%s: the rank group cannot go on", gone);
     }
     api_drain(api);
+    if (!peers_gone && a.shutdown_timeout > 0 && !atomic_load(&eng.ended))
+        serve_drain(&eng, &sigs, a.shutdown_timeout);
     atomic_store(&eng.stop, true);
     scheduler_wake(sched);
     /* A group that lost a rank fails its waits within a fraction of a second (same node) or
