@@ -6,7 +6,8 @@ Groups (`python3 tests/test_reliability.py [-v] [GROUP...]`, all by default):
   overload  1000 connections held at once and all answered (open-file limit lowered to 1024
             first); 16 clients sending a byte a second while others are served at full speed;
             an idle connection closed after --connection-timeout, a request that waits longer
-            than that for its answer not; the limits on n, max_new_tokens / max_tokens,
+            than that for its answer not, a streaming client that stops reading cut and its
+            request aborted; the limits on n, max_new_tokens / max_tokens,
             top_logprobs_num / logprobs / top_logprobs and the batch size (400, a message that
             names the field and the limit), each limit itself accepted
   faults    streaming clients that hang up free their KV pages (/metrics kv_pages_used back to
@@ -16,7 +17,8 @@ Groups (`python3 tests/test_reliability.py [-v] [GROUP...]`, all by default):
   group     mpirun -np 2: SIGTERM to one rank drains both (every request on both ranks
             finishes, mpirun exits 0); scripts/launch.sh passes SIGINT on the same way; a rank
             killed with SIGKILL makes mpirun and the other rank exit within 30 s, naming it
-  security  --api-key on every endpoint but /health (also unknown paths: 401); the default host
+  security  --api-key on every endpoint but /health (also unknown paths: 401), and through the
+            relay between ranks (np 2); the default host
             is 127.0.0.1; no request opens a file (strace of the server's open calls while
             requests name files everywhere a client can)
   load      moeserve-bench serving, 1000 requests at concurrency 256 against mpirun -np 2:
@@ -473,6 +475,33 @@ def case_idle_timeout(srv):
     s2.close()
 
 
+def case_stalled_reader(srv):
+    """A streaming client that stops reading (a small receive buffer, never read): once the
+    socket buffers are full the server can send nothing, the connection is idle, and after
+    --connection-timeout 3 it is closed and its request aborted (running back to 0) long before
+    its 1900 tokens could have been taken."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.base))
+    body = json.dumps(gen_body([5, 6, 9], 1900, stream=True)).encode()
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    t0 = time.time()
+    running = None
+    seen = False
+    while time.time() - t0 < 20:
+        info = srv.json(srv.base, "GET", "/server_info", timeout=10)
+        running = info["internal_states"][0]["num_running_reqs"]
+        seen = seen or running > 0
+        if seen and running == 0:
+            break
+        time.sleep(0.1)
+    took = time.time() - t0
+    check("stalled reader: its request runs, then is aborted %.1f s after it was sent (--connection-timeout 3)" % took,
+          seen and running == 0 and took < 12, "seen running %s, running now %s" % (seen, running))
+    s.close()
+
+
 def expect_400(srv, name, path, body, words):
     st, _, raw = srv.request(srv.base, "POST", path, body)
     try:
@@ -754,6 +783,31 @@ def case_api_key(srv):
         check("api key: %s %s with the key -> %d" % (method, path, want), st == want, "%d %s" % (st, short(raw)))
 
 
+def case_api_key_group(srv):
+    """np 2 with balancing and --api-key: 8 requests sent to rank 0 with the key are all served
+    (some run on rank 1: the relay carries the key); without the key, 401 on both ranks."""
+    res = [None] * 8
+
+    def go(i):
+        try:
+            st, _, raw = srv.request(srv.base, "POST", "/generate", gen_body([5, 6, 7, i], 200), timeout=60)
+            res[i] = st
+        except OSError as e:
+            res[i] = str(e)
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(90)
+    info = srv.json(srv.ports[1], "GET", "/server_info")
+    done1 = info["internal_states"][1]["n_requests_done"]
+    check("api key, np 2: 8 requests with the key to rank 0 all 200, %s of them run on rank 1" % done1,
+          res == [200] * 8 and done1 > 0, res)
+    sts = [srv.request(p, "POST", "/generate", gen_body([5], 1), headers={"Authorization": ""})[0] for p in srv.ports]
+    check("api key, np 2: without the key 401 on both ranks", sts == [401, 401], sts)
+
+
 def case_default_host(srv):
     """Started without --host: the listening socket is 127.0.0.1 only (/proc/net/tcp)."""
     port_hex = "%04X" % srv.base
@@ -880,7 +934,8 @@ def main(argv):
         t0 = time.time()
         if g == "overload":
             run_case(Proc("overload", ["--connection-timeout", "3"], fd_limit=1024),
-                     [case_slow_clients, case_connections_1000, case_idle_timeout, case_limits, case_slow_clients_end])
+                     [case_slow_clients, case_connections_1000, case_idle_timeout, case_stalled_reader, case_limits,
+                      case_slow_clients_end])
         elif g == "faults":
             run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
             run_case(Proc("drain", ["--max-running-requests", "4"]), [case_drain])
@@ -898,6 +953,9 @@ def main(argv):
         elif g == "security":
             run_case(Proc("apikey", ["--api-key", "sesame", "--enable-metrics"], api_key="sesame"),
                      [case_api_key, case_default_host])
+            if MPIRUN:
+                run_case(Proc("apikey-np2", ["--api-key", "sesame", "--threads", "1"], np=2, api_key="sesame"),
+                         [case_api_key_group])
             strace = shutil.which("strace")
             if not check("security: strace found (apt-get install strace)", strace is not None, ""):
                 continue
