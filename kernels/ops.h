@@ -293,6 +293,13 @@ typedef enum { MATMUL_PRECISION_HIGH, MATMUL_PRECISION_MEDIUM } matmul_precision
 /* "high" | "medium"; 0 or -1 with a message. */
 int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen);
 matmul_precision ops_cuda_matmul_precision(void);
+/* Deterministic mode (--enable-deterministic-inference) for the CUDA backend: every linear runs
+ * one way for every T (high precision: the stacked GEMM, never the decode kernel) with one cuBLASLt
+ * algorithm pinned per weight shape, no split-K, so a token's row is the same bits alone or in any
+ * batch. The experts' GEMMs, attention, the norms and the sampler are batch-invariant already. One
+ * setting per process, set before serving; the CPU backend always is. */
+void ops_cuda_set_deterministic(bool on);
+bool ops_cuda_deterministic(void);
 
 #ifdef __cplusplus
 }

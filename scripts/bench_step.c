@@ -22,7 +22,9 @@
  * one kernel at a time does not see. The tokens such steps make are meaningless. With graphs, the
  * graph of each batch size is captured with the skipped ops. linear is every projection (lm_head
  * too), router the top-k alone, norms the residual adds with their norms (add_rmsnorm and the
- * experts' moe_finalize_add_rmsnorm). */
+ * experts' moe_finalize_add_rmsnorm).
+ * --deterministic 1: the CUDA backend's deterministic mode (ops_cuda_set_deterministic), to
+ * measure what --enable-deterministic-inference costs a step. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -235,7 +237,8 @@ int main(int argc, char **argv) {
                  "       [--batches 1,8,64,256] [--context 1024] [--steps 16]\n"
                  "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
-                 "       [--skip attention,experts,linear,qkv_prepare,router,norms]");
+                 "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
+                 "       [--deterministic 0|1]");
             return 0;
         }
         if (!v) {
@@ -254,6 +257,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
         else if (!strcmp(a, "--cuda-graph-max-bs")) graph_bs = atoi(v);
         else if (!strcmp(a, "--skip")) skip = v;
+        else if (!strcmp(a, "--deterministic")) ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {
             char e2[256];
             if (ops_cuda_set_matmul_precision(v, e2, sizeof e2)) {

@@ -6,6 +6,7 @@
 #   2. the whole model: teacher-forced logprobs of `moeserve generate --device cuda` against
 #      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared
 #   3. the server over HTTP with --device cuda
+#   4. tests/test_determinism.py with --device cuda (--enable-deterministic-inference, exact)
 # Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -84,5 +85,21 @@ else
 fi
 kill -TERM $spid 2>/dev/null
 wait $spid 2>/dev/null
+
+# --enable-deterministic-inference on the GPU: the deterministic-mode tests of the CPU suite with
+# --device cuda (graphs up to 16 sequences), every comparison exact
+DET_TEST_DEVICE_FLAGS="--device cuda --cuda-graph-max-bs 16" timeout 300 \
+    python3 -u tests/test_determinism.py > "$out/determinism.log" 2>&1
+line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$out/determinism.log" | tail -n 1)
+echo "test_determinism.py --device cuda: ${line:-no summary}"
+if [ -z "$line" ]; then
+    bad "test_determinism.py --device cuda"
+    tail -n 20 "$out/determinism.log"
+else
+    pass=$((pass + ${line%% passed*}))
+    f=${line#*, }
+    fail=$((fail + ${f%% failed*}))
+    grep -E '^FAIL' "$out/determinism.log" | head -n 10
+fi
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -41,6 +41,10 @@ echo "== 2. the server on 2 GPUs against 1"
 OUT=$out timeout 900 python3 scripts/gpu_ep_compare.py > "$out/compare.txt" 2>&1
 grep -vE '^[0-9]+ passed' "$out/compare.txt"
 count "$out/compare.txt"
+echo "== 2b. the same with --enable-deterministic-inference: every round bit for bit"
+OUT=$out/det timeout 600 python3 scripts/gpu_ep_compare.py --deterministic > "$out/compare-det.txt" 2>&1
+grep -E '^FAIL|bit for bit' "$out/compare-det.txt"
+count "$out/compare-det.txt"
 
 if [[ " ${SKIP:-} " != *" serve "* ]]; then
     if [ -z "${SKIP_ONE:-}" ]; then

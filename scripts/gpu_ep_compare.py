@@ -4,6 +4,7 @@ alone and to `mpirun -np N moeserve serve --device cuda --moe-a2a-backend T`, pr
 logprobs compared position by position (greedy, so the tokens must agree too).
 
     scripts/gpu_ep_compare.py [--np 2] [--backends nvlink_one_sided,nccl] [--model DIR] [--dummy]
+                              [--deterministic]
 
 --dummy serves a config.json-only folder with random weights (--load-format dummy
 --skip-tokenizer-init; every weight is seeded by its name, so each rank's experts are the single
@@ -18,7 +19,9 @@ Prints one line per check and "N passed, M failed" last; exit 1 on any failure. 
 slot's output home to be summed in slot order, so the experts give the single GPU's bits, but
 which tokens share a step depends on when requests arrive (and, warm, on the prefix cache), and
 the dense GEMMs' kernels are chosen by the step's size (the deterministic mode's business). The
-worst difference is printed, and how many rounds gave the single GPU's bits exactly."""
+worst difference is printed, and how many rounds gave the single GPU's bits exactly.
+--deterministic serves every run with --enable-deterministic-inference, and then every round
+must give the single GPU's bits exactly (a check of its own)."""
 import argparse
 import json
 import os
@@ -120,6 +123,7 @@ def main():
     ap.add_argument("--port", type=int, default=32000)
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/gpu-ep"))
     ap.add_argument("--dummy", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
     a = ap.parse_args()
     vocab = 2048  # the test checkpoint's ids below its end-of-text token
     if a.dummy:
@@ -136,6 +140,8 @@ def main():
     serve = ["serve", "--model-path", a.model, "--device", "cuda", "--host", "127.0.0.1"]
     if a.dummy:
         serve += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    if a.deterministic:
+        serve += ["--enable-deterministic-inference"]
     with open(os.path.join(a.log_dir, "single.log"), "w") as log:
         proc, up = start([BIN] + serve + ["--port", str(a.port)], [a.port], log)
         check("one GPU: the server starts", up)
@@ -179,6 +185,9 @@ def main():
             exact += worst == 0
         print("np %d %s: %d of 3 rounds gave one GPU's logprobs bit for bit" % (a.np, backend, exact),
               flush=True)
+        if a.deterministic:
+            check("np %d %s, deterministic: every round gives one GPU's logprobs bit for bit"
+                  % (a.np, backend), exact == 3, "%d of 3" % exact)
 
 
 if __name__ == "__main__":

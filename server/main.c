@@ -96,8 +96,8 @@ static const char usage_generate[] =
     "  --threads N              CPU threads (default: all cores; their waits sleep unless\n"
     "                           OMP_WAIT_POLICY=active is set)\n"
     "  --enable-deterministic-inference\n"
-    "                           accepted on the CPU, whose results never depend on the batch;\n"
-    "                           refused with --device cuda (not batch-invariant yet)\n"
+    "                           results that never depend on the batch (the CPU always\n"
+    "                           computes this way; --device cuda pins its GEMMs' algorithms)\n"
     "  --log-level LEVEL        debug, info, warn or error (default warn)\n";
 
 static const char usage_serve[] =
@@ -143,7 +143,7 @@ static const char usage_serve[] =
     "                                a request's tokens and logprobs do not depend on what else\n"
     "                                runs (batch, ranks, prefill chunks, prefix cache), and an\n"
     "                                unseeded sampled request draws with seed 42; the CPU\n"
-    "                                always computes this way, --device cuda refuses it for now\n"
+    "                                always computes this way, --device cuda pins its GEMMs\n"
     "  --log-level LEVEL             debug, info, warn (or warning) or error (default info)\n"
     "  --threads N                   CPU threads of the engine (default: all cores; their waits\n"
     "                                sleep unless OMP_WAIT_POLICY=active is set)\n"
@@ -304,17 +304,11 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
 /* --enable-deterministic-inference promises a request the same bits whatever else runs. The CPU
  * backend computes that way in every mode (each op's reduction order depends on its row, its
  * position and the shapes alone: kernels/cpu/linear.c, attention.c, moe.c; the sampler draws
- * from (seed, position)), so there the flag changes nothing but the default seed and what
- * /server_info says. The CUDA backend does not yet, and the flag is refused there rather than
- * claimed. */
-static void check_deterministic(bool on, const char *device) {
-    if (on && !strcmp(device, "cuda"))
-        die("--enable-deterministic-inference: not available with --device cuda yet: the CUDA "
-            "GEMMs take cuBLASLt's algorithm for each token count (tile, split-K, stream-K) and "
-            "switch from the decode kernel to cuBLASLt above a few tokens, so a token's logprobs "
-            "change in their last bits with the batch (kernels/cuda/linear.cu); run it with "
-            "--device cpu, or without the flag");
-}
+ * from (seed, position)). The CUDA backend's experts, attention, norms and sampler do too; its
+ * linear is put into its deterministic mode (ops_cuda_set_deterministic: one GEMM way and one
+ * pinned cuBLASLt algorithm per weight for every token count). Besides that the flag changes the
+ * default seed and what /server_info says. */
+static void apply_deterministic(bool on) { ops_cuda_set_deterministic(on); }
 
 static int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
@@ -409,7 +403,7 @@ static int cmd_generate(int argc, char **argv) {
     }
     if (!model_path) die("generate: --model-path is required");
     if (!!prompt == !!input_ids) die("generate: give exactly one of --prompt and --input-ids");
-    check_deterministic(deterministic, device);
+    apply_deterministic(deterministic);
     const char *bad = sampling_params_check(&q.sampling);
     if (bad) die("generate: %s", bad);
     if (threads) omp_set_num_threads(threads);
@@ -872,7 +866,7 @@ static int cmd_serve(int argc, char **argv) {
     if (!a.model_path) die("serve: --model-path is required (see moeserve serve --help)");
     if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
         die("--device: '%s' is not one of cpu, cuda", a.device);
-    check_deterministic(a.enable_deterministic_inference, a.device);
+    apply_deterministic(a.enable_deterministic_inference);
     if (!*a.host) die("--host: the address is empty");
     if (strcmp(a.load_format, "auto") && strcmp(a.load_format, "safetensors") &&
         strcmp(a.load_format, "dummy"))

@@ -1154,6 +1154,96 @@ static void test_linear(void) {
     }
 }
 
+/* Deterministic mode (ops_cuda_set_deterministic): each token's row is the same bits at every T
+ * (the batch's first T tokens against the largest batch, and a token alone from another row), in
+ * both precisions, on Qwen3-30B-A3B's shapes (lm_head's rows cut into blocks that depend on T in
+ * high precision), plus odd shapes and F16 / F32 weights; and still within linear's bound of the
+ * CPU. */
+static void linear_det_case(const linear_weight *lw, int max_T) {
+    const int N = lw->N, Kin = lw->Kin;
+    static const int Ts[] = {1, 2, 3, 7, 16, 17, 33, 64, 255, 256, 1000, 2048};
+    float *x = rand_floats((int64_t)max_T * Kin, 2.0f);
+    float *gx = gdup(x, sizeof(float) * (size_t)max_T * Kin);
+    float *gref = galloc_poisoned(sizeof(float) * (size_t)max_T * N);
+    const matmul_precision precs[] = {MATMUL_PRECISION_HIGH, MATMUL_PRECISION_MEDIUM};
+    for (int pi = 0; pi < 2; pi++) {
+        if (lw->w.dtype == DTYPE_F32 && pi) continue; /* one fp32 GEMM either way */
+        set_precision(precs[pi]);
+        ops_cuda_set_deterministic(true);
+        gpu->linear(gref, gx, &lw->gw, max_T, N, Kin);
+        float *ref = gfetch(gref, sizeof(float) * (size_t)max_T * N);
+        /* the bound of linear_case against the CPU, on the largest batch's first rows */
+        const int tc = max_T < 8 ? max_T : 8;
+        float *want = xmalloc(sizeof(float) * (size_t)tc * N);
+        cpu->linear(want, x, &lw->w, tc, N, Kin);
+        float *ax = xmalloc(sizeof(float) * (size_t)tc * Kin);
+        for (int64_t i = 0; i < (int64_t)tc * Kin; i++)
+            ax[i] = fabsf(x[i]);
+        float *S = xmalloc(sizeof(float) * (size_t)tc * N);
+        cpu->linear(S, ax, &lw->aw, tc, N, Kin);
+        const double rel = linear_u(lw->w.dtype, precs[pi]) + 2.0 * Kin * 0x1p-24;
+        int64_t bad = 0;
+        for (int64_t i = 0; i < (int64_t)tc * N; i++)
+            if (!(fabs((double)ref[i] - want[i]) <= rel * S[i] + 1e-30)) bad++;
+        CHECK(bad == 0, "linear deterministic %s %s N=%d Kin=%d T=%d: %lld of %lld outside the "
+              "bound", dtype_name(lw->w.dtype), prec_name(precs[pi]), N, Kin, max_T,
+              (long long)bad, (long long)tc * N);
+        free(want);
+        free(ax);
+        free(S);
+        int n_diff = 0, n_T = 0;
+        for (size_t t = 0; t < sizeof Ts / sizeof Ts[0] && Ts[t] < max_T; t++) {
+            const int T = Ts[t];
+            float *gout = galloc_poisoned(sizeof(float) * (size_t)T * N);
+            gpu->linear(gout, gx, &lw->gw, T, N, Kin);
+            float *got = gfetch(gout, sizeof(float) * (size_t)T * N);
+            if (memcmp(got, ref, sizeof(float) * (size_t)T * N)) {
+                n_diff++;
+                fprintf(stderr, "  linear deterministic: T=%d differs from T=%d\n", T, max_T);
+            }
+            n_T++;
+            free(got);
+            gpu->dev_free(gout);
+        }
+        char what[128];
+        snprintf(what, sizeof what, "deterministic %s %s N=%d Kin=%d, %d batch sizes < %d",
+                 dtype_name(lw->w.dtype), prec_name(precs[pi]), N, Kin, n_T, max_T);
+        compare_bits("linear deterministic", what, &n_diff, &(int){0}, 1, sizeof(int));
+        /* the last token alone against its row of the largest batch */
+        float *gone = galloc_poisoned(sizeof(float) * N);
+        gpu->linear(gone, gx + (int64_t)(max_T - 1) * Kin, &lw->gw, 1, N, Kin);
+        float *one = gfetch(gone, sizeof(float) * N);
+        snprintf(what, sizeof what, "deterministic %s %s N=%d token %d alone",
+                 dtype_name(lw->w.dtype), prec_name(precs[pi]), N, max_T - 1);
+        compare_bits("linear deterministic", what, one, ref + (int64_t)(max_T - 1) * N, N,
+                     sizeof(float));
+        free(one);
+        gpu->dev_free(gone);
+        free(ref);
+        ops_cuda_set_deterministic(false);
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
+    free(x);
+    gpu->dev_free(gx);
+    gpu->dev_free(gref);
+}
+
+static void test_linear_deterministic(void) {
+    printf("linear, deterministic mode (every T the same bits)\n");
+    static const struct {
+        int N, Kin, max_T;
+        dtype dt;
+    } cases[] = {{4096, 2048, 2048, DTYPE_BF16}, {512, 2048, 2048, DTYPE_BF16},
+                 {2048, 4096, 2048, DTYPE_BF16}, {128, 2048, 2048, DTYPE_BF16},
+                 {151936, 2048, 300, DTYPE_BF16}, {520, 1000, 300, DTYPE_F16},
+                 {136, 264, 300, DTYPE_F32}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        linear_weight lw = linear_weight_make(cases[c].dt, cases[c].N, cases[c].Kin);
+        linear_det_case(&lw, cases[c].max_T);
+        linear_weight_free(&lw);
+    }
+}
+
 /* ---- figures ---- */
 
 /* A device buffer of n random BF16 values (host-made in parallel, then copied). */
@@ -1569,6 +1659,7 @@ int main(void) {
     test_silu_mul();
     test_add();
     test_linear();
+    test_linear_deterministic();
     summary();
     figures();
     CHECK_SUMMARY();

@@ -100,4 +100,9 @@ int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen) {
 }
 
 matmul_precision ops_cuda_matmul_precision(void) { return cpu_build_matmul_precision; }
+
+/* Kept likewise; the CPU backend is batch-invariant whatever it says. */
+static bool cpu_build_deterministic;
+void ops_cuda_set_deterministic(bool on) { cpu_build_deterministic = on; }
+bool ops_cuda_deterministic(void) { return cpu_build_deterministic; }
 #endif
