@@ -879,8 +879,17 @@ static int cmd_serve(int argc, char **argv) {
         die("--model-path %s: not a folder", a.model_path);
 
     char err[2048];
-    /* The rank group first: MPI starts before any thread does. */
+    /* The rank group first: MPI starts before any thread does. MPI_Init starts threads of its
+     * own (OpenMPI's runtime): they must block SIGINT and SIGTERM too, or a signal sent to the
+     * process may land on one of them and kill it instead of reaching sigwait below; the main
+     * thread takes them back until it is ready to wait for them. */
+    sigset_t stop_sigs, old_sigs;
+    sigemptyset(&stop_sigs);
+    sigaddset(&stop_sigs, SIGINT);
+    sigaddset(&stop_sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_sigs, &old_sigs);
     rank_group *group = rank_group_init(NULL, NULL, false, a.dist_timeout, err, sizeof err);
+    pthread_sigmask(SIG_SETMASK, &old_sigs, NULL);
     if (!group) die("%s", err);
     const int rank = rank_group_rank(group), world = rank_group_size(group);
     if (world > 1) log_rank = rank;
