@@ -445,8 +445,11 @@ void rank_group_finalize(rank_group *g) {
 }
 
 /* The failed step's receives may still be posted: a late report would land in g->recv, so the
- * buffers stay allocated (the process is about to exit). */
-void rank_group_abandon(rank_group *g) { (void)g; }
+ * buffers stay allocated (the process is about to exit). A group of one has no MPI and nothing
+ * posted: it is freed. */
+void rank_group_abandon(rank_group *g) {
+    if (g && !g->mpi) rg_free(g);
+}
 
 /* ---- SGLang's flags ---- */
 

@@ -106,7 +106,7 @@ int rank_group_check_peers_cb(void *ctx, char *msg, size_t len);
 /* Collective: MPI_Finalize after an orderly stop. Frees g. */
 void rank_group_finalize(rank_group *g);
 /* After a failure: let g go without any MPI call (the process is about to exit; memory a pending
- * receive may still write into is not freed). */
+ * receive may still write into is not freed; a group of one, without MPI, is freed). */
 void rank_group_abandon(rank_group *g);
 
 /* SGLang's parallelism flags against the world size: tp, dp, ep (0 = not given) and

@@ -508,6 +508,8 @@ void sampler_log_softmax(float *logprobs, const float *logits, int V) {
         float e = expf(logits[i] - m);
         if (e > 0.0f) sum += e; /* NaN adds nothing */
     }
+    /* sum >= 1: the maximum's own term is exp(0) */
+    // cppcheck-suppress invalidFunctionArg
     double shift = (double)m + log(sum);
     /* Each output element reads only its own input, which is what makes in-place safe. NaN
      * inputs come out as -inf, matching the weight the sampler gives them. */

@@ -504,9 +504,12 @@ static const char *token_string_bytes(tokenizer *tok, const char *s, size_t n, u
     return out;
 }
 
+/* The range is checked before the value is taken as an integer: converting a double outside
+ * int64_t (1e300 in a file) is undefined. */
 static bool json_is_int(const cJSON *v, int64_t lo, int64_t hi) {
-    return cJSON_IsNumber(v) && v->valuedouble == (double)(int64_t)v->valuedouble &&
-           v->valuedouble >= (double)lo && v->valuedouble <= (double)hi;
+    if (!cJSON_IsNumber(v)) return false;
+    double d = v->valuedouble;
+    return d >= (double)lo && d <= (double)hi && d == (double)(int64_t)d;
 }
 
 static const char *json_type_name(const cJSON *v) {

@@ -205,14 +205,14 @@ static void test_bad_inputs(void) {
     run_result r = run("truncate -s -100 %s/model.safetensors", d);
     run_free(&r);
     expect_error("truncated safetensors", run(BIN GEN_ARGS "%s", d), "model.safetensors",
-                 "data_offsets", NULL);
+                 "data_offsets", (char *)NULL);
 
     copy_model("corrupt");
     snprintf(d, sizeof d, "%s/corrupt", tmpdir);
     r = run("printf 'not json' | dd of=%s/model.safetensors bs=1 seek=8 conv=notrunc status=none", d);
     run_free(&r);
     expect_error("corrupt safetensors header", run(BIN GEN_ARGS "%s", d), "model.safetensors",
-                 "header", NULL);
+                 "header", (char *)NULL);
 
     copy_model("missing");
     snprintf(d, sizeof d, "%s/missing", tmpdir);
@@ -220,7 +220,7 @@ static void test_bad_inputs(void) {
             d);
     run_free(&r);
     expect_error("missing tensor", run(BIN GEN_ARGS "%s", d), "model.norm.weight", "missing",
-                 NULL);
+                 (char *)NULL);
 
     copy_model("shape");
     snprintf(d, sizeof d, "%s/shape", tmpdir);
@@ -229,14 +229,14 @@ static void test_bad_inputs(void) {
             d);
     run_free(&r);
     expect_error("wrong shape", run(BIN GEN_ARGS "%s", d), "experts.0.gate_proj.weight", "shape",
-                 NULL);
+                 (char *)NULL);
 
     copy_model("mtype");
     snprintf(d, sizeof d, "%s/mtype", tmpdir);
     r = run("sed -i 's/\"qwen3_moe\"/\"llama4\"/' %s/config.json", d);
     run_free(&r);
     expect_error("unknown model_type", run(BIN GEN_ARGS "%s", d), "config.json", "model_type",
-                 "llama4", NULL);
+                 "llama4", (char *)NULL);
 
     copy_model("tok");
     snprintf(d, sizeof d, "%s/tok", tmpdir);
@@ -244,49 +244,49 @@ static void test_bad_inputs(void) {
     run_free(&r);
     expect_error("unsupported tokenizer type",
                  run(BIN " generate --prompt hi --max-new-tokens 1 --model-path %s", d),
-                 "tokenizer.json", "model.type", NULL);
+                 "tokenizer.json", "model.type", (char *)NULL);
 
     expect_error("input id outside the vocabulary",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5,99999999"),
-                 "--input-ids", "99999999", "vocabulary", NULL);
+                 "--input-ids", "99999999", "vocabulary", (char *)NULL);
     expect_error("malformed --input-ids",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5,x"),
-                 "--input-ids", NULL);
+                 "--input-ids", (char *)NULL);
     expect_error("bad --top-p",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 --top-p 0"),
-                 "top_p", NULL);
+                 "top_p", (char *)NULL);
     expect_error("unknown flag", run(BIN " generate --model-path models/tiny-qwen3-moe --bogus 1"),
-                 "--bogus", NULL);
-    expect_error("missing model folder", run(BIN GEN_ARGS "%s/nowhere", tmpdir), "nowhere", NULL);
+                 "--bogus", (char *)NULL);
+    expect_error("missing model folder", run(BIN GEN_ARGS "%s/nowhere", tmpdir), "nowhere", (char *)NULL);
     expect_error("prompt over the context length",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
                          "--max-new-tokens 100000"),
-                 "context length", NULL);
+                 "context length", (char *)NULL);
     expect_error("bad --matmul-precision",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
                          "--matmul-precision low"),
-                 "--matmul-precision", "low", NULL);
+                 "--matmul-precision", "low", (char *)NULL);
     expect_error("bad --load-format",
                  run(BIN " generate --model-path models/tiny-qwen3-moe --input-ids 5 "
                          "--load-format pt"),
-                 "--load-format", "pt", NULL);
+                 "--load-format", "pt", (char *)NULL);
     expect_error("--mem-fraction-static outside (0, 1)",
                  run(BIN " serve --model-path models/tiny-qwen3-moe --mem-fraction-static 1.5"),
-                 "--mem-fraction-static", NULL);
+                 "--mem-fraction-static", (char *)NULL);
     expect_error("--mem-fraction-static too small for one context",
                  run(BIN " serve --model-path models/tiny-qwen3-moe --port 0 "
                          "--mem-fraction-static 0.0001"),
-                 "--mem-fraction-static", "full context", NULL);
+                 "--mem-fraction-static", "full context", (char *)NULL);
     expect_error("bad serve --load-format",
                  run(BIN " serve --model-path models/tiny-qwen3-moe --load-format pt"),
-                 "--load-format", "pt", NULL);
+                 "--load-format", "pt", (char *)NULL);
     /* a folder like those of config/models/ (config.json alone) needs --skip-tokenizer-init */
     snprintf(d, sizeof d, "%s/config-only", tmpdir);
     r = run("mkdir -p %s && cp tests/data/tiny-qwen3-moe/config.json %s/", d, d);
     run_free(&r);
     expect_error("serve without tokenizer.json and without --skip-tokenizer-init",
                  run("timeout 60 " BIN " serve --model-path %s --load-format dummy --port 0", d),
-                 "tokenizer.json", "--skip-tokenizer-init", NULL);
+                 "tokenizer.json", "--skip-tokenizer-init", (char *)NULL);
 }
 
 /* --load-format dummy: a model from config.json alone; its weights are the same on every run
@@ -301,8 +301,8 @@ static void test_dummy(void) {
     cJSON *ia = cJSON_GetObjectItem(ja, "output_ids"), *ib = cJSON_GetObjectItem(jb, "output_ids");
     CHECK(cJSON_GetArraySize(ia) == 6, "dummy generate gives 6 tokens");
     char *sa = cJSON_PrintUnformatted(ia), *sb = cJSON_PrintUnformatted(ib);
-    CHECK(sa && sb && !strcmp(sa, sb), "dummy weights are the same on every run (%s vs %s)", sa,
-          sb);
+    CHECK(sa && sb && !strcmp(sa, sb), "dummy weights are the same on every run (%s vs %s)",
+          sa ? sa : "none", sb ? sb : "none");
     free(sa);
     free(sb);
     cJSON_Delete(ja);

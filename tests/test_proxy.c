@@ -226,6 +226,7 @@ static void raw_serve(int fd) {
     char req[16384];
     size_t len = 0;
     char *end = NULL;
+    req[0] = '\0'; /* the first strstr runs before anything arrives */
     while (len < sizeof req - 1 && !(end = strstr(req, "\r\n\r\n"))) {
         ssize_t n = recv(fd, req + len, sizeof req - 1 - len, 0);
         if (n <= 0) return;

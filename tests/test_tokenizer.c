@@ -381,8 +381,8 @@ static void test_threads(void) {
     int n_want[N_TEXTS];
     encode_job ref = {toks[0].tok, texts, N_TEXTS, want, n_want};
     encode_all(&ref);
-    int32_t *got[N_THREADS][N_TEXTS];
-    int n_got[N_THREADS][N_TEXTS];
+    int32_t *got[N_THREADS][N_TEXTS] = {{NULL}};
+    int n_got[N_THREADS][N_TEXTS] = {{0}};
     encode_job jobs[N_THREADS];
     pthread_t th[N_THREADS];
     for (int t = 0; t < N_THREADS; t++) {
@@ -515,6 +515,15 @@ static void test_errors(void) {
              "\"pre_tokenizer\":{\"type\":\"Split\",\"pattern\":{\"Regex\":\"(unclosed\"},"
              "\"behavior\":\"Isolated\",\"invert\":false}}");
     expect_load_error(dir, "badregex.json", body, "pre_tokenizer");
+    /* ids far outside any integer type (found by tests/fuzz/fuzz_tokenizer_load): refused, not
+     * converted (UBSan stops the asan build on such a conversion) */
+    expect_load_error(dir, "hugeid.json",
+                      "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":7.7e114},\"merges\":[]}}",
+                      "model.vocab");
+    expect_load_error(dir, "hugeadded.json",
+                      "{\"added_tokens\":[{\"id\":-1e300,\"content\":\"<s>\"}],"
+                      "\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]}}",
+                      "added_tokens");
     snprintf(body, sizeof body,
              "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[\"a b\"]},"
              "\"pre_tokenizer\":%s}",
