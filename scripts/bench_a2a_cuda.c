@@ -331,8 +331,8 @@ int main(int argc, char **argv) {
             A2A(two ? 0 : -1);
             const size_t rec = a2a_gpu_record_bytes(one);
             if (g_rank == 0)
-                printf("\nD=%d %s (record %zu B)\n%6s | %-28s | %-34s | %-28s | %s\n", D,
-                       a2a_payload_name(pls[pi]), rec, "T", "one-sided us: disp part slots",
+                printf("\nD=%d %s (record %zu B, segment shared by %s)\n%6s | %-28s | %-34s | %-28s | %s\n", D,
+                       a2a_payload_name(pls[pi]), rec, a2a_gpu_segment_kind(one), "T", "one-sided us: disp part slots",
                        "MB disp / part; GB/s disp part slots", "nccl us: disp part slots",
                        "nccl/one-sided disp part");
             for (int ti = 0; ti < nT; ti++) {

@@ -37,6 +37,12 @@ grep -E "^(FAIL|ok)" "$out/test_cuda_a2a.txt" | grep -c "^ok" | sed 's/^/ok line
 grep -E "^FAIL" "$out/test_cuda_a2a.txt" | head -n 10
 count "$out/test_cuda_a2a.txt"
 
+echo "== 1b. test_cuda_a2a rounds, the segment shared by cuMem POSIX descriptors"
+MOESERVE_A2A_MEM=posix_fd timeout 300 "${mpi[@]}" -x MOESERVE_A2A_MEM -np 2 \
+    "$b/tests/test_cuda_a2a" rounds > "$out/test_cuda_a2a-posix_fd.txt" 2>&1
+grep -E "^FAIL|segment" "$out/test_cuda_a2a-posix_fd.txt" | head -n 10
+count "$out/test_cuda_a2a-posix_fd.txt"
+
 echo "== 2. the server on 2 GPUs against 1"
 OUT=$out timeout 900 python3 scripts/gpu_ep_compare.py > "$out/compare.txt" 2>&1
 grep -vE '^[0-9]+ passed' "$out/compare.txt"

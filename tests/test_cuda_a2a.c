@@ -138,6 +138,18 @@ static a2a_config make_cfg(a2a_transport tr, a2a_payload pl, int M, int D, int K
     return c;
 }
 
+/* Once: which way the one-sided segment is shared; with MOESERVE_A2A_MEM naming one, that one. */
+static void segment_kind_check(const a2a_gpu *g) {
+    static bool done;
+    if (done || !g) return;
+    done = true;
+    const char *want = getenv("MOESERVE_A2A_MEM"), *got = a2a_gpu_segment_kind(g);
+    if (g_rank == 0) printf("nvlink_one_sided: the segment is shared by %s\n", got);
+    if (want && *want && strcmp(want, "auto") != 0)
+        CHECK(strcmp(want, got) == 0, "MOESERVE_A2A_MEM=%s, but the segment is shared by %s", want,
+              got);
+}
+
 static bool pair_open(pair *P, a2a_config cfg) {
     memset(P, 0, sizeof *P);
     P->cfg = cfg;
@@ -149,6 +161,7 @@ static bool pair_open(pair *P, a2a_config cfg) {
     P->gpu = a2a_gpu_create(&cfg, MPI_COMM_WORLD, err, sizeof err);
     CHECK(P->gpu != NULL, "%s: %s", a2a_transport_name(cfg.transport), err);
     if (!P->cpu || !P->gpu) return false;
+    if (cfg.transport == A2A_NVLINK_ONE_SIDED) segment_kind_check(P->gpu);
     const size_t M = (size_t)cfg.max_tokens_per_rank, D = (size_t)cfg.hidden, K = (size_t)cfg.top_k,
                  ep = (size_t)cfg.ep_size;
     P->x = malloc(M * D * 4);

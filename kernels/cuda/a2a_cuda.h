@@ -10,8 +10,12 @@
  *                     with st.release.sys / ld.acquire.sys flags. No host sync and no host-visible
  *                     count inside a round: counts and round values live in device memory, so a
  *                     dispatch + combine pair can be captured in a CUDA graph and replayed (each
- *                     replay is a new round). cuMem POSIX-fd handles and FABRIC handles (GB200
- *                     multi-node NVLink) are not written yet: only CUDA IPC, one node.
+ *                     replay is a new round). The segment can be shared three ways
+ *                     (MOESERVE_A2A_MEM, the same on every rank): ipc (CUDA IPC, one node),
+ *                     posix_fd (cuMem with POSIX descriptors passed over Unix sockets, one
+ *                     node) and fabric (cuMem fabric handles over MPI: multi-node NVLink such
+ *                     as GB200 NVL72); auto, the default, takes fabric where every device
+ *                     reports it and it works, ipc otherwise (kernels/cuda/a2a_segment.cu).
  *   nccl              the two-sided baseline: counts exchanged with ncclSend/ncclRecv, read by
  *                     the host (a stream sync inside dispatch), then grouped ncclSend/ncclRecv of
  *                     the exact records, and back for combine. Not capturable; no device-side
@@ -113,6 +117,9 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen);
  * sends done, counts in, receives done, combine start, sends done, gathers done, end flags out),
  * up to n of them; returns how many (0 without the trace). Diagnostics only. */
 int a2a_gpu_trace(const a2a_gpu *a, unsigned long long *t, int n);
+
+/* How the one-sided segment is shared: "ipc", "posix_fd" or "fabric" ("none" for nccl). */
+const char *a2a_gpu_segment_kind(const a2a_gpu *a);
 
 /* Bytes of one dispatched record (payload, ids, weights, padded to 16) of this object: what a
  * (token, remote rank) pair moves over the link in dispatch. */

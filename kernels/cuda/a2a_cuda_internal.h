@@ -12,6 +12,8 @@
  *                               the next round cannot overtake a slow reader
  *   recv region [src][runtime_max] x record      (record: codes | scales | ids[K] | w[K])
  *   comb region [src][runtime_max] x (K D fp32 slots, or D BF16 partial sums)
+ * The segment is shared by CUDA IPC, or by cuMem POSIX-descriptor or fabric handles
+ * (a2a_segment.cu, MOESERVE_A2A_MEM).
  * A chunk is ch = ceil(runtime_max / A2A_GPU_NCHUNK) rows of one source (fewer chunks with
  * MOESERVE_A2A_CHUNKS, a tuning knob that every rank must set alike), so the receiver decodes
  * (and the home rank gathers) a chunk as soon as it lands, while the rest is still on the wire. */
@@ -122,6 +124,10 @@ typedef struct {
 
 typedef enum { A2A_GPU_IDLE, A2A_GPU_DISPATCHED, A2A_GPU_BROKEN } a2a_gpu_phase;
 
+/* How the one-sided segment is shared (a2a_segment.cu): CUDA IPC, cuMem with POSIX descriptors,
+ * cuMem with fabric handles. */
+enum { A2A_SEG_IPC, A2A_SEG_POSIX_FD, A2A_SEG_FABRIC };
+
 struct a2a_gpu {
     a2a_config cfg;
     MPI_Comm comm;
@@ -138,6 +144,9 @@ struct a2a_gpu {
     /* one-sided workspace */
     size_t off_count, off_dchunk, off_cchunk, off_cdone, off_recv, off_comb, seg_bytes;
     char *seg;        /* this rank's segment */
+    int seg_kind;     /* A2A_SEG_*: how it is shared */
+    size_t seg_map;   /* cuMem ways: bytes mapped (seg_bytes rounded to the granularity) */
+    unsigned long long *seg_handles; /* cuMem ways: [ep] allocation handles (own and imported) */
     char **peer_host; /* [ep] mapped segments (peer_host[me] = seg) */
     char **peer_dev;  /* the same table in device memory */
 
@@ -161,6 +170,12 @@ int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *e
 /* Bytes of one return (a combine row) in the given form. */
 size_t a2a_gpu_return_bytes(const a2a_gpu *a, int partial);
 int a2a_gpu_cuda_fail(char *err, size_t errlen, int rank, const char *what, cudaError_t e);
+
+/* a2a_segment.cu: allocate this rank's segment of seg_bytes and map every peer's into
+ * peer_host (collective; MOESERVE_A2A_MEM picks the way), and undo it. */
+int a2a_segment_setup(a2a_gpu *a, char *err, size_t errlen);
+void a2a_segment_free(a2a_gpu *a);
+const char *a2a_seg_kind_name(int kind);
 
 /* a2a_nccl.cu */
 int a2a_nccl_init(a2a_gpu *a, char *err, size_t errlen);

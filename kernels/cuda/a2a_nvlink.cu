@@ -1315,39 +1315,6 @@ static bool all_ok(MPI_Comm comm, bool ok) {
         }                                                                                          \
     } while (0)
 
-static int ipc_setup(a2a_gpu *a, char *err, size_t errlen) {
-    const int ep = a->cfg.ep_size, me = a->cfg.rank;
-    cudaIpcMemHandle_t h, *all = (cudaIpcMemHandle_t *)calloc((size_t)ep, sizeof h);
-    int rc = -1;
-    TRY(cudaIpcGetMemHandle(&h, a->seg), "cudaIpcGetMemHandle of the segment");
-    if (MPI_Allgather(&h, (int)sizeof h, MPI_BYTE, all, (int)sizeof h, MPI_BYTE, a->comm) !=
-        MPI_SUCCESS) {
-        gerr(err, errlen, "all-to-all rank %d: MPI_Allgather of the IPC handles failed", me);
-        goto fail;
-    }
-    for (int p = 0; p < ep; p++) {
-        if (p == me) {
-            a->peer_host[p] = a->seg;
-            continue;
-        }
-        void *ptr = NULL;
-        cudaError_t e = cudaIpcOpenMemHandle(&ptr, all[p], cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-            gerr(err, errlen,
-                 "all-to-all rank %d: cudaIpcOpenMemHandle of rank %d's segment failed: %s "
-                 "(nvlink_one_sided needs every rank's GPU in one node with peer access; use "
-                 "nccl otherwise)",
-                 me, p, cudaGetErrorString(e));
-            goto fail;
-        }
-        a->peer_host[p] = (char *)ptr;
-    }
-    rc = 0;
-fail:
-    free(all);
-    return rc;
-}
-
 a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t errlen) {
     if (!cfg) {
         gerr(err, errlen, "all-to-all: no config");
@@ -1442,10 +1409,9 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
             a->off_recv = align_up(a->off_cdone + (size_t)ep * A2A_GPU_LINE, 4096);
             a->off_comb = align_up(a->off_recv + (size_t)ep * M * a->rec, 4096);
             a->seg_bytes = align_up(a->off_comb + (size_t)ep * M * K * D * 4, 1 << 21);
-            TRY(cudaMalloc((void **)&a->seg, a->seg_bytes), "cudaMalloc of the segment");
+            if (a2a_segment_setup(a, err, errlen) != 0) goto fail;
             TRY(cudaMemset(a->seg, 0, a->off_recv), "cudaMemset of the segment's header");
             TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-            if (ipc_setup(a, err, errlen) != 0) goto fail;
             TRY(cudaMalloc((void **)&a->peer_dev, (size_t)ep * sizeof(char *)), "cudaMalloc");
             TRY(cudaMemcpy(a->peer_dev, a->peer_host, (size_t)ep * sizeof(char *),
                            cudaMemcpyHostToDevice),
@@ -1476,12 +1442,9 @@ void a2a_gpu_destroy(a2a_gpu *a) {
     cudaDeviceSynchronize();
     if (a->comm != MPI_COMM_NULL) MPI_Barrier(a->comm); /* no peer still writes into us */
     if (a->cfg.transport == A2A_NCCL) a2a_nccl_free(a);
-    if (a->peer_host)
-        for (int p = 0; p < a->cfg.ep_size; p++)
-            if (p != a->cfg.rank && a->peer_host[p]) cudaIpcCloseMemHandle(a->peer_host[p]);
+    if (a->cfg.transport == A2A_NVLINK_ONE_SIDED) a2a_segment_free(a);
     free(a->peer_host);
     cudaFree(a->peer_dev);
-    cudaFree(a->seg);
     cudaFree(a->st);
     cudaFree(a->trace);
     if (a->herr) cudaFreeHost(a->herr);
