@@ -6,10 +6,11 @@ Groups (`python3 tests/test_reliability.py [-v] [GROUP...]`, all by default):
   overload  1000 connections held at once and all answered (open-file limit lowered to 1024
             first); 16 clients sending a byte a second while others are served at full speed;
             an idle connection closed after --connection-timeout, a request that waits longer
-            than that for its answer (queued, then computed) not, a streaming client that stops reading cut and its
-            request aborted; the limits on n, max_new_tokens / max_tokens,
-            top_logprobs_num / logprobs / top_logprobs and the batch size (400, a message that
-            names the field and the limit), each limit itself accepted
+            than that for its answer (queued, then computed) not, a streaming client that stops
+            reading cut and its request aborted; a request head past 32 KiB refused (431 / 414);
+            the limits on n, max_new_tokens / max_tokens, top_logprobs_num / logprobs /
+            top_logprobs and the batch size (400, a message that names the field and the
+            limit), each limit itself accepted
   faults    streaming clients that hang up free their KV pages (/metrics kv_pages_used back to
             0); SIGTERM drains (new requests 503, /health 503, every running and waiting request
             finishes, exit 0); SIGINT past --shutdown-timeout aborts what is left and exits 0; a
@@ -492,6 +493,27 @@ def case_long_wait(srv):
           st == 200 and n_out == 1900 and took > 2.0, "status %d, %d tokens, %.1f s" % (st, n_out, took))
 
 
+def case_big_head(srv):
+    """A request head past libmicrohttpd's per-connection memory (32 KiB): a 70 KB header or 5000
+    headers get 431, a 70 KB URL 414, and the server goes on serving."""
+    cases = [("a 70 KB header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n", b" 431 "),
+             ("5000 headers", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(5000)) + b"\r\n", b" 431 "),
+             ("a 70 KB URL", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", b" 414 ")]
+    for name, req, want in cases:
+        s = socket.create_connection(("127.0.0.1", srv.base), timeout=10)
+        try:
+            s.sendall(req)
+        except OSError:
+            pass
+        try:
+            line = read_until(s, b"\r\n").split(b"\r\n", 1)[0]
+        except OSError as e:
+            line = str(e).encode()
+        s.close()
+        check("big head: %s -> %s" % (name, line.decode("latin-1")), want in line, line)
+    check("big head: served after them", srv.status(srv.base, "GET", "/health") == 200, "")
+
+
 def case_stalled_reader(srv):
     """A streaming client that stops reading (a small receive buffer, never read): once the
     socket buffers are full the server can send nothing, the connection is idle, and after
@@ -960,7 +982,8 @@ def main(argv):
         t0 = time.time()
         if g == "overload":
             run_case(Proc("overload", ["--connection-timeout", "3"], fd_limit=1024),
-                     [case_slow_clients, case_connections_1000, case_idle_timeout, case_stalled_reader, case_limits,
+                     [case_slow_clients, case_connections_1000, case_idle_timeout, case_stalled_reader, case_big_head,
+                      case_limits,
                       case_slow_clients_end])
             run_case(Proc("long-wait", ["--connection-timeout", "2", "--max-running-requests", "1"]), [case_long_wait])
         elif g == "faults":
