@@ -629,6 +629,33 @@ def case_disconnect_frees_pages(srv):
           before == 0 and during and during > 0 and after == 0 and running == 0, "running %s" % running)
 
 
+def case_disconnect_radix(srv):
+    """The same with the prefix cache on (the default): after the hang-up kv_pages_used falls to
+    the pages the cache keeps (the prompts, for later requests to share), and /flush_cache
+    empties it to 0: nothing else holds a page."""
+    socks = [raw_post(srv.base, "/generate", gen_body([5, 6, 7, i] * 10, 1900, stream=True)) for i in range(16)]
+    for s in socks:
+        read_until(s, b"data: ")
+    during = metric(srv, "moeserve:kv_pages_used")
+    for s in socks:
+        reset(s)
+    t0 = time.time()
+    while time.time() - t0 < 5.0 and metric(srv, "moeserve:num_running_reqs") != 0:
+        time.sleep(0.05)
+    after = metric(srv, "moeserve:kv_pages_used")
+    srv.request(srv.base, "POST", "/flush_cache")
+    t1 = time.time()
+    flushed = after
+    while time.time() - t1 < 5.0:
+        flushed = metric(srv, "moeserve:kv_pages_used")
+        if flushed == 0:
+            break
+        time.sleep(0.05)
+    check("disconnect, prefix cache on: kv_pages_used %s with 16 streams, %s (cached prompts) after the hang-up, "
+          "%s after /flush_cache" % (during, after, flushed),
+          during and after is not None and after < during and flushed == 0, "")
+
+
 def case_drain(srv):
     """SIGTERM with 8 requests in (4 streaming, 4 not; --max-running-requests 4, so 4 wait):
     /health and a new request get 503 while it drains, all 8 finish with their 300 tokens,
@@ -988,6 +1015,7 @@ def main(argv):
             run_case(Proc("long-wait", ["--connection-timeout", "2", "--max-running-requests", "1"]), [case_long_wait])
         elif g == "faults":
             run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
+            run_case(Proc("disconnect-radix", ["--enable-metrics"]), [case_disconnect_radix])
             run_case(Proc("drain", ["--max-running-requests", "4"]), [case_drain])
             run_case(Proc("drain-timeout", ["--max-running-requests", "1", "--shutdown-timeout", "1"]), [case_drain_timeout])
             run_case(Proc("second-signal", ["--max-running-requests", "1"]), [case_second_signal])
