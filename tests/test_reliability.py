@@ -16,7 +16,7 @@ Groups (`python3 tests/test_reliability.py [-v] [GROUP...]`, all by default):
             finishes, exit 0); SIGINT past --shutdown-timeout aborts what is left and exits 0; a
             second SIGTERM aborts at once
   group     mpirun -np 2: SIGTERM to one rank drains both (every request on both ranks
-            finishes, mpirun exits 0); scripts/launch.sh passes SIGINT on the same way; a rank
+            finishes, relayed ones too, mpirun exits 0); scripts/launch.sh passes SIGINT on the same way; a rank
             killed with SIGKILL makes mpirun and the other rank exit within 30 s, naming it
   security  --api-key on every endpoint but /health (also unknown paths: 401), and through the
             relay between ranks (np 2); the default host
@@ -796,6 +796,23 @@ def case_group_drain(srv, sig, target):
           srv.log_tail(20))
 
 
+def case_group_drain_balanced(srv):
+    """np 2 with balancing (the default): 6 requests of 800 tokens sent to rank 0, some relayed
+    to rank 1; SIGTERM to rank 0: every one finishes (the relays included), mpirun exits 0."""
+    n_new = 800
+    socks = [(raw_post(srv.base, "/generate", gen_body([5, 6, 7, i], n_new, stream=i % 2 == 0)), i % 2 == 0)
+             for i in range(6)]
+    time.sleep(0.8)
+    info = srv.json(srv.ports[1], "GET", "/server_info")
+    on1 = info["internal_states"][1]["num_running_reqs"]
+    t0 = time.time()
+    os.kill(srv.pids[0], signal.SIGTERM)
+    good, bad = group_collect(socks, n_new)
+    rc = srv.wait(60)
+    check("np 2 balanced, SIGTERM to rank 0: all 6 requests (%s running on rank 1) finish, mpirun exits 0 %.1f s later"
+          % (on1, time.time() - t0), good == 6 and rc == 0 and on1 > 0, "good %d, rc %s %s" % (good, rc, bad[:2]))
+
+
 def case_rank_killed(srv):
     """np 2, --dist-timeout 10: rank 1 killed with SIGKILL while requests run: rank 0 exits
     within 30 s by itself (mpirun is told to wait 60 s before it signals the ranks left, so what
@@ -1031,6 +1048,7 @@ def main(argv):
                 continue
             flags = ["--no-load-balance", "--threads", "1"]
             run_case(Proc("np2-term-rank1", flags, np=2), [lambda s: case_group_drain(s, signal.SIGTERM, "rank1")])
+            run_case(Proc("np2-balanced", ["--threads", "1"], np=2), [case_group_drain_balanced])
             run_case(Proc("np2-launch-int", flags, np=2, launcher=True),
                      [lambda s: case_group_drain(s, signal.SIGINT, "launcher")])
             run_case(Proc("np2-kill", flags + ["--dist-timeout", "10"], np=2,
