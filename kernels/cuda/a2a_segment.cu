@@ -19,6 +19,8 @@
  * (MPI_Allreduce) before the next, so the ranks fail, or fall back, together. */
 #include "kernels/cuda/a2a_cuda_internal.h"
 
+#include "common/log.h"
+
 #include <cuda.h>
 
 #include <errno.h>
@@ -152,9 +154,10 @@ static int map_handle(CUmemGenericAllocationHandle h, size_t bytes, size_t align
     CU_TRY(drv.reserve(&va, bytes, align, 0, 0), "cuMemAddressReserve");
     reserved = true;
     CU_TRY(drv.map(va, bytes, 0, h, 0), "cuMemMap");
-    if (drv.set_access(va, bytes, &acc, 1) != CUDA_SUCCESS) {
-        drv.unmap(va, bytes);
-        CU_TRY(CUDA_ERROR_INVALID_VALUE, "cuMemSetAccess");
+    {
+        const CUresult r = drv.set_access(va, bytes, &acc, 1);
+        if (r != CUDA_SUCCESS) drv.unmap(va, bytes);
+        CU_TRY(r, "cuMemSetAccess");
     }
     *out = (char *)(uintptr_t)va;
     return 0;
@@ -318,7 +321,7 @@ static int setup_cumem(a2a_gpu *a, int kind, char *err, size_t errlen) {
     CUmemFabricHandle fh, *all = (CUmemFabricHandle *)calloc((size_t)ep, sizeof fh);
     CUmemGenericAllocationHandle *hs =
         (CUmemGenericAllocationHandle *)calloc((size_t)ep, sizeof *hs);
-    bool ok = false, made = false;
+    bool ok = false;
     for (int p = 0; p < ep; p++)
         fds[p] = -1;
     {
@@ -332,7 +335,6 @@ static int setup_cumem(a2a_gpu *a, int kind, char *err, size_t errlen) {
                    ? "cuMemCreate of the segment with a fabric handle (it needs an IMEX channel, "
                      "as on GB200 NVL72; MOESERVE_A2A_MEM=ipc or posix_fd within one node)"
                    : "cuMemCreate of the segment");
-        made = true;
         if (map_handle(hs[me], a->seg_map, gran, dev, &a->seg, me, err, errlen) != 0) goto fail;
         if (kind == A2A_SEG_FABRIC)
             CU_TRY(drv.export_handle(&fh, hs[me], type, 0), "cuMemExportToShareableHandle (fabric)");
@@ -388,7 +390,7 @@ out:
         for (int p = 0; p < ep; p++) {
             if (p != me && a->peer_host[p]) unmap_range(a->peer_host[p], a->seg_map);
             a->peer_host[p] = NULL;
-            if (hs[p] && (p != me || made)) drv.release(hs[p]);
+            if (hs[p]) drv.release(hs[p]);
         }
         if (a->seg) unmap_range(a->seg, a->seg_map);
         a->seg = NULL;
@@ -424,8 +426,12 @@ int a2a_segment_setup(a2a_gpu *a, char *err, size_t errlen) {
         CUdevice dev = 0;
         if (have && drv.device_get(&dev, a->device) == CUDA_SUCCESS)
             drv.device_attr(&fab, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev);
-        if (agree(a->comm, have && fab) && setup_cumem(a, A2A_SEG_FABRIC, why, sizeof why) == 0)
-            return 0;
+        if (agree(a->comm, have && fab)) {
+            if (setup_cumem(a, A2A_SEG_FABRIC, why, sizeof why) == 0) return 0;
+            if (me == 0)
+                LOG_INFO("a2a", "fabric handles reported but not usable (%s): the segment is "
+                         "shared by CUDA IPC", why);
+        }
         return setup_ipc(a, err, errlen);
     }
     if (!agree(a->comm, have))
