@@ -472,11 +472,10 @@ static int parse_quant(model_config *c, const cJSON *q, const char *path, char *
             return set_err(err, errlen, "%s: quantization group_size: NVFP4 groups are 16", path);
         return 0;
     }
+    const char *name = method && cJSON_IsString(method) ? method->valuestring : NULL;
     return set_err(err, errlen, "%s: quantization_config.quant_method %s%s%s: fp8 and modelopt "
                    "(NVFP4) are read",
-                   path, cJSON_IsString(method) ? "\"" : "",
-                   cJSON_IsString(method) ? method->valuestring : "(missing)",
-                   cJSON_IsString(method) ? "\"" : "");
+                   path, name ? "\"" : "", name ? name : "(missing)", name ? "\"" : "");
 }
 
 int model_config_load(model_config *c, const char *dir, char *err, size_t errlen) {

@@ -306,7 +306,7 @@ void a2a_compact_received(a2a *a, const char *segment, const float *x_in, const 
                 for (int k = 0; k < K; k++) {
                     size_t tk = (size_t)t * K + k;
                     if (!a->slot_first[tk] || a->slot_rank[tk] != me) continue;
-                    size_t i = (size_t)(base + a->slot_index[tk]);
+                    size_t i = (size_t)base + (size_t)a->slot_index[tk];
                     pack_fields(a, a->recv_x + i * D, a->recv_ids + i * K, a->recv_w + i * K, me,
                                 x_in + (size_t)t * D, topk_ids + (size_t)t * K,
                                 topk_w + (size_t)t * K);
@@ -318,7 +318,7 @@ void a2a_compact_received(a2a *a, const char *segment, const float *x_in, const 
             const char *rec = src + (size_t)j * L->rec_bytes;
             const int32_t *ids = (const int32_t *)(rec + L->pay_bytes);
             const float *w = (const float *)(ids + K);
-            size_t i = (size_t)(base + j);
+            size_t i = (size_t)base + (size_t)j;
             payload_decode(a->cfg.payload, a->recv_x + i * D, rec, D);
             memcpy(a->recv_ids + i * K, ids, (size_t)K * sizeof(int32_t));
             memcpy(a->recv_w + i * K, w, (size_t)K * sizeof(float));

@@ -33,7 +33,7 @@ static void engine_free_staging(engine *e) {
     void *bufs[] = {e->d_ids,   e->d_pos,    e->d_seq,       e->d_rows,
                     e->d_table, e->d_logits, e->d_sample_in, e->d_sample_out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        if (bufs[i]) o->dev_free(bufs[i]);
+        if (bufs[i] && o) o->dev_free(bufs[i]); /* device buffers exist only with a model */
 }
 
 static void *dev_grow(const ops *o, void *p, size_t bytes) {
@@ -94,7 +94,7 @@ static void engine_free_graphs(engine *e) {
     free(e->graphs);
     void *bufs[] = {e->g_ids, e->g_pos, e->g_seq, e->g_rows, e->g_table, e->g_logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-        if (bufs[i]) o->dev_free(bufs[i]);
+        if (bufs[i] && o) o->dev_free(bufs[i]);
     free(e->g_host);
     e->graphs = NULL;
     e->graph_max_bs = 0;
@@ -309,10 +309,8 @@ static void engine_seq_append(engine *e, engine_seq *s, int32_t t, float logprob
     if (s->out_logprobs) s->out_logprobs[s->n_out] = logprob;
     s->n_out++;
     bool may_stop = s->n_out >= q->min_new_tokens;
-    if (may_stop && !q->ignore_eos && ids_contain(c->eos_token_ids, c->n_eos, t)) {
-        s->finish = FINISH_STOP_TOKEN;
-        s->matched_token = t;
-    } else if (may_stop && ids_contain(q->stop_token_ids, q->n_stop_token_ids, t)) {
+    if (may_stop && ((!q->ignore_eos && ids_contain(c->eos_token_ids, c->n_eos, t)) ||
+                     ids_contain(q->stop_token_ids, q->n_stop_token_ids, t))) {
         s->finish = FINISH_STOP_TOKEN;
         s->matched_token = t;
     }

@@ -203,6 +203,8 @@ int model_weight_rows(model *m, int n, const char *const *names, const int64_t *
     for (int i = 0; i < n; i++) {
         int64_t shape[2] = {rows[i], cols};
         if (model_weight_info(m, names[i], 2, shape, &views[i], err, errlen)) return -1;
+        /* set whenever model_weight_info returns 0 (set_err, in another file, returns -1) */
+        // NOLINTNEXTLINE(clang-analyzer-core.NullDereference)
         if (views[i]->dtype != views[0]->dtype)
             return set_err(err, errlen, "%s: tensor '%s' has dtype %s but '%s' has %s", m->dir,
                            names[i], dtype_name(views[i]->dtype), names[0],

@@ -445,10 +445,16 @@ void rank_group_finalize(rank_group *g) {
 }
 
 /* The failed step's receives may still be posted: a late report would land in g->recv, so the
- * buffers stay allocated (the process is about to exit). A group of one has no MPI and nothing
- * posted: it is freed. */
+ * buffers stay allocated (the process is about to exit), and stay reachable from here, so that
+ * they are kept on purpose rather than lost (a process has one MPI group). A group of one has no
+ * MPI and nothing posted: it is freed. */
+static rank_group *rg_abandoned;
+
 void rank_group_abandon(rank_group *g) {
-    if (g && !g->mpi) rg_free(g);
+    if (g && !g->mpi)
+        rg_free(g);
+    else if (g)
+        rg_abandoned = g;
 }
 
 /* ---- SGLang's flags ---- */

@@ -174,6 +174,7 @@ int main(int argc, char **argv) {
         total += seqs[i].n;
         max_n = seqs[i].n > max_n ? seqs[i].n : max_n;
     }
+    if (total == 0 || max_n == 0) die("%s: no token sequences to score", dir);
     float *logits = malloc(sizeof(float) * (size_t)max_n * V);
     double *lp_ref = malloc(sizeof(double) * (size_t)total * V), *lq = malloc(sizeof(double) * V);
     double entropy = 0, nll = 0;

@@ -574,7 +574,7 @@ http_server *http_server_start(const http_config *cfg, char *err, size_t errlen)
     s->n_free = s->n_slots;
     pthread_mutexattr_destroy(&recursive);
 
-    struct sockaddr_storage addr;
+    struct sockaddr_storage addr = {0};
     socklen_t alen = sizeof addr;
     s->port = cfg->port;
     if (getsockname(fd, (struct sockaddr *)&addr, &alen) == 0) {

@@ -318,6 +318,8 @@ static void *proxy_main(void *arg) {
             proxy_relay *r = cancels;
             cancels = r->next_cancel;
             if (!r->ended) relay_finish(p, r, CURLE_OK, "the client has gone");
+            /* relay_finish dropped the transfer's reference; this one is still held */
+            // NOLINTNEXTLINE(clang-analyzer-unix.Malloc)
             relay_unref(r); /* the queue's reference */
         }
         if (stopping) {

@@ -44,7 +44,7 @@ static uint64_t splitmix(uint64_t *s) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-static int rand_int(uint64_t *s, int n) { return (int)(splitmix(s) % (uint64_t)n); }
+static int rand_int(uint64_t *s, int n) { return n > 0 ? (int)(splitmix(s) % (uint64_t)n) : 0; }
 static float rand_float(uint64_t *s) { return (float)(splitmix(s) >> 40) / (float)(1 << 24); }
 
 typedef enum { ROUTE_RANDOM, ROUTE_SKEWED, ROUTE_ZERO, ROUTE_SPREAD } route_mode;
@@ -111,7 +111,7 @@ static void make_input(round_input *in, const a2a_config *c, int cfg_id, int rou
         int32_t *ids = in->ids + (size_t)t * K;
         if (mode == ROUTE_RANDOM) {
             /* K distinct experts, like a router's top-k */
-            int perm[64];
+            int perm[64] = {0};
             for (int e = 0; e < E; e++)
                 perm[e] = e;
             for (int k = 0; k < K; k++) {

@@ -580,7 +580,7 @@ static void *conc_main(void *p) {
     client_do(&c, "POST", "/echo", body, (size_t)n, NULL);
     cJSON *o = cJSON_Parse(c.body.data);
     const cJSON *b = o ? cJSON_GetObjectItemCaseSensitive(o, "body") : NULL;
-    a->ok_echo = c.status == 201 && cJSON_IsString(b) && !strcmp(b->valuestring, body);
+    a->ok_echo = c.status == 201 && b && cJSON_IsString(b) && !strcmp(b->valuestring, body);
     if (!a->ok_echo) snprintf(a->why, sizeof a->why, "echo %ld %s", c.status, c.body.data);
     cJSON_Delete(o);
     client_free(&c);
@@ -721,7 +721,7 @@ static void test_create_free(http_server *front) {
 static int closed_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&a, sizeof a);
+    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0, "bind a free port");
     socklen_t len = sizeof a;
     getsockname(fd, (struct sockaddr *)&a, &len);
     close(fd);

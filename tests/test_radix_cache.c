@@ -83,7 +83,7 @@ static void teardown(void) {
 static void test_insert_match(void) {
     setup();
     int32_t a[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
-    int32_t pa[3], pm[8];
+    int32_t pa[3] = {0}, pm[8] = {0};
     CHECK(compute(12, pa) == 3, "compute");
     CHECK(radix_cache_insert(&rc, a, 12, pa) == 3, "insert adds 3 pages");
     CHECK(rc.n_pages == 3, "tree holds %d pages", rc.n_pages);
@@ -128,7 +128,7 @@ static void test_insert_shared_prefix(void) {
     setup();
     int32_t a[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
     int32_t b[14] = {1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24, 25};
-    int32_t pa[3], pb[4], pm[4];
+    int32_t pa[3] = {0}, pb[4] = {0}, pm[4] = {0};
     compute(12, pa);
     radix_cache_insert(&rc, a, 12, pa);
     drop(pa, 3);
@@ -160,7 +160,7 @@ static void test_insert_shared_prefix(void) {
 static void test_refcounts_block_eviction(void) {
     setup();
     int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {9, 9, 9, 9, 8, 8, 8, 8};
-    int32_t pa[2], pb[2], pm[2];
+    int32_t pa[2] = {0}, pb[2] = {0}, pm[2] = {0};
     compute(8, pa);
     radix_cache_insert(&rc, a, 8, pa);
     drop(pa, 2);
@@ -191,7 +191,7 @@ static void test_refcounts_block_eviction(void) {
 static void test_lru_order(void) {
     setup();
     int32_t seqs[4][4] = {{1, 1, 1, 1}, {2, 2, 2, 2}, {3, 3, 3, 3}, {4, 4, 4, 4}};
-    int32_t pages[4][1], pm[1];
+    int32_t pages[4][1] = {{0}}, pm[1] = {0};
     for (int i = 0; i < 4; i++) {
         compute(4, pages[i]);
         radix_cache_insert(&rc, seqs[i], 4, pages[i]);
@@ -231,7 +231,7 @@ static void test_leaf_then_parent(void) {
     /* a chain: parent page [1..4], children [5..8] and [9..12]; the parent is evicted only
      * after both children */
     int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {1, 2, 3, 4, 9, 10, 11, 12};
-    int32_t pa[2], pb[2], pm[2];
+    int32_t pa[2] = {0}, pb[2] = {0}, pm[2] = {0};
     compute(8, pa);
     radix_cache_insert(&rc, a, 8, pa);
     drop(pa, 2);
@@ -252,7 +252,7 @@ static void test_leaf_then_parent(void) {
 static void test_flush(void) {
     setup();
     int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[4] = {5, 5, 5, 5};
-    int32_t pa[2], pb[1], pm[2];
+    int32_t pa[2] = {0}, pb[1] = {0}, pm[2] = {0};
     compute(8, pa);
     radix_cache_insert(&rc, a, 8, pa);
     drop(pa, 2);

@@ -446,7 +446,7 @@ static void test_frequency_presence(void) {
 
     /* The counts do not leak into the next call. */
     memcpy(l, (float[]){1.0f, 0.8f, -1.0f}, sizeof l);
-    t = sampler_sample(&p, l, 3, NULL, 0, out1, 1, 0);
+    (void)sampler_sample(&p, l, 3, NULL, 0, out1, 1, 0);
     CHECK(l[0] == 1.0f && l[2] == -1.0f, "counts leaked across calls: %g %g", l[0], l[2]);
     CHECK_CLOSE(l[1], 0.8 - 4.0, 1e-6, 0, "frequency + presence on one occurrence");
 }

@@ -125,7 +125,7 @@ static int shm_combine(a2a *a, const float *expert_out, float *out, char *err, s
         if (p == me) continue; /* gathered straight from expert_out */
         float *dst = (float *)(s->peer[p] + L->comb_off) + (size_t)me * rm * K * D;
         for (int j = 0; j < a->recv_count[p]; j++) {
-            size_t i = (size_t)(a->recv_begin[p] + j);
+            size_t i = (size_t)a->recv_begin[p] + (size_t)j;
             for (int k = 0; k < K; k++)
                 if (a->recv_ids[i * K + k] >= 0)
                     memcpy(dst + ((size_t)j * K + k) * D, expert_out + (i * K + k) * D,

@@ -65,7 +65,7 @@ static char *bench_row_text(const cJSON *row) {
     static const char *const keys[] = {"prompt", "text"};
     for (int k = 0; k < 2; k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(row, keys[k]);
-        if (cJSON_IsString(v) && v->valuestring[0]) return bench_strdup(v->valuestring);
+        if (v && cJSON_IsString(v) && v->valuestring[0]) return bench_strdup(v->valuestring);
     }
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(row, "question");
     if (cJSON_IsString(q) && q->valuestring[0]) {
@@ -77,7 +77,7 @@ static char *bench_row_text(const cJSON *row) {
     if (!conv) conv = cJSON_GetObjectItemCaseSensitive(row, "conversation");
     const cJSON *first = cJSON_IsArray(conv) ? cJSON_GetArrayItem(conv, 0) : NULL;
     const cJSON *v = first ? cJSON_GetObjectItemCaseSensitive(first, "value") : NULL;
-    if (cJSON_IsString(v) && v->valuestring[0]) return bench_strdup(v->valuestring);
+    if (v && cJSON_IsString(v) && v->valuestring[0]) return bench_strdup(v->valuestring);
     return NULL;
 }
 
@@ -188,7 +188,7 @@ bench_prompt *bench_dataset_random_text(bench_rng *r, int n, int input_len, int 
         p[i].prompt_len = in[i];
         p[i].output_len = out[i];
     }
-    for (int i = 0; i < n_docs; i++)
+    for (int i = 0; docs && i < n_docs; i++)
         free(docs[i]);
     free(docs);
     free(order);

@@ -44,7 +44,7 @@ int gsm8k_answer_value(const char *text, char *out, size_t cap) {
         z++;
     if (z == n) {
         if (cap < 2) return 0;
-        strcpy(out, "0");
+        memcpy(out, "0", 2);
         return 1;
     }
     if (z > 0) return 0;
