@@ -448,7 +448,7 @@ void rank_group_finalize(rank_group *g) {
  * buffers stay allocated (the process is about to exit), and stay reachable from here, so that
  * they are kept on purpose rather than lost (a process has one MPI group). A group of one has no
  * MPI and nothing posted: it is freed. */
-static rank_group *rg_abandoned;
+static rank_group *volatile rg_abandoned; /* volatile: written only, and must stay written */
 
 void rank_group_abandon(rank_group *g) {
     if (g && !g->mpi)
