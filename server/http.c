@@ -21,6 +21,9 @@
  *     a chunked body that grows past the limit is dropped as it arrives and answered 413.
  *   - MHD_stop_daemon must not see a suspended connection: at stop every pending exchange is
  *     marked closing and resumed, and the handlers then end its connection.
+ *   - At stop the listening socket is closed first, so that a new client is refused at once
+ *     (nothing sent, safe to retry); the connections the kernel had already queued, whose
+ *     requests libmicrohttpd never read, are accepted here and answered 503 rather than reset.
  *   - MHD does not watch a suspended connection's socket, so a janitor thread looks at the
  *     sockets of suspended exchanges twice a second and resumes those whose client has gone;
  *     their handlers then end them. A request still queued or in a long prefill is thus aborted
@@ -28,9 +31,11 @@
 #include "server/http.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -625,8 +630,45 @@ static void http_wait_pending(http_server *s, double timeout_s) {
     }
 }
 
+/* Accept what the kernel queued on fd (libmicrohttpd has stopped accepting), answer each 503 and
+ * close it: its request was never read, and a reset would leave its client unsure whether it
+ * ran. The request is read first so that the close sends FIN, not RST (which could destroy the
+ * answer before the client reads it). At most about a second in all. */
+static void http_refuse_backlog(int fd) {
+    static const char body[] = "{\"error\": {\"message\": \"the server is shutting down\", \"type\": "
+                               "\"service_unavailable\", \"param\": null, \"code\": 503}}";
+    char head[256];
+    int head_len = snprintf(head, sizeof head,
+                            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            "Content-Length: %zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
+                            sizeof body - 1);
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return;
+    const double t0 = http_now();
+    int n = 0;
+    for (;;) {
+        int c = accept4(fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0) break;
+        char buf[4096];
+        struct pollfd p = {.fd = c, .events = POLLIN};
+        if (poll(&p, 1, 20) > 0)
+            while (recv(c, buf, sizeof buf, 0) > 0) {
+            }
+        if (send(c, head, (size_t)head_len, MSG_NOSIGNAL) == head_len)
+            send(c, body, sizeof body - 1, MSG_NOSIGNAL);
+        shutdown(c, SHUT_WR);
+        close(c);
+        n++;
+        if (http_now() - t0 > 1.0) break;
+    }
+    if (n) LOG_INFO("http", "%d connections waiting to be accepted at shutdown: answered 503", n);
+}
+
 void http_server_stop(http_server *s, double timeout_s) {
-    MHD_quiesce_daemon(s->daemon); /* no new connections */
+    MHD_quiesce_daemon(s->daemon); /* libmicrohttpd accepts no more connections */
+    http_refuse_backlog(s->listen_fd);
+    close(s->listen_fd); /* a new client is refused */
+    s->listen_fd = -1;
     pthread_mutex_lock(&s->janitor_mu);
     s->janitor_stop = true;
     pthread_cond_signal(&s->janitor_cv);
@@ -651,7 +693,6 @@ void http_server_stop(http_server *s, double timeout_s) {
     if (atomic_load(&s->n_pending) > 0)
         LOG_WARN("http", "%d exchanges still open at shutdown", atomic_load(&s->n_pending));
     MHD_stop_daemon(s->daemon);
-    close(s->listen_fd);
     for (int i = 0; i < s->n_slots; i++) {
         http_exchange *x = &s->slots[i];
         free(x->path);

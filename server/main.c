@@ -11,8 +11,9 @@
  * group every rank drains with the first one signalled, and they stop together), then stop the
  * engine loop (it finishes every request left with an abort, so each gets an answer), let the
  * answers go out, stop HTTP, free, exit 0. A second signal while draining aborts at once. The
- * signals are blocked in every thread and taken by sigwait in the main thread, so no handler
- * runs inside library code. */
+ * signals are blocked in every thread and taken by sigtimedwait in the main thread, so no
+ * handler runs inside library code; the engine thread tells the main thread what it learns (its
+ * loop ended, another rank drains) through flags the main thread polls, never by a signal. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -560,7 +561,7 @@ typedef struct {
     atomic_bool stop;   /* set by main: stop (the group stops with this rank) */
     atomic_bool failed; /* the rank group failed; err says why */
     atomic_bool ended;  /* the engine loop has returned */
-    atomic_bool draining; /* main is draining: the loop ends by itself when nothing is left */
+    atomic_int peer_drain; /* the rank whose drain this one joins (-1: none) */
     int threads;
     const ops *backend;
     char err[1024];
@@ -568,7 +569,7 @@ typedef struct {
 
 /* The engine thread: owns the model and the KV cache through the scheduler, and, in a rank
  * group, every MPI call while it runs. When the loop ends for a reason of its own (the group
- * failed, another rank stopped) it wakes the main thread with SIGTERM. */
+ * failed, another rank stopped) the main thread sees ended (serve_wait). */
 static void *serve_engine_main(void *p) {
     serve_engine *e = p;
     if (e->threads) omp_set_num_threads(e->threads);
@@ -579,15 +580,26 @@ static void *serve_engine_main(void *p) {
         atomic_store(&e->failed, true);
     }
     atomic_store(&e->ended, true);
-    if (!atomic_load(&e->stop) && !atomic_load(&e->draining)) kill(getpid(), SIGTERM);
     sampler_scratch_free();
     return NULL;
 }
 
-/* Engine thread: another rank is draining; the main thread drains this one as if signalled. */
+/* Engine thread: another rank is draining; the main thread drains this one as if signalled
+ * (a flag, not a signal to itself: that would read as a second signal, which aborts). */
 static void serve_on_peer_drain(void *ctx, int rank) {
     serve_engine *e = ctx;
-    if (!atomic_load(&e->draining)) kill(getpid(), SIGTERM);
+    atomic_store(&e->peer_drain, rank);
+}
+
+/* Main thread, once serving: wait for SIGINT or SIGTERM (returned), for the engine loop to end
+ * by itself, or for another rank to start draining (0 for those two). */
+static int serve_wait(serve_engine *e, const sigset_t *sigs) {
+    for (;;) {
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        int sig = sigtimedwait(sigs, NULL, &ts);
+        if (sig == SIGINT || sig == SIGTERM) return sig;
+        if (atomic_load(&e->ended) || atomic_load(&e->peer_drain) >= 0) return 0;
+    }
 }
 
 static double serve_now(void) {
@@ -598,16 +610,16 @@ static double serve_now(void) {
 
 /* The graceful part of a shutdown (new requests are refused already): the engine finishes what
  * is queued and running, every rank of a group together, and its loop then ends by itself.
- * Returns when it has, after timeout_s, or at a second SIGINT / SIGTERM; the caller then stops
- * the loop, which aborts whatever is left. */
-static void serve_drain(serve_engine *e, const sigset_t *sigs, double timeout_s) {
+ * Returns when it has, after timeout_s, or at a second SIGINT / SIGTERM (signalled: the drain
+ * began with one; else, when it began with another rank's, the first signal is not the second);
+ * the caller then stops the loop, which aborts whatever is left. */
+static void serve_drain(serve_engine *e, const sigset_t *sigs, double timeout_s, bool signalled) {
     scheduler_stats st;
     scheduler_get_stats(e->sched, &st);
     LOG_INFO("serve",
              "draining: %d running, %d waiting; new requests get 503 (up to %g s, "
              "--shutdown-timeout; a second signal stops at once)",
              st.n_running, st.n_waiting, timeout_s);
-    atomic_store(&e->draining, true);
     scheduler_drain(e->sched);
     const double t0 = serve_now();
     while (!atomic_load(&e->ended)) {
@@ -620,6 +632,11 @@ static void serve_drain(serve_engine *e, const sigset_t *sigs, double timeout_s)
         struct timespec ts = {0, 50 * 1000 * 1000};
         int sig = sigtimedwait(sigs, NULL, &ts);
         if ((sig == SIGINT || sig == SIGTERM) && !atomic_load(&e->ended)) {
+            if (!signalled) {
+                LOG_INFO("serve", "%s: draining already", sig == SIGINT ? "SIGINT" : "SIGTERM");
+                signalled = true;
+                continue;
+            }
             LOG_WARN("serve", "%s again: aborting what is left", sig == SIGINT ? "SIGINT" : "SIGTERM");
             return;
         }
@@ -1054,7 +1071,7 @@ static int cmd_serve(int argc, char **argv) {
     atomic_init(&eng.stop, false);
     atomic_init(&eng.failed, false);
     atomic_init(&eng.ended, false);
-    atomic_init(&eng.draining, false);
+    atomic_init(&eng.peer_drain, -1);
     sc.on_peer_drain = serve_on_peer_drain;
     sc.on_peer_drain_ctx = &eng;
     scheduler *sched = scheduler_create(m, &sc, err, sizeof err);
@@ -1071,19 +1088,22 @@ static int cmd_serve(int argc, char **argv) {
     LOG_INFO("serve", "serving on http://%s%s%s:%d", v6 ? "[" : "", a.host, v6 ? "]" : "",
              http_server_port(http));
 
-    int sig = 0;
-    sigwait(&sigs, &sig);
+    int sig = serve_wait(&eng, &sigs);
     char gone[256];
     bool peers_gone = false;
     if (!atomic_load(&eng.ended)) {
-        LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        if (sig)
+            LOG_INFO("serve", "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        else
+            LOG_INFO("serve", "rank %d is draining: shutting down with it",
+                     atomic_load(&eng.peer_drain));
         /* mpirun ends the job this way when a rank dies: say which */
         peers_gone = rank_group_check_peers(group, gone, sizeof gone) != 0;
         if (peers_gone) LOG_ERROR("serve", "%s: the rank group cannot go on", gone);
     }
     api_drain(api);
     if (!peers_gone && a.shutdown_timeout > 0 && !atomic_load(&eng.ended))
-        serve_drain(&eng, &sigs, a.shutdown_timeout);
+        serve_drain(&eng, &sigs, a.shutdown_timeout, sig != 0);
     atomic_store(&eng.stop, true);
     scheduler_wake(sched);
     /* A group that lost a rank fails its waits within a fraction of a second (same node) or

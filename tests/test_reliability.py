@@ -13,7 +13,7 @@ Groups (`python3 tests/test_reliability.py [-v] [GROUP...]`, all by default):
             limit), each limit itself accepted
   faults    streaming clients that hang up free their KV pages (/metrics kv_pages_used back to
             0); SIGTERM drains (new requests 503, /health 503, every running and waiting request
-            finishes, exit 0); SIGINT past --shutdown-timeout aborts what is left and exits 0; a
+            finishes, exit 0; under a stream of requests none is cut or left unanswered); SIGINT past --shutdown-timeout aborts what is left and exits 0; a
             second SIGTERM aborts at once
   group     mpirun -np 2: SIGTERM to one rank drains both (every request on both ranks
             finishes, relayed ones too, mpirun exits 0); scripts/launch.sh passes SIGINT on the same way; a rank
@@ -114,6 +114,8 @@ class Proc:
         self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(prefix="moeserve-rel-%s-" % self.name, suffix=".log", delete=False)
         env = dict(os.environ)
+        if self.launcher:
+            env["MOESERVE_BIN"] = BIN  # the binary under test, not launch.sh's default
         if self.np:
             env["OMP_NUM_THREADS"] = "1"
         lim = self.fd_limit
@@ -699,6 +701,76 @@ def case_drain(srv):
     check("drain: the log says it drained", "drained in" in srv.log_text(), srv.log_tail())
 
 
+def case_drain_under_load(srv):
+    """32 clients send streaming and plain requests (64 tokens) back to back; SIGTERM after 2 s.
+    Every request is either complete (its 64 tokens, [DONE] for a stream; those in flight at
+    SIGTERM among them) or refused whole (503 while it drains, or the connection refused once it
+    has gone): none is cut or closed unanswered, and the server exits 0."""
+    stop = threading.Event()
+    tally = {"complete": 0, "complete after SIGTERM": 0, "refused 503": 0, "connection refused": 0,
+             "closed unread": 0}
+    t_term = [None]
+    other = []
+    lock = threading.Lock()
+
+    def client(i):
+        k = 0
+        while not stop.is_set():
+            stream = (i + k) % 2 == 0
+            k += 1
+            try:
+                s = raw_post(srv.base, "/generate", gen_body([5, 6, 7, i, k % 50], 64, stream=stream))
+            except OSError:
+                with lock:
+                    tally["connection refused"] += 1
+                time.sleep(0.05)
+                continue
+            t_sent = time.time()
+            raw = read_all(s)
+            s.close()
+            head, _, body = raw.partition(b"\r\n\r\n")
+            kind = None
+            if head.startswith(b"HTTP/1.1 200"):
+                if stream:
+                    done, last = last_stream_event(body.replace(b"\r\n", b"\n"))
+                    if done and last and last["meta_info"]["completion_tokens"] == 64:
+                        kind = "complete"
+                else:
+                    try:
+                        if len(json.loads(body)["output_ids"]) == 64:
+                            kind = "complete"
+                    except (ValueError, KeyError):
+                        pass
+            elif head.startswith(b"HTTP/1.1 503"):
+                kind = "refused 503"
+            elif not raw:
+                kind = "closed unread"  # in the listen queue when the server closed it
+            with lock:
+                if kind:
+                    tally[kind] += 1
+                    if kind == "complete" and t_term[0] and t_sent < t_term[0]:
+                        tally["complete after SIGTERM"] += 1
+                else:
+                    other.append(raw[:160] + b" ... " + raw[-160:])
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in ts:
+        t.start()
+    time.sleep(2.0)
+    t0 = time.time()
+    t_term[0] = t0
+    os.kill(srv.pids[0], signal.SIGTERM)
+    rc = srv.wait(40)
+    took = time.time() - t0
+    time.sleep(0.3)
+    stop.set()
+    for t in ts:
+        t.join(30)
+    check("drain under load: %s, %d cut or malformed; exit %s %.1f s after SIGTERM" % (tally, len(other), rc, took),
+          rc == 0 and not other and tally["complete after SIGTERM"] > 0 and tally["closed unread"] == 0,
+          other[:2])
+
+
 def case_drain_timeout(srv):
     """--shutdown-timeout 1, SIGINT with 3 requests of 1900 tokens (1 running, 2 waiting): after
     1 s the rest is aborted, every client gets an answer (503 "server shutting down"), exit 0."""
@@ -1040,6 +1112,7 @@ def main(argv):
             run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
             run_case(Proc("disconnect-radix", ["--enable-metrics"]), [case_disconnect_radix])
             run_case(Proc("drain", ["--max-running-requests", "4"]), [case_drain])
+            run_case(Proc("drain-load", []), [case_drain_under_load])
             run_case(Proc("drain-timeout", ["--max-running-requests", "1", "--shutdown-timeout", "1"]), [case_drain_timeout])
             run_case(Proc("second-signal", ["--max-running-requests", "1"]), [case_second_signal])
         elif g == "group":
