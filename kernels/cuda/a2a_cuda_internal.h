@@ -170,6 +170,11 @@ int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *e
 /* Bytes of one return (a combine row) in the given form. */
 size_t a2a_gpu_return_bytes(const a2a_gpu *a, int partial);
 int a2a_gpu_cuda_fail(char *err, size_t errlen, int rank, const char *what, cudaError_t e);
+/* The message into err (printf format); returns -1. */
+int a2a_gpu_errf(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Every rank's ok true? A collective, so that the ranks go on, or fail, together. */
+bool a2a_gpu_agree(MPI_Comm comm, bool ok);
 
 /* a2a_segment.cu: allocate this rank's segment of seg_bytes and map every peer's into
  * peer_host (collective; MOESERVE_A2A_MEM picks the way), and undo it. */

@@ -59,7 +59,7 @@
 
 #define A2A_DEFAULT_TIMEOUT_S 30.0
 
-static int gerr(char *err, size_t errlen, const char *fmt, ...) {
+int a2a_gpu_errf(char *err, size_t errlen, const char *fmt, ...) {
     if (err && errlen) {
         va_list ap;
         va_start(ap, fmt);
@@ -70,8 +70,8 @@ static int gerr(char *err, size_t errlen, const char *fmt, ...) {
 }
 
 int a2a_gpu_cuda_fail(char *err, size_t errlen, int rank, const char *what, cudaError_t e) {
-    return gerr(err, errlen, "all-to-all rank %d: %s failed: %s", rank, what,
-                cudaGetErrorString(e));
+    return a2a_gpu_errf(err, errlen, "all-to-all rank %d: %s failed: %s", rank, what,
+                        cudaGetErrorString(e));
 }
 
 /* ---- device helpers ---- */
@@ -1233,41 +1233,45 @@ int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *e
 
 static int config_check(const a2a_config *c, MPI_Comm comm, char *err, size_t errlen) {
     int size = 0, rank = 0;
-    if (comm == MPI_COMM_NULL) return gerr(err, errlen, "all-to-all: the communicator is NULL");
+    if (comm == MPI_COMM_NULL)
+        return a2a_gpu_errf(err, errlen, "all-to-all: the communicator is NULL");
     MPI_Comm_size(comm, &size);
     MPI_Comm_rank(comm, &rank);
     if (c->ep_size != size || c->rank != rank)
-        return gerr(err, errlen,
-                    "all-to-all: config says rank %d of %d, the communicator rank %d of %d",
-                    c->rank, c->ep_size, rank, size);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all: config says rank %d of %d, the communicator rank %d of %d",
+                            c->rank, c->ep_size, rank, size);
     if (c->ep_size < 1 || c->ep_size > A2A_MAX_RANKS)
-        return gerr(err, errlen, "all-to-all: ep_size %d outside [1, %d]", c->ep_size,
-                    A2A_MAX_RANKS);
+        return a2a_gpu_errf(err, errlen, "all-to-all: ep_size %d outside [1, %d]", c->ep_size,
+                            A2A_MAX_RANKS);
     if (c->transport != A2A_NVLINK_ONE_SIDED && c->transport != A2A_NCCL)
-        return gerr(err, errlen,
-                    "all-to-all: the GPU all-to-all serves nvlink_one_sided and nccl, not %s",
-                    a2a_transport_name(c->transport));
+        return a2a_gpu_errf(
+            err, errlen, "all-to-all: the GPU all-to-all serves nvlink_one_sided and nccl, not %s",
+            a2a_transport_name(c->transport));
     if (c->max_tokens_per_rank < 1)
-        return gerr(err, errlen, "all-to-all: max_tokens_per_rank %d must be >= 1",
-                    c->max_tokens_per_rank);
+        return a2a_gpu_errf(err, errlen, "all-to-all: max_tokens_per_rank %d must be >= 1",
+                            c->max_tokens_per_rank);
     if (c->hidden < 16 || c->hidden % 16 != 0)
-        return gerr(err, errlen,
-                    "all-to-all: the GPU transports need hidden %% 16 == 0 (vector stores), "
-                    "hidden is %d",
-                    c->hidden);
+        return a2a_gpu_errf(
+            err, errlen,
+            "all-to-all: the GPU transports need hidden %% 16 == 0 (vector stores), "
+            "hidden is %d",
+            c->hidden);
     if ((unsigned)c->payload > (unsigned)A2A_PAYLOAD_NVFP4)
-        return gerr(err, errlen, "all-to-all: unknown payload %d", (int)c->payload);
+        return a2a_gpu_errf(err, errlen, "all-to-all: unknown payload %d", (int)c->payload);
     if (c->n_experts < 1 || c->top_k < 1 || c->top_k > c->n_experts || c->top_k > A2A_GPU_KMAX)
-        return gerr(err, errlen, "all-to-all: top_k %d outside [1, min(n_experts = %d, %d)]",
-                    c->top_k, c->n_experts, A2A_GPU_KMAX);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all: top_k %d outside [1, min(n_experts = %d, %d)]", c->top_k,
+                            c->n_experts, A2A_GPU_KMAX);
     if (c->expert_begin[0] != 0 || c->expert_begin[c->ep_size] != c->n_experts)
-        return gerr(err, errlen, "all-to-all: expert_begin must run from 0 to n_experts = %d",
-                    c->n_experts);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all: expert_begin must run from 0 to n_experts = %d",
+                            c->n_experts);
     for (int r = 0; r < c->ep_size; r++)
         if (c->expert_begin[r + 1] < c->expert_begin[r])
-            return gerr(err, errlen, "all-to-all: expert_begin decreases at rank %d", r);
+            return a2a_gpu_errf(err, errlen, "all-to-all: expert_begin decreases at rank %d", r);
     if (!(c->timeout_s >= 0) || c->timeout_s > 1e6)
-        return gerr(err, errlen, "all-to-all: timeout_s %g outside [0, 1e6]", c->timeout_s);
+        return a2a_gpu_errf(err, errlen, "all-to-all: timeout_s %g outside [0, 1e6]", c->timeout_s);
     return 0;
 }
 
@@ -1285,22 +1289,25 @@ static int config_agree(const a2a_config *c, MPI_Comm comm, int ok, char *err, s
     for (int i = 0; i < N; i++)
         v[N + i] = -v[i];
     if (MPI_Allreduce(v, r, 2 * N, MPI_INT, MPI_MAX, comm) != MPI_SUCCESS)
-        return gerr(err, errlen, "all-to-all: MPI_Allreduce failed while checking the config");
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all: MPI_Allreduce failed while checking the config");
     if (-r[N] != 1) {
-        if (ok) gerr(err, errlen, "all-to-all: another rank rejected the config (see its message)");
+        if (ok)
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all: another rank rejected the config (see its message)");
         return -1;
     }
     for (int i = 1; i < N; i++)
         if (r[i] != -r[N + i])
-            return gerr(err, errlen,
-                        "all-to-all: %s differs between ranks (%d .. %d): every rank must pass "
-                        "the same config",
-                        names[i], -r[N + i], r[i]);
+            return a2a_gpu_errf(
+                err, errlen,
+                "all-to-all: %s differs between ranks (%d .. %d): every rank must pass "
+                "the same config",
+                names[i], -r[N + i], r[i]);
     return 0;
 }
 
-/* Every rank succeeded? (a collective: all keep the object or all free it) */
-static bool all_ok(MPI_Comm comm, bool ok) {
+bool a2a_gpu_agree(MPI_Comm comm, bool ok) {
     int v = ok ? 1 : 0, all = 0;
     if (MPI_Allreduce(&v, &all, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS) return false;
     return all == 1;
@@ -1317,7 +1324,7 @@ static bool all_ok(MPI_Comm comm, bool ok) {
 
 a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t errlen) {
     if (!cfg) {
-        gerr(err, errlen, "all-to-all: no config");
+        a2a_gpu_errf(err, errlen, "all-to-all: no config");
         return NULL;
     }
     int ok = config_check(cfg, comm, err, errlen) == 0;
@@ -1341,10 +1348,11 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         int v[2] = {a->nchunks, -a->nchunks}, m[2] = {0, 0};
         MPI_Allreduce(v, m, 2, MPI_INT, MPI_MAX, comm);
         if (m[0] != -m[1]) {
-            gerr(err, errlen,
-                 "all-to-all: MOESERVE_A2A_CHUNKS differs between ranks (%d .. %d): every rank "
-                 "must use the same",
-                 -m[1], m[0]);
+            a2a_gpu_errf(
+                err, errlen,
+                "all-to-all: MOESERVE_A2A_CHUNKS differs between ranks (%d .. %d): every rank "
+                "must use the same",
+                -m[1], m[0]);
             free(a);
             return NULL;
         }
@@ -1355,7 +1363,7 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
     bool good = false;
     int32_t *owner = (int32_t *)malloc((size_t)E * sizeof(int32_t));
     if (MPI_Comm_dup(comm, &a->comm) != MPI_SUCCESS) {
-        gerr(err, errlen, "all-to-all: MPI_Comm_dup failed");
+        a2a_gpu_errf(err, errlen, "all-to-all: MPI_Comm_dup failed");
         a->comm = MPI_COMM_NULL;
         free(owner);
         free(a);
@@ -1424,12 +1432,13 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
 fail:
     free(owner);
     /* Every header is zeroed before any rank may write a flag into it. */
-    if (!all_ok(a->comm, good)) {
+    if (!a2a_gpu_agree(a->comm, good)) {
         if (good)
-            gerr(err, errlen,
-                 "all-to-all rank %d: another rank could not set up the %s transport (see its "
-                 "message)",
-                 cfg->rank, a2a_transport_name(cfg->transport));
+            a2a_gpu_errf(
+                err, errlen,
+                "all-to-all rank %d: another rank could not set up the %s transport (see its "
+                "message)",
+                cfg->rank, a2a_transport_name(cfg->transport));
         a2a_gpu_destroy(a);
         return NULL;
     }
@@ -1464,31 +1473,35 @@ void a2a_gpu_destroy(a2a_gpu *a) {
 
 static int phase_error(const a2a_gpu *a, const char *call, char *err, size_t errlen) {
     if (a->phase == A2A_GPU_BROKEN)
-        return gerr(err, errlen,
-                    "all-to-all rank %d: %s refused: the all-to-all failed earlier (%s)",
-                    a->cfg.rank, call, a->broken_why);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all rank %d: %s refused: the all-to-all failed earlier (%s)",
+                            a->cfg.rank, call, a->broken_why);
     if (a->phase == A2A_GPU_DISPATCHED)
-        return gerr(err, errlen,
-                    "all-to-all rank %d: dispatch called twice without a combine: every dispatch "
-                    "must be followed by its combine",
-                    a->cfg.rank);
-    return gerr(err, errlen, "all-to-all rank %d: combine called without a dispatch", a->cfg.rank);
+        return a2a_gpu_errf(
+            err, errlen,
+            "all-to-all rank %d: dispatch called twice without a combine: every dispatch "
+            "must be followed by its combine",
+            a->cfg.rank);
+    return a2a_gpu_errf(err, errlen, "all-to-all rank %d: combine called without a dispatch",
+                        a->cfg.rank);
 }
 
 int a2a_gpu_dispatch(a2a_gpu *a, const float *x, const int32_t *topk_ids, const float *topk_w,
                      int T, int runtime_max, void *stream, char *err, size_t errlen) {
-    if (!a) return gerr(err, errlen, "all-to-all: dispatch on a NULL object");
+    if (!a) return a2a_gpu_errf(err, errlen, "all-to-all: dispatch on a NULL object");
     if (a->phase != A2A_GPU_IDLE) return phase_error(a, "dispatch", err, errlen);
     if (runtime_max < 0 || runtime_max > a->cfg.max_tokens_per_rank)
-        return gerr(err, errlen,
-                    "all-to-all rank %d: runtime_max %d outside [0, max_tokens_per_rank = %d]",
-                    a->cfg.rank, runtime_max, a->cfg.max_tokens_per_rank);
+        return a2a_gpu_errf(
+            err, errlen, "all-to-all rank %d: runtime_max %d outside [0, max_tokens_per_rank = %d]",
+            a->cfg.rank, runtime_max, a->cfg.max_tokens_per_rank);
     if (T < 0 || T > runtime_max)
-        return gerr(err, errlen, "all-to-all rank %d: T = %d tokens outside [0, runtime_max = %d]",
-                    a->cfg.rank, T, runtime_max);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all rank %d: T = %d tokens outside [0, runtime_max = %d]",
+                            a->cfg.rank, T, runtime_max);
     if (T > 0 && (!x || !topk_ids || !topk_w))
-        return gerr(err, errlen, "all-to-all rank %d: dispatch of %d tokens with a NULL input",
-                    a->cfg.rank, T);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all rank %d: dispatch of %d tokens with a NULL input",
+                            a->cfg.rank, T);
     a->T = T;
     a->runtime_max = runtime_max;
     a->stream = (cudaStream_t)stream;
@@ -1527,13 +1540,15 @@ a2a_gpu_received a2a_gpu_get_received(const a2a_gpu *a) {
 
 static int combine(a2a_gpu *a, const float *expert_out, float *out, int partial, void *stream,
                    char *err, size_t errlen) {
-    if (!a) return gerr(err, errlen, "all-to-all: combine on a NULL object");
+    if (!a) return a2a_gpu_errf(err, errlen, "all-to-all: combine on a NULL object");
     if (a->phase != A2A_GPU_DISPATCHED) return phase_error(a, "combine", err, errlen);
     if (a->T > 0 && !out)
-        return gerr(err, errlen, "all-to-all rank %d: combine with a NULL out for %d tokens",
-                    a->cfg.rank, a->T);
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all rank %d: combine with a NULL out for %d tokens",
+                            a->cfg.rank, a->T);
     if (a->runtime_max > 0 && !expert_out)
-        return gerr(err, errlen, "all-to-all rank %d: combine with a NULL expert_out", a->cfg.rank);
+        return a2a_gpu_errf(err, errlen, "all-to-all rank %d: combine with a NULL expert_out",
+                            a->cfg.rank);
     a->stream = (cudaStream_t)stream;
     a2a_kp kp;
     a2a_gpu_params(a, &kp, NULL, NULL, NULL, expert_out, out);
@@ -1565,14 +1580,14 @@ int a2a_gpu_combine_partial(a2a_gpu *a, const float *expert_out, float *out, voi
 }
 
 int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
-    if (!a) return gerr(err, errlen, "all-to-all: check on a NULL object");
+    if (!a) return a2a_gpu_errf(err, errlen, "all-to-all: check on a NULL object");
     cudaError_t e = cudaStreamSynchronize(a->stream);
     if (e != cudaSuccess) {
         a->phase = A2A_GPU_BROKEN;
         snprintf(a->broken_why, sizeof a->broken_why, "the stream failed: %s",
                  cudaGetErrorString(e));
-        return gerr(err, errlen, "all-to-all rank %d: the stream failed: %s", a->cfg.rank,
-                    cudaGetErrorString(e));
+        return a2a_gpu_errf(err, errlen, "all-to-all rank %d: the stream failed: %s", a->cfg.rank,
+                            cudaGetErrorString(e));
     }
     const volatile a2a_gpu_err *r = a->herr;
     const int me = a->cfg.rank;
@@ -1582,7 +1597,7 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
     switch (r->code) {
     case A2A_GPU_E_NONE:
         if (a->phase == A2A_GPU_BROKEN)
-            return gerr(err, errlen, "all-to-all rank %d: %s", me, a->broken_why);
+            return a2a_gpu_errf(err, errlen, "all-to-all rank %d: %s", me, a->broken_why);
         return 0;
     case A2A_GPU_E_TIMEOUT:
         snprintf(msg, sizeof msg,
@@ -1610,5 +1625,5 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
     }
     a->phase = A2A_GPU_BROKEN;
     snprintf(a->broken_why, sizeof a->broken_why, "%s", msg);
-    return gerr(err, errlen, "%s", msg);
+    return a2a_gpu_errf(err, errlen, "%s", msg);
 }

@@ -42,23 +42,6 @@ const char *a2a_seg_kind_name(int kind) {
     return kind == A2A_SEG_POSIX_FD ? "posix_fd" : kind == A2A_SEG_FABRIC ? "fabric" : "ipc";
 }
 
-static int serr(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
-/* Every rank true? (a collective) */
-static bool agree(MPI_Comm comm, bool ok) {
-    int v = ok ? 1 : 0, all = 0;
-    if (MPI_Allreduce(&v, &all, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS) return false;
-    return all == 1;
-}
-
 /* ---- the driver calls ---- */
 
 static struct {
@@ -106,7 +89,7 @@ static bool drv_load(char *err, size_t errlen) {
         if (cudaGetDriverEntryPointByVersion(syms[i].name, syms[i].fn, 12000, cudaEnableDefault,
                                              &q) != cudaSuccess ||
             q != cudaDriverEntryPointSuccess || !*syms[i].fn) {
-            serr(err, errlen, "the CUDA driver has no %s", syms[i].name);
+            a2a_gpu_errf(err, errlen, "the CUDA driver has no %s", syms[i].name);
             return false;
         }
     }
@@ -124,7 +107,7 @@ static const char *cu_str(CUresult r) {
     do {                                                                                           \
         CUresult r_ = (call);                                                                      \
         if (r_ != CUDA_SUCCESS) {                                                                  \
-            serr(err, errlen, "all-to-all rank %d: %s failed: %s", me, what, cu_str(r_));         \
+            a2a_gpu_errf(err, errlen, "all-to-all rank %d: %s failed: %s", me, what, cu_str(r_));  \
             goto fail;                                                                             \
         }                                                                                          \
     } while (0)
@@ -187,8 +170,8 @@ static int fd_exchange(a2a_gpu *a, int fd, int *fds, char *err, size_t errlen) {
     auto name = [&](int r) {
         memset(&addr, 0, sizeof addr);
         addr.sun_family = AF_UNIX;
-        const int n = snprintf(addr.sun_path + 1, sizeof addr.sun_path - 1,
-                               "moeserve-a2a-%d-%d-%d", tag[0], tag[1], r);
+        const int n = snprintf(addr.sun_path + 1, sizeof addr.sun_path - 1, "moeserve-a2a-%d-%d-%d",
+                               tag[0], tag[1], r);
         alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
     };
     for (int p = 0; p < ep; p++)
@@ -199,10 +182,11 @@ static int fd_exchange(a2a_gpu *a, int fd, int *fds, char *err, size_t errlen) {
         name(me);
         ok = bind(s, (struct sockaddr *)&addr, alen) == 0;
     }
-    if (!agree(a->comm, ok)) {
+    if (!a2a_gpu_agree(a->comm, ok)) {
         if (s >= 0) close(s);
-        return serr(err, errlen, "all-to-all rank %d: a Unix socket for the descriptors: %s", me,
-                    ok ? "another rank failed" : strerror(errno));
+        return a2a_gpu_errf(err, errlen,
+                            "all-to-all rank %d: a Unix socket for the descriptors: %s", me,
+                            ok ? "another rank failed" : strerror(errno));
     }
     const double t_s = a->cfg.timeout_s > 0 ? a->cfg.timeout_s : 30.0;
     struct timeval tv = {(time_t)t_s, (suseconds_t)((t_s - (time_t)t_s) * 1e6)};
@@ -229,8 +213,9 @@ static int fd_exchange(a2a_gpu *a, int fd, int *fds, char *err, size_t errlen) {
         memcpy(CMSG_DATA(c), &fd, sizeof(int));
         if (sendmsg(s, &m, 0) < 0) {
             ok = false;
-            serr(err, errlen, "all-to-all rank %d: sending the segment's descriptor to rank %d: %s",
-                 me, p, strerror(errno));
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all rank %d: sending the segment's descriptor to rank %d: %s", me,
+                         p, strerror(errno));
         }
     }
     for (int i = 0; i < ep - 1 && ok; i++) {
@@ -245,25 +230,25 @@ static int fd_exchange(a2a_gpu *a, int fd, int *fds, char *err, size_t errlen) {
         m.msg_controllen = sizeof cbuf;
         if (recvmsg(s, &m, 0) != (ssize_t)sizeof from) {
             ok = false;
-            serr(err, errlen,
-                 "all-to-all rank %d: no segment descriptor from a peer within %g s: %s", me, t_s,
-                 strerror(errno));
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all rank %d: no segment descriptor from a peer within %g s: %s",
+                         me, t_s, strerror(errno));
             break;
         }
         struct cmsghdr *c = CMSG_FIRSTHDR(&m);
         if (from < 0 || from >= ep || from == me || !c || c->cmsg_type != SCM_RIGHTS ||
             fds[from] >= 0) {
             ok = false;
-            serr(err, errlen, "all-to-all rank %d: a malformed descriptor message", me);
+            a2a_gpu_errf(err, errlen, "all-to-all rank %d: a malformed descriptor message", me);
             break;
         }
         memcpy(&fds[from], CMSG_DATA(c), sizeof(int));
     }
     close(s);
-    if (!agree(a->comm, ok)) {
+    if (!a2a_gpu_agree(a->comm, ok)) {
         for (int p = 0; p < ep; p++)
             if (fds[p] >= 0) close(fds[p]);
-        if (ok) serr(err, errlen, "all-to-all rank %d: another rank lost a descriptor", me);
+        if (ok) a2a_gpu_errf(err, errlen, "all-to-all rank %d: another rank lost a descriptor", me);
         return -1;
     }
     return 0;
@@ -281,10 +266,10 @@ static int setup_ipc(a2a_gpu *a, char *err, size_t errlen) {
         a2a_gpu_cuda_fail(err, errlen, me, "cudaIpcGetMemHandle of the segment", e);
         ok = false;
     }
-    if (!agree(a->comm, ok) ||
+    if (!a2a_gpu_agree(a->comm, ok) ||
         MPI_Allgather(&h, (int)sizeof h, MPI_BYTE, all, (int)sizeof h, MPI_BYTE, a->comm) !=
             MPI_SUCCESS) {
-        if (ok) serr(err, errlen, "all-to-all rank %d: another rank has no IPC handle", me);
+        if (ok) a2a_gpu_errf(err, errlen, "all-to-all rank %d: another rank has no IPC handle", me);
         free(all);
         return -1;
     }
@@ -296,11 +281,12 @@ static int setup_ipc(a2a_gpu *a, char *err, size_t errlen) {
         void *ptr = NULL;
         e = cudaIpcOpenMemHandle(&ptr, all[p], cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
-            serr(err, errlen,
-                 "all-to-all rank %d: cudaIpcOpenMemHandle of rank %d's segment failed: %s "
-                 "(nvlink_one_sided needs every rank's GPU in one node with peer access; use "
-                 "nccl otherwise)",
-                 me, p, cudaGetErrorString(e));
+            a2a_gpu_errf(
+                err, errlen,
+                "all-to-all rank %d: cudaIpcOpenMemHandle of rank %d's segment failed: %s "
+                "(nvlink_one_sided needs every rank's GPU in one node with peer access; use "
+                "nccl otherwise)",
+                me, p, cudaGetErrorString(e));
             ok = false;
             break;
         }
@@ -313,8 +299,9 @@ static int setup_ipc(a2a_gpu *a, char *err, size_t errlen) {
 /* posix_fd or fabric. On failure everything this rank made is released. */
 static int setup_cumem(a2a_gpu *a, int kind, char *err, size_t errlen) {
     const int ep = a->cfg.ep_size, me = a->cfg.rank;
-    const CUmemAllocationHandleType type =
-        kind == A2A_SEG_FABRIC ? CU_MEM_HANDLE_TYPE_FABRIC : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    const CUmemAllocationHandleType type = kind == A2A_SEG_FABRIC
+                                               ? CU_MEM_HANDLE_TYPE_FABRIC
+                                               : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     CUdevice dev = 0;
     size_t gran = 0;
     int fd = -1, *fds = (int *)malloc((size_t)ep * sizeof(int));
@@ -337,16 +324,19 @@ static int setup_cumem(a2a_gpu *a, int kind, char *err, size_t errlen) {
                    : "cuMemCreate of the segment");
         if (map_handle(hs[me], a->seg_map, gran, dev, &a->seg, me, err, errlen) != 0) goto fail;
         if (kind == A2A_SEG_FABRIC)
-            CU_TRY(drv.export_handle(&fh, hs[me], type, 0), "cuMemExportToShareableHandle (fabric)");
+            CU_TRY(drv.export_handle(&fh, hs[me], type, 0),
+                   "cuMemExportToShareableHandle (fabric)");
         else
             CU_TRY(drv.export_handle(&fd, hs[me], type, 0),
                    "cuMemExportToShareableHandle (POSIX descriptor)");
         ok = true;
     }
 fail:
-    if (!agree(a->comm, ok)) {
-        if (ok) serr(err, errlen, "all-to-all rank %d: another rank could not export its %s segment",
-                     me, a2a_seg_kind_name(kind));
+    if (!a2a_gpu_agree(a->comm, ok)) {
+        if (ok)
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all rank %d: another rank could not export its %s segment", me,
+                         a2a_seg_kind_name(kind));
         ok = false;
         goto out;
     }
@@ -354,7 +344,8 @@ fail:
     if (kind == A2A_SEG_FABRIC) {
         if (MPI_Allgather(&fh, (int)sizeof fh, MPI_BYTE, all, (int)sizeof fh, MPI_BYTE, a->comm) !=
             MPI_SUCCESS) {
-            serr(err, errlen, "all-to-all rank %d: MPI_Allgather of the fabric handles failed", me);
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all rank %d: MPI_Allgather of the fabric handles failed", me);
             goto out;
         }
     } else if (fd_exchange(a, fd, fds, err, errlen) != 0) {
@@ -369,8 +360,10 @@ fail:
         void *src = kind == A2A_SEG_FABRIC ? (void *)&all[p] : (void *)(uintptr_t)fds[p];
         CUresult r = drv.import_handle(&hs[p], src, type);
         if (r != CUDA_SUCCESS) {
-            serr(err, errlen, "all-to-all rank %d: cuMemImportFromShareableHandle of rank %d's %s "
-                 "segment failed: %s", me, p, a2a_seg_kind_name(kind), cu_str(r));
+            a2a_gpu_errf(err, errlen,
+                         "all-to-all rank %d: cuMemImportFromShareableHandle of rank %d's %s "
+                         "segment failed: %s",
+                         me, p, a2a_seg_kind_name(kind), cu_str(r));
             hs[p] = 0;
             ok = false;
             break;
@@ -378,7 +371,7 @@ fail:
         if (map_handle(hs[p], a->seg_map, gran, dev, &a->peer_host[p], me, err, errlen) != 0)
             ok = false;
     }
-    ok = agree(a->comm, ok);
+    ok = a2a_gpu_agree(a->comm, ok);
 out:
     if (fd >= 0) close(fd);
     for (int p = 0; p < ep; p++)
@@ -414,10 +407,11 @@ int a2a_segment_setup(a2a_gpu *a, char *err, size_t errlen) {
     int v[2] = {want, -want}, m[2] = {0, 0};
     MPI_Allreduce(v, m, 2, MPI_INT, MPI_MAX, a->comm);
     if (m[0] != -m[1] || want == -2)
-        return serr(err, errlen,
-                    "all-to-all rank %d: MOESERVE_A2A_MEM is '%s' here: it must be auto, ipc, "
-                    "posix_fd or fabric, the same on every rank",
-                    me, env ? env : "");
+        return a2a_gpu_errf(
+            err, errlen,
+            "all-to-all rank %d: MOESERVE_A2A_MEM is '%s' here: it must be auto, ipc, "
+            "posix_fd or fabric, the same on every rank",
+            me, env ? env : "");
     if (want == A2A_SEG_IPC) return setup_ipc(a, err, errlen);
     char why[320] = "";
     bool have = drv_load(why, sizeof why);
@@ -426,17 +420,19 @@ int a2a_segment_setup(a2a_gpu *a, char *err, size_t errlen) {
         CUdevice dev = 0;
         if (have && drv.device_get(&dev, a->device) == CUDA_SUCCESS)
             drv.device_attr(&fab, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev);
-        if (agree(a->comm, have && fab)) {
+        if (a2a_gpu_agree(a->comm, have && fab)) {
             if (setup_cumem(a, A2A_SEG_FABRIC, why, sizeof why) == 0) return 0;
             if (me == 0)
-                LOG_INFO("a2a", "fabric handles reported but not usable (%s): the segment is "
-                         "shared by CUDA IPC", why);
+                LOG_INFO("a2a",
+                         "fabric handles reported but not usable (%s): the segment is "
+                         "shared by CUDA IPC",
+                         why);
         }
         return setup_ipc(a, err, errlen);
     }
-    if (!agree(a->comm, have))
-        return serr(err, errlen, "all-to-all rank %d: MOESERVE_A2A_MEM=%s: %s", me, env,
-                    have ? "another rank has no cuMem driver calls" : why);
+    if (!a2a_gpu_agree(a->comm, have))
+        return a2a_gpu_errf(err, errlen, "all-to-all rank %d: MOESERVE_A2A_MEM=%s: %s", me, env,
+                            have ? "another rank has no cuMem driver calls" : why);
     return setup_cumem(a, want, err, errlen);
 }
 
@@ -450,7 +446,8 @@ void a2a_segment_free(a2a_gpu *a) {
     } else {
         CUmemGenericAllocationHandle *hs = (CUmemGenericAllocationHandle *)a->seg_handles;
         for (int p = 0; p < ep; p++) {
-            if (p != me && a->peer_host && a->peer_host[p]) unmap_range(a->peer_host[p], a->seg_map);
+            if (p != me && a->peer_host && a->peer_host[p])
+                unmap_range(a->peer_host[p], a->seg_map);
             if (hs && hs[p]) drv.release(hs[p]);
         }
         unmap_range(a->seg, a->seg_map);

@@ -98,7 +98,7 @@
 #define LINEAR_STACK_T         4096 /* tokens per stacked GEMM */
 #define LINEAR_STACK_BYTES     ((size_t)64 << 20) /* its fp32 output scratch [2T, N block] */
 #define DECODE_WARPS           8    /* warps per block of the decode kernel */
-#define LINEAR_DET_T           256  /* tokens of the heuristic query that picks a pinned algorithm */
+#define LINEAR_DET_T           256  /* tokens of the query that picks a pinned algorithm */
 #define LINEAR_DET_SLOTS       256  /* pinned algorithms (weights of distinct shapes) */
 
 #define LT_CHECK(call)                                                                             \
@@ -298,7 +298,8 @@ static bool plan_heuristic(const linear_plan *p, uint16_t aw, uint16_t ax, uint1
 
 static void plan_log(const char *what, int T, int N, int Kin, dtype dt,
                      const cublasLtMatmulAlgo_t *algo, size_t ws_bytes, float waves) {
-    if (log_threshold > LOG_LEVEL_DEBUG) return; // what cuBLASLt chose, for the batch-invariance work
+    // what cuBLASLt chose, for the batch-invariance work
+    if (log_threshold > LOG_LEVEL_DEBUG) return;
     int32_t id = 0, split = 0;
     uint32_t tile = 0, stages = 0, reduction = 0;
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, nullptr);
@@ -361,8 +362,8 @@ static const cublasLtMatmulAlgo_t *pin_get(int N, int Kin, dtype dt, int stacked
 // The cached plan of this call, made (descriptors + algorithm) when missing. pin_n > 0
 // (deterministic mode): the algorithm pinned for the weight [pin_n, Kin] (stacked: its GEMM form)
 // rather than the heuristic's choice for this shape.
-static linear_plan *plan_get(int T, int N, int Kin, dtype dt, uint16_t aw, uint16_t ax,
-                             uint16_t ao, int pin_n = 0, int stacked = 0) {
+static linear_plan *plan_get(int T, int N, int Kin, dtype dt, uint16_t aw, uint16_t ax, uint16_t ao,
+                             int pin_n = 0, int stacked = 0) {
     uint64_t h = (uint64_t)T * 0x9e3779b97f4a7c15ull;
     h ^= ((uint64_t)N << 32 | (uint32_t)Kin) * 0xbf58476d1ce4e5b9ull;
     h ^= ((uint64_t)dt << 24 | (uint64_t)aw << 16 | (uint64_t)ax << 8 | ao) * 0x94d049bb133111ebull;
@@ -515,8 +516,9 @@ static void linear_stacked(float *out, const float *x, const tensor *w, int T, i
         for (int n0 = 0; n0 < N; n0 += (int)nc) {
             const int ncur = N - n0 < nc ? N - n0 : (int)nc;
             const void *wb = (const char *)w->data + (size_t)n0 * wrow;
-            const linear_plan *p = plan_get(2 * tc, ncur, Kin, w->dtype, ptr_align(wb),
-                                            ptr_align(xs), ptr_align(y), g_deterministic ? N : 0, 1);
+            const linear_plan *p =
+                plan_get(2 * tc, ncur, Kin, w->dtype, ptr_align(wb), ptr_align(xs), ptr_align(y),
+                         g_deterministic ? N : 0, 1);
             plan_run(p, wb, xs, y, 1.0f, 0.0f);
             float *o = out + (int64_t)t0 * N + n0;
             const bool vec = ncur % 4 == 0 && N % 4 == 0 && ((uintptr_t)o & 15) == 0;
