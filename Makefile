@@ -149,17 +149,26 @@ $(BUILD)/bench_membw: scripts/bench_membw.c
 	@mkdir -p $(dir $@)
 	$(CC) $(OPT) -fopenmp -o $@ $<
 
+# The sanitizer builds optimise the CPU kernels and the model's layers (still instrumented) with
+# KERNEL_OPT, so that the forward passes of the end-to-end tests do not take all their time.
+KERNEL_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(wildcard kernels/*.c kernels/cpu/*.c runner/models/*.c))
+$(KERNEL_OBJS): CFLAGS += $(KERNEL_OPT)
+
 # The whole suite (unit tests, and the real binary under mpirun -np 1 to 4) with AddressSanitizer
 # and UBSan; any report ends the process that made it, so the test that ran it fails. Leaks are
 # checked at every exit; tests/lsan.supp names the libraries outside the project (OpenMPI's)
 # whose own allocations kept until exit are not counted, which needs full stack unwinding.
-# The benchmark client's test gets more time per step: its gsm8k run is 5x slower under ASan.
+# The end-to-end tests' hang guards get more time: the server runs several times slower under
+# ASan (the figures are in docs/reliability.md).
 ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all
 ASAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=0:detect_leaks=1:abort_on_error=0 \
               LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0 \
-              UBSAN_OPTIONS=print_stacktrace=1 BENCH_TEST_STEP_TIMEOUT=600
+              UBSAN_OPTIONS=print_stacktrace=1 BENCH_TEST_STEP_TIMEOUT=600 \
+              DET_TEST_TIMEOUT=1200 EP_TEST_TIMEOUT=1200 RELIABILITY_TEST_TIMEOUT=1200 \
+              MOESERVE_TEST_TIME_SCALE=4
 asan:
 	$(MAKE) BUILD=build-asan OPT="-O1 -g $(ASAN_FLAGS) -fno-omit-frame-pointer" \
+	  KERNEL_OPT="-O2 -march=$(MARCH)" \
 	  LDLIBS="$(ASAN_FLAGS) -fopenmp -lmicrohttpd -lcjson -lpcre2-8 -lutf8proc -lm -lpthread $(MPI_LIBS) $(CURL_LIBS)" CUDA=0 all
 	$(ASAN_ENV) BUILD=build-asan tests/run.sh
 
@@ -173,14 +182,14 @@ FUZZ_SECS   ?= 10
 fuzz:
 	@$(MAKE) --no-print-directory BUILD=build-fuzz CC=$(FUZZ_CC) CUDA=0 \
 	  OPT="-O1 -g -fno-omit-frame-pointer $(FUZZ_SAN)" FUZZ_COV=-fsanitize=fuzzer-no-link \
-	  FUZZ_FAST="-O2 -march=$(MARCH)" fuzz-bins
+	  KERNEL_OPT="-O2 -march=$(MARCH)" fuzz-bins
 fuzz-bins: $(FUZZ_BINS)
 # Coverage feedback for the parsing side only: the kernels and the model's layers (which run
-# when fuzz_api_request steps the engine) get no coverage hooks and -O2, or they take all the time.
+# when fuzz_api_request steps the engine) get no coverage hooks (and KERNEL_OPT), or they take all
+# the time.
 FUZZ_COV_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(wildcard common/*.c config/*.c runner/*.c \
                    server/*.c tests/fuzz/*.c))
 $(FUZZ_COV_OBJS): CFLAGS += $(FUZZ_COV)
-$(filter-out $(FUZZ_COV_OBJS),$(LIB_OBJS)): CFLAGS += $(FUZZ_FAST)
 $(BUILD)/libmoeserve.a: $(filter-out $(BUILD)/server/http.o,$(LIB_OBJS))
 	@rm -f $@
 	ar rcs $@ $^

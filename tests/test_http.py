@@ -1627,7 +1627,8 @@ def test_queue_limit(srv):
 
     def run(i):
         try:
-            held[i] = http_request(srv.port, "POST", "/generate", long_req)
+            held[i] = http_request(srv.port, "POST", "/generate", long_req,
+                                   timeout=120 * float(os.environ.get("MOESERVE_TEST_TIME_SCALE", "1")))
         except OSError as ex:
             held[i] = ex
 
@@ -1653,8 +1654,8 @@ def test_queue_limit(srv):
         check("queue limit: %s over the limit gets 503 with Retry-After and a message" % name,
               r.status == 503 and r.headers.get("retry-after") == "1" and isinstance(j, dict)
               and "queue" in str(j.get("error", {}).get("message", "")), r)
-    for t in threads:
-        t.join(timeout=120)
+    for t in threads:  # make asan sets MOESERVE_TEST_TIME_SCALE: 3000 tokens take longer there
+        t.join(timeout=120 * float(os.environ.get("MOESERVE_TEST_TIME_SCALE", "1")))
     ok = all(isinstance(h, Reply) and h.status == 200 and len((h.json() or {}).get("output_ids", [])) == 1000
              for h in held)
     check("queue limit: the 3 admitted requests finish with their 1000 tokens", ok, held)
