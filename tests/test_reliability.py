@@ -59,6 +59,16 @@ STARTUP_TIMEOUT = 60.0
 LOAD_REQUESTS = int(os.environ.get("LOAD_REQUESTS", "1000"))
 DEVICE = os.environ.get("RELIABILITY_DEVICE")  # e.g. cuda: every server gets --device DEVICE
 
+
+def built_with_asan(path):
+    """AddressSanitizer keeps freed memory in a quarantine (256 MiB by default) on purpose, so a
+    resident size after a run says nothing about leaks there (LeakSanitizer does that job)."""
+    try:
+        out = subprocess.run(["ldd", path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=30).stdout
+        return b"libasan" in out
+    except (OSError, subprocess.SubprocessError):
+        return False
+
 R = harness.Results(cut=900)
 
 
@@ -954,7 +964,7 @@ def case_api_key_group(srv):
 
     def go(i):
         try:
-            st, _, raw = srv.request(srv.base, "POST", "/generate", gen_body([5, 6, 7, i], 200), timeout=60)
+            st, _, raw = srv.request(srv.base, "POST", "/generate", gen_body([5, 6, 7, i], 16), timeout=120)
             res[i] = st
         except OSError as e:
             res[i] = str(e)
@@ -1072,9 +1082,11 @@ def case_load(srv, n=None):
         check("load: every answer complete: %s output tokens = %d x 16" % (total_out, n), total_out == n * 16,
               {k: res.get(k) for k in res if "output" in k or "input" in k})
         grew = [(a - b) / b if b > 0 else 1 for a, b in zip(after, before)]
-        check("load: RSS per rank before / after the run (KiB): %s / %s (%s)"
-              % (before, after, ", ".join("%+.1f%%" % (100 * g) for g in grew)),
-              all(b > 0 and g <= 0.10 for g, b in zip(grew, before)), "")
+        asan = built_with_asan(BIN)
+        check("load: RSS per rank before / after the run (KiB): %s / %s (%s)%s"
+              % (before, after, ", ".join("%+.1f%%" % (100 * g) for g in grew),
+                 " (AddressSanitizer build: its quarantine holds freed memory, not compared)" if asan else ""),
+              asan or all(b > 0 and g <= 0.10 for g, b in zip(grew, before)), "")
         check("load: both ranks healthy after the run", all(srv.status(p, "GET", "/health") == 200 for p in srv.ports), "")
         srv.load_result = (res, before, after, took)
     finally:
@@ -1089,6 +1101,11 @@ def main(argv):
     args = [a for a in argv if a != "-v"]
     VERBOSE = len(args) != len(argv)
     groups = args or ["overload", "faults", "group", "security", "load"]
+    if not args and built_with_asan(BIN):
+        # generation runs far slower under AddressSanitizer: the loads and timings of the other
+        # checks are for an optimized build (make test runs them all)
+        print("AddressSanitizer build: the security group and the disconnect checks only", flush=True)
+        groups = ["security", "disconnect"]
     if not os.access(BIN, os.X_OK):
         check("binary %s exists" % BIN, False, "build it first (make)")
         print(R.summary())
@@ -1108,6 +1125,9 @@ def main(argv):
                       case_limits,
                       case_slow_clients_end])
             run_case(Proc("long-wait", ["--connection-timeout", "2", "--max-running-requests", "1"]), [case_long_wait])
+        elif g == "disconnect":
+            run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
+            run_case(Proc("disconnect-radix", ["--enable-metrics"]), [case_disconnect_radix])
         elif g == "faults":
             run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
             run_case(Proc("disconnect-radix", ["--enable-metrics"]), [case_disconnect_radix])
@@ -1150,7 +1170,7 @@ def main(argv):
                 continue
             run_case(Proc("load", ["--threads", "1"], np=2), [case_load])
         else:
-            check("group %s exists" % g, False, "groups: overload faults group security load")
+            check("group %s exists" % g, False, "groups: overload faults group security load disconnect")
         if VERBOSE:
             print("   group %s: %.1f s" % (g, time.time() - t0), flush=True)
     print("total %.1f s" % (time.time() - t_all), flush=True)
