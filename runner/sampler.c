@@ -32,6 +32,8 @@
 #include "common/log.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +47,7 @@
  * the bucket holding the k-th token) is cheaper than n log k heap work. */
 #define SAMPLER_HEAP_MAX_K 256
 
-typedef struct {
+typedef struct sampler_scratch {
     uint64_t *keys; /* [cap] packed (probability, id) sort keys */
     uint64_t *tmp;  /* [cap] the keys grouped by bucket */
     size_t cap;     /* entries in keys and tmp */
@@ -54,45 +56,85 @@ typedef struct {
     int mark_v;     /* entries in mark and count */
     uint32_t gen;   /* current stamp; mark[i] == gen means token i already penalized */
     struct sampler_order *order; /* bucket bookkeeping of the ordered view (see below) */
+    struct sampler_scratch *next; /* every thread's scratch, linked for sampler_scratch_free */
 } sampler_scratch;               /* one per thread */
 
-static _Thread_local sampler_scratch scratch;
+/* A thread finds its scratch through tls_scratch while tls_epoch matches scratch_epoch;
+ * sampler_scratch_free frees every block (the worker threads of a parallel region sample too,
+ * and are not there to free their own) and moves the epoch on, so that a thread's old pointer
+ * is never used again. */
+static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static sampler_scratch *scratch_all;
+static atomic_uint scratch_epoch;
+static _Thread_local sampler_scratch *tls_scratch;
+static _Thread_local unsigned tls_epoch;
+
+static sampler_scratch *scratch_get(void) {
+    unsigned epoch = atomic_load(&scratch_epoch);
+    if (tls_scratch && tls_epoch == epoch) return tls_scratch;
+    sampler_scratch *sc = xcalloc(1, sizeof *sc);
+    pthread_mutex_lock(&scratch_lock);
+    sc->next = scratch_all;
+    scratch_all = sc;
+    tls_epoch = atomic_load(&scratch_epoch);
+    pthread_mutex_unlock(&scratch_lock);
+    tls_scratch = sc;
+    return sc;
+}
 
 void sampler_scratch_free(void) {
-    free(scratch.keys);
-    free(scratch.tmp);
-    free(scratch.mark);
-    free(scratch.count);
-    free(scratch.order);
-    memset(&scratch, 0, sizeof scratch);
+    pthread_mutex_lock(&scratch_lock);
+    sampler_scratch *sc = scratch_all;
+    scratch_all = NULL;
+    atomic_fetch_add(&scratch_epoch, 1);
+    pthread_mutex_unlock(&scratch_lock);
+    while (sc) {
+        sampler_scratch *next = sc->next;
+        free(sc->keys);
+        free(sc->tmp);
+        free(sc->mark);
+        free(sc->count);
+        free(sc->order);
+        free(sc);
+        sc = next;
+    }
+    tls_scratch = NULL;
 }
 
-static void scratch_reserve_keys(size_t n) {
-    if (scratch.cap >= n) return;
-    free(scratch.keys);
-    free(scratch.tmp);
-    scratch.keys = xmalloc(n * sizeof *scratch.keys);
-    scratch.tmp = xmalloc(n * sizeof *scratch.tmp);
-    scratch.cap = n;
+int sampler_scratch_blocks(void) {
+    int n = 0;
+    pthread_mutex_lock(&scratch_lock);
+    for (const sampler_scratch *sc = scratch_all; sc; sc = sc->next) n++;
+    pthread_mutex_unlock(&scratch_lock);
+    return n;
 }
 
-static void scratch_reserve_marks(int V) {
-    if (scratch.mark_v >= V) return;
-    free(scratch.mark);
-    free(scratch.count);
-    scratch.mark = xcalloc((size_t)V, sizeof *scratch.mark);
-    scratch.count = xcalloc((size_t)V, sizeof *scratch.count);
-    scratch.mark_v = V;
-    scratch.gen = 0;
+static void scratch_reserve_keys(sampler_scratch *scratch, size_t n) {
+    if (scratch->cap >= n) return;
+    free(scratch->keys);
+    free(scratch->tmp);
+    scratch->keys = xmalloc(n * sizeof *scratch->keys);
+    scratch->tmp = xmalloc(n * sizeof *scratch->tmp);
+    scratch->cap = n;
+}
+
+static void scratch_reserve_marks(sampler_scratch *scratch, int V) {
+    if (scratch->mark_v >= V) return;
+    free(scratch->mark);
+    free(scratch->count);
+    scratch->mark = xcalloc((size_t)V, sizeof *scratch->mark);
+    scratch->count = xcalloc((size_t)V, sizeof *scratch->count);
+    scratch->mark_v = V;
+    scratch->gen = 0;
 }
 
 /* A fresh stamp; on wrap-around the marks are cleared so an old stamp cannot collide. */
-static uint32_t scratch_next_gen(void) {
-    if (++scratch.gen == 0) {
-        memset(scratch.mark, 0, (size_t)scratch.mark_v * sizeof *scratch.mark);
-        scratch.gen = 1;
+static uint32_t scratch_next_gen(sampler_scratch *scratch) {
+    if (++scratch->gen == 0) {
+        memset(scratch->mark, 0, (size_t)scratch->mark_v * sizeof *scratch->mark);
+        scratch->gen = 1;
     }
-    return scratch.gen;
+    return scratch->gen;
 }
 
 sampling_params sampling_params_default(void) {
@@ -177,16 +219,17 @@ static void sampler_apply_penalties(const sampling_params *p, float *logits, int
     bool do_rep = rp != 1.0f && rp > 0.0f && n_prompt + n_output > 0;
     bool do_out = (fp != 0.0f || pp != 0.0f) && n_output > 0;
     if (!do_rep && !do_out) return;
-    scratch_reserve_marks(V);
+    sampler_scratch *scratch = scratch_get();
+    scratch_reserve_marks(scratch, V);
     if (do_rep) {
-        uint32_t g = scratch_next_gen();
+        uint32_t g = scratch_next_gen(scratch);
         for (int pass = 0; pass < 2; pass++) {
             const int32_t *ids = pass == 0 ? prompt : output;
             int n = pass == 0 ? n_prompt : n_output;
             for (int i = 0; i < n; i++) {
                 int32_t id = ids[i];
-                if (id < 0 || id >= V || scratch.mark[id] == g) continue;
-                scratch.mark[id] = g;
+                if (id < 0 || id >= V || scratch->mark[id] == g) continue;
+                scratch->mark[id] = g;
                 float x = logits[id];
                 logits[id] = x > 0.0f ? x / rp : x * rp;
             }
@@ -194,15 +237,15 @@ static void sampler_apply_penalties(const sampling_params *p, float *logits, int
     }
     if (do_out) {
         for (int i = 0; i < n_output; i++)
-            if (output[i] >= 0 && output[i] < V) scratch.count[output[i]]++;
+            if (output[i] >= 0 && output[i] < V) scratch->count[output[i]]++;
         /* The first visit of each distinct id applies its penalty and zeroes its count, which
          * both prevents a second application and restores the all-zero invariant. */
         for (int i = 0; i < n_output; i++) {
             int32_t id = output[i];
-            if (id < 0 || id >= V || scratch.count[id] == 0) continue;
-            logits[id] -= fp * (float)scratch.count[id];
+            if (id < 0 || id >= V || scratch->count[id] == 0) continue;
+            logits[id] -= fp * (float)scratch->count[id];
             logits[id] -= pp;
-            scratch.count[id] = 0;
+            scratch->count[id] = 0;
         }
     }
 }
@@ -438,11 +481,12 @@ int sampler_sample(const sampling_params *p, float *logits, int V, const int32_t
     /* The heap path counts buckets only over its k survivors, after selection. */
     bool heap = k <= SAMPLER_HEAP_MAX_K && k < V;
 
-    scratch_reserve_keys((size_t)V);
-    if (!scratch.order) scratch.order = xmalloc(sizeof *scratch.order);
-    sampler_order *o = scratch.order;
+    sampler_scratch *scratch = scratch_get();
+    scratch_reserve_keys(scratch, (size_t)V);
+    if (!scratch->order) scratch->order = xmalloc(sizeof *scratch->order);
+    sampler_order *o = scratch->order;
     order_reset(o);
-    uint64_t *keys = scratch.keys;
+    uint64_t *keys = scratch->keys;
     int n = 0;
     double total = 0.0;
     /* Softmax numerators e = exp(x - max): the largest is exactly 1, the rest in [0, 1], their
@@ -468,8 +512,8 @@ int sampler_sample(const sampling_params *p, float *logits, int V, const int32_t
         for (int i = 0; i < n; i++)
             order_count(o, keys[i], key_prob(keys[i]));
     }
-    order_group(o, keys, n, scratch.tmp, presorted);
-    o->tmp = scratch.keys; /* the ungrouped keys are no longer needed */
+    order_group(o, keys, n, scratch->tmp, presorted);
+    o->tmp = scratch->keys; /* the ungrouped keys are no longer needed */
 
     int lim = k < n ? k : n;
     if (use_top_p) {

@@ -43,8 +43,12 @@ int sampler_sample(const sampling_params *p, float *logits, int V, const int32_t
  * normalizer). Safe when logprobs == logits. */
 void sampler_log_softmax(float *logprobs, const float *logits, int V);
 
-/* Frees the calling thread's sampling scratch (kept between calls so that no call allocates
- * V-sized buffers). Call it before a thread that sampled exits; a later call reallocates. */
+/* Frees every thread's sampling scratch (each thread keeps one between calls so that no call
+ * allocates V-sized buffers). Call it when no thread is sampling, before the threads that
+ * sampled exit; a later call allocates again. */
 void sampler_scratch_free(void);
+
+/* How many threads' scratch blocks are held now (tests). */
+int sampler_scratch_blocks(void);
 
 #endif

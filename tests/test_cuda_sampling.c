@@ -646,8 +646,8 @@ static void test_chi_square(void) {
             agree += sampler_sample(&sp, buf, V, NULL, 0, NULL, 0, (uint64_t)i) == tok[i];
         }
         free(buf);
-        sampler_scratch_free();
     }
+    sampler_scratch_free();
     /* chi-square over the kept tokens with expected counts >= 5, the rest of the kept set pooled */
     long *count = xcalloc((size_t)lim + 1, sizeof(long));
     long outside = 0;

@@ -178,6 +178,12 @@ class Server:
         except OSError:
             return ""
 
+    def log_from(self, marker):
+        """The log from the first line holding marker to the end (a sanitizer's report at exit)."""
+        tail = self.log_tail(1 << 30).split("\n    ")
+        at = next((i for i, line in enumerate(tail) if marker in line), 0)
+        return "\n    ".join(tail[at:])
+
     def stop(self):
         if self.proc is None:
             return
@@ -1966,7 +1972,9 @@ def with_server(srv, tests):
             srv.proc.terminate()
             try:
                 rc = srv.proc.wait(10)
-                check("server %s exits on SIGTERM within 10 s with status 0" % srv.name, rc == 0, "status %s" % rc)
+                if not check("server %s exits on SIGTERM within 10 s with status 0" % srv.name, rc == 0,
+                             "status %s; log:\n    %s" % (rc, srv.log_tail(8))):
+                    print("     the server's log from its stop on:\n    %s" % srv.log_from("SIGTERM"), flush=True)
             except subprocess.TimeoutExpired:
                 check("server %s exits on SIGTERM within 10 s" % srv.name, False, srv.log_tail())
     finally:

@@ -10,6 +10,7 @@
 #include "tests/check.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -731,6 +732,38 @@ static void test_large_vocab(void) {
     free(prompt);
 }
 
+/* Threads that sample and exit without freeing: their scratch is still reachable, and
+ * sampler_scratch_free on another thread frees it all; sampling goes on afterwards. */
+static void *sample_on_thread(void *arg) {
+    float logits[64];
+    for (int i = 0; i < 64; i++) logits[i] = (float)((i * 7) % 13) * 0.25f;
+    sampling_params p = sampling_params_default();
+    p.top_p = 0.9f;
+    p.repetition_penalty = 1.2f;
+    int32_t prompt[2] = {3, 5};
+    *(int *)arg = sampler_sample(&p, logits, 64, prompt, 2, NULL, 0, 1);
+    return NULL;
+}
+
+static void test_scratch_threads(void) {
+    sampler_scratch_free();
+    pthread_t th[4];
+    int tok[4];
+    for (int t = 0; t < 4; t++) pthread_create(&th[t], NULL, sample_on_thread, &tok[t]);
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    CHECK(sampler_scratch_blocks() == 4, "4 threads sampled: %d scratch blocks held",
+          sampler_scratch_blocks());
+    CHECK(tok[0] == tok[1] && tok[1] == tok[2] && tok[2] == tok[3], "same draw on every thread");
+    sampler_scratch_free();
+    CHECK(sampler_scratch_blocks() == 0, "after sampler_scratch_free: %d blocks",
+          sampler_scratch_blocks());
+    int again = -1;
+    sample_on_thread(&again);
+    CHECK(again == tok[0] && sampler_scratch_blocks() == 1,
+          "sampling after the free: token %d (was %d), %d block", again, tok[0],
+          sampler_scratch_blocks());
+}
+
 int main(void) {
     test_params();
     test_uniform();
@@ -745,6 +778,7 @@ int main(void) {
     test_log_softmax();
     test_against_reference();
     test_large_vocab();
+    test_scratch_threads();
     sampler_scratch_free();
     CHECK_SUMMARY();
 }
