@@ -22,6 +22,7 @@
  * skips a round (the others report it by rank within the timeout instead of hanging). */
 #include "tests/check.h"
 
+#include <limits.h>
 #include <mpi.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -532,6 +533,66 @@ static void test_timeout(void) {
     cudaFree(x), cudaFree(ids), cudaFree(w);
 }
 
+/* The config's check_peers, on the ranks that wait: the skipper "has exited" from 0.3 s after
+ * the round began. The watch thread asks it every 100 ms, and the kernels' waits leave on its
+ * word: the round fails within about 0.5 s naming the skipper, far inside timeout_s (30 s). */
+typedef struct {
+    long long t0_us; /* when the round began; LLONG_MAX before */
+    int skipper, calls;
+} gone_watch;
+
+static int gone_check(void *ctx, char *msg, size_t len) {
+    gone_watch *w = (gone_watch *)ctx;
+    __atomic_add_fetch(&w->calls, 1, __ATOMIC_RELAXED);
+    long long t0 = __atomic_load_n(&w->t0_us, __ATOMIC_ACQUIRE);
+    if (t0 == LLONG_MAX || now_s() * 1e6 - (double)t0 < 3e5) return 0;
+    snprintf(msg, len, "rank %d (pid 4242 on testhost) has exited", w->skipper);
+    return -1;
+}
+
+static void test_peer_gone(void) {
+    char err[512] = "";
+    gone_watch w = {LLONG_MAX, g_size - 1, 0};
+    a2a_config c = make_cfg(A2A_NVLINK_ONE_SIDED, A2A_PAYLOAD_BF16, 16, 64, 2, 8);
+    c.timeout_s = 30;
+    if (g_rank != w.skipper) {
+        c.check_peers = gone_check;
+        c.check_ctx = &w;
+    }
+    a2a_gpu *a = a2a_gpu_create(&c, MPI_COMM_WORLD, err, sizeof err);
+    CHECK(a != NULL, "create: %s", err);
+    if (!a) return;
+    float *x, *wt;
+    int32_t *ids;
+    CU(cudaMalloc((void **)&x, 16 * 64 * 4));
+    CU(cudaMalloc((void **)&ids, 16 * 2 * 4));
+    CU(cudaMalloc((void **)&wt, 16 * 2 * 4));
+    CU(cudaMemset(ids, 0, 16 * 2 * 4));
+    CU(cudaMemset(x, 0, 16 * 64 * 4));
+    CU(cudaMemset(wt, 0, 16 * 2 * 4));
+    if (g_rank != w.skipper) {
+        double t0 = now_s();
+        __atomic_store_n(&w.t0_us, (long long)(t0 * 1e6), __ATOMIC_RELEASE);
+        int rc = a2a_gpu_dispatch(a, x, ids, wt, 4, 4, g_stream, err, sizeof err);
+        if (rc == 0) rc = a2a_gpu_check(a, err, sizeof err);
+        double dt = now_s() - t0;
+        char want[64];
+        snprintf(want, sizeof want, "rank %d (pid 4242 on testhost) has exited", w.skipper);
+        CHECK(rc != 0 && strstr(err, want) != NULL && dt > 0.25 && dt < 2.0,
+              "a peer reported gone: rc %d after %.2f s (%d checks), message: %s", rc, dt,
+              w.calls, err);
+        if (g_rank == 0 && rc != 0 && strstr(err, want)) {
+            printf("     rank 0 says after %.2f s: %s\n", dt, err);
+            ok("nvlink_one_sided: a peer that check_peers reports gone ends the wait in %.2f s "
+               "(timeout 30 s)",
+               dt);
+        }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    a2a_gpu_destroy(a);
+    cudaFree(x), cudaFree(ids), cudaFree(wt);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     MPI_Init(&argc, &argv);
@@ -565,6 +626,7 @@ int main(int argc, char **argv) {
         test_many_rounds(A2A_NCCL, 2000);
     }
     if (g_size > 1 && (!*only || strcmp(only, "timeout") == 0)) test_timeout();
+    if (g_size > 1 && (!*only || strcmp(only, "timeout") == 0)) test_peer_gone();
     int mine[2] = {check_passed, check_failed}, sum[2] = {0, 0};
     MPI_Allreduce(mine, sum, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0) printf("%d passed, %d failed\n", sum[0], sum[1]);

@@ -35,8 +35,11 @@
  * mismatch, a bad count, an expert id out of range) are written by the kernel into mapped host
  * memory and every later kernel of this object returns at once; a2a_gpu_check syncs the stream
  * and turns the record into a message. The object is then unusable (a late peer may still write
- * into the workspace): report and exit. cfg.check_peers is not called (a kernel cannot): a peer
- * that is gone shows as a timeout naming it.
+ * into the workspace): report and exit. A kernel cannot call cfg.check_peers: when it is given
+ * (and ep_size > 1), a host thread calls it every 100 ms, and a peer it reports gone ends the
+ * waits of nvlink_one_sided within about 0.1 s with its message (nccl still waits: NCCL has no
+ * timeout of its own here). A peer gone where check_peers cannot see it (another node) shows
+ * as a timeout naming it.
  *
  * Sizes: each rank holds ep * max_tokens_per_rank received rows of D fp32, and (one-sided) a
  * segment of ep * max_tokens_per_rank * (record + K D 4) bytes: choose max_tokens_per_rank with

@@ -23,6 +23,7 @@
 #include "kernels/cuda/a2a_cuda.h"
 
 #include <cuda_runtime.h>
+#include <pthread.h>
 
 #define A2A_GPU_LINE          128
 #define A2A_GPU_NCHUNK        256
@@ -36,7 +37,8 @@ enum {
     A2A_GPU_E_TIMEOUT,
     A2A_GPU_E_RUNTIME_MAX,
     A2A_GPU_E_COUNT,
-    A2A_GPU_E_EXPERT
+    A2A_GPU_E_EXPERT,
+    A2A_GPU_E_PEER_GONE /* a wait left on the host watch's word (cfg.check_peers named a peer) */
 };
 /* which wait timed out (a2a_gpu_err.where) */
 enum { A2A_GPU_W_DISPATCH, A2A_GPU_W_DISPATCH_DATA, A2A_GPU_W_COMBINE_DATA, A2A_GPU_W_COMBINE_END };
@@ -64,10 +66,13 @@ enum {
     A2A_TR_N
 };
 
-/* The first error of the object, written by a kernel into mapped host memory. */
+/* The first error of the object, written by a kernel into mapped host memory; peer_gone is
+ * the other way round: the host's watch thread sets it, and a wait that has gone on for a
+ * millisecond reads it now and then. */
 typedef struct {
     int code, peer, where, a, b, c;
     unsigned long long round;
+    int peer_gone;
 } a2a_gpu_err;
 
 /* Device memory of this rank only. */
@@ -135,7 +140,7 @@ struct a2a_gpu {
     int nchunks; /* chunks per source (A2A_GPU_NCHUNK, or MOESERVE_A2A_CHUNKS) */
     bool pdl;
     a2a_gpu_phase phase;
-    char broken_why[320];
+    char broken_why[480];
     int T, runtime_max;
     cudaStream_t stream; /* of the last call */
 
@@ -154,6 +159,15 @@ struct a2a_gpu {
     a2a_gpu_err *herr, *herr_dev; /* mapped host memory, and its device address */
     int32_t *owner, *ebegin, *slot_rank, *slot_index, *inv, *rids;
     float *rx, *rw;
+
+    /* The watch thread (cfg.check_peers given, ep_size > 1): asks it every 100 ms; on an answer
+     * naming a gone peer it keeps the message in watch_why and sets herr->peer_gone. */
+    pthread_t watch;
+    bool watching;
+    pthread_mutex_t watch_mu;
+    pthread_cond_t watch_cv;
+    bool watch_stop;
+    char watch_why[256];
 
     unsigned long long *trace; /* device [A2A_TR_N], MOESERVE_A2A_TRACE=1 only */
     void *nccl;                /* a2a_nccl.cu's state */

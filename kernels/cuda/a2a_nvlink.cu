@@ -37,6 +37,9 @@
  * loads and reads the payload through L2 (ld.global.cg), never a stale L1 line. Every spin has
  * a budget (cfg.timeout_s, %globaltimer); on timeout the first block records {peer, wait, round}
  * in mapped host memory, sets the device error word, and every block and later kernel returns.
+ * A kernel cannot call cfg.check_peers, so a host thread does (every 100 ms) and, when it names
+ * a peer that is gone, sets a word in that mapped memory; a wait that has lasted a millisecond
+ * reads it every 64 spins, so a dead peer ends the round in about 0.1 s instead of timeout_s.
  *
  * Co-residency: blocks that wait (RECV) wait for peer blocks that may wait in turn, so every grid
  * is at most what fits on the device at once (occupancy x SMs), and a block does all its SEND
@@ -56,6 +59,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define A2A_DEFAULT_TIMEOUT_S 30.0
 
@@ -125,8 +129,14 @@ __device__ bool wait_flag(const a2a_kp &p, const unsigned long long *flag, unsig
         if (ld_acquire_sys(flag) == v) return true;
         if ((i & 63) == 63) {
             if (broken(p)) return false;
-            if (globaltimer() - t0 > p.timeout_ns) {
+            const unsigned long long waited = globaltimer() - t0;
+            if (waited > p.timeout_ns) {
                 raise_error(p, A2A_GPU_E_TIMEOUT, peer, where, 0, 0, 0, round);
+                return false;
+            }
+            /* the host's word, over PCIe: only once the wait is already long */
+            if (waited > 1000000ull && *(volatile int *)&p.herr->peer_gone) {
+                raise_error(p, A2A_GPU_E_PEER_GONE, peer, where, 0, 0, 0, round);
                 return false;
             }
         }
@@ -1322,6 +1332,62 @@ bool a2a_gpu_agree(MPI_Comm comm, bool ok) {
         }                                                                                          \
     } while (0)
 
+/* The watch thread: cfg.check_peers every 100 ms until a2a_gpu_destroy, or until it names a
+ * peer that is gone (then the kernels' waits see herr->peer_gone). */
+static void *watch_main(void *arg) {
+    a2a_gpu *a = (a2a_gpu *)arg;
+    pthread_mutex_lock(&a->watch_mu);
+    while (!a->watch_stop) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        t.tv_nsec += 100 * 1000 * 1000;
+        if (t.tv_nsec >= 1000000000L) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&a->watch_cv, &a->watch_mu, &t);
+        if (a->watch_stop) break;
+        char msg[sizeof a->watch_why];
+        pthread_mutex_unlock(&a->watch_mu);
+        const int gone = a->cfg.check_peers(a->cfg.check_ctx, msg, sizeof msg) != 0;
+        pthread_mutex_lock(&a->watch_mu);
+        if (gone) {
+            snprintf(a->watch_why, sizeof a->watch_why, "%s", msg);
+            __atomic_store_n(&a->herr->peer_gone, 1, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&a->watch_mu);
+    return NULL;
+}
+
+static int watch_start(a2a_gpu *a) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->watch_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&a->watch_mu, NULL);
+    a->watching = pthread_create(&a->watch, NULL, watch_main, a) == 0;
+    if (!a->watching) {
+        pthread_cond_destroy(&a->watch_cv);
+        pthread_mutex_destroy(&a->watch_mu);
+    }
+    return a->watching ? 0 : -1;
+}
+
+static void watch_end(a2a_gpu *a) {
+    if (!a->watching) return;
+    pthread_mutex_lock(&a->watch_mu);
+    a->watch_stop = true;
+    pthread_cond_signal(&a->watch_cv);
+    pthread_mutex_unlock(&a->watch_mu);
+    pthread_join(a->watch, NULL);
+    pthread_cond_destroy(&a->watch_cv);
+    pthread_mutex_destroy(&a->watch_mu);
+    a->watching = false;
+}
+
 a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t errlen) {
     if (!cfg) {
         a2a_gpu_errf(err, errlen, "all-to-all: no config");
@@ -1427,6 +1493,12 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         } else if (a2a_nccl_init(a, err, errlen) != 0) {
             goto fail;
         }
+        if (cfg->transport == A2A_NVLINK_ONE_SIDED && cfg->check_peers && ep > 1 &&
+            watch_start(a) != 0) {
+            a2a_gpu_errf(err, errlen, "all-to-all rank %d: the peer watch thread did not start",
+                         cfg->rank);
+            goto fail;
+        }
         good = true;
     }
 fail:
@@ -1448,6 +1520,7 @@ fail:
 
 void a2a_gpu_destroy(a2a_gpu *a) {
     if (!a) return;
+    watch_end(a);
     cudaDeviceSynchronize();
     if (a->comm != MPI_COMM_NULL) MPI_Barrier(a->comm); /* no peer still writes into us */
     if (a->cfg.transport == A2A_NCCL) a2a_nccl_free(a);
@@ -1591,7 +1664,7 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
     }
     const volatile a2a_gpu_err *r = a->herr;
     const int me = a->cfg.rank;
-    char msg[320];
+    char msg[480];
     static const char *where[] = {"dispatch", "dispatch data", "combine data",
                                   "end of the previous round"};
     switch (r->code) {
@@ -1605,6 +1678,17 @@ int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
                  "peer that died or skipped this step leaves the group unusable",
                  me, r->peer, a->cfg.timeout_s, where[r->where & 3], r->round);
         break;
+    case A2A_GPU_E_PEER_GONE: {
+        char why[sizeof a->watch_why];
+        pthread_mutex_lock(&a->watch_mu);
+        snprintf(why, sizeof why, "%s", a->watch_why);
+        pthread_mutex_unlock(&a->watch_mu);
+        snprintf(msg, sizeof msg,
+                 "all-to-all rank %d: %s (seen waiting for rank %d: %s, round %llu); the group "
+                 "cannot go on",
+                 me, why, r->peer, where[r->where & 3], r->round);
+        break;
+    }
     case A2A_GPU_E_RUNTIME_MAX:
         snprintf(msg, sizeof msg,
                  "all-to-all rank %d: rank %d dispatched round %llu with runtime_max %d, this "
