@@ -1,11 +1,15 @@
 """What the Python tests that start the real binary share (tests/test_ep.py,
-tests/test_determinism.py): one check line per result under a lock, with a summary; JSON over a
-fresh HTTP connection; a block of free ports for a rank group (rank r on P + r)."""
+tests/test_determinism.py, tests/test_reliability.py): one check line per result under a lock,
+with a summary; JSON over a fresh HTTP connection; a block of free ports for a rank group (rank r
+on P + r); a started process with its log, and how to end it."""
 import http.client
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -76,3 +80,69 @@ def free_port_block(n):
         if all(port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no block of %d free ports" % n)
+
+
+def pid_alive(pid):
+    """True while pid exists and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+        return stat[stat.rfind(")") + 2] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Logged:
+    """A process (self.proc) started in a session of its own, so that one killpg reaches mpirun
+    and every rank, with its output in a temporary log file (self.log)."""
+
+    proc = None
+    log = None
+
+    def open_log(self, prefix):
+        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
+        return self.log
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self):
+        try:
+            with open(self.log.name, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except (OSError, AttributeError):
+            return ""
+
+    def log_tail(self, n=15):
+        return "\n    ".join(self.log_text().splitlines()[-n:])
+
+    def end(self, term_wait=15, pids=()):
+        """SIGTERM first and up to term_wait s (0: none), then SIGKILL to the whole session and
+        to any of pids left (ranks that left it); the log is closed and deleted."""
+        if self.proc is not None:
+            if term_wait and self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(term_wait)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        if self.log is not None:
+            self.log.close()
+            try:
+                os.unlink(self.log.name)
+            except OSError:
+                pass

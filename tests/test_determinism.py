@@ -59,7 +59,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -116,7 +115,7 @@ def write_pidfile():
         pass
 
 
-class Server:
+class Server(harness.Logged):
     """np 0: one plain `moeserve serve`; np >= 1: mpirun -np np of them on ports base..base+np-1.
     In a session of its own, so that one killpg reaches mpirun and every rank."""
 
@@ -146,7 +145,7 @@ class Server:
             cmd = [MPIRUN] + MPIRUN_FLAGS + ["-np", str(self.np)] + cmd
         self.cmd = cmd
         tag = re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-")
-        self.log = tempfile.NamedTemporaryFile(prefix="moeserve-det-%s-" % tag, suffix=".log", delete=False)
+        self.open_log("moeserve-det-%s-" % tag)
         env = dict(os.environ)
         if self.np:
             env["OMP_NUM_THREADS"] = "1"
@@ -178,45 +177,12 @@ class Server:
             return False
         return True
 
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self):
-        try:
-            with open(self.log.name, "rb") as f:
-                return f.read().decode("utf-8", "replace")
-        except (OSError, AttributeError):
-            return ""
-
-    def log_tail(self, n=12):
-        return "\n    ".join(self.log_text().splitlines()[-n:])
-
     def stop(self):
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                try:
-                    os.kill(self.proc.pid, signal.SIGTERM)
-                    self.proc.wait(15)
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        self.end()
         with LIVE_LOCK:
             if self in LIVE:
                 LIVE.remove(self)
         write_pidfile()
-        if self.log is not None:
-            self.log.close()
-            try:
-                os.unlink(self.log.name)
-            except OSError:
-                pass
 
     def post(self, path, body, rank=0):
         status, parsed, raw = http_json(self.ports[rank], "POST", path, body)

@@ -110,17 +110,10 @@ def write_pidfile():
         pass
 
 
-def pid_alive(pid):
-    """True while pid exists and is not a zombie."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            stat = f.read()
-        return stat[stat.rfind(")") + 2] != "Z"
-    except (OSError, IndexError):
-        return False
+pid_alive = harness.pid_alive
 
 
-class Group:
+class Group(harness.Logged):
     """np ranks under mpirun (np 0: one plain `moeserve serve`, no mpirun) serving on ports
     base .. base+np-1, output (both streams) in a temporary log file. Its own session, so that one
     killpg reaches mpirun and every rank."""
@@ -154,7 +147,7 @@ class Group:
         self.base = free_port_block(self.n_ranks)
         self.cmd = self.command(self.base)
         tag = re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-")
-        self.log = tempfile.NamedTemporaryFile(prefix="moeserve-ep-%s-" % tag, suffix=".log", delete=False)
+        self.open_log("moeserve-ep-%s-" % tag)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -201,56 +194,14 @@ class Group:
                 self.rank_pids = []
         write_pidfile()
 
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self):
-        try:
-            with open(self.log.name, "rb") as f:
-                return f.read().decode("utf-8", "replace")
-        except (OSError, AttributeError):
-            return ""
-
-    def log_tail(self, n=15):
-        return "\n    ".join(self.log_text().splitlines()[-n:])
-
     def stop(self):
         """SIGTERM to mpirun (it passes it on to the ranks), then SIGKILL to the whole session and
         to any rank left."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                try:
-                    os.kill(self.proc.pid, signal.SIGTERM)
-                except OSError:
-                    pass
-                try:
-                    self.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in self.rank_pids:
-            if pid_alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        self.end(15, self.rank_pids)
         with LIVE_LOCK:
             if self in LIVE:
                 LIVE.remove(self)
         write_pidfile()
-        if self.log is not None:
-            self.log.close()
-            try:
-                os.unlink(self.log.name)
-            except OSError:
-                pass
 
     # API
     def generate(self, rank, body, timeout=REQUEST_TIMEOUT):
