@@ -55,9 +55,9 @@ typedef struct sampler_scratch {
     int32_t *count; /* [mark_v] occurrences in the output; all zero between calls */
     int mark_v;     /* entries in mark and count */
     uint32_t gen;   /* current stamp; mark[i] == gen means token i already penalized */
-    struct sampler_order *order; /* bucket bookkeeping of the ordered view (see below) */
+    struct sampler_order *order;  /* bucket bookkeeping of the ordered view (see below) */
     struct sampler_scratch *next; /* every thread's scratch, linked for sampler_scratch_free */
-} sampler_scratch;               /* one per thread */
+} sampler_scratch;                /* one per thread */
 
 /* A thread finds its scratch through tls_scratch while tls_epoch matches scratch_epoch;
  * sampler_scratch_free frees every block (the worker threads of a parallel region sample too,
@@ -104,7 +104,8 @@ void sampler_scratch_free(void) {
 int sampler_scratch_blocks(void) {
     int n = 0;
     pthread_mutex_lock(&scratch_lock);
-    for (const sampler_scratch *sc = scratch_all; sc; sc = sc->next) n++;
+    for (const sampler_scratch *sc = scratch_all; sc; sc = sc->next)
+        n++;
     pthread_mutex_unlock(&scratch_lock);
     return n;
 }

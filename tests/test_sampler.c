@@ -736,7 +736,8 @@ static void test_large_vocab(void) {
  * sampler_scratch_free on another thread frees it all; sampling goes on afterwards. */
 static void *sample_on_thread(void *arg) {
     float logits[64];
-    for (int i = 0; i < 64; i++) logits[i] = (float)((i * 7) % 13) * 0.25f;
+    for (int i = 0; i < 64; i++)
+        logits[i] = (float)((i * 7) % 13) * 0.25f;
     sampling_params p = sampling_params_default();
     p.top_p = 0.9f;
     p.repetition_penalty = 1.2f;
@@ -749,8 +750,10 @@ static void test_scratch_threads(void) {
     sampler_scratch_free();
     pthread_t th[4];
     int tok[4];
-    for (int t = 0; t < 4; t++) pthread_create(&th[t], NULL, sample_on_thread, &tok[t]);
-    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    for (int t = 0; t < 4; t++)
+        pthread_create(&th[t], NULL, sample_on_thread, &tok[t]);
+    for (int t = 0; t < 4; t++)
+        pthread_join(th[t], NULL);
     CHECK(sampler_scratch_blocks() == 4, "4 threads sampled: %d scratch blocks held",
           sampler_scratch_blocks());
     CHECK(tok[0] == tok[1] && tok[1] == tok[2] && tok[2] == tok[3], "same draw on every thread");
