@@ -1058,6 +1058,60 @@ static void test_bad_dtype(void) {
     CHECK(aborted, "linear with I32 weights did not abort (status %d)", status);
 }
 
+/* Under AddressSanitizer linear's inner loops are not instrumented (kernels/cpu/linear.c); an
+ * operand shorter than its shape must still be reported, at the call. Elsewhere: nothing to do. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TEST_ASAN 1
+#endif
+#endif
+static void test_linear_extents(void) {
+#ifdef TEST_ASAN
+    printf("linear operands shorter than their shapes (AddressSanitizer build)\n");
+    for (int which = 0; which < 3; which++) {
+        static const char *names[] = {"x", "out", "w"};
+        const int T = 3, N = 40, Kin = 64;
+        fflush(stdout);
+        fflush(stderr);
+        int fds[2];
+        CHECK(pipe(fds) == 0, "pipe");
+        const pid_t pid = fork();
+        if (pid == 0) {
+            close(fds[0]);
+            dup2(fds[1], 2);
+            /* the short one lacks its last element */
+            uint16_t *wd = xcalloc((size_t)N * Kin - (which == 2), sizeof(uint16_t));
+            float *x = xcalloc((size_t)T * Kin - (which == 0), sizeof(float));
+            float *out = xcalloc((size_t)T * N - (which == 1), sizeof(float));
+            tensor w = {.dtype = DTYPE_BF16,
+                        .ndim = 2,
+                        .shape = {N, Kin},
+                        .data = wd,
+                        .device = DEVICE_CPU};
+            cpu->linear(out, x, &w, T, N, Kin);
+            _exit(0); /* not reached when the check reports */
+        }
+        close(fds[1]);
+        char buf[4096];
+        size_t got = 0;
+        ssize_t r;
+        while ((r = read(fds[0], buf + got, sizeof buf - 1 - got)) > 0 && got < sizeof buf - 1)
+            got += (size_t)r;
+        buf[got] = '\0';
+        close(fds[0]);
+        int status = 0;
+        waitpid(pid, &status, 0);
+        const bool told = !(WIFEXITED(status) && WEXITSTATUS(status) == 0) &&
+                          strstr(buf, "heap-buffer-overflow") &&
+                          strstr(buf, "linear_check_extents");
+        printf("  %-52s %s\n", names[which], told ? "reported" : "NOT REPORTED");
+        CHECK(told, "linear with a short %s: status %d, %.300s", names[which], status, buf);
+    }
+#endif
+}
+
 /* ---- benchmark (--bench) ---- */
 
 static double now_s(void) {
@@ -1167,5 +1221,6 @@ int main(int argc, char **argv) {
     test_fused();
     test_empty();
     test_bad_dtype();
+    test_linear_extents();
     CHECK_SUMMARY();
 }

@@ -52,9 +52,7 @@ static void attend_one(float *out, const float *q, kv_layer kv, const attn_batch
         out[d] = 0.0f;
     for (int p = 0; p <= pos; p++) {
         const float *vp = kv.v + kv_slot(b, seq, p) * row + (int64_t)g * Dh;
-        const float wp = scores[p];
-        for (int d = 0; d < Dh; d++)
-            out[d] = fmaf(wp, vp[d], out[d]);
+        cpu_axpy_f32(out, scores[p], vp, Dh);
     }
     const float inv = 1.0f / sum;
     for (int d = 0; d < Dh; d++)

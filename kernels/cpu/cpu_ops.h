@@ -41,9 +41,8 @@ void cpu_silu_mul(float *out, const float *gate, const float *up, int T, int F);
 void cpu_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor *q_norm,
                      const tensor *k_norm, const attn_batch *b, int H, int Hkv, int Dh,
                      double theta, float eps);
-void cpu_moe_finalize_add_rmsnorm(float *x, float *h, const float *expert_out,
-                                  const float *topk_w, const tensor *w, int T, int K, int D,
-                                  float eps);
+void cpu_moe_finalize_add_rmsnorm(float *x, float *h, const float *expert_out, const float *topk_w,
+                                  const tensor *w, int T, int K, int D, float eps);
 void cpu_add(float *out, const float *a, const float *b, int64_t n);
 
 /* cpu_linear with the OpenMP split over N switched on or off: callers that already run inside a
@@ -76,7 +75,38 @@ static inline float cpu_silu(float g) { return g / (1.0f + expf(-g)); }
  * the lanes, then the tail in index order. The lanes let gcc vectorize without -ffast-math; the
  * order depends only on n. */
 #define CPU_DOT_LANES 16
-static inline float cpu_dot_f32(const float *a, const float *b, int n) {
+
+/* Sanitizer builds (make asan, make fuzz): the hot inner loops carry CPU_HOT and are not
+ * instrumented (with a check on every load they neither vectorize nor keep their accumulators in
+ * registers, and ran 20-30x slower, most of a sanitized end-to-end test's time); their callers
+ * ask AddressSanitizer about every byte of the operands first (cpu_check_region), so an operand
+ * shorter than its shape is still reported, at the call. Other builds: no effect. */
+#if defined(__SANITIZE_ADDRESS__)
+#define CPU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CPU_ASAN 1
+#endif
+#endif
+#ifdef CPU_ASAN
+#include <sanitizer/asan_interface.h>
+#define CPU_HOT __attribute__((no_sanitize("address", "undefined")))
+/* Every byte of [p, p + bytes) addressable, or AddressSanitizer's report on the first that is not
+ * (a load of it, instrumented here). */
+static inline void cpu_check_region(const void *p, size_t bytes) {
+    const volatile char *bad =
+        (const volatile char *)__asan_region_is_poisoned((void *)(uintptr_t)p, bytes);
+    if (bad) (void)*bad;
+}
+#else
+#define CPU_HOT
+static inline void cpu_check_region(const void *p, size_t bytes) {
+    (void)p;
+    (void)bytes;
+}
+#endif
+
+static inline CPU_HOT float cpu_dot_f32_loop(const float *a, const float *b, int n) {
     float acc[CPU_DOT_LANES] = {0};
     int i = 0;
     for (; i + CPU_DOT_LANES <= n; i += CPU_DOT_LANES)
@@ -89,6 +119,24 @@ static inline float cpu_dot_f32(const float *a, const float *b, int n) {
     for (; i < n; i++)
         s = fmaf(a[i], b[i], s);
     return s;
+}
+
+static inline float cpu_dot_f32(const float *a, const float *b, int n) {
+    cpu_check_region(a, (size_t)n * sizeof(float));
+    cpu_check_region(b, (size_t)n * sizeof(float));
+    return cpu_dot_f32_loop(a, b, n);
+}
+
+static inline CPU_HOT void cpu_axpy_f32_loop(float *y, float a, const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        y[i] = fmaf(a, x[i], y[i]);
+}
+
+/* y[i] = fma(a, x[i], y[i]) for i < n, in index order. */
+static inline void cpu_axpy_f32(float *y, float a, const float *x, int n) {
+    cpu_check_region(y, (size_t)n * sizeof(float));
+    cpu_check_region(x, (size_t)n * sizeof(float));
+    cpu_axpy_f32_loop(y, a, x, n);
 }
 
 #endif

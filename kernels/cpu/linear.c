@@ -13,7 +13,13 @@
  * - OpenMP splits N into blocks of LINEAR_ROW_BLOCK rows with a static schedule: at T = 1 the op is
  *   a stream over the weights and the static split gives each core one contiguous slab. For T > 1 a
  *   block's rows stay in cache while every token tile passes over them.
- * - A software prefetch runs LINEAR_PREFETCH bytes ahead of the weight stream (see row_tile). */
+ * - A software prefetch runs LINEAR_PREFETCH bytes ahead of the weight stream (see row_tile).
+ * - Sanitizer builds (make asan, make fuzz) leave the inner loops below uninstrumented
+ *   (CPU_HOT): with a check on every load they neither vectorize nor keep their accumulators
+ *   in registers, and ran 20-30x slower, most of a sanitized end-to-end test's time. In their
+ *   place cpu_linear_ex asks AddressSanitizer about every byte of x, w and out before the loops
+ *   run (linear_check_extents, cpu_check_region in cpu_ops.h): an operand shorter than its
+ *   shape is still reported, at the call. */
 #include <math.h>
 #include <omp.h>
 #include <string.h>
@@ -26,8 +32,8 @@
 #define LINEAR_PREFETCH  2048 /* bytes of weights requested ahead of the block being read */
 
 /* dst[LINEAR_LANES] = w[off .. off + LINEAR_LANES) as fp32, for the 16-bit dtypes. */
-static inline __attribute__((always_inline)) void widen_block(float *dst, const void *w,
-                                                              int64_t off, dtype dt) {
+static inline __attribute__((always_inline)) CPU_HOT void widen_block(float *dst, const void *w,
+                                                                      int64_t off, dtype dt) {
     if (dt == DTYPE_BF16) {
         const uint16_t *p = (const uint16_t *)w + off;
         for (int j = 0; j < LINEAR_LANES; j++) {
@@ -41,7 +47,8 @@ static inline __attribute__((always_inline)) void widen_block(float *dst, const 
     }
 }
 
-static inline __attribute__((always_inline)) float widen_one(const void *w, int64_t i, dtype dt) {
+static inline __attribute__((always_inline)) CPU_HOT float widen_one(const void *w, int64_t i,
+                                                                     dtype dt) {
     if (dt == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
     if (dt == DTYPE_F32) return ((const float *)w)[i];
     return f16_to_f32(((const uint16_t *)w)[i]);
@@ -49,9 +56,10 @@ static inline __attribute__((always_inline)) float widen_one(const void *w, int6
 
 /* out[t * ldo] = dot(x[t * ldx, 0:Kin], wrow[0:Kin]) for t < nt (nt <= LINEAR_TILE). Called with
  * constant nt and dt so each instance is specialized and its accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_tile(float *out, int64_t ldo, const float *x,
-                                                           int64_t ldx, const void *wrow, dtype dt,
-                                                           int nt, int Kin) {
+static inline __attribute__((always_inline)) CPU_HOT void row_tile(float *out, int64_t ldo,
+                                                                   const float *x, int64_t ldx,
+                                                                   const void *wrow, dtype dt,
+                                                                   int nt, int Kin) {
     float acc[LINEAR_TILE][LINEAR_LANES];
     for (int t = 0; t < nt; t++)
         for (int j = 0; j < LINEAR_LANES; j++)
@@ -92,9 +100,10 @@ static inline __attribute__((always_inline)) void row_tile(float *out, int64_t l
 }
 
 /* Row blocks [nb0, nb1) of the op for one weight dtype, over every token. */
-static inline __attribute__((always_inline)) void row_blocks(float *out, const float *x,
-                                                             const void *w, dtype dt, int T, int N,
-                                                             int Kin, int nb0, int nb1) {
+static inline __attribute__((always_inline)) CPU_HOT void row_blocks(float *out, const float *x,
+                                                                     const void *w, dtype dt, int T,
+                                                                     int N, int Kin, int nb0,
+                                                                     int nb1) {
     const size_t row_bytes = (size_t)Kin * dtype_size(dt);
     for (int nb = nb0; nb < nb1; nb++) {
         const int n0 = nb * LINEAR_ROW_BLOCK;
@@ -115,19 +124,27 @@ static inline __attribute__((always_inline)) void row_blocks(float *out, const f
  * region before it inlines, which would turn the constant dtype back into a runtime value. */
 typedef void (*row_blocks_fn)(float *, const float *, const void *, int, int, int, int, int);
 
-static void row_blocks_bf16(float *out, const float *x, const void *w, int T, int N, int Kin,
-                            int nb0, int nb1) {
+static CPU_HOT void row_blocks_bf16(float *out, const float *x, const void *w, int T, int N,
+                                    int Kin, int nb0, int nb1) {
     row_blocks(out, x, w, DTYPE_BF16, T, N, Kin, nb0, nb1);
 }
 
-static void row_blocks_f32(float *out, const float *x, const void *w, int T, int N, int Kin,
-                           int nb0, int nb1) {
+static CPU_HOT void row_blocks_f32(float *out, const float *x, const void *w, int T, int N, int Kin,
+                                   int nb0, int nb1) {
     row_blocks(out, x, w, DTYPE_F32, T, N, Kin, nb0, nb1);
 }
 
-static void row_blocks_f16(float *out, const float *x, const void *w, int T, int N, int Kin,
-                           int nb0, int nb1) {
+static CPU_HOT void row_blocks_f16(float *out, const float *x, const void *w, int T, int N, int Kin,
+                                   int nb0, int nb1) {
     row_blocks(out, x, w, DTYPE_F16, T, N, Kin, nb0, nb1);
+}
+
+/* The operands' extents, byte by byte, for the sanitizer builds (see cpu_check_region). */
+static void linear_check_extents(const float *out, const float *x, const tensor *w, int T, int N,
+                                 int Kin) {
+    cpu_check_region(x, (size_t)T * (size_t)Kin * sizeof(float));
+    cpu_check_region(out, (size_t)T * (size_t)N * sizeof(float));
+    cpu_check_region(w->data, (size_t)N * (size_t)Kin * dtype_size(w->dtype));
 }
 
 void cpu_linear_ex(float *out, const float *x, const tensor *w, int T, int N, int Kin,
@@ -135,6 +152,7 @@ void cpu_linear_ex(float *out, const float *x, const tensor *w, int T, int N, in
     if (T <= 0 || N <= 0) return;
     CPU_ASSERT_WEIGHT(w, "linear");
     MS_ASSERT(tensor_numel(w) == (int64_t)N * Kin);
+    linear_check_extents(out, x, w, T, N, Kin);
     const row_blocks_fn fn = w->dtype == DTYPE_BF16  ? row_blocks_bf16
                              : w->dtype == DTYPE_F32 ? row_blocks_f32
                                                      : row_blocks_f16;
