@@ -494,6 +494,29 @@ static void test_many_rounds(a2a_transport tr, int n_rounds) {
     pair_close(&P);
 }
 
+/* The zeroed inputs of a round of 16 tokens (D 64, K 2) that the failure tests dispatch. */
+typedef struct {
+    float *x, *w;
+    int32_t *ids;
+} zero_round;
+
+static zero_round zero_round_alloc(void) {
+    zero_round z;
+    CU(cudaMalloc((void **)&z.x, 16 * 64 * 4));
+    CU(cudaMalloc((void **)&z.ids, 16 * 2 * 4));
+    CU(cudaMalloc((void **)&z.w, 16 * 2 * 4));
+    CU(cudaMemset(z.ids, 0, 16 * 2 * 4));
+    CU(cudaMemset(z.x, 0, 16 * 64 * 4));
+    CU(cudaMemset(z.w, 0, 16 * 2 * 4));
+    return z;
+}
+
+static void zero_round_free(zero_round *z) {
+    cudaFree(z->x);
+    cudaFree(z->ids);
+    cudaFree(z->w);
+}
+
 static void test_timeout(void) {
     char err[512] = "";
     a2a_config c = make_cfg(A2A_NVLINK_ONE_SIDED, A2A_PAYLOAD_BF16, 16, 64, 2, 8);
@@ -501,14 +524,9 @@ static void test_timeout(void) {
     a2a_gpu *a = a2a_gpu_create(&c, MPI_COMM_WORLD, err, sizeof err);
     CHECK(a != NULL, "create: %s", err);
     if (!a) return;
-    float *x, *w;
-    int32_t *ids;
-    CU(cudaMalloc((void **)&x, 16 * 64 * 4));
-    CU(cudaMalloc((void **)&ids, 16 * 2 * 4));
-    CU(cudaMalloc((void **)&w, 16 * 2 * 4));
-    CU(cudaMemset(ids, 0, 16 * 2 * 4));
-    CU(cudaMemset(x, 0, 16 * 64 * 4));
-    CU(cudaMemset(w, 0, 16 * 2 * 4));
+    zero_round z = zero_round_alloc();
+    float *x = z.x, *w = z.w;
+    int32_t *ids = z.ids;
     const int skipper = g_size - 1;
     if (g_rank != skipper) {
         double t0 = now_s();
@@ -530,7 +548,7 @@ static void test_timeout(void) {
     }
     MPI_Barrier(MPI_COMM_WORLD);
     a2a_gpu_destroy(a);
-    cudaFree(x), cudaFree(ids), cudaFree(w);
+    zero_round_free(&z);
 }
 
 /* The config's check_peers, on the ranks that wait: the skipper "has exited" from 0.3 s after
@@ -562,14 +580,9 @@ static void test_peer_gone(void) {
     a2a_gpu *a = a2a_gpu_create(&c, MPI_COMM_WORLD, err, sizeof err);
     CHECK(a != NULL, "create: %s", err);
     if (!a) return;
-    float *x, *wt;
-    int32_t *ids;
-    CU(cudaMalloc((void **)&x, 16 * 64 * 4));
-    CU(cudaMalloc((void **)&ids, 16 * 2 * 4));
-    CU(cudaMalloc((void **)&wt, 16 * 2 * 4));
-    CU(cudaMemset(ids, 0, 16 * 2 * 4));
-    CU(cudaMemset(x, 0, 16 * 64 * 4));
-    CU(cudaMemset(wt, 0, 16 * 2 * 4));
+    zero_round z = zero_round_alloc();
+    float *x = z.x, *wt = z.w;
+    int32_t *ids = z.ids;
     if (g_rank != w.skipper) {
         double t0 = now_s();
         __atomic_store_n(&w.t0_us, (long long)(t0 * 1e6), __ATOMIC_RELEASE);
@@ -590,7 +603,7 @@ static void test_peer_gone(void) {
     }
     MPI_Barrier(MPI_COMM_WORLD);
     a2a_gpu_destroy(a);
-    cudaFree(x), cudaFree(ids), cudaFree(wt);
+    zero_round_free(&z);
 }
 
 int main(int argc, char **argv) {
