@@ -1228,6 +1228,8 @@ static void linear_det_case(const linear_weight *lw, int max_T) {
     gpu->dev_free(gref);
 }
 
+int cuda_linear_det_kernel(int k);
+
 static void test_linear_deterministic(void) {
     printf("linear, deterministic mode (every T the same bits)\n");
     static const struct {
@@ -1237,10 +1239,17 @@ static void test_linear_deterministic(void) {
                  {2048, 4096, 2048, DTYPE_BF16}, {128, 2048, 2048, DTYPE_BF16},
                  {151936, 2048, 300, DTYPE_BF16}, {520, 1000, 300, DTYPE_F16},
                  {136, 264, 300, DTYPE_F32}};
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        linear_weight lw = linear_weight_make(cases[c].dt, cases[c].N, cases[c].Kin);
-        linear_det_case(&lw, cases[c].max_T);
-        linear_weight_free(&lw);
+    /* with each kernel of the mode: the pinned cuBLASLt algorithm, moe.cu's cuda_linear_bi (BF16
+     * weights only; the others keep cuBLASLt) */
+    for (int k = 0; k < 2; k++) {
+        const int old = cuda_linear_det_kernel(k);
+        printf("  deterministic linear: %s\n", k ? "cuda_linear_bi" : "cuBLASLt, pinned");
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            linear_weight lw = linear_weight_make(cases[c].dt, cases[c].N, cases[c].Kin);
+            linear_det_case(&lw, cases[c].max_T);
+            linear_weight_free(&lw);
+        }
+        cuda_linear_det_kernel(old);
     }
 }
 

@@ -85,6 +85,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -112,6 +113,9 @@
 
 static matmul_precision g_precision = MATMUL_PRECISION_HIGH;
 static bool g_deterministic; // ops_cuda_set_deterministic
+// Deterministic mode's kernel for BF16 weights: 0 the pinned cuBLASLt algorithm (the default),
+// 1 moe.cu's cuda_linear_bi (MOESERVE_DET_LINEAR=bi, or cuda_linear_det_kernel below).
+static int g_det_kernel = -1;
 static int g_decode_override = -1, g_stack_override = -1; // the test hooks below; -1: none
 
 // High precision: the largest T that takes the decode kernel, by the weight's bytes. From the
@@ -152,6 +156,22 @@ int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen) {
 matmul_precision ops_cuda_matmul_precision(void) { return g_precision; }
 
 void ops_cuda_set_deterministic(bool on) { g_deterministic = on; }
+
+static int det_kernel(void) {
+    if (g_det_kernel < 0) {
+        const char *v = getenv("MOESERVE_DET_LINEAR");
+        g_det_kernel = v && strcmp(v, "bi") == 0;
+    }
+    return g_det_kernel;
+}
+// For tests/test_cuda_ops.c (which declares it): deterministic mode's kernel for BF16 weights from
+// now on (0 cuBLASLt pinned, 1 cuda_linear_bi); returns the one before.
+extern "C" int cuda_linear_det_kernel(int k);
+int cuda_linear_det_kernel(int k) {
+    const int old = det_kernel();
+    g_det_kernel = k ? 1 : 0;
+    return old;
+}
 bool ops_cuda_deterministic(void) { return g_deterministic; }
 
 // For tests/test_cuda_ops.c (which declares them), to check and time every high-precision path
@@ -800,6 +820,13 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
     }
     if (!g_lt) linear_init();
     const bool bf16 = w->dtype == DTYPE_BF16;
+    // deterministic, BF16 weights of whole 16-byte rows: the batch-invariant grouped GEMM when
+    // chosen, in either precision (by the weight alone, so every T of a weight goes one way)
+    if (g_deterministic && bf16 && det_kernel() && Kin % 8 == 0 && N % 8 == 0 &&
+        ((uintptr_t)w->data & 15) == 0) {
+        cuda_linear_bi(out, x, w->data, T, N, Kin);
+        return;
+    }
 
     if (w->dtype != DTYPE_F32 && g_precision == MATMUL_PRECISION_HIGH) {
         if (g_deterministic) { // one way for every T (the header)

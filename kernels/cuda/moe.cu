@@ -287,7 +287,7 @@ typedef struct {
     bf16 *xb;                // [T, D] x in BF16
     bf16 *xb_lo;             // [T, D] x - xb in BF16 (high), or NULL (medium)
     const float *x;          // [T, D]
-    const int32_t *topk_ids; // [T, K]
+    const int32_t *topk_ids; // [T, K]; NULL: every pair to expert 0 (linear_bi's one weight)
     int64_t n_x8;            // T * D / 8
     int n_pairs;             // T * K
     int E, BM, S;            // S: warps that each count and scatter one segment of the pairs
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
     const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
     if (warp < S)
         for (int i = s0 + lane; i < s1; i += 32) {
-            const int e = a.topk_ids[i];
+            const int e = a.topk_ids ? a.topk_ids[i] : 0;
             if (e >= 0) {
                 if (e >= E) __trap(); // broken invariant: ids index the local experts
                 atomicAdd(&cnt[warp * E + e], 1);
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
     if (warp < S)
         for (int base = s0; base < s1; base += 32) {
             const int i = base + lane;
-            const int e = i < s1 ? a.topk_ids[i] : -1;
+            const int e = i < s1 ? (a.topk_ids ? a.topk_ids[i] : 0) : -1;
             const unsigned same = __match_any_sync(0xffffffffu, e);
             const int rank = __popc(same & ((1u << lane) - 1u));
             if (e >= 0) a.pairs[off[e] + cnt[warp * E + e] + rank] = i;
@@ -528,6 +528,14 @@ typedef struct {
     int n_pairs, E;             // T * K; local experts
     const int32_t *n_rows;      // TINY, moe_experts_n: the rows to take (device), or NULL
     int tile_rows;              // rows per tile (GEMM 1: R1, its x rows held for all of Kd)
+    // linear_bi (GEMM 2 form, not TINY): Kd cut into n_splits ranges of nk_split k tiles, one
+    // block each; with n_splits > 1 split s writes its sums to part + s * part_stride (rows by
+    // pair id, as out) and a reduction adds them in split order. wait_first: the kernel before is
+    // the prepare kernel itself, so the tile table is read only after pdl_wait.
+    int n_splits, nk_split;
+    float *part;
+    int64_t part_stride;
+    int wait_first;
 } moe_gemm_args;
 
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
@@ -671,8 +679,18 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     if (GATE_UP) {
         pdl_wait();
         pdl_trigger();
+    } else if (a.wait_first) {
+        pdl_wait();
     }
-    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
+    // block b: tile b / (n_col_blocks S), then split, then N-block (S = 1 but in linear_bi)
+    const int S = GATE_UP || TINY ? 1 : max(1, a.n_splits);
+    const int tile = blockIdx.x / (a.n_col_blocks * S);
+    const int split = S > 1 ? blockIdx.x / a.n_col_blocks % S : 0;
+    const int nb = blockIdx.x % a.n_col_blocks;
+    // the k tiles of this block: [kt0, kt0 + nk) of Kd's (all of them but in linear_bi)
+    const int nk_all = (a.Kd + C::BK - 1) / C::BK;
+    const int kt0 = S > 1 ? split * a.nk_split : 0;
+    const int nk = S > 1 ? max(0, min(nk_all, kt0 + a.nk_split) - kt0) : nk_all;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     __shared__ int s_tile[2], s_pair[TINY ? 16 : 1];
     int e, row0 = 0, rows;
@@ -750,7 +768,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 
     auto load_a = [&](int slot, int kt) {
         if constexpr (!A_FULL) {
-            const int k = kt * BK + kc * 8;
+            const int k = (kt0 + kt) * BK + kc * 8;
             const bool k_ok = k < a.Kd;
 #pragma unroll
             for (int part = 0; part < AP; part++)
@@ -764,7 +782,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
     };
     auto load_b = [&](int slot, int kt) {
-        const int k = kt * BK + kc * 8;
+        const int k = (kt0 + kt) * BK + kc * 8;
         const bool k_ok = k < a.Kd;
 #pragma unroll
         for (int i = 0; i < C::B_ITERS; i++) {
@@ -788,7 +806,6 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // Prologue: STAGES - 1 k tiles in flight. GEMM 2 issues its weights before waiting for h
     // (one more commit group: [B 0..S-2], [A 0], ..., [A S-2]); either way k tile kt is complete
     // once all but the newest STAGES - 2 groups are.
-    const int nk = (a.Kd + BK - 1) / BK;
     if (!GATE_UP) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; s++)
@@ -1007,7 +1024,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     }
                 }
             } else {
-                float *dst = a.out + (int64_t)pair_of(r) * a.N;
+                float *dst = (S > 1 ? a.part + split * a.part_stride : a.out) +
+                             (int64_t)pair_of(r) * a.N;
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++) {
                     const int col = nb * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
@@ -1227,4 +1245,132 @@ void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const
 void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
                         const int32_t *n_rows, const moe_experts *w, int T, int K, int D, int F) {
     moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear_bi: a dense linear whose rows are the same bits at every T
+// ---------------------------------------------------------------------------------------------
+// out[T, N] = x[T, Kd] w[N, Kd]^T, w BF16 on the device, through the grouped GEMM above with one
+// "expert" and top-1: the prepare kernel (topk_ids NULL: every row goes to expert 0, in row order)
+// converts x and cuts the rows into tiles, then the kernel runs in GEMM 2's form with w as the
+// down projection. Its per-element sums depend on neither T nor the tile shape (the header). A
+// few hundred weight rows (Qwen3-30B-A3B's k/v_proj 512, the router 128) would leave most
+// multiprocessors idle at decode sizes, so Kd is cut into ranges whose length depends on (N, Kd)
+// alone, never on T: each range is summed by blocks of its own into part[s] (split s), and a
+// reduction adds the ranges in order, part[0] + part[1] + ...: the same sums and the same adds at
+// every T. Deterministic mode's linear (kernels/cuda/linear.cu) can take it.
+
+#define BI_SPLIT_UNIT    128 /* a range is a multiple of this many k (the largest BK) */
+#define BI_TARGET_BLOCKS 256 /* blocks wanted at decode sizes (the decode tile: BN 64) */
+
+// k per range for a weight [N, Kd]: about BI_TARGET_BLOCKS blocks at T <= BM of the decode tile.
+static int bi_split_len(int N, int Kd) {
+    const int units = (Kd + BI_SPLIT_UNIT - 1) / BI_SPLIT_UNIT;
+    const int col_blocks = (N + 63) / 64;
+    const int want = std::max(1, std::min(units, (BI_TARGET_BLOCKS + col_blocks - 1) / col_blocks));
+    return (units + want - 1) / want * BI_SPLIT_UNIT;
+}
+
+// out[i] = part[0][i] + part[1][i] + ... + part[S-1][i], in that order; n4 = elements / 4.
+__global__ void bi_reduce_kernel(float *out, const float *part, int64_t n4, int S,
+                                 int64_t stride) {
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step) {
+        float4 v = __ldcg(reinterpret_cast<const float4 *>(part) + i);
+        for (int s = 1; s < S; s++) {
+            const float4 p = __ldcg(reinterpret_cast<const float4 *>(part + s * stride) + i);
+            v.x = __fadd_rn(v.x, p.x);
+            v.y = __fadd_rn(v.y, p.y);
+            v.z = __fadd_rn(v.z, p.z);
+            v.w = __fadd_rn(v.w, p.w);
+        }
+        reinterpret_cast<float4 *>(out)[i] = v;
+    }
+}
+
+template <class C>
+static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int Kd) {
+    static_assert(BI_SPLIT_UNIT % C::BK == 0, "a range is whole k tiles of every shape");
+    const int BM = C::BM;
+    const int max_tiles = (T + BM - 1) / BM;
+    const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
+    const size_t AP = C::A_PARTS;
+    const size_t o_off = 0, o_nt = align256(o_off + 2 * 4);
+    const size_t o_pairs = align256(o_nt + 4);
+    const size_t o_tiles = align256(o_pairs + (size_t)T * 4);
+    const size_t o_xb = align256(o_tiles + (size_t)max_tiles * sizeof(int4));
+    const size_t o_part = align256(o_xb + AP * T * Kd * 2);
+    const size_t total = align256(o_part + (S > 1 ? (size_t)S * T * N * 4 : 0));
+    unsigned char *ws = moe_workspace(total);
+
+    moe_prep_args p = {};
+    p.offsets = (int32_t *)(ws + o_off);
+    p.n_tiles = (int32_t *)(ws + o_nt);
+    p.pairs = (int32_t *)(ws + o_pairs);
+    p.tiles = (int4 *)(ws + o_tiles);
+    p.xb = (bf16 *)(ws + o_xb);
+    p.xb_lo = C::SPLIT ? p.xb + (int64_t)T * Kd : nullptr;
+    p.x = x;
+    p.topk_ids = nullptr; // every row to expert 0
+    p.n_x8 = (int64_t)T * Kd / 8;
+    p.n_pairs = T;
+    p.E = 1;
+    p.BM = BM;
+    p.n_rows = nullptr;
+    p.K = 1;
+    p.S = std::min(32, (T + 63) / 64);
+    const int conv_blocks =
+        (int)std::min<int64_t>((p.n_x8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS, 264);
+    const size_t prep_smem = (size_t)(p.S + 4) * sizeof(int);
+    moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+
+    moe_gemm_args g = {};
+    g.tiles = p.tiles;
+    g.n_tiles = p.n_tiles;
+    g.pairs = p.pairs;
+    g.topk = 1;
+    g.out = out;
+    g.act = p.xb;
+    g.act_lo = C::SPLIT ? (int64_t)T * Kd : 0;
+    g.w = w;
+    g.Kd = Kd;
+    g.N = N;
+    g.n_col_blocks = (N + C::BN - 1) / C::BN;
+    g.n_splits = S;
+    g.nk_split = L / C::BK;
+    g.part = (float *)(ws + o_part);
+    g.part_stride = (int64_t)T * N;
+    g.wait_first = 1;
+    launch_gemm<C, false, false>(g, max_tiles * S);
+    if (S > 1) {
+        const int64_t n4 = (int64_t)T * N / 4;
+        const int blocks = (int)std::min<int64_t>((n4 + 255) / 256, 4 * 132);
+        bi_reduce_kernel<<<blocks, 256, 0, cuda_stream()>>>(out, g.part, n4, S, g.part_stride);
+        CUDA_CHECK_LAUNCH();
+    }
+}
+
+// The tile shape follows T as moe_dispatch's does with one expert; the bits do not depend on it.
+void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd) {
+    if (T <= 0 || N <= 0) return;
+    MS_ASSERT(Kd % 8 == 0 && N % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0);
+    const bf16 *wb = (const bf16 *)w;
+    if (ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM) {
+        if (T <= 12)
+            bi_run<moe_cfg_decode>(out, x, wb, T, N, Kd);
+        else if (T <= 48)
+            bi_run<moe_cfg_mid>(out, x, wb, T, N, Kd);
+        else if (T <= 96)
+            bi_run<moe_cfg_mid_wide>(out, x, wb, T, N, Kd);
+        else
+            bi_run<moe_cfg_prefill>(out, x, wb, T, N, Kd);
+    } else {
+        if (T <= 12)
+            bi_run<moe_cfg_decode_high>(out, x, wb, T, N, Kd);
+        else if (T <= 96)
+            bi_run<moe_cfg_mid_high>(out, x, wb, T, N, Kd);
+        else
+            bi_run<moe_cfg_prefill_high>(out, x, wb, T, N, Kd);
+    }
 }
