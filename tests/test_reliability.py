@@ -59,6 +59,8 @@ STARTUP_TIMEOUT = 60.0
 LOAD_REQUESTS = int(os.environ.get("LOAD_REQUESTS", "1000"))
 # make asan sets it: the server runs slower there, and the time limits of the checks grow with it
 TIME_SCALE = float(os.environ.get("MOESERVE_TEST_TIME_SCALE", "1"))
+# the drains' grace period (--shutdown-timeout, the server's default 30 s) and their waits, scaled
+DRAIN = ["--shutdown-timeout", "%g" % (30 * TIME_SCALE)]
 DEVICE = os.environ.get("RELIABILITY_DEVICE")  # e.g. cuda: every server gets --device DEVICE
 
 
@@ -678,7 +680,7 @@ def case_drain(srv):
         complete += bool(ok)
         if not ok:
             detail.append(raw[-200:])
-    rc = srv.wait(40)
+    rc = srv.wait(40 * TIME_SCALE)
     check("drain: all 8 requests (4 running, 4 waiting at SIGTERM) finish with 300 tokens",
           complete == 8, detail[:2])
     check("drain: exit status 0, %.1f s after SIGTERM" % (time.time() - t0), rc == 0, "rc %s\n    %s" % (rc, srv.log_tail()))
@@ -744,7 +746,7 @@ def case_drain_under_load(srv):
     t0 = time.time()
     t_term[0] = t0
     os.kill(srv.pids[0], signal.SIGTERM)
-    rc = srv.wait(40)
+    rc = srv.wait(40 * TIME_SCALE)
     took = time.time() - t0
     time.sleep(0.3)
     stop.set()
@@ -839,7 +841,7 @@ def case_group_drain(srv, sig, target):
     pid = srv.pids[1] if target == "rank1" else srv.pids[0] if target == "rank0" else srv.proc.pid
     os.kill(pid, sig)
     good, bad = group_collect(socks, n_new)
-    rc = srv.wait(60)
+    rc = srv.wait(60 * TIME_SCALE)
     took = time.time() - t0
     name = signal.Signals(sig).name
     check("np 2, %s to %s: all 4 requests (2 per rank) finish with %d tokens" % (name, who, n_new), good == 4, bad[:2])
@@ -864,7 +866,7 @@ def case_group_drain_balanced(srv):
     t0 = time.time()
     os.kill(srv.pids[0], signal.SIGTERM)
     good, bad = group_collect(socks, n_new)
-    rc = srv.wait(60)
+    rc = srv.wait(60 * TIME_SCALE)
     check("np 2 balanced, SIGTERM to rank 0: all 6 requests (%s running on rank 1) finish, mpirun exits 0 %.1f s later"
           % (on1, time.time() - t0), good == 6 and rc == 0 and on1 > 0, "good %d, rc %s %s" % (good, rc, bad[:2]))
 
@@ -1127,8 +1129,8 @@ def main(argv):
         elif g == "faults":
             run_case(Proc("disconnect", ["--enable-metrics", "--disable-radix-cache"]), [case_disconnect_frees_pages])
             run_case(Proc("disconnect-radix", ["--enable-metrics"]), [case_disconnect_radix])
-            run_case(Proc("drain", ["--max-running-requests", "4"]), [case_drain])
-            run_case(Proc("drain-load", []), [case_drain_under_load])
+            run_case(Proc("drain", ["--max-running-requests", "4"] + DRAIN), [case_drain])
+            run_case(Proc("drain-load", DRAIN), [case_drain_under_load])
             run_case(Proc("drain-timeout", ["--max-running-requests", "1", "--shutdown-timeout", "1"]), [case_drain_timeout])
             run_case(Proc("second-signal", ["--max-running-requests", "1"]), [case_second_signal])
         elif g == "group":
@@ -1136,9 +1138,10 @@ def main(argv):
                 check("group: mpirun found", False, "apt-get install openmpi-bin")
                 continue
             flags = ["--no-load-balance", "--threads", "1"]
-            run_case(Proc("np2-term-rank1", flags, np=2), [lambda s: case_group_drain(s, signal.SIGTERM, "rank1")])
-            run_case(Proc("np2-balanced", ["--threads", "1"], np=2), [case_group_drain_balanced])
-            run_case(Proc("np2-launch-int", flags, np=2, launcher=True),
+            run_case(Proc("np2-term-rank1", flags + DRAIN, np=2),
+                     [lambda s: case_group_drain(s, signal.SIGTERM, "rank1")])
+            run_case(Proc("np2-balanced", ["--threads", "1"] + DRAIN, np=2), [case_group_drain_balanced])
+            run_case(Proc("np2-launch-int", flags + DRAIN, np=2, launcher=True),
                      [lambda s: case_group_drain(s, signal.SIGINT, "launcher")])
             run_kill_cases(flags)
         elif g == "kill":
