@@ -1074,32 +1074,38 @@ static unsigned char *moe_workspace(size_t bytes) {
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-template <class C>
-static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
-                    int T, int K, int D, int F, const int32_t *n_rows) {
-    const int E = w->E, BM = C::BM;
+// Where the prepare kernel's outputs go in the workspace: offsets [E + 1], n_tiles, pairs
+// [n_pairs], tiles [max_tiles], xb [AP, T, D] (the hi parts, then in high the lo parts); end: the
+// first byte after them, where the caller's own buffers start.
+struct moe_prep_layout {
+    size_t off, nt, pairs, tiles, xb, end;
+};
+
+static moe_prep_layout prep_layout(int E, int64_t n_pairs, int max_tiles, size_t AP, int T,
+                                   int D) {
+    moe_prep_layout l;
+    l.off = 0;
+    l.nt = align256(l.off + (size_t)(E + 1) * 4);
+    l.pairs = align256(l.nt + 4);
+    l.tiles = align256(l.pairs + (size_t)n_pairs * 4);
+    l.xb = align256(l.tiles + (size_t)max_tiles * sizeof(int4));
+    l.end = align256(l.xb + AP * T * D * 2);
+    return l;
+}
+
+// The prepare kernel on l's buffers in ws: x [T, D] into xb (split: and its lo part), the pairs of
+// topk_ids [T, K] (NULL: every pair to expert 0) grouped by expert into tiles of BM rows.
+static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bool split,
+                                 const float *x, const int32_t *topk_ids, int T, int K, int D,
+                                 int E, int BM, const int32_t *n_rows) {
     const int64_t n_pairs = (int64_t)T * K;
-    // Tiles: sum over busy experts of ceil(c_e / BM) <= (n + busy * (BM - 1)) / BM, and <= n.
-    const int64_t busy = std::min<int64_t>(E, n_pairs);
-    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (BM - 1)) / BM);
-
-    const size_t o_off = 0, o_nt = align256(o_off + (size_t)(E + 1) * 4);
-    const size_t o_pairs = align256(o_nt + 4);
-    const size_t o_tiles = align256(o_pairs + (size_t)n_pairs * 4);
-    // xb [AP, T, D] and h [AP, n_pairs, F]: the hi parts, then (high) the lo parts
-    const size_t AP = C::A_PARTS;
-    const size_t o_xb = align256(o_tiles + (size_t)max_tiles * sizeof(int4));
-    const size_t o_h = align256(o_xb + AP * T * D * 2);
-    const size_t total = align256(o_h + AP * n_pairs * F * 2);
-    unsigned char *ws = moe_workspace(total);
-
-    moe_prep_args p;
-    p.offsets = (int32_t *)(ws + o_off);
-    p.n_tiles = (int32_t *)(ws + o_nt);
-    p.pairs = (int32_t *)(ws + o_pairs);
-    p.tiles = (int4 *)(ws + o_tiles);
-    p.xb = (bf16 *)(ws + o_xb);
-    p.xb_lo = C::SPLIT ? p.xb + (int64_t)T * D : nullptr;
+    moe_prep_args p = {};
+    p.offsets = (int32_t *)(ws + l.off);
+    p.n_tiles = (int32_t *)(ws + l.nt);
+    p.pairs = (int32_t *)(ws + l.pairs);
+    p.tiles = (int4 *)(ws + l.tiles);
+    p.xb = (bf16 *)(ws + l.xb);
+    p.xb_lo = split ? p.xb + (int64_t)T * D : nullptr;
     p.x = x;
     p.topk_ids = topk_ids;
     p.n_x8 = (int64_t)T * D / 8;
@@ -1117,6 +1123,25 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     const size_t prep_smem = (size_t)(p.S * E + 2 * (E + 1)) * sizeof(int);
     moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
     CUDA_CHECK_LAUNCH();
+    return p;
+}
+
+template <class C>
+static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                    int T, int K, int D, int F, const int32_t *n_rows) {
+    const int E = w->E, BM = C::BM;
+    const int64_t n_pairs = (int64_t)T * K;
+    // Tiles: sum over busy experts of ceil(c_e / BM) <= (n + busy * (BM - 1)) / BM, and <= n.
+    const int64_t busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (BM - 1)) / BM);
+
+    // after the prepare kernel's outputs, h [AP, n_pairs, F]: the hi parts, then (high) the lo
+    const size_t AP = C::A_PARTS;
+    const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, AP, T, D);
+    const size_t o_h = l.end;
+    const size_t total = align256(o_h + AP * n_pairs * F * 2);
+    unsigned char *ws = moe_workspace(total);
+    const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, topk_ids, T, K, D, E, BM, n_rows);
 
     moe_gemm_args g = {};
     g.tiles = p.tiles;
@@ -1295,35 +1320,12 @@ static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int 
     const int max_tiles = (T + BM - 1) / BM;
     const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
     const size_t AP = C::A_PARTS;
-    const size_t o_off = 0, o_nt = align256(o_off + 2 * 4);
-    const size_t o_pairs = align256(o_nt + 4);
-    const size_t o_tiles = align256(o_pairs + (size_t)T * 4);
-    const size_t o_xb = align256(o_tiles + (size_t)max_tiles * sizeof(int4));
-    const size_t o_part = align256(o_xb + AP * T * Kd * 2);
+    const moe_prep_layout l = prep_layout(1, T, max_tiles, AP, T, Kd);
+    const size_t o_part = l.end;
     const size_t total = align256(o_part + (S > 1 ? (size_t)S * T * N * 4 : 0));
     unsigned char *ws = moe_workspace(total);
-
-    moe_prep_args p = {};
-    p.offsets = (int32_t *)(ws + o_off);
-    p.n_tiles = (int32_t *)(ws + o_nt);
-    p.pairs = (int32_t *)(ws + o_pairs);
-    p.tiles = (int4 *)(ws + o_tiles);
-    p.xb = (bf16 *)(ws + o_xb);
-    p.xb_lo = C::SPLIT ? p.xb + (int64_t)T * Kd : nullptr;
-    p.x = x;
-    p.topk_ids = nullptr; // every row to expert 0
-    p.n_x8 = (int64_t)T * Kd / 8;
-    p.n_pairs = T;
-    p.E = 1;
-    p.BM = BM;
-    p.n_rows = nullptr;
-    p.K = 1;
-    p.S = std::min(32, (T + 63) / 64);
-    const int conv_blocks =
-        (int)std::min<int64_t>((p.n_x8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS, 264);
-    const size_t prep_smem = (size_t)(p.S + 4) * sizeof(int);
-    moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
-    CUDA_CHECK_LAUNCH();
+    // topk_ids NULL: every row to expert 0
+    const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, nullptr, T, 1, Kd, 1, BM, nullptr);
 
     moe_gemm_args g = {};
     g.tiles = p.tiles;
