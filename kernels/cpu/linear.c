@@ -144,7 +144,7 @@ static void linear_check_extents(const float *out, const float *x, const tensor 
                                  int Kin) {
     cpu_check_region(x, (size_t)T * (size_t)Kin * sizeof(float));
     cpu_check_region(out, (size_t)T * (size_t)N * sizeof(float));
-    cpu_check_region(w->data, (size_t)N * (size_t)Kin * dtype_size(w->dtype));
+    cpu_check_region(w->data, tensor_nbytes(w));
 }
 
 void cpu_linear_ex(float *out, const float *x, const tensor *w, int T, int N, int Kin,
