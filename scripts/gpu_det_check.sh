@@ -3,10 +3,10 @@
 # root with the build carried there (scripts/gpu_pack.sh, then BUILD=build/gpu): the op checks
 # (test_cuda_ops runs its deterministic cases with the pinned cuBLASLt algorithm and with
 # cuda_linear_bi), then bench_step's decode steps and prefill of Qwen3-30B-A3B (dummy weights,
-# high precision) without the mode, with it on cuBLASLt and with it on cuda_linear_bi
-# (MOESERVE_DET_LINEAR=bi), in one process each, same settings as docs/benchmarks.md's table.
-# The serving figures: scripts/gpu_serve_bench.sh [--enable-deterministic-inference], with and
-# without MOESERVE_DET_LINEAR=bi in the environment.
+# high precision) without the mode, with it on cuda_linear_bi (the default) and with it on the
+# pinned cuBLASLt algorithm (MOESERVE_DET_LINEAR=cublas), in one process each, same settings as
+# docs/benchmarks.md's table. The serving figures: scripts/gpu_serve_bench.sh
+# [--enable-deterministic-inference] (with MOESERVE_DET_LINEAR=cublas for the other kernel).
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -26,5 +26,5 @@ step() { # $1 = label, then bench_step's extra flags
         grep -vE "^\[" | tail -n 20
 }
 step "not deterministic" --deterministic 0
-step "deterministic, cuBLASLt pinned" --deterministic 1
-MOESERVE_DET_LINEAR=bi step "deterministic, cuda_linear_bi" --deterministic 1
+step "deterministic, cuda_linear_bi" --deterministic 1
+MOESERVE_DET_LINEAR=cublas step "deterministic, cuBLASLt pinned" --deterministic 1

@@ -1200,6 +1200,11 @@ static void linear_det_case(const linear_weight *lw, int max_T) {
             if (memcmp(got, ref, sizeof(float) * (size_t)T * N)) {
                 n_diff++;
                 fprintf(stderr, "  linear deterministic: T=%d differs from T=%d\n", T, max_T);
+                int shown = 0;
+                for (int64_t i = 0; i < (int64_t)T * N && shown < 3; i++)
+                    if (memcmp(&got[i], &ref[i], sizeof(float)))
+                        fprintf(stderr, "    [%lld] %.9g vs %.9g\n", (long long)i, got[i], ref[i]),
+                            shown++;
             }
             n_T++;
             free(got);

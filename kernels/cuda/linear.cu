@@ -65,7 +65,11 @@
 //   token's row may differ in its last bits between batch sizes that take a GEMM (in high
 //   precision above the decode kernel's threshold, in medium at any T).
 // - Deterministic mode (ops_cuda_set_deterministic): one way for every T, so a token's row is the
-//   same bits alone or in any batch. High precision always takes the stacked GEMM (never the
+//   same bits alone or in any batch. BF16 weights of whole 16-byte rows take moe.cu's
+//   cuda_linear_bi (its header: tensor-core tiles whose sums T does not change, Kd cut into
+//   ranges fixed by the weight's shape so that batch 1 keeps every multiprocessor busy), by
+//   default; with MOESERVE_DET_LINEAR=cublas, and for other weights, the pinned cuBLASLt way:
+//   high precision always takes the stacked GEMM (never the
 //   decode kernel, never two GEMMs), medium its one GEMM, and every GEMM of a weight runs one
 //   pinned algorithm: chosen once per (N, Kin, dtype) of the weight (the stacked GEMM's blocks of
 //   rows use their weight's), from the heuristic at LINEAR_DET_T tokens with split-K ruled out
@@ -78,8 +82,11 @@
 //   multiprocessor; a pinned tile of 128 weight rows puts 16 to 40 CTAs on them, and the stacked
 //   GEMM adds its two small kernels), batch 8 +9%, 64 +2%, 256 -3%, prefill unchanged. Tried:
 //   the heuristic at 64 tokens (batch 1 4.80 ms, prefill -4%), a forced 64 x 256 tile (9.39 ms),
-//   split-K in place with a fixed split (cuBLASLt cannot run it at prefill shapes). A batch-
-//   invariant kernel of our own for small T is what would remove the batch-1 cost.
+//   split-K in place with a fixed split (cuBLASLt cannot run it at prefill shapes). Against it,
+//   cuda_linear_bi (same run): batch 1 3.71 ms, 8 -11%, 64 +1%, 256 +3%, prefill 9% slower
+//   (our tiles' mma.sync against cuBLASLt's kernels); serving at concurrency 1 / 64 / 256: -9% /
+//   -8% / -12% output tokens/s against the mode off, where the pinned algorithm gave -36% / -2%
+//   / -2% (docs/benchmarks.md).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -113,8 +120,8 @@
 
 static matmul_precision g_precision = MATMUL_PRECISION_HIGH;
 static bool g_deterministic; // ops_cuda_set_deterministic
-// Deterministic mode's kernel for BF16 weights: 0 the pinned cuBLASLt algorithm (the default),
-// 1 moe.cu's cuda_linear_bi (MOESERVE_DET_LINEAR=bi, or cuda_linear_det_kernel below).
+// Deterministic mode's kernel for BF16 weights: 1 moe.cu's cuda_linear_bi (the default), 0 the
+// pinned cuBLASLt algorithm (MOESERVE_DET_LINEAR=cublas, or cuda_linear_det_kernel below).
 static int g_det_kernel = -1;
 static int g_decode_override = -1, g_stack_override = -1; // the test hooks below; -1: none
 
@@ -160,7 +167,7 @@ void ops_cuda_set_deterministic(bool on) { g_deterministic = on; }
 static int det_kernel(void) {
     if (g_det_kernel < 0) {
         const char *v = getenv("MOESERVE_DET_LINEAR");
-        g_det_kernel = v && strcmp(v, "bi") == 0;
+        g_det_kernel = !(v && strcmp(v, "cublas") == 0);
     }
     return g_det_kernel;
 }

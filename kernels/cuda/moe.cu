@@ -672,15 +672,22 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 // GEMM 1 holds its rows of x for the whole of Kd in shared memory (A_FULL), converted from fp32
 // once at the start (the prepare kernel's conversion, bit for bit) while its first weight stages
 // are in flight.
-template <class C, bool GATE_UP, bool TINY>
+// BI (linear_bi at a few rows, GEMM 2's form, not TINY): no prepare kernel; the block's rows are
+// x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
+// shared memory as A_FULL does, after its first weight stages are requested and the kernel before
+// has completed.
+template <class C, bool GATE_UP, bool TINY, bool BI = false>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
-    constexpr bool A_FULL = TINY && GATE_UP;
+    static_assert(!BI || (!GATE_UP && !TINY), "BI is GEMM 2's form");
+    constexpr bool A_FULL = (TINY && GATE_UP) || BI;
     if (GATE_UP) {
         pdl_wait();
         pdl_trigger();
     } else if (a.wait_first) {
         pdl_wait();
+    } else if (BI) {
+        pdl_trigger(); // the reduction of the ranges may take its place; it waits for this grid
     }
     // block b: tile b / (n_col_blocks S), then split, then N-block (S = 1 but in linear_bi)
     const int S = GATE_UP || TINY ? 1 : max(1, a.n_splits);
@@ -704,6 +711,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         e = s_tile[0];
         rows = s_tile[1];
         if (e < 0) return; // idle block of the upper-bound grid
+    } else if constexpr (BI) {
+        e = 0;
+        rows = a.n_pairs;
     } else {
         if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
         const int4 ti = __ldcg(&a.tiles[tile]);
@@ -715,6 +725,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     auto pair_of = [&](int r) -> int {
         if constexpr (TINY)
             return s_pair[r];
+        else if constexpr (BI)
+            return r;
         else
             return __ldcg(&a.pairs[row0 + r]);
     };
@@ -823,20 +835,24 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     const int R1 = a.tile_rows;
     if constexpr (A_FULL) {
-        // x's rows of this tile for all of Kd, in BF16 (high: hi then lo), zero past Kd; the
-        // weight stages above are in flight meanwhile. The main loop's first barrier publishes it.
+        // x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high: hi
+        // then lo), zero past Kd; the weight stages above are in flight meanwhile. The main loop's
+        // first barrier publishes it.
         const int cpr = nk * (BK / 8); // 16-byte chunks per row
+        const int k_first = kt0 * BK;
         // loads in batches of CB chunks per thread, all issued before any is used
         constexpr int CB = C::threads >= 128 ? 8 : 4;
         for (int i0 = 0; i0 < rows * cpr; i0 += C::threads * CB) {
             float4 p[CB], q[CB];
 #pragma unroll
             for (int j = 0; j < CB; j++) {
-                const int i = i0 + j * C::threads + tid, r = i / cpr, k = (i % cpr) * 8;
+                const int i = i0 + j * C::threads + tid, r = i / cpr;
+                const int k = k_first + (i % cpr) * 8;
                 p[j] = q[j] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (i < rows * cpr && k < a.Kd) {
-                    const float4 *src = reinterpret_cast<const float4 *>(
-                        a.x + (int64_t)(s_pair[r] / a.topk) * a.Kd + k);
+                    const int xr = BI ? r : s_pair[r] / a.topk;
+                    const float4 *src =
+                        reinterpret_cast<const float4 *>(a.x + (int64_t)xr * a.Kd + k);
                     p[j] = __ldcg(src);
                     q[j] = __ldcg(src + 1);
                 }
@@ -1039,18 +1055,18 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 
 // Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
 // shared memory (C::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY>
+template <class C, bool GATE_UP, bool TINY, bool BI = false>
 static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = C::smem) {
     static size_t attr_set = 0; // one device per process
     if (smem > attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY>,
+        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = smem;
     }
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY>, dim3((unsigned)blocks), dim3(C::threads),
-                    smem, a);
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI>, dim3((unsigned)blocks),
+                    dim3(C::threads), smem, a);
 }
 
 // The scratch of moe_experts: device memory grown on demand and kept for the process.
@@ -1283,10 +1299,18 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
 // multiprocessors idle at decode sizes, so Kd is cut into ranges whose length depends on (N, Kd)
 // alone, never on T: each range is summed by blocks of its own into part[s] (split s), and a
 // reduction adds the ranges in order, part[0] + part[1] + ...: the same sums and the same adds at
-// every T. Deterministic mode's linear (kernels/cuda/linear.cu) can take it.
+// every T. Deterministic mode's linear (kernels/cuda/linear.cu) takes it by default.
+// A few rows (decode; x's rows of a range within BI_SMALL_A_BYTES) go without the prepare kernel:
+// the BI form of the GEMM kernel converts its rows of x itself, after requesting its first weight
+// stages (they depend on no earlier kernel), and the reduction is launched with PDL behind it.
+// H200, Qwen3-30B-A3B dummy weights, a batch-1 decode step in deterministic mode (graphs, high):
+// 4.46 ms with the prepare kernel, 3.71 without (3.21 with the mode off). Tried and dropped: the
+// reduction as the GEMM's grid tail (the last block of each N-block to count itself done adds the
+// ranges of its columns), 4.08 ms against 3.71 in the same run.
 
 #define BI_SPLIT_UNIT    128 /* a range is a multiple of this many k (the largest BK) */
 #define BI_TARGET_BLOCKS 256 /* blocks wanted at decode sizes (the decode tile: BN 64) */
+#define BI_SMALL_A_BYTES (32 << 10) /* x's rows in shared memory at most, in bi_run_small */
 
 // k per range for a weight [N, Kd]: about BI_TARGET_BLOCKS blocks at T <= BM of the decode tile.
 static int bi_split_len(int N, int Kd) {
@@ -1297,8 +1321,12 @@ static int bi_split_len(int N, int Kd) {
 }
 
 // out[i] = part[0][i] + part[1][i] + ... + part[S-1][i], in that order; n4 = elements / 4.
+// Launched with PDL: resident while the GEMM's blocks run, it waits for their sums. (Letting the
+// kernel after it start at once as well, pdl_trigger here, made a deterministic batch-1 decode
+// step slower on the H200: 4.01 ms against 3.71.)
 __global__ void bi_reduce_kernel(float *out, const float *part, int64_t n4, int S,
                                  int64_t stride) {
+    pdl_wait();
     const int64_t step = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step) {
         float4 v = __ldcg(reinterpret_cast<const float4 *>(part) + i);
@@ -1313,12 +1341,53 @@ __global__ void bi_reduce_kernel(float *out, const float *part, int64_t n4, int 
     }
 }
 
+// The ranges' sums part[S][T, N] added in order into out (S > 1).
+static void bi_reduce(float *out, const float *part, int T, int N, int S) {
+    const int64_t n4 = (int64_t)T * N / 4;
+    const int blocks = (int)std::min<int64_t>((n4 + 255) / 256, 4 * 132);
+    cuda_launch_pdl(bi_reduce_kernel, dim3(blocks), dim3(256), 0, out, part, n4, S,
+                    (int64_t)T * N);
+}
+
+// A few rows (T <= the decode tile's BM): one launch of the BI kernel, no prepare kernel, then
+// the reduction. The same tiles' arithmetic as bi_run's with the same C: the same bits.
+template <class C>
+static void bi_run_small(float *out, const float *x, const bf16 *w, int T, int N, int Kd) {
+    static_assert(BI_SPLIT_UNIT % C::BK == 0, "a range is whole k tiles of every shape");
+    MS_ASSERT(T <= C::BM);
+    const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
+    unsigned char *ws = moe_workspace(S > 1 ? (size_t)S * T * N * 4 : 256);
+    moe_gemm_args g = {};
+    g.act = w; // not read (x is); any valid address
+    g.topk = 1;
+    g.out = out;
+    g.x = x;
+    g.n_pairs = T;
+    g.w = w;
+    g.Kd = Kd;
+    g.N = N;
+    g.n_col_blocks = (N + C::BN - 1) / C::BN;
+    g.n_splits = S;
+    g.nk_split = L / C::BK;
+    g.part = (float *)ws;
+    g.part_stride = (int64_t)T * N;
+    g.tile_rows = T;
+    const size_t smem = (size_t)C::STAGES * C::BN * C::BK * 2 + (size_t)C::A_PARTS * T * L * 2;
+    launch_gemm<C, false, false, true>(g, S, smem); // one tile, S ranges
+    if (S > 1) bi_reduce(out, g.part, T, N, S);
+}
+
 template <class C>
 static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int Kd) {
     static_assert(BI_SPLIT_UNIT % C::BK == 0, "a range is whole k tiles of every shape");
     const int BM = C::BM;
     const int max_tiles = (T + BM - 1) / BM;
     const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
+    // a few rows whose x fits beside the weight stages (BI_SMALL_A_BYTES): one launch fewer
+    if (T <= C::BM && (size_t)C::A_PARTS * T * L * 2 <= BI_SMALL_A_BYTES) {
+        bi_run_small<C>(out, x, w, T, N, Kd);
+        return;
+    }
     const size_t AP = C::A_PARTS;
     const moe_prep_layout l = prep_layout(1, T, max_tiles, AP, T, Kd);
     const size_t o_part = l.end;
@@ -1345,12 +1414,7 @@ static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int 
     g.part_stride = (int64_t)T * N;
     g.wait_first = 1;
     launch_gemm<C, false, false>(g, max_tiles * S);
-    if (S > 1) {
-        const int64_t n4 = (int64_t)T * N / 4;
-        const int blocks = (int)std::min<int64_t>((n4 + 255) / 256, 4 * 132);
-        bi_reduce_kernel<<<blocks, 256, 0, cuda_stream()>>>(out, g.part, n4, S, g.part_stride);
-        CUDA_CHECK_LAUNCH();
-    }
+    if (S > 1) bi_reduce(out, g.part, T, N, S);
 }
 
 // The tile shape follows T as moe_dispatch's does with one expert; the bits do not depend on it.
