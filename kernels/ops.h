@@ -51,7 +51,16 @@ typedef struct moe_experts { /* the tag: C++ sees the member moe_experts below i
     void *gate_up;      /* backend copy [E, 2F, D] or NULL */
     void *down_all;     /* backend copy [E, D, F] or NULL */
     dtype wdtype;       /* dtype of the backend copies */
+    /* MOE_W_NVFP4 (CUDA, cuda_prepare_experts_nvfp4): the backend copies hold NVFP4 codes, two a
+     * byte (gate_up [E, 2F, D / 2], down_all [E, D, F / 2], wdtype U8), with their E4M3 group
+     * scales (gate_up_sf [E, 2F, D / 16], down_sf [E, D, F / 16]) and tensor scales s2 [E, 3]
+     * (gate, up, down), all on the device; the host tensors hold the dequantized weights. */
+    int wformat;        /* MOE_W_PLAIN (0) or MOE_W_NVFP4 */
+    void *gate_up_sf;
+    void *down_sf;
+    float *s2;
 } moe_experts;
+enum { MOE_W_PLAIN = 0, MOE_W_NVFP4 = 1 };
 
 /* One logit row of ops->sample: what to do with it. The draw follows runner/sampler.c (its
  * header says the order: penalties -> temperature -> top-k -> top-p -> min-p -> draw). */

@@ -33,6 +33,12 @@
  * fp32 accumulator truncated per k16 step) gave 2.9e-5, 2.9e-5 and 8.9e-5 on random data; seen on
  * the H200: 3.0e-5 (small, tiny), 3.6e-5 and 8.9e-5, against medium's 1.9e-2, 1.5e-2 and 1.4e-2.
  *
+ * NVFP4 experts (cuda_prepare_experts_nvfp4; shapes E=8, D=256, F=128, K=2 and Qwen3-30B-A3B's):
+ * the weights quantized by kernels/cpu/quant.c, the CPU reading the dequantized fp32 weights
+ * e2m1(q) e4m3(sf) s2. The GPU decodes e2m1(q) e4m3(sf), exact in BF16, and multiplies the sums by
+ * s2 (one more fp32 rounding): BF16's tolerances above. `--nvfp4` runs these alone and times them
+ * at decode sizes (weight bytes: codes and scales, 0.5625 a weight).
+ *
  * F32 / F16 weights are rounded to BF16 in the device copy while the CPU reads them as they are: a
  * rounding in every term of both dot products, the same in both precisions (2.5e-2 seen at D = 40
  * in medium): allowed 2^-4 * rms in both. Exact in both: skipped rows keep their sentinel bit for
@@ -57,6 +63,7 @@
  *                                            (quick; for a profiler)
  *   test_cuda_moe --timing-deepseek [MAX_T]  the same for the DeepSeek-V3-like shape
  *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
+ *   test_cuda_moe --nvfp4                    only the NVFP4 comparisons, and their timings
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -69,6 +76,7 @@
 #include "common/log.h"
 #include "common/tensor.h"
 #include "kernels/ops.h"
+#include "kernels/quant.h"
 #include "tests/check.h"
 
 #ifndef MOESERVE_CUDA
@@ -208,6 +216,9 @@ typedef struct {
     moe_experts w;
     tensor *gate, *up, *down; /* [E] host tensors, windows into the pools */
     void *pool_in, *pool_out; /* gate/up values scaled by sqrt(3/D), down values by sqrt(3/F) */
+    double wbytes;            /* device bytes per weight: 2 (BF16), 0.5625 (NVFP4: codes, scales) */
+    bool nvfp4;               /* model_nvfp4's: the host tensors are the dequantized weights */
+    float *deq;               /* model_nvfp4's: their storage */
 } model;
 
 static void *make_pool(dtype dt, size_t n, float scale) {
@@ -261,6 +272,7 @@ static void model_init(model *m, const char *name, int E, int D, int F, int K, d
     m->w.gate = m->gate;
     m->w.up = m->up;
     m->w.down = m->down;
+    m->wbytes = 2.0;
 }
 
 /* 0 when the experts are on the device. */
@@ -282,6 +294,10 @@ static int model_prepare(model *m) {
 static void model_free(model *m) {
     if (m->w.gate_up) gpu->dev_free(m->w.gate_up);
     if (m->w.down_all) gpu->dev_free(m->w.down_all);
+    if (m->w.gate_up_sf) gpu->dev_free(m->w.gate_up_sf);
+    if (m->w.down_sf) gpu->dev_free(m->w.down_sf);
+    if (m->w.s2) gpu->dev_free(m->w.s2);
+    free(m->deq);
     free(m->gate);
     free(m->up);
     free(m->down);
@@ -452,7 +468,9 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
     for (int pi = 0; pi < N_PRECISIONS; pi++) {
         const matmul_precision p = (matmul_precision)pi;
         const char *pn = precision_name[p];
-        const double tol = m->dt != DTYPE_BF16          ? TOL_ROW_RMS_CONVERTED
+        /* NVFP4: the weights reach the tensor cores exactly (e2m1 x e4m3 in BF16), the tensor
+         * scale after the sums: BF16's tolerances */
+        const double tol = m->dt != DTYPE_BF16 && !m->nvfp4 ? TOL_ROW_RMS_CONVERTED
                            : p == MATMUL_PRECISION_HIGH ? tol_high(m)
                                                         : TOL_ROW_RMS_MEDIUM;
         set_precision(p);
@@ -652,7 +670,7 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
     memset(r, 0, sizeof *r);
     snprintf(r->label, sizeof r->label, "%s %s", m->name, route_name[mode]);
     r->T = T;
-    r->weight_gb = busy * 3.0 * m->F * m->D * 2 / 1e9;
+    r->weight_gb = busy * 3.0 * m->F * m->D * m->wbytes / 1e9;
     if (r->weight_gb <= 2.0) { /* the copy rate at this size: read + write = the weight bytes */
         const size_t half = (size_t)(r->weight_gb * 1e9 / 2) & ~(size_t)255;
         copy_ctx cc = {dev_alloc_checked(half), dev_alloc_checked(half), half};
@@ -951,6 +969,89 @@ static void test_deepseek(bool compare, int max_T) {
     model_free(&m);
 }
 
+/* ---- NVFP4 experts (W4A16) ---- */
+
+int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
+                               const uint8_t *gate_up_sf, const uint8_t *down_q,
+                               const uint8_t *down_sf, const float *s2, int D, int F, char *err,
+                               size_t errlen);
+
+/* m's experts (F32 pools) quantized to NVFP4 by kernels/cpu/quant.c's formula: the host tensors
+ * then hold the dequantized weights (the CPU reference is an fp32 GEMM on them) and the device the
+ * codes and scales. 0 when the experts are on the device. */
+static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
+    model_init(m, name, E, D, F, K, DTYPE_F32);
+    m->nvfp4 = true;
+    m->wbytes = 0.5 + 1.0 / 16;
+    const size_t mat = (size_t)F * D;
+    uint8_t *guq = xmalloc((size_t)E * mat), *gus = xmalloc((size_t)E * mat / 8);
+    uint8_t *dq = xmalloc((size_t)E * mat / 2), *ds = xmalloc((size_t)E * mat / 16);
+    float *s2 = xmalloc((size_t)E * 3 * sizeof(float));
+    m->deq = xmalloc((size_t)E * 3 * mat * sizeof(float));
+    const double t0 = now_s();
+    for (int e = 0; e < E; e++) {
+        float *dg = m->deq + (size_t)3 * e * mat, *du = dg + mat, *dd = du + mat;
+        /* gate_up [E, 2F, D / 2]: expert e's F gate rows, then its F up rows */
+        uint8_t *qg = guq + (size_t)e * mat, *qu = qg + mat / 2;
+        uint8_t *sg = gus + (size_t)e * mat / 8, *su = sg + mat / 16;
+        uint8_t *qd = dq + (size_t)e * mat / 2, *sd = ds + (size_t)e * mat / 16;
+        s2[3 * e] = quant_nvfp4(qg, sg, m->gate[e].data, F, D, 0.0f);
+        dequant_nvfp4(dg, qg, sg, s2[3 * e], F, D);
+        s2[3 * e + 1] = quant_nvfp4(qu, su, m->up[e].data, F, D, 0.0f);
+        dequant_nvfp4(du, qu, su, s2[3 * e + 1], F, D);
+        s2[3 * e + 2] = quant_nvfp4(qd, sd, m->down[e].data, D, F, 0.0f);
+        dequant_nvfp4(dd, qd, sd, s2[3 * e + 2], D, F);
+        m->gate[e].data = dg;
+        m->up[e].data = du;
+        m->down[e].data = dd;
+    }
+    char err[256] = "";
+    const int rc = cuda_prepare_experts_nvfp4(&m->w, guq, gus, dq, ds, s2, D, F, err, sizeof err);
+    CHECK(rc == 0, "%s: cuda_prepare_experts_nvfp4: %s", name, err);
+    if (rc == 0)
+        printf("%s: %d experts quantized to NVFP4 on the host in %.1f s, %.2f GiB on the device\n",
+               name, E, now_s() - t0, (double)E * 3 * mat * m->wbytes / (1 << 30));
+    free(guq);
+    free(gus);
+    free(dq);
+    free(ds);
+    free(s2);
+    return rc;
+}
+
+/* NVFP4 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
+ * (the tiny path against the grouped one, every tile shape), a bad shape refused; then their
+ * speed at decode sizes, the weight bytes read being codes and scales. */
+static void test_nvfp4(bool timing) {
+    printf("NVFP4 experts (W4A16)\n");
+    model m;
+    if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) {
+        const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400}; /* every tile shape: tiny to prefill */
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 64, NULL);
+        run_case(&m, 5, ROUTE_RANDOM, 0.25, 5, true, NULL);
+        run_case(&m, 40, ROUTE_ONE, 0.0, 40, false, NULL);
+        run_empty_cases(&m);
+    }
+    model_free(&m);
+    {
+        moe_experts w = {.E = 2};
+        char err[256] = "";
+        uint8_t b[16] = {0};
+        float s2[6] = {1, 1, 1, 1, 1, 1};
+        CHECK(cuda_prepare_experts_nvfp4(&w, b, b, b, b, s2, 96, 64, err, sizeof err) != 0 &&
+                  strstr(err, "multiples of 64") && !w.gate_up,
+              "NVFP4 experts with D = 96 refused (%s)", err);
+    }
+    if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
+        const int Ts[] = {1, 2, 3, 8, 64, 1024};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 32, Ts[i] <= 64, NULL);
+        if (timing) time_model(&m, 1024);
+    }
+    model_free(&m);
+}
+
 int main(int argc, char **argv) {
     const bool small_only = argc > 1 && strcmp(argv[1], "--small") == 0;
     const bool timing_only = argc > 1 && strcmp(argv[1], "--timing") == 0;
@@ -965,6 +1066,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     cpu = ops_cpu();
+    if (argc > 1 && strcmp(argv[1], "--nvfp4") == 0) { /* the NVFP4 checks and their timings */
+        copy_gbs = measure_copy_bandwidth();
+        test_nvfp4(true);
+        print_timings();
+        print_worst();
+        CHECK_SUMMARY();
+    }
     if (decode_only) {
         test_qwen3(true, true, 0);
         print_worst();
@@ -975,6 +1083,7 @@ int main(int argc, char **argv) {
         test_prepare_errors();
         test_small();
         test_tiny();
+        if (!timing_deepseek) test_nvfp4(false);
     }
     if (!small_only) {
         copy_gbs = measure_copy_bandwidth();

@@ -38,6 +38,14 @@
 // kernel before it drains, and GEMM 2 fetches its first weight tiles before h is ready.
 // Skipped slots (negative ids) never enter the grouping, so their rows of out stay as they were.
 //
+// NVFP4 experts (W4A16, cuda_prepare_experts_nvfp4: E2M1 codes two a byte, an E4M3 scale per 16,
+// a tensor scale per weight): every path and tile shape above with WQ, where a stage carries the
+// codes and scales (9/32 of the BF16 bytes) and is decoded in shared memory into the BF16 tile
+// the products read, e2m1(q) e4m3(sf) exactly; the tensor scale multiplies the sums in the
+// epilogue. The same k16 order, so a token's rows are the same bits at any batch here too.
+// (Built and compiled: no BF16 kernel's registers moved, three WQ instances spill 8 to 40 bytes;
+// tests/test_cuda_moe.c --nvfp4 checks and times it, not yet run on a GPU.)
+//
 // The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
 // groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
 // first pair, pairs in (t, k) order), h is indexed by pair id, and GEMM 1 converts its rows of x
@@ -126,6 +134,7 @@
 
 #include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/quant.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -269,6 +278,41 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen) {
     w->gate_up = gate_up;
     w->down_all = down;
     w->wdtype = DTYPE_BF16;
+    return 0;
+}
+
+int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
+                               const uint8_t *gate_up_sf, const uint8_t *down_q,
+                               const uint8_t *down_sf, const float *s2, int D, int F, char *err,
+                               size_t errlen) {
+    const int E = w->E;
+    if (E <= 0 || D <= 0 || F <= 0 || D % 64 || F % 64)
+        return set_err(err, errlen, "CUDA: NVFP4 experts need E > 0 and D=%d, F=%d multiples of 64",
+                       D, F);
+    const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
+    const size_t sizes[5] = {(size_t)E * mat, (size_t)E * mat / 8, (size_t)E * mat / 2,
+                             (size_t)E * mat / 16, (size_t)E * 3 * sizeof(float)};
+    const void *src[5] = {gate_up_q, gate_up_sf, down_q, down_sf, s2};
+    void *dst[5] = {};
+    cudaError_t ce = cudaSuccess;
+    for (int i = 0; i < 5 && ce == cudaSuccess; i++) {
+        ce = cudaMalloc(&dst[i], sizes[i]);
+        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
+    }
+    if (ce != cudaSuccess) {
+        cudaGetLastError();
+        for (int i = 0; i < 5; i++)
+            if (dst[i]) cudaFree(dst[i]);
+        return set_err(err, errlen, "CUDA: copying %d NVFP4 experts of D=%d F=%d: %s", E, D, F,
+                       cudaGetErrorString(ce));
+    }
+    w->gate_up = dst[0];
+    w->gate_up_sf = dst[1];
+    w->down_all = dst[2];
+    w->down_sf = dst[3];
+    w->s2 = (float *)dst[4];
+    w->wdtype = DTYPE_U8;
+    w->wformat = MOE_W_NVFP4;
     return 0;
 }
 
@@ -536,6 +580,10 @@ typedef struct {
     float *part;
     int64_t part_stride;
     int wait_first;
+    // WQ (NVFP4 weights): the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of
+    // w's rows (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down)
+    const uint8_t *wq, *wsf;
+    const float *ws2;
 } moe_gemm_args;
 
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
@@ -621,6 +669,27 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // Launched with PDL: GEMM 1 waits for the prepare kernel before anything; GEMM 2 starts during
 // GEMM 1's tail, reads its tile (written by the prepare kernel, complete before any GEMM 1 block
 // let it start) and prefetches its first weight stages, then waits for h.
+// WQ (NVFP4 weights, W4A16): a stage holds a B tile's codes [BN, BK / 2] and group scales
+// [BN, BK / 16] as they are in memory; after the stage lands, the block decodes it into one BF16
+// tile [BN, BK] (the layout the BF16 stages have), e2m1(q) e4m3(sf) exactly, and the products run
+// as in BF16. The tensor scale multiplies the sums in the epilogue (GATE_UP: the gate's and the
+// up's, before SiLU x up). The weight bytes per stage are 9/32 of BF16's.
+template <class C, bool WQ> struct moe_b_layout {
+    static constexpr int QROW = C::BK / 2, SROW = C::BK / 16; // bytes a B row per k tile
+    static constexpr int QSTAGE = C::BN * (QROW + SROW);
+    // the B stages (WQ: then the decoded tile)
+    static constexpr size_t bytes =
+        WQ ? (size_t)C::STAGES * QSTAGE + (size_t)C::BN * C::BK * 2
+           : (size_t)C::STAGES * C::BN * C::BK * 2;
+    // the whole dynamic shared memory of the grouped kernels (the tiny GEMM 1 has its own)
+    static constexpr size_t smem = (size_t)C::STAGES * C::A_PARTS * C::BM * C::BK * 2 + bytes;
+};
+
+__device__ __forceinline__ void cp_async4(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+
 // The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
 // busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its
 // expert's pairs in (t, k) order. Writes s_tile = {expert, rows} of tile `tile` ({-1, 0} past the
@@ -676,9 +745,16 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 // x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
 // shared memory as A_FULL does, after its first weight stages are requested and the kernel before
 // has completed.
-template <class C, bool GATE_UP, bool TINY, bool BI = false>
+template <class C, bool GATE_UP, bool TINY, bool BI = false, bool WQ = false>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
+    typedef moe_b_layout<C, WQ> BL;
+    static_assert(!WQ || !BI, "linear_bi's weights are BF16");
+    // WQ: decoded E2M1 codes [16], then E4M3 codes [256]; published by the main loop's barriers
+    __shared__ float s_lut[WQ ? 16 + 256 : 1];
+    if constexpr (WQ)
+        for (int i = threadIdx.x; i < 16 + 256; i += C::threads)
+            s_lut[i] = i < 16 ? fp4_e2m1_to_float((uint8_t)i) : fp8_e4m3_to_float((uint8_t)(i - 16));
     static_assert(!BI || (!GATE_UP && !TINY), "BI is GEMM 2's form");
     constexpr bool A_FULL = (TINY && GATE_UP) || BI;
     if (GATE_UP) {
@@ -747,7 +823,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(moe_smem);
     const uint32_t sA = smem0;
     const uint32_t sB = A_FULL ? smem0 : sA + STAGES * AP * BM * BK * 2;
-    const uint32_t sAf = smem0 + STAGES * BN * BK * 2;
+    const uint32_t sAf = smem0 + (uint32_t)BL::bytes;
+    const uint32_t sBF = sB + STAGES * BL::QSTAGE; // WQ: the decoded B tile
 
     // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
@@ -763,6 +840,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
     const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
+    const uint8_t *wq_e = WQ ? a.wq + (int64_t)e * w_rows * (a.Kd / 2) : nullptr;
+    const uint8_t *wsf_e = WQ ? a.wsf + (int64_t)e * w_rows * (a.Kd / 16) : nullptr;
     // Weight row of B tile row r, or -1 past the last column.
     auto b_row = [&](int r) -> int {
         int col, wrow;
@@ -794,6 +873,26 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
     };
     auto load_b = [&](int slot, int kt) {
+        if constexpr (WQ) {
+            // codes: 16-byte chunks of 32 k; scales: 4-byte pieces of 64 k (Kd % 64 == 0, so
+            // each is whole inside Kd or past it)
+            const int kb = (kt0 + kt) * BK;
+            const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
+            constexpr int QC = BK / 32, SC = BK / 64;
+            for (int i = tid; i < BN * QC; i += C::threads) {
+                const int r = i / QC, c = i % QC, wrow = b_row(r), k = kb + c * 32;
+                const bool ok = wrow >= 0 && k < a.Kd;
+                cp_async16(q0 + r * BL::QROW + c * 16,
+                           ok ? wq_e + (int64_t)wrow * (a.Kd / 2) + k / 2 : a.wq, ok ? 16 : 0);
+            }
+            for (int i = tid; i < BN * SC; i += C::threads) {
+                const int r = i / SC, c = i % SC, wrow = b_row(r), k = kb + c * 64;
+                const bool ok = wrow >= 0 && k < a.Kd;
+                cp_async4(s0 + r * BL::SROW + c * 4,
+                          ok ? wsf_e + (int64_t)wrow * (a.Kd / 16) + k / 16 : a.wsf, ok ? 4 : 0);
+            }
+            return;
+        }
         const int k = (kt0 + kt) * BK + kc * 8;
         const bool k_ok = k < a.Kd;
 #pragma unroll
@@ -902,7 +1001,36 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             cp_async_commit();
 
             const int slot = kt % STAGES;
-            const uint32_t a_base = sA + slot * AP * BM * BK * 2, b_base = sB + slot * BN * BK * 2;
+            const uint32_t a_base = sA + slot * AP * BM * BK * 2;
+            const uint32_t b_base = WQ ? sBF : sB + slot * BN * BK * 2;
+            if constexpr (WQ) {
+                // decode stage `slot` into the BF16 tile: 16-byte chunks of 8 k (the even k in
+                // a byte's low nibble), one group scale per two chunks. The barrier above freed
+                // the tile (every warp is past the last step's products).
+                const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
+                constexpr int CH = BK / 8;
+                for (int i = tid; i < BN * CH; i += C::threads) {
+                    const int r = i / CH, ch = i % CH;
+                    uint32_t q;
+                    unsigned short sfc;
+                    asm volatile("ld.shared.u32 %0, [%1];\n"
+                                 : "=r"(q)
+                                 : "r"(q0 + r * BL::QROW + ch * 4));
+                    asm volatile("ld.shared.u8 %0, [%1];\n"
+                                 : "=h"(sfc)
+                                 : "r"(s0 + r * BL::SROW + ch / 2));
+                    const float sf = s_lut[16 + (sfc & 255)];
+                    uint32_t v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        v[j] = pack_bf16x2(s_lut[(q >> (8 * j)) & 15] * sf,
+                                           s_lut[(q >> (8 * j + 4)) & 15] * sf);
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                                     sBF + swz<BK>(r, ch) * 2),
+                                 "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+                }
+                __syncthreads();
+            }
             (void)a_base; // unused where x's rows sit in shared memory whole (A_FULL)
             // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
             auto a_addr = [&](int part, int r, int ch) -> uint32_t {
@@ -1027,7 +1155,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 for (int ni = 0; ni < NI / 2; ni++) {
                     const int col = nb * (BN / 2) + wn * (C::WN / 2) + ni * 8 + 2 * (lane & 3);
                     if (col >= a.N) continue;
-                    const float *g = &acc[mi][ni][2 * hr], *u = &acc[mi][ni + NI / 2][2 * hr];
+                    float g[2] = {acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]};
+                    float u[2] = {acc[mi][ni + NI / 2][2 * hr], acc[mi][ni + NI / 2][2 * hr + 1]};
+                    if constexpr (WQ) { // the tensor scales of the gate and the up projection
+                        const float sg = __ldg(&a.ws2[3 * e]), su = __ldg(&a.ws2[3 * e + 1]);
+                        g[0] = __fmul_rn(g[0], sg);
+                        g[1] = __fmul_rn(g[1], sg);
+                        u[0] = __fmul_rn(u[0], su);
+                        u[1] = __fmul_rn(u[1], su);
+                    }
                     if (C::SPLIT) {
                         uint32_t hi, lo;
                         split_bf16x2(__fmul_rn(silu(g[0]), u[0]), __fmul_rn(silu(g[1]), u[1]), &hi,
@@ -1046,26 +1182,31 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 for (int ni = 0; ni < NI; ni++) {
                     const int col = nb * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
                     if (col >= a.N) continue;
-                    *reinterpret_cast<float2 *>(dst + col) =
-                        make_float2(acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]);
+                    float y0 = acc[mi][ni][2 * hr], y1 = acc[mi][ni][2 * hr + 1];
+                    if constexpr (WQ) { // the down projection's tensor scale
+                        const float sd = __ldg(&a.ws2[3 * e + 2]);
+                        y0 = __fmul_rn(y0, sd);
+                        y1 = __fmul_rn(y1, sd);
+                    }
+                    *reinterpret_cast<float2 *>(dst + col) = make_float2(y0, y1);
                 }
             }
         }
 }
 
 // Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
-// shared memory (C::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY, bool BI = false>
-static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = C::smem) {
+// shared memory (moe_b_layout<C, WQ>::smem, or the tiny GEMM 1's, which depends on the shape).
+template <class C, bool GATE_UP, bool TINY, bool BI = false, bool WQ = false>
+static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WQ>::smem) {
     static size_t attr_set = 0; // one device per process
     if (smem > attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI>,
+        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI, WQ>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = smem;
     }
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI>, dim3((unsigned)blocks),
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WQ>, dim3((unsigned)blocks),
                     dim3(C::threads), smem, a);
 }
 
@@ -1142,7 +1283,18 @@ static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bo
     return p;
 }
 
-template <class C>
+// The GEMM arguments of w's weights: BF16 copies, or (WQ) NVFP4 codes and scales (w then points
+// at the codes too, never read as BF16).
+template <bool WQ> static void set_weights(moe_gemm_args *g, const moe_experts *w, bool gate_up) {
+    g->w = (const bf16 *)(gate_up ? w->gate_up : w->down_all);
+    if constexpr (WQ) {
+        g->wq = (const uint8_t *)(gate_up ? w->gate_up : w->down_all);
+        g->wsf = (const uint8_t *)(gate_up ? w->gate_up_sf : w->down_sf);
+        g->ws2 = w->s2;
+    }
+}
+
+template <class C, bool WQ = false>
 static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                     int T, int K, int D, int F, const int32_t *n_rows) {
     const int E = w->E, BM = C::BM;
@@ -1170,19 +1322,19 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.h_lo = C::SPLIT ? n_pairs * F : 0;
     g.act = p.xb;
     g.act_lo = C::SPLIT ? (int64_t)T * D : 0;
-    g.w = (const bf16 *)w->gate_up;
+    set_weights<WQ>(&g, w, true);
     g.Kd = D;
     g.N = F;
     g.n_col_blocks = (F + C::BN / 2 - 1) / (C::BN / 2);
-    launch_gemm<C, true, false>(g, max_tiles);
+    launch_gemm<C, true, false, false, WQ>(g, max_tiles);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
-    g.w = (const bf16 *)w->down_all;
+    set_weights<WQ>(&g, w, false);
     g.Kd = F;
     g.N = D;
     g.n_col_blocks = (D + C::BN - 1) / C::BN;
-    launch_gemm<C, false, false>(g, max_tiles);
+    launch_gemm<C, false, false, false, WQ>(g, max_tiles);
 }
 
 // The tile shape follows the mean pairs per expert; the result does not depend on it. Limits
@@ -1190,18 +1342,18 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
 // expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
 // 32.
 // (With n_rows the shape follows the bound T: the result does not depend on it either.)
-template <class DECODE, class MID, class MID_WIDE, class PREFILL>
+template <class DECODE, class MID, class MID_WIDE, class PREFILL, bool WQ = false>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
     const int64_t n_pairs = (int64_t)T * K, E = w->E;
     if (n_pairs <= 12 * E)
-        moe_run<DECODE>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<DECODE, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 48 * E)
-        moe_run<MID>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<MID, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 96 * E)
-        moe_run<MID_WIDE>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<MID_WIDE, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else
-        moe_run<PREFILL>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<PREFILL, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1215,7 +1367,7 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
 
-template <class C1, class C2>
+template <class C1, class C2, bool WQ = false>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
     static_assert(C1::SPLIT == C2::SPLIT, "one precision");
@@ -1237,22 +1389,22 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     const int nk1 = (D + C1::BK - 1) / C1::BK, row_bytes = AP * nk1 * C1::BK * 2;
     const int R1 = std::max(1, std::min({16, MOE_TINY_A_BYTES / row_bytes, T}));
     g.act = g.h; // not read (x is); any valid address
-    g.w = (const bf16 *)w->gate_up;
+    set_weights<WQ>(&g, w, true);
     g.Kd = D;
     g.N = F;
     g.tile_rows = R1;
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
-    launch_gemm<C1, true, true>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
-                                (size_t)C1::STAGES * C1::BN * C1::BK * 2 + (size_t)R1 * row_bytes);
+    launch_gemm<C1, true, true, false, WQ>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
+                                           moe_b_layout<C1, WQ>::bytes + (size_t)R1 * row_bytes);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
-    g.w = (const bf16 *)w->down_all;
+    set_weights<WQ>(&g, w, false);
     g.Kd = F;
     g.N = D;
     g.tile_rows = C2::BM;
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
-    launch_gemm<C2, false, true>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
+    launch_gemm<C2, false, true, false, WQ>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
 }
 
 // moe_experts and moe_experts_n (n_rows: NULL, or the device count of rows to take, <= T).
@@ -1260,9 +1412,28 @@ static void moe_experts_any(float *out, const float *x, const int32_t *topk_ids,
                             const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                             int F) {
     if (T <= 0 || K <= 0) return;
-    MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
     MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    if (w->wformat == MOE_W_NVFP4) {
+        MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf && w->s2);
+        MS_ASSERT(D % 64 == 0 && F % 64 == 0);
+        if ((int64_t)T * K <= MOE_TINY_PAIRS) {
+            if (medium)
+                moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, true>(out, x, topk_ids, w, T, K, D,
+                                                                  F, n_rows);
+            else
+                moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high, true>(out, x, topk_ids, w,
+                                                                            T, K, D, F, n_rows);
+        } else if (medium) {
+            moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill, true>(
+                out, x, topk_ids, w, T, K, D, F, n_rows);
+        } else {
+            moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
+                         moe_cfg_prefill_high, true>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        }
+        return;
+    }
+    MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
     if ((int64_t)T * K <= MOE_TINY_PAIRS) {
         if (medium)
             moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F, n_rows);
