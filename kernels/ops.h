@@ -111,6 +111,12 @@ typedef struct ops {
     int (*upload)(tensor *t, char *err, size_t errlen);
     /* The experts' backend copies (see moe_experts); the CPU does nothing. 0, or -1. */
     int (*prepare_experts)(moe_experts *w, char *err, size_t errlen);
+    /* Optional (NULL where the backend has none): the experts in NVFP4 from host arrays in the
+     * layout of moe_experts' MOE_W_NVFP4 fields (CUDA: cuda_prepare_experts_nvfp4). */
+    int (*prepare_experts_nvfp4)(moe_experts *w, const uint8_t *gate_up_q,
+                                 const uint8_t *gate_up_sf, const uint8_t *down_q,
+                                 const uint8_t *down_sf, const float *s2, int D, int F, char *err,
+                                 size_t errlen);
     /* Wait for every queued kernel (the CPU returns at once). */
     void (*sync)(void);
     /* Free and total bytes of the device's memory (the CPU: available and physical RAM). */

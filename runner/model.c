@@ -343,6 +343,25 @@ static int quantize_weight(model *m, const checkpoint_tensor *ct, const char *na
     return 0;
 }
 
+int model_weight_nvfp4(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,
+                       const uint8_t **sf, float *s2, char *err, size_t errlen) {
+    if (m->dummy || m->cfg.quant != MODEL_QUANT_NVFP4) return 0;
+    const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
+    if (!ct || ct->t.dtype != DTYPE_U8) return 0;
+    if (ct->t.ndim != 2 || ct->t.shape[0] != N || ct->t.shape[1] != K / 2 || K % QUANT_FP4_GROUP)
+        return set_err(err, errlen, "%s: tensor '%s' is not NVFP4 codes of [%lld, %lld]", ct->file,
+                       name, (long long)N, (long long)K);
+    const checkpoint_tensor *f =
+        quant_part(m, name, ".weight_scale", DTYPE_F8_E4M3, N * K / QUANT_FP4_GROUP, err, errlen);
+    const checkpoint_tensor *t =
+        f ? quant_part(m, name, ".weight_scale_2", DTYPE_F32, 1, err, errlen) : NULL;
+    if (!t) return -1;
+    *q = ct->t.data;
+    *sf = f->t.data;
+    *s2 = *(const float *)t->t.data;
+    return 1;
+}
+
 int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen) {
     if (m->dummy)

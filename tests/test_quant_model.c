@@ -118,6 +118,32 @@ static void check_weight(model *bf, model *q, const char *name, int N, int K, bo
     free(w), free(want);
 }
 
+/* model_weight_nvfp4, the parts a W4A16 backend gets: on the NVFP4 checkpoint they decode to the
+ * loader's F32 weight bit for bit; the BF16 and FP8 checkpoints have none; a wrong shape is an
+ * error naming the tensor. */
+static void check_nvfp4_parts(model *bf, model *f8, model *f4, const char *name, int N, int K) {
+    const uint8_t *q = NULL, *sf = NULL;
+    float s2 = 0.0f;
+    char err[512] = "";
+    CHECK(model_weight_nvfp4(bf, name, N, K, &q, &sf, &s2, err, sizeof err) == 0 &&
+              model_weight_nvfp4(f8, name, N, K, &q, &sf, &s2, err, sizeof err) == 0,
+          "%s: no NVFP4 parts in the BF16 and FP8 checkpoints", name);
+    CHECK(model_weight_nvfp4(f4, name, N, 2 * K, &q, &sf, &s2, err, sizeof err) == -1 &&
+              strstr(err, name),
+          "%s with twice its K: refused (%s)", name, err);
+    const int rc = model_weight_nvfp4(f4, name, N, K, &q, &sf, &s2, err, sizeof err);
+    CHECK(rc == 1 && q && sf && s2 > 0.0f, "%s: NVFP4 parts (%d: %s)", name, rc, err);
+    if (rc != 1) return;
+    const tensor *wq;
+    int64_t shape[2] = {N, K};
+    CHECK(model_weight_info(f4, name, 2, shape, &wq, err, sizeof err) == 0, "%s", err);
+    float *w = malloc(sizeof(float) * N * K);
+    dequant_nvfp4(w, q, sf, s2, N, K);
+    CHECK(memcmp(w, wq->data, sizeof(float) * N * K) == 0,
+          "%s: its NVFP4 parts decode to the loaded weight", name);
+    free(w);
+}
+
 static void test_loaded_weights(void) {
     char err[512];
     model *bf = model_load(DATA "tiny-qwen3-moe", ops_cpu(), err, sizeof err);
@@ -140,6 +166,7 @@ static void test_loaded_weights(void) {
         for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
             check_weight(bf, f8, w[i].name, w[i].N, w[i].K, true);
             check_weight(bf, f4, w[i].name, w[i].N, w[i].K, false);
+            check_nvfp4_parts(bf, f8, f4, w[i].name, w[i].N, w[i].K);
         }
     }
     model_free(bf);

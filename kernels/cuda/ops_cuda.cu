@@ -161,6 +161,7 @@ static const ops cuda_ops_table = {
     .dev_zero = cuda_dev_zero,
     .upload = cuda_upload,
     .prepare_experts = cuda_prepare_experts,
+    .prepare_experts_nvfp4 = cuda_prepare_experts_nvfp4,
     .sync = cuda_sync,
     .mem_info = cuda_mem_info,
     .graph_begin = cuda_graph_begin,

@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/log.h"
 #include "runner/model.h"
@@ -82,6 +83,55 @@ static int weight2(model *m, const char *name, int64_t d0, int64_t d1, const ten
 static int weight1(model *m, const char *name, int64_t d0, const tensor **out, char *err,
                    size_t errlen) {
     return model_weight(m, name, 1, &d0, out, err, errlen);
+}
+
+/* With MOESERVE_W4A16=1, a backend that takes NVFP4 experts (CUDA) and a checkpoint whose routed
+ * experts of layer i are all stored in NVFP4: this rank's experts go to the backend as their codes
+ * and scales, which its GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0
+ * when not taken (the caller prepares the dequantized weights as before), -1 with err. Opt-in
+ * until the kernel has been measured on the GPU (docs/benchmarks.md, issue 8). */
+static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *err,
+                                   size_t errlen) {
+    const char *v = getenv("MOESERVE_W4A16");
+    if (!v || strcmp(v, "1") != 0 || !m->ops->prepare_experts_nvfp4) return 0;
+    const model_config *c = &m->cfg;
+    const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
+    const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
+    if (El <= 0 || D % 64 || F % 64) return 0;
+    const size_t mat = (size_t)F * D; /* elements of one gate, up or down matrix */
+    uint8_t *guq = malloc((size_t)El * mat), *gus = malloc((size_t)El * mat / 8);
+    uint8_t *dq = malloc((size_t)El * mat / 2), *ds = malloc((size_t)El * mat / 16);
+    float *s2 = malloc((size_t)El * 3 * sizeof(float));
+    int rc = 1;
+    if (!guq || !gus || !dq || !ds || !s2)
+        rc = set_err(err, errlen, "%s: layer %d: out of memory staging %d NVFP4 experts", m->dir,
+                     i, El);
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    char name[256];
+    for (int e = 0; e < El && rc == 1; e++)
+        for (int p = 0; p < 3 && rc == 1; p++) {
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
+                     parts[p]);
+            const uint8_t *q, *sf;
+            float t;
+            rc = model_weight_nvfp4(m, name, p == 2 ? D : F, p == 2 ? F : D, &q, &sf, &t, err,
+                                    errlen);
+            if (rc != 1) break;
+            /* gate_up [El, 2F, D / 2]: expert e's gate rows, then its up rows; down [El, D, F / 2] */
+            const size_t at = p == 2 ? (size_t)e : (size_t)2 * e + p;
+            memcpy((p == 2 ? dq : guq) + at * mat / 2, q, mat / 2);
+            memcpy((p == 2 ? ds : gus) + at * mat / 16, sf, mat / 16);
+            s2[3 * e + p] = t;
+        }
+    if (rc == 1 && m->ops->prepare_experts_nvfp4(&l->experts, guq, gus, dq, ds, s2, (int)D,
+                                                 (int)F, err, errlen))
+        rc = -1;
+    free(guq);
+    free(gus);
+    free(dq);
+    free(ds);
+    free(s2);
+    return rc;
 }
 
 /* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
@@ -201,7 +251,9 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     l->experts = (moe_experts){
         .E = El, .gate = l->expert_gate, .up = l->expert_up, .down = l->expert_down};
     char why[512];
-    if (El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
+    const int w4 = qwen3_moe_nvfp4_experts(m, i, l, err, errlen);
+    if (w4 < 0) return -1;
+    if (!w4 && El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
         return set_err(err, errlen, "%s: layer %d experts: %s", m->dir, i, why);
 #undef W1
 #undef W2
@@ -425,6 +477,9 @@ static void qwen3_moe_free(model *m) {
             qwen3_moe_layer *l = &w->layers[i];
             if (l->experts.gate_up) m->ops->dev_free(l->experts.gate_up);
             if (l->experts.down_all) m->ops->dev_free(l->experts.down_all);
+            if (l->experts.gate_up_sf) m->ops->dev_free(l->experts.gate_up_sf);
+            if (l->experts.down_sf) m->ops->dev_free(l->experts.down_sf);
+            if (l->experts.s2) m->ops->dev_free(l->experts.s2);
             free(l->expert_gate);
             free(l->expert_up);
             free(l->expert_down);
