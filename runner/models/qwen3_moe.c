@@ -103,9 +103,10 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
     uint8_t *dq = malloc((size_t)El * mat / 2), *ds = malloc((size_t)El * mat / 16);
     float *s2 = malloc((size_t)El * 3 * sizeof(float));
     int rc = 1;
-    if (!guq || !gus || !dq || !ds || !s2)
-        rc = set_err(err, errlen, "%s: layer %d: out of memory staging %d NVFP4 experts", m->dir,
-                     i, El);
+    if (!guq || !gus || !dq || !ds || !s2) {
+        set_err(err, errlen, "%s: layer %d: out of memory staging %d NVFP4 experts", m->dir, i, El);
+        rc = -1;
+    }
     static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
     char name[256];
     for (int e = 0; e < El && rc == 1; e++)
