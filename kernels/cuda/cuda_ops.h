@@ -71,7 +71,7 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen);
 /* The experts in NVFP4 (W4A16: codes decoded exactly to BF16 in the GEMMs, the tensor scale in
  * their epilogues): copies the host arrays, in the layout of moe_experts' MOE_W_NVFP4 fields, to
  * the device and sets those fields (w->gate / up / down stay as they are). D and F multiples of
- * 64. 0, or -1 with err. Not yet used by the model loader (tests/test_cuda_moe.c runs it). */
+ * 64. 0, or -1 with err. The Qwen3-MoE loader takes it with MOESERVE_W4A16=1 (opt-in). */
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
                                const uint8_t *gate_up_sf, const uint8_t *down_q,
                                const uint8_t *down_sf, const float *s2, int D, int F, char *err,
