@@ -83,10 +83,10 @@
 //   GEMM adds its two small kernels), batch 8 +9%, 64 +2%, 256 -3%, prefill unchanged. Tried:
 //   the heuristic at 64 tokens (batch 1 4.80 ms, prefill -4%), a forced 64 x 256 tile (9.39 ms),
 //   split-K in place with a fixed split (cuBLASLt cannot run it at prefill shapes). Against it,
-//   cuda_linear_bi (same run): batch 1 3.71 ms, 8 -11%, 64 +1%, 256 +3%, prefill 9% slower
-//   (our tiles' mma.sync against cuBLASLt's kernels); serving at concurrency 1 / 64 / 256: -9% /
-//   -8% / -12% output tokens/s against the mode off, where the pinned algorithm gave -36% / -2%
-//   / -2% (docs/benchmarks.md).
+//   cuda_linear_bi (two runs of the same command, one build): batch 1 3.71 ms, 8 -11%, 64 +1%,
+//   256 +3%, prefill 9% slower (our tiles' mma.sync against cuBLASLt's kernels); serving at
+//   concurrency 1 / 64 / 256: -8% / -8% / -13% output tokens/s against the mode off, where the
+//   pinned algorithm gave -36% / -2% / -2% (docs/benchmarks.md).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

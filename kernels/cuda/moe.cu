@@ -1407,45 +1407,41 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     launch_gemm<C2, false, true, false, WQ>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
 }
 
+// The path and tile shapes by size and precision, the weights BF16 or (WQ) NVFP4.
+template <bool WQ>
+static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids,
+                             const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
+                             int F) {
+    const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    if ((int64_t)T * K <= MOE_TINY_PAIRS) {
+        if (medium)
+            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, WQ>(out, x, topk_ids, w, T, K, D, F,
+                                                            n_rows);
+        else
+            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high, WQ>(out, x, topk_ids, w, T, K,
+                                                                      D, F, n_rows);
+    } else if (medium) {
+        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill, WQ>(
+            out, x, topk_ids, w, T, K, D, F, n_rows);
+    } else {
+        moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
+                     moe_cfg_prefill_high, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+    }
+}
+
 // moe_experts and moe_experts_n (n_rows: NULL, or the device count of rows to take, <= T).
 static void moe_experts_any(float *out, const float *x, const int32_t *topk_ids,
                             const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                             int F) {
     if (T <= 0 || K <= 0) return;
     MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
-    const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if (w->wformat == MOE_W_NVFP4) {
         MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf && w->s2);
         MS_ASSERT(D % 64 == 0 && F % 64 == 0);
-        if ((int64_t)T * K <= MOE_TINY_PAIRS) {
-            if (medium)
-                moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, true>(out, x, topk_ids, w, T, K, D,
-                                                                  F, n_rows);
-            else
-                moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high, true>(out, x, topk_ids, w,
-                                                                            T, K, D, F, n_rows);
-        } else if (medium) {
-            moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill, true>(
-                out, x, topk_ids, w, T, K, D, F, n_rows);
-        } else {
-            moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
-                         moe_cfg_prefill_high, true>(out, x, topk_ids, w, T, K, D, F, n_rows);
-        }
-        return;
-    }
-    MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
-    if ((int64_t)T * K <= MOE_TINY_PAIRS) {
-        if (medium)
-            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode>(out, x, topk_ids, w, T, K, D, F, n_rows);
-        else
-            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high>(out, x, topk_ids, w, T, K, D, F,
-                                                                  n_rows);
-    } else if (medium) {
-        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill>(
-            out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_experts_path<true>(out, x, topk_ids, n_rows, w, T, K, D, F);
     } else {
-        moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
-                     moe_cfg_prefill_high>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
+        moe_experts_path<false>(out, x, topk_ids, n_rows, w, T, K, D, F);
     }
 }
 
@@ -1494,7 +1490,7 @@ static int bi_split_len(int N, int Kd) {
 // out[i] = part[0][i] + part[1][i] + ... + part[S-1][i], in that order; n4 = elements / 4.
 // Launched with PDL: resident while the GEMM's blocks run, it waits for their sums. (Letting the
 // kernel after it start at once as well, pdl_trigger here, made a deterministic batch-1 decode
-// step slower on the H200: 4.01 ms against 3.71.)
+// step slower on the H200: 4.01 ms, against 3.71 without it in the run before.)
 __global__ void bi_reduce_kernel(float *out, const float *part, int64_t n4, int S,
                                  int64_t stride) {
     pdl_wait();
