@@ -54,7 +54,9 @@ typedef struct moe_experts { /* the tag: C++ sees the member moe_experts below i
     /* MOE_W_NVFP4 (CUDA, cuda_prepare_experts_nvfp4): the backend copies hold NVFP4 codes, two a
      * byte (gate_up [E, 2F, D / 2], down_all [E, D, F / 2], wdtype U8), with their E4M3 group
      * scales (gate_up_sf [E, 2F, D / 16], down_sf [E, D, F / 16]) and tensor scales s2 [E, 3]
-     * (gate, up, down), all on the device; the host tensors hold the dequantized weights. */
+     * (gate, up, down), all on the device, as the checkpoint stores them up to an arrangement
+     * the GEMMs read faster (moe.cu's nvfp4_pack_kernel: codes reordered within each 64 values of
+     * a row, scales re-encoded, s2 times 2^7); the host tensors hold the dequantized weights. */
     int wformat;        /* MOE_W_PLAIN (0) or MOE_W_NVFP4 */
     void *gate_up_sf;
     void *down_sf;

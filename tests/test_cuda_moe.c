@@ -65,6 +65,7 @@
  *   test_cuda_moe --timing-deepseek [MAX_T]  the same for the DeepSeek-V3-like shape
  *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
  *   test_cuda_moe --nvfp4                    only the NVFP4 comparisons, and their timings
+ *   test_cuda_moe --nvfp4-timing T           the Qwen3 NVFP4 timing at T tokens alone
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -1075,6 +1076,14 @@ int main(int argc, char **argv) {
         test_nvfp4(true);
         print_timings();
         print_worst();
+        CHECK_SUMMARY();
+    }
+    if (argc > 2 && strcmp(argv[1], "--nvfp4-timing") == 0) { /* one size, for a profiler */
+        model m;
+        if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0)
+            time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
+        model_free(&m);
+        print_timings();
         CHECK_SUMMARY();
     }
     if (decode_only) {

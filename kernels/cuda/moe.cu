@@ -40,11 +40,27 @@
 //
 // NVFP4 experts (W4A16, cuda_prepare_experts_nvfp4: E2M1 codes two a byte, an E4M3 scale per 16,
 // a tensor scale per weight): every path and tile shape above with WQ, where a stage carries the
-// codes and scales (9/32 of the BF16 bytes) and is decoded in shared memory into the BF16 tile
-// the products read, e2m1(q) e4m3(sf) exactly; the tensor scale multiplies the sums in the
-// epilogue. The same k16 order, so a token's rows are the same bits at any batch here too.
-// (Built and compiled: no BF16 kernel's registers moved, three WQ instances spill 8 to 40 bytes;
-// tests/test_cuda_moe.c --nvfp4 checks and times it, not yet run on a GPU.)
+// codes and scales (9/32 of the BF16 bytes) and each lane decodes its own B fragments from them
+// in registers (wq_frag: a shift and two masks put a nibble's sign and magnitude into BF16 bits,
+// one bf16x2 product applies the group scale, exactly), rearranged once at load so that a lane's
+// codes are one word (nvfp4_pack_kernel). The tensor scale multiplies the sums in the epilogue.
+// The same k16 order, so a token's rows are the same bits at any batch here too.
+// H200, Qwen3-30B-A3B experts, tests/test_cuda_moe --nvfp4 (medium / high; weight bytes of the
+// experts touched over time against the 1 GiB copy rate):
+//   T = 1    23.5 / 29.2 us (21% / 17%)   BF16: 26.8 / 29.5 us
+//   T = 64  189.1 / 252.1 us (42% / 31%)  BF16: 290.8 / 292.4 us
+//   T = 1024 414.6 / 716.3 us              BF16: 406 / 622 us
+// The decode is the bound now, not the bytes: about 4.5 instructions a weight, and at T = 1 the
+// 768 warps of GEMM 1 (16 rows each, the k16 order forbids splitting k) leave 6 warps an SM.
+// Steps that got there, each measured (T = 1 / T = 64, medium):
+//   - the stage decoded into a BF16 tile in shared memory through float tables, behind a second
+//     barrier per k tile: 51.1 / 382 us (the first version)
+//   - each lane decodes its own fragments from the codes (the layout above): 34.9 / 366 us
+//   - the loads' addresses computed once, not per k tile (they were as many instructions as the
+//     decode), and a lane's code words and scales loaded once per 64 k: 27.2 / 231 us
+//   - the m16 tile known busy at compile time (one straight run of code per k tile), products
+//     not volatile: 23.3 / 189 us
+//   - more stages (up to 16, every k tile of a block in flight): no better, fewer blocks an SM.
 //
 // The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
 // groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
@@ -281,6 +297,53 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen) {
     return 0;
 }
 
+// NVFP4 weights as the W4A16 kernels read them, rearranged in place once at load; a thread per
+// 64 k of a row (32 code bytes, 4 group scales).
+//  - Codes: lane t (of a quad) of the mma B fragment takes the row's k 16s + 2t + {0, 1} (b0)
+//    and 16s + 8 + 2t + {0, 1} (b1) at k16 step s, so its 16 values of the chunk become its own
+//    8 bytes [8t, 8t + 8): word w (steps 2w, 2w + 1) holds fragment register j = 2 (s - 2w) + b
+//    as the nibbles at bits 12 - 4j (even k) and 28 - 4j (odd k), where a shift and two masks
+//    put sign and magnitude in place for BF16 (wq_decode).
+//  - Group scales: E4M3 s becomes u8 c with (c << 4) + WQ_SF_BIAS the BF16 bits of s 2^119
+//    (exact: 3 mantissa bits; subnormal s made normal). A zero scale becomes c = 0 and its
+//    group's codes +0, so the products are 0 as e2m1(q) 0 is (up to the sign of a zero).
+// A negative or NaN scale sets *bad.
+#define WQ_SF_BIAS 0x7600u /* 236 << 7: c = 8 is 2^-9 2^119 */
+#define WQ_SF_EXP  119     /* the decoded weights carry 2^-126 2^119: the tensor scale 2^7 */
+
+__global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int *bad) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_chunks) return;
+    uint4 *qp = reinterpret_cast<uint4 *>(q + i * 32);
+    const uint4 v0 = qp[0], v1 = qp[1];
+    const uint32_t in[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    uint32_t *sp = reinterpret_cast<uint32_t *>(sf + i * 4);
+    const uint32_t sw = *sp;
+    uint32_t sc = 0;
+    bool zero[4];
+    for (int s = 0; s < 4; s++) {
+        const float f = fp8_e4m3_to_float((uint8_t)(sw >> (8 * s)));
+        zero[s] = f == 0.0f;
+        if (!(f >= 0.0f)) atomicExch(bad, 1);
+        if (f > 0.0f) {
+            const uint32_t bits = __float_as_uint(f * 0x1p119f) >> 16;
+            sc |= ((bits - WQ_SF_BIAS) >> 4) << (8 * s);
+        }
+    }
+    uint32_t out[8] = {};
+    for (int t = 0; t < 4; t++)
+        for (int w = 0; w < 2; w++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 2; l++) {
+                    const int s = 2 * w + j / 2, k = 16 * s + 8 * (j % 2) + 2 * t + l;
+                    const uint32_t nib = zero[s] ? 0u : (in[k / 8] >> (4 * (k % 8))) & 15u;
+                    out[2 * t + w] |= nib << (16 * l + 12 - 4 * j);
+                }
+    qp[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    qp[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    *sp = sc;
+}
+
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
                                const uint8_t *gate_up_sf, const uint8_t *down_q,
                                const uint8_t *down_sf, const float *s2, int D, int F, char *err,
@@ -292,17 +355,45 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
     const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
     const size_t sizes[5] = {(size_t)E * mat, (size_t)E * mat / 8, (size_t)E * mat / 2,
                              (size_t)E * mat / 16, (size_t)E * 3 * sizeof(float)};
-    const void *src[5] = {gate_up_q, gate_up_sf, down_q, down_sf, s2};
+    // the tensor scales times 2^7, what the decoded weights lack (WQ_SF_EXP)
+    float *s2k = (float *)malloc(sizes[4]);
+    if (!s2k) return set_err(err, errlen, "CUDA: out of host memory for %d tensor scales", 3 * E);
+    for (int i = 0; i < 3 * E; i++) {
+        s2k[i] = s2[i] * 0x1p7f;
+        if (!(fabsf(s2k[i]) < INFINITY)) {
+            free(s2k);
+            return set_err(err, errlen, "CUDA: NVFP4 expert %d: weight_scale_2 %g is out of range",
+                           i / 3, (double)s2[i]);
+        }
+    }
+    const void *src[5] = {gate_up_q, gate_up_sf, down_q, down_sf, s2k};
     void *dst[5] = {};
-    cudaError_t ce = cudaSuccess;
+    int *bad = NULL;
+    cudaError_t ce = cudaMalloc(&bad, sizeof(int));
+    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
     for (int i = 0; i < 5 && ce == cudaSuccess; i++) {
         ce = cudaMalloc(&dst[i], sizes[i]);
         if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
     }
-    if (ce != cudaSuccess) {
+    free(s2k);
+    int bad_h = 0;
+    for (int m = 0; m < 2 && ce == cudaSuccess; m++) { // gate_up, then down
+        const int64_t n_chunks = (int64_t)(m ? 1 : 2) * E * (int64_t)mat / 64;
+        nvfp4_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
+            (uint8_t *)dst[2 * m], (uint8_t *)dst[2 * m + 1], n_chunks, bad);
+        ce = cudaGetLastError();
+    }
+    if (ce == cudaSuccess) ce = cudaMemcpyAsync(&bad_h, bad, sizeof(int), cudaMemcpyDeviceToHost,
+                                                cuda_stream());
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
+    if (bad) cudaFree(bad);
+    if (ce != cudaSuccess || bad_h) {
         cudaGetLastError();
         for (int i = 0; i < 5; i++)
             if (dst[i]) cudaFree(dst[i]);
+        if (bad_h)
+            return set_err(err, errlen, "CUDA: NVFP4 experts of D=%d F=%d: a group scale "
+                                        "(weight_scale) is negative or NaN", D, F);
         return set_err(err, errlen, "CUDA: copying %d NVFP4 experts of D=%d F=%d: %s", E, D, F,
                        cudaGetErrorString(ce));
     }
@@ -660,6 +751,19 @@ template <int BK> __device__ __forceinline__ int swz(int r, int ch) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// WQ: fragment register j (0..3) of a packed code word (nvfp4_pack_kernel) as two BF16 values:
+// the E2M1 nibble s e1 e0 m at bits 12 - 4j (and 28 - 4j) becomes s at bit 15, e1 e0 m at bits
+// 8..6: BF16 bits whose value is e2m1 2^-126 (0.5 a subnormal), exactly.
+__device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
+    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
+    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
+    return d;
+}
+
 // One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
 // Block b of the 1-D grid is N-block b % n_col_blocks of tile b / n_col_blocks: the blocks that
 // run together share their A rows (and an expert's tiles follow each other), so A is read from
@@ -676,13 +780,20 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // up's, before SiLU x up). The weight bytes per stage are 9/32 of BF16's.
 template <class C, bool WQ> struct moe_b_layout {
     static constexpr int QROW = C::BK / 2, SROW = C::BK / 16; // bytes a B row per k tile
+    static constexpr int QC = C::BK / 32;                     // 16-byte code chunks a row
     static constexpr int QSTAGE = C::BN * (QROW + SROW);
-    // the B stages (WQ: then the decoded tile)
+    static constexpr size_t A_STAGE = (size_t)C::A_PARTS * C::BM * C::BK * 2;
+    // WQ: as many stages as the BF16 shape's shared memory holds, up to twice its count: a stage
+    // carries a third of the bytes or less, and at decode sizes the bytes in flight set the rate
+    static constexpr int STAGES =
+        WQ ? (int)(C::smem / (A_STAGE + QSTAGE) < 2 * C::STAGES ? C::smem / (A_STAGE + QSTAGE)
+                                                                  : 2 * C::STAGES)
+           : C::STAGES;
+    // the B stages
     static constexpr size_t bytes =
-        WQ ? (size_t)C::STAGES * QSTAGE + (size_t)C::BN * C::BK * 2
-           : (size_t)C::STAGES * C::BN * C::BK * 2;
+        WQ ? (size_t)STAGES * QSTAGE : (size_t)STAGES * C::BN * C::BK * 2;
     // the whole dynamic shared memory of the grouped kernels (the tiny GEMM 1 has its own)
-    static constexpr size_t smem = (size_t)C::STAGES * C::A_PARTS * C::BM * C::BK * 2 + bytes;
+    static constexpr size_t smem = (size_t)STAGES * A_STAGE + bytes;
 };
 
 __device__ __forceinline__ void cp_async4(uint32_t saddr, const void *g, int src_bytes) {
@@ -747,14 +858,10 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 // has completed.
 template <class C, bool GATE_UP, bool TINY, bool BI = false, bool WQ = false>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
-    constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES, MI = C::MI, NI = C::NI;
     typedef moe_b_layout<C, WQ> BL;
+    constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = BL::STAGES, MI = C::MI, NI = C::NI;
     static_assert(!WQ || !BI, "linear_bi's weights are BF16");
-    // WQ: decoded E2M1 codes [16], then E4M3 codes [256]; published by the main loop's barriers
-    __shared__ float s_lut[WQ ? 16 + 256 : 1];
-    if constexpr (WQ)
-        for (int i = threadIdx.x; i < 16 + 256; i += C::threads)
-            s_lut[i] = i < 16 ? fp4_e2m1_to_float((uint8_t)i) : fp8_e4m3_to_float((uint8_t)(i - 16));
+    static_assert(!WQ || BK % 64 == 0, "WQ: whole 64-k chunks of codes a k tile");
     static_assert(!BI || (!GATE_UP && !TINY), "BI is GEMM 2's form");
     constexpr bool A_FULL = (TINY && GATE_UP) || BI;
     if (GATE_UP) {
@@ -824,7 +931,6 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     const uint32_t sA = smem0;
     const uint32_t sB = A_FULL ? smem0 : sA + STAGES * AP * BM * BK * 2;
     const uint32_t sAf = smem0 + (uint32_t)BL::bytes;
-    const uint32_t sBF = sB + STAGES * BL::QSTAGE; // WQ: the decoded B tile
 
     // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
@@ -872,24 +978,51 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 }
         }
     };
+    // WQ: this thread's load slots, fixed for the whole loop: QI 16-byte code chunks (32 k) and
+    // SI 4-byte scale pieces (64 k) of a stage; source at the block's first k tile (NULL past
+    // the last column: zeros), offset in the stage, k within the tile. Kd % 64 == 0, so each is
+    // whole inside Kd or past it. With 4 chunks a row, rows r with r & 2 swap their halves:
+    // wq_frag's reads of eight rows then fall in distinct banks.
+    constexpr int QI = (BN * BL::QC + C::threads - 1) / C::threads;
+    constexpr int SI = (BN * (BK / 64) + C::threads - 1) / C::threads;
+    const uint8_t *wq_src[WQ ? QI : 1], *ws_src[WQ ? SI : 1];
+    int wq_off[WQ ? QI : 1], wq_k[WQ ? QI : 1], ws_off[WQ ? SI : 1], ws_k[WQ ? SI : 1];
+    if constexpr (WQ) {
+        constexpr int QC = BL::QC, SC = BK / 64;
+#pragma unroll
+        for (int it = 0; it < QI; it++) {
+            const int i = tid + it * C::threads, r = i / QC, c = i % QC;
+            const int wrow = i < BN * QC ? b_row(r) : -1;
+            wq_src[it] = wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / 2) + kt0 * BK / 2 + c * 16
+                                   : nullptr;
+            wq_off[it] = i < BN * QC ? r * BL::QROW + (QC == 4 ? c ^ (r & 2) : c) * 16 : -1;
+            wq_k[it] = c * 32;
+        }
+#pragma unroll
+        for (int it = 0; it < SI; it++) {
+            const int i = tid + it * C::threads, r = i / SC, c = i % SC;
+            const int wrow = i < BN * SC ? b_row(r) : -1;
+            ws_src[it] = wrow >= 0 ? wsf_e + (int64_t)wrow * (a.Kd / 16) + kt0 * BK / 16 + c * 4
+                                   : nullptr;
+            ws_off[it] = i < BN * SC ? BN * BL::QROW + r * BL::SROW + c * 4 : -1;
+            ws_k[it] = c * 64;
+        }
+    }
     auto load_b = [&](int slot, int kt) {
         if constexpr (WQ) {
-            // codes: 16-byte chunks of 32 k; scales: 4-byte pieces of 64 k (Kd % 64 == 0, so
-            // each is whole inside Kd or past it)
             const int kb = (kt0 + kt) * BK;
-            const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
-            constexpr int QC = BK / 32, SC = BK / 64;
-            for (int i = tid; i < BN * QC; i += C::threads) {
-                const int r = i / QC, c = i % QC, wrow = b_row(r), k = kb + c * 32;
-                const bool ok = wrow >= 0 && k < a.Kd;
-                cp_async16(q0 + r * BL::QROW + c * 16,
-                           ok ? wq_e + (int64_t)wrow * (a.Kd / 2) + k / 2 : a.wq, ok ? 16 : 0);
+            const uint32_t q0 = sB + slot * BL::QSTAGE;
+#pragma unroll
+            for (int it = 0; it < QI; it++) {
+                if (wq_off[it] < 0) continue;
+                const bool ok = wq_src[it] && kb + wq_k[it] < a.Kd;
+                cp_async16(q0 + wq_off[it], ok ? wq_src[it] + kt * (BK / 2) : a.wq, ok ? 16 : 0);
             }
-            for (int i = tid; i < BN * SC; i += C::threads) {
-                const int r = i / SC, c = i % SC, wrow = b_row(r), k = kb + c * 64;
-                const bool ok = wrow >= 0 && k < a.Kd;
-                cp_async4(s0 + r * BL::SROW + c * 4,
-                          ok ? wsf_e + (int64_t)wrow * (a.Kd / 16) + k / 16 : a.wsf, ok ? 4 : 0);
+#pragma unroll
+            for (int it = 0; it < SI; it++) {
+                if (ws_off[it] < 0) continue;
+                const bool ok = ws_src[it] && kb + ws_k[it] < a.Kd;
+                cp_async4(q0 + ws_off[it], ok ? ws_src[it] + kt * (BK / 16) : a.wsf, ok ? 4 : 0);
             }
             return;
         }
@@ -987,9 +1120,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // mbc: std::integral_constant with the busy m16 row tiles (BUSY_STATIC), else -1 (mi_busy)
     auto main_loop = [&](auto mbc) {
         constexpr int MB_STATIC = decltype(mbc)::value;
-        const int mb = MB_STATIC >= 0 ? MB_STATIC : mi_busy;
+        // WQ with one m16 tile a warp: every block has a row, so the tile is busy; known at
+        // compile time, the k16 steps are one straight run of code for the scheduler
+        constexpr bool ONE_M = WQ && MI == 1 && C::WARPS_M == 1;
+        const int mb = MB_STATIC >= 0 ? MB_STATIC : ONE_M ? 1 : mi_busy;
         // in high the tiles of 128 rows spilled with volatile products already: kept as timed
-        constexpr bool NV = C::BUSY_STATIC && !C::SPLIT;
+        // (WQ's products are not volatile in either precision: no spill, the same times)
+        constexpr bool NV = (C::BUSY_STATIC && !C::SPLIT) || WQ;
         for (int kt = 0; kt < nk; kt++) {
             cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
             __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
@@ -1002,35 +1139,33 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 
             const int slot = kt % STAGES;
             const uint32_t a_base = sA + slot * AP * BM * BK * 2;
-            const uint32_t b_base = WQ ? sBF : sB + slot * BN * BK * 2;
-            if constexpr (WQ) {
-                // decode stage `slot` into the BF16 tile: 16-byte chunks of 8 k (the even k in
-                // a byte's low nibble), one group scale per two chunks. The barrier above freed
-                // the tile (every warp is past the last step's products).
-                const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
-                constexpr int CH = BK / 8;
-                for (int i = tid; i < BN * CH; i += C::threads) {
-                    const int r = i / CH, ch = i % CH;
-                    uint32_t q;
-                    unsigned short sfc;
+            const uint32_t b_base = sB + slot * BN * BK * 2; // (not WQ)
+            (void)b_base;
+            // WQ: the B fragment of n8 tile ni at k16 step kk, decoded from stage `slot`
+            // (nvfp4_pack_kernel's layout). At each 64-k chunk (kk % 4 == 0, called in order of
+            // kk) the lane loads its 8 code bytes and its row's 4 group scales of the chunk.
+            uint32_t wq_q[WQ ? NI : 1][2], wq_s[WQ ? NI : 1];
+            auto wq_frag = [&](uint32_t(&b)[2], int ni, int kk) {
+                if ((kk & 3) == 0) {
+                    const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
+                    const int r = wn * C::WN + ni * 8 + (lane >> 2), t = lane & 3;
+                    const int ch = (kk >> 2) * 2 + (t >> 1);
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                                 : "=r"(wq_q[ni][0]), "=r"(wq_q[ni][1])
+                                 : "r"(q0 + r * BL::QROW + (BL::QC == 4 ? ch ^ (r & 2) : ch) * 16 +
+                                       (t & 1) * 8));
                     asm volatile("ld.shared.u32 %0, [%1];\n"
-                                 : "=r"(q)
-                                 : "r"(q0 + r * BL::QROW + ch * 4));
-                    asm volatile("ld.shared.u8 %0, [%1];\n"
-                                 : "=h"(sfc)
-                                 : "r"(s0 + r * BL::SROW + ch / 2));
-                    const float sf = s_lut[16 + (sfc & 255)];
-                    uint32_t v[4];
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        v[j] = pack_bf16x2(s_lut[(q >> (8 * j)) & 15] * sf,
-                                           s_lut[(q >> (8 * j + 4)) & 15] * sf);
-                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                                     sBF + swz<BK>(r, ch) * 2),
-                                 "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+                                 : "=r"(wq_s[ni])
+                                 : "r"(s0 + r * BL::SROW + (kk >> 2) * 4));
                 }
-                __syncthreads();
-            }
+                const uint32_t q = wq_q[ni][(kk >> 1) & 1];
+                // group kk's scale byte c in both halves, then (c << 4) + WQ_SF_BIAS in each
+                const uint32_t sf2 = __byte_perm(wq_s[ni], 0, 0x4040 + (kk & 3) * 0x0101) * 16u +
+                                     (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+                const int j = (kk & 1) * 2;
+                b[0] = bf16x2_mul(wq_decode(q, j), sf2);
+                b[1] = bf16x2_mul(wq_decode(q, j + 1), sf2);
+            };
             (void)a_base; // unused where x's rows sit in shared memory whole (A_FULL)
             // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
             auto a_addr = [&](int part, int r, int ch) -> uint32_t {
@@ -1057,15 +1192,21 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                             if (mi < mb)
                                 ldmatrix_x4(fa[part][mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                         }
+                    if constexpr (WQ) {
 #pragma unroll
-                    for (int p = 0; p < NI / 2; p++) {
-                        const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
-                        uint32_t t[4];
-                        ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
-                        fb[2 * p][0] = t[0];
-                        fb[2 * p][1] = t[1];
-                        fb[2 * p + 1][0] = t[2];
-                        fb[2 * p + 1][1] = t[3];
+                        for (int ni = 0; ni < NI; ni++)
+                            wq_frag(fb[ni], ni, kk);
+                    } else {
+#pragma unroll
+                        for (int p = 0; p < NI / 2; p++) {
+                            const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
+                            uint32_t t[4];
+                            ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
+                            fb[2 * p][0] = t[0];
+                            fb[2 * p][1] = t[1];
+                            fb[2 * p + 1][0] = t[2];
+                            fb[2 * p + 1][1] = t[3];
+                        }
                     }
                 };
                 // the loop below's sums: acc = hi w + acc, then acc += lo w (from zero)
@@ -1104,7 +1245,11 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                             const int r = wm * C::WM + mi * 16 + (lane & 15);
                             if (mi < mb) ldmatrix_x4(af[mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                         }
-                        if (part == 0)
+                        if (part == 0 && WQ)
+#pragma unroll
+                            for (int ni = 0; ni < NI; ni++)
+                                wq_frag(bfr[ni], ni, kk);
+                        else if (part == 0)
 #pragma unroll
                             for (int p = 0; p < NI / 2; p++) {
                                 const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
