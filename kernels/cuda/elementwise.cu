@@ -1154,17 +1154,24 @@ __global__ void moe_input_fp8_kernel(float *y, const float *x, int D) {
     }
 }
 
-// NVFP4: the token's scale s2 from its amax (a block reduction), then a thread per group of
-// QUANT_FP4_GROUP channels. D % QUANT_FP4_GROUP == 0.
+// NVFP4: the token's scale s2 from its amax (a block reduction), then four lanes per group of
+// QUANT_FP4_GROUP channels, a float4 each (the group's amax over the four by shuffles): the same
+// per-value arithmetic as kernels/cpu/quant.c. D % QUANT_FP4_GROUP == 0; blockDim a multiple of
+// 32. Launched with PDL: it waits for x's writer, and the experts' GEMM 1 may start behind it.
 __global__ void moe_input_nvfp4_kernel(float *y, const float *x, int D) {
     __shared__ float wmax[32];
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float *xr = x + t * D;
-    float *yr = y + t * D;
+    const float4 *xr = reinterpret_cast<const float4 *>(x + t * D);
+    float4 *yr = reinterpret_cast<float4 *>(y + t * D);
+    const int n4 = D / 4;
     float a = 0.0f;
-    for (int c = threadIdx.x; c < D; c += blockDim.x)
-        a = amax_one(a, xr[c]);
+    for (int c = threadIdx.x; c < n4; c += blockDim.x) {
+        const float4 v = xr[c];
+        a = amax_one(amax_one(amax_one(amax_one(a, v.x), v.y), v.z), v.w);
+    }
     a = warp_amax(a);
     if (lane == 0) wmax[warp] = a;
     __syncthreads();
@@ -1172,22 +1179,24 @@ __global__ void moe_input_nvfp4_kernel(float *y, const float *x, int D) {
     a = warp_amax(a);
     const float s2 = a > 0.0f ? __fdiv_rn(a, FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
     const float s6 = __fmul_rn(FP4_E2M1_MAX, s2);
-    for (int g = threadIdx.x; g < D / QUANT_FP4_GROUP; g += blockDim.x) {
-        const float *xg = xr + g * QUANT_FP4_GROUP;
-        float v[QUANT_FP4_GROUP], m = 0.0f;
+    for (int c0 = 0; c0 < n4; c0 += blockDim.x) { // every lane of a warp in each round
+        const int c = c0 + threadIdx.x;
+        const bool in = c < n4;
+        const float4 q4 = in ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        float v[4] = {q4.x, q4.y, q4.z, q4.w}, m = 0.0f;
 #pragma unroll
-        for (int i = 0; i < QUANT_FP4_GROUP; i++) {
-            v[i] = xg[i];
+        for (int i = 0; i < 4; i++)
             m = amax_one(m, v[i]);
-        }
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
         const uint8_t code = fp8_e4m3_from_float(__fdiv_rn(m, s6));
         const float sf = fp8_e4m3_to_float(code), scale = __fmul_rn(sf, s2);
-        float *yg = yr + g * QUANT_FP4_GROUP;
 #pragma unroll
-        for (int i = 0; i < QUANT_FP4_GROUP; i++) {
+        for (int i = 0; i < 4; i++) {
             const uint8_t q = scale > 0.0f ? fp4_e2m1_from_float(__fdiv_rn(v[i], scale)) : 0;
-            yg[i] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
+            v[i] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
         }
+        if (in) yr[c] = make_float4(v[0], v[1], v[2], v[3]);
     }
 }
 
@@ -1205,7 +1214,8 @@ void cuda_moe_input_quant(float *y, const float *x, int T, int D, int payload) {
     case A2A_PAYLOAD_NVFP4:
         if (D % QUANT_FP4_GROUP != 0)
             cuda_fail(__FILE__, __LINE__, "moe_input_quant", "nvfp4 needs D % 16 == 0");
-        moe_input_nvfp4_kernel<<<T, 256, 0, cuda_stream()>>>(y, x, D);
+        cuda_launch_pdl(moe_input_nvfp4_kernel, T, D / 4 < 1024 ? (D / 4 + 31) / 32 * 32 : 1024, 0, y,
+                        x, D);
         break;
     default:
         cuda_fail(__FILE__, __LINE__, "moe_input_quant",
