@@ -68,8 +68,10 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
                     q, dir, m->cfg.quant == MODEL_QUANT_FP8 ? "block FP8" : "NVFP4");
             goto fail;
         }
-        if (m->dummy) {
-            set_err(err, errlen, "--quantization %s with --load-format dummy is not supported yet",
+        if (m->dummy && (want != MODEL_QUANT_NVFP4 || !ops->prepare_experts_nvfp4)) {
+            set_err(err, errlen,
+                    "--quantization %s with --load-format dummy: only nvfp4 on a GPU (routed "
+                    "experts in NVFP4, the rest BF16) is supported",
                     q);
             goto fail;
         }

@@ -2,6 +2,7 @@
  * prefill throughput, on one device, with a real checkpoint or dummy weights.
  *
  *   build/bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]
+ *                    [--quantization nvfp4]   (dummy: routed experts in NVFP4, W4A16)
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
  *
@@ -226,7 +227,7 @@ static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t k
 }
 
 int main(int argc, char **argv) {
-    const char *model_path = NULL, *device = "cuda", *load_format = "auto";
+    const char *model_path = NULL, *device = "cuda", *load_format = "auto", *quant = NULL;
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
     int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
     const char *skip = NULL;
@@ -238,7 +239,7 @@ int main(int argc, char **argv) {
                  "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
                  "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
-                 "       [--deterministic 0|1]");
+                 "       [--deterministic 0|1] [--quantization nvfp4|fp8]");
             return 0;
         }
         if (!v) {
@@ -249,6 +250,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--model-path")) model_path = v;
         else if (!strcmp(a, "--device")) device = v;
         else if (!strcmp(a, "--load-format")) load_format = v;
+        else if (!strcmp(a, "--quantization")) quant = v;
         else if (!strcmp(a, "--batches")) n_batches = parse_list(v, batches, 16);
         else if (!strcmp(a, "--prefill-prompts")) n_pre = parse_list(v, pre, 16);
         else if (!strcmp(a, "--context")) context = atoi(v);
@@ -283,7 +285,8 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    model_load_opts lo = {.ep_rank = 0, .ep_size = 1, .dummy = !strcmp(load_format, "dummy")};
+    model_load_opts lo = {.ep_rank = 0, .ep_size = 1, .dummy = !strcmp(load_format, "dummy"),
+                          .quantization = quant};
     double t0 = now();
     model *m = model_load_with(model_path, o, &lo, err, sizeof err);
     if (!m) {
@@ -292,8 +295,9 @@ int main(int argc, char **argv) {
     }
     o->sync();
     const model_config *c = &m->cfg;
-    printf("model %s (%s weights) on %s, matmul precision %s, loaded in %.1f s\n", model_path,
-           lo.dummy ? "dummy" : "checkpoint", o->name,
+    printf("model %s (%s weights%s%s) on %s, matmul precision %s, loaded in %.1f s\n",
+           model_path, lo.dummy ? "dummy" : "checkpoint", quant ? ", " : "", quant ? quant : "",
+           o->name,
            ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH ? "high" : "medium", now() - t0);
     double bw = copy_bandwidth(o);
     if (bw > 0) printf("device copy bandwidth: %.0f GB/s (read + write)\n", bw);

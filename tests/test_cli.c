@@ -309,6 +309,12 @@ static void test_dummy(void) {
     cJSON_Delete(jb);
     run_free(&a);
     run_free(&b);
+    /* quantized dummy experts exist on the GPU only: on the CPU a clear refusal */
+    run_result q = run(BIN " generate --model-path tests/data/tiny-qwen3-moe --load-format dummy "
+                           "--quantization nvfp4 --device cpu --input-ids 1,2 --max-new-tokens 1");
+    CHECK(q.status != 0 && strstr(q.err, "--quantization nvfp4 with --load-format dummy"),
+          "dummy + --quantization on the CPU refused (exit %d): %s", q.status, q.err);
+    run_free(&q);
 }
 
 static void test_generate_features(void) {

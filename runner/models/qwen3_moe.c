@@ -85,15 +85,16 @@ static int weight1(model *m, const char *name, int64_t d0, const tensor **out, c
     return model_weight(m, name, 1, &d0, out, err, errlen);
 }
 
-/* With MOESERVE_W4A16=1, a backend that takes NVFP4 experts (CUDA) and a checkpoint whose routed
- * experts of layer i are all stored in NVFP4: this rank's experts go to the backend as their codes
- * and scales, which its GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0
- * when not taken (the caller prepares the dequantized weights as before), -1 with err. Opt-in
- * until the kernel has been measured on the GPU (docs/benchmarks.md, issue 8). */
+/* A backend that takes NVFP4 experts (CUDA) and a checkpoint whose routed experts of layer i are
+ * all stored in NVFP4: this rank's experts go to the backend as their codes and scales, which its
+ * GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0 when not taken (the
+ * caller prepares the dequantized weights as before), -1 with err. MOESERVE_W4A16=0 turns it off
+ * (the experts then run in BF16 from the dequantized weights: more bytes, and each weight rounded
+ * to BF16 once more; docs/benchmarks.md, issue 8). */
 static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *err,
                                    size_t errlen) {
     const char *v = getenv("MOESERVE_W4A16");
-    if (!v || strcmp(v, "1") != 0 || !m->ops->prepare_experts_nvfp4) return 0;
+    if ((v && strcmp(v, "0") == 0) || !m->ops->prepare_experts_nvfp4) return 0;
     const model_config *c = &m->cfg;
     const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
     const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
@@ -138,6 +139,55 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
 /* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
  * makes it. A backend with its own memory gets its stacked copies (moe_experts) filled in place,
  * with the same values the per-expert tensors would hold, so no expert exists twice. */
+/* --load-format dummy --quantization nvfp4 on a backend that takes NVFP4 experts: layer i's
+ * experts as random codes (every nibble equally likely), E4M3 group scales from 0.5 to 1.875 and
+ * tensor scales that give the weights an RMS of about 1 / sqrt(in_features), as model_dummy_fill's
+ * BF16 ones have; each expert from its own seed, so a rank holds the experts one process would. */
+static int qwen3_moe_dummy_nvfp4(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
+    const model_config *c = &m->cfg;
+    const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
+    const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
+    const size_t q1 = (size_t)F * D / 2, s1 = (size_t)F * D / 16; /* one matrix's codes, scales */
+    uint8_t *guq = malloc((size_t)El * 2 * q1), *dq = malloc((size_t)El * q1);
+    uint8_t *gus = malloc((size_t)El * 2 * s1), *ds = malloc((size_t)El * s1);
+    float *s2 = malloc((size_t)El * 3 * sizeof(float));
+    int rc = 0;
+    if (!guq || !dq || !gus || !ds || !s2) {
+        set_err(err, errlen, "%s: layer %d: out of host memory for %d dummy NVFP4 experts", m->dir,
+                i, El);
+        rc = -1;
+    }
+    /* E[e2m1^2] over the 16 codes is 8.5625, E[sf^2] over E4M3 0x30..0x3F 1.34 */
+    const float rms = sqrtf(8.5625f * 1.34f);
+    for (int e = 0; e < El && rc == 0; e++) {
+        char name[96];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.nvfp4", i, E0 + e);
+        uint64_t x = model_dummy_seed(name) | 1;
+        uint8_t *parts[4] = {guq + (size_t)e * 2 * q1, dq + (size_t)e * q1,
+                             gus + (size_t)e * 2 * s1, ds + (size_t)e * s1};
+        const size_t sizes[4] = {2 * q1, q1, 2 * s1, s1};
+        for (int p = 0; p < 4; p++)
+            for (size_t k = 0; k < sizes[p]; k += 8) { /* xorshift64* words */
+                x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+                uint64_t r = x * 2685821657736338717ull;
+                if (p >= 2) /* scales: E4M3 0x30..0x3F, 0.5 to 1.875 */
+                    r = (r & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
+                memcpy(parts[p] + k, &r, sizes[p] - k < 8 ? sizes[p] - k : 8);
+            }
+        s2[3 * e] = s2[3 * e + 1] = 1.0f / (rms * sqrtf((float)D));
+        s2[3 * e + 2] = 1.0f / (rms * sqrtf((float)F));
+    }
+    if (rc == 0 && m->ops->prepare_experts_nvfp4(&l->experts, guq, gus, dq, ds, s2, (int)D, (int)F,
+                                                 err, errlen))
+        rc = -1;
+    free(guq);
+    free(dq);
+    free(gus);
+    free(ds);
+    free(s2);
+    return rc;
+}
+
 static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *err,
                                    size_t errlen) {
     const model_config *c = &m->cfg;
@@ -159,6 +209,13 @@ static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *er
                 dst[p][e] = *t;
             }
         return 0;
+    }
+    if (m->online_quant == MODEL_QUANT_NVFP4 && m->ops->prepare_experts_nvfp4) {
+        for (int e = 0; e < El; e++) /* views: shapes only, the backend reads its own copies */
+            for (int p = 0; p < 3; p++)
+                dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
+                                     .shape = {p == 2 ? D : F, p == 2 ? F : D}};
+        return qwen3_moe_dummy_nvfp4(m, i, l, err, errlen);
     }
     size_t half = (size_t)F * D; /* elements of one gate, up or down matrix */
     uint16_t *gate_up = m->ops->dev_alloc((size_t)El * 2 * half * sizeof(uint16_t));
