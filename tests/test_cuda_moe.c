@@ -1047,6 +1047,17 @@ static void test_nvfp4(bool full) {
                   strstr(err, "multiples of 64") && !w.gate_up,
               "NVFP4 experts with D = 96 refused (%s)", err);
     }
+    { /* a negative group scale is refused (the kernels' scale encoding has no sign) */
+        moe_experts w = {.E = 1};
+        char err[256] = "";
+        static uint8_t q[64 * 64 * 2], sf[64 * 64 * 2 / 16];
+        memset(sf, 0x38, sizeof sf); /* 1.0 */
+        sf[5] = 0xB8;                /* -1.0 */
+        float s2[3] = {1, 1, 1};
+        CHECK(cuda_prepare_experts_nvfp4(&w, q, sf, q, sf, s2, 64, 64, err, sizeof err) != 0 &&
+                  strstr(err, "negative or NaN") && !w.gate_up,
+              "NVFP4 experts with a negative group scale refused (%s)", err);
+    }
     if (!full) return;
     if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
         const int Ts[] = {1, 2, 3, 8, 64, 1024};

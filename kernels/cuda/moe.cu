@@ -326,7 +326,7 @@ __global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int
         zero[s] = f == 0.0f;
         if (!(f >= 0.0f)) atomicExch(bad, 1);
         if (f > 0.0f) {
-            const uint32_t bits = __float_as_uint(f * 0x1p119f) >> 16;
+            const uint32_t bits = __float_as_uint(ldexpf(f, WQ_SF_EXP)) >> 16;
             sc |= ((bits - WQ_SF_BIAS) >> 4) << (8 * s);
         }
     }
@@ -355,11 +355,11 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
     const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
     const size_t sizes[5] = {(size_t)E * mat, (size_t)E * mat / 8, (size_t)E * mat / 2,
                              (size_t)E * mat / 16, (size_t)E * 3 * sizeof(float)};
-    // the tensor scales times 2^7, what the decoded weights lack (WQ_SF_EXP)
+    // the tensor scales times 2^(126 - WQ_SF_EXP), what the decoded weights lack
     float *s2k = (float *)malloc(sizes[4]);
     if (!s2k) return set_err(err, errlen, "CUDA: out of host memory for %d tensor scales", 3 * E);
     for (int i = 0; i < 3 * E; i++) {
-        s2k[i] = s2[i] * 0x1p7f;
+        s2k[i] = ldexpf(s2[i], 126 - WQ_SF_EXP);
         if (!(fabsf(s2k[i]) < INFINITY)) {
             free(s2k);
             return set_err(err, errlen, "CUDA: NVFP4 expert %d: weight_scale_2 %g is out of range",
