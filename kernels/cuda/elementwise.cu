@@ -1125,8 +1125,11 @@ __device__ __forceinline__ float warp_amax(float m) {
     return m;
 }
 
-// FP8: a warp per group of QUANT_FP8_GROUP channels (the last one may be shorter).
+// FP8: a warp per group of QUANT_FP8_GROUP channels (the last one may be shorter). Launched with
+// PDL, as the NVFP4 kernel below.
 __global__ void moe_input_fp8_kernel(float *y, const float *x, int D) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float *xr = x + t * D;
@@ -1209,7 +1212,7 @@ void cuda_moe_input_quant(float *y, const float *x, int T, int D, int payload) {
                                        cudaMemcpyDeviceToDevice, cuda_stream()));
         return;
     case A2A_PAYLOAD_FP8:
-        moe_input_fp8_kernel<<<T, 256, 0, cuda_stream()>>>(y, x, D);
+        cuda_launch_pdl(moe_input_fp8_kernel, T, 256, 0, y, x, D);
         break;
     case A2A_PAYLOAD_NVFP4:
         if (D % QUANT_FP4_GROUP != 0)
