@@ -4,7 +4,9 @@
 # build/ — or the binaries below and build/gpu-libs — and run this script there).
 #   1. every CUDA op test (build/tests/test_cuda_*): CUDA against the CPU reference
 #   2. the whole model: teacher-forced logprobs of `moeserve generate --device cuda` against
-#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared
+#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared; the NVFP4
+#      checkpoint through the W4A16 experts (mean |difference| at most 2e-3, every greedy token
+#      equal: its worst position moves by the experts' NVFP4 input rounding, a few 1e-2)
 #   3. the server over HTTP with --device cuda
 #   4. tests/test_determinism.py with --device cuda (--enable-deterministic-inference, exact)
 # Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
@@ -68,6 +70,23 @@ print(f"prompt logprobs: worst |cuda - cpu| = {worst_in:.3g} over {n_in}; greedy
 sys.exit(0 if max(worst_in, worst_out) < 2e-2 else 1)
 PY
 done
+
+# 2b. the NVFP4 checkpoint: W4A16 experts on the GPU against the CPU's dequantized weights
+nv=tests/data/tiny-qwen3-moe-nvfp4
+for dev in cpu cuda; do
+    timeout 120 "$bin" generate --model-path "$nv" --device "$dev" --input-ids "$ids" \
+        --max-new-tokens 32 --temperature 0 --return-logprob --logprob-start-len 0 \
+        > "$out/generate-nvfp4-$dev.json" 2> "$out/generate-nvfp4-$dev.log" || bad "generate nvfp4 $dev"
+done
+python3 - "$out/generate-nvfp4-cpu.json" "$out/generate-nvfp4-cuda.json" <<'PY' && ok "NVFP4 (W4A16) whole model: mean logprob difference within 2e-3 of the CPU, greedy tokens equal" || bad "NVFP4 (W4A16) whole model against CPU"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+lp = lambda j: [x[0] for x in j["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in j["meta_info"]["output_token_logprobs"]]
+d = [abs(x - y) for x, y in zip(lp(a), lp(b))]
+same = a["output_ids"] == b["output_ids"]
+print(f"nvfp4: mean |cuda - cpu| = {sum(d) / len(d):.3g}, worst {max(d):.3g} over {len(d)}; greedy tokens equal: {same}")
+sys.exit(0 if same and sum(d) / len(d) < 2e-3 else 1)
+PY
 
 # 3. the server over HTTP
 port=39100
