@@ -1217,8 +1217,8 @@ void cuda_moe_input_quant(float *y, const float *x, int T, int D, int payload) {
     case A2A_PAYLOAD_NVFP4:
         if (D % QUANT_FP4_GROUP != 0)
             cuda_fail(__FILE__, __LINE__, "moe_input_quant", "nvfp4 needs D % 16 == 0");
-        cuda_launch_pdl(moe_input_nvfp4_kernel, T, D / 4 < 1024 ? (D / 4 + 31) / 32 * 32 : 1024, 0, y,
-                        x, D);
+        cuda_launch_pdl(moe_input_nvfp4_kernel, T, D / 4 < 1024 ? (D / 4 + 31) / 32 * 32 : 1024,
+                        0, y, x, D);
         break;
     default:
         cuda_fail(__FILE__, __LINE__, "moe_input_quant",

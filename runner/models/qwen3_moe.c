@@ -136,9 +136,6 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
     return rc;
 }
 
-/* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
- * makes it. A backend with its own memory gets its stacked copies (moe_experts) filled in place,
- * with the same values the per-expert tensors would hold, so no expert exists twice. */
 /* --load-format dummy --quantization nvfp4 on a backend that takes NVFP4 experts: layer i's
  * experts as random codes (every nibble equally likely), E4M3 group scales from 0.5 to 1.875 and
  * tensor scales that give the weights an RMS of about 1 / sqrt(in_features), as model_dummy_fill's
@@ -188,6 +185,9 @@ static int qwen3_moe_dummy_nvfp4(model *m, int i, qwen3_moe_layer *l, char *err,
     return rc;
 }
 
+/* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
+ * makes it. A backend with its own memory gets its stacked copies (moe_experts) filled in place,
+ * with the same values the per-expert tensors would hold, so no expert exists twice. */
 static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *err,
                                    size_t errlen) {
     const model_config *c = &m->cfg;
