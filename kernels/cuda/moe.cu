@@ -1176,6 +1176,26 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     return a_base + (part * BM * BK + swz<BK>(r, ch)) * 2;
                 }
             };
+            // the weight fragments fb[ni] of k16 step kk: decoded (WQ) or by ldmatrix, two n8
+            // tiles a load
+            auto load_b_frags = [&](uint32_t(&fb)[NI][2], int kk) {
+                if constexpr (WQ) {
+#pragma unroll
+                    for (int ni = 0; ni < NI; ni++)
+                        wq_frag(fb[ni], ni, kk);
+                } else {
+#pragma unroll
+                    for (int p = 0; p < NI / 2; p++) {
+                        const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
+                        uint32_t t[4];
+                        ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
+                        fb[2 * p][0] = t[0];
+                        fb[2 * p][1] = t[1];
+                        fb[2 * p + 1][0] = t[2];
+                        fb[2 * p + 1][1] = t[3];
+                    }
+                }
+            };
             if constexpr (C::PIPE_FRAGS) {
                 // High with few tiles per warp (decode): step kk + 1's fragments load while step
                 // kk's products run. In the loop below the adds after each step's products hold the
@@ -1192,22 +1212,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                             if (mi < mb)
                                 ldmatrix_x4(fa[part][mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                         }
-                    if constexpr (WQ) {
-#pragma unroll
-                        for (int ni = 0; ni < NI; ni++)
-                            wq_frag(fb[ni], ni, kk);
-                    } else {
-#pragma unroll
-                        for (int p = 0; p < NI / 2; p++) {
-                            const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
-                            uint32_t t[4];
-                            ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
-                            fb[2 * p][0] = t[0];
-                            fb[2 * p][1] = t[1];
-                            fb[2 * p + 1][0] = t[2];
-                            fb[2 * p + 1][1] = t[3];
-                        }
-                    }
+                    load_b_frags(fb, kk);
                 };
                 // the loop below's sums: acc = hi w + acc, then acc += lo w (from zero)
                 auto mma_step = [&](const uint32_t(&fa)[AP][MI][4], const uint32_t(&fb)[NI][2]) {
@@ -1245,21 +1250,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                             const int r = wm * C::WM + mi * 16 + (lane & 15);
                             if (mi < mb) ldmatrix_x4(af[mi], a_addr(part, r, kk * 2 + (lane >> 4)));
                         }
-                        if (part == 0 && WQ)
-#pragma unroll
-                            for (int ni = 0; ni < NI; ni++)
-                                wq_frag(bfr[ni], ni, kk);
-                        else if (part == 0)
-#pragma unroll
-                            for (int p = 0; p < NI / 2; p++) {
-                                const int r = wn * C::WN + p * 16 + (lane & 7) + ((lane >> 4) << 3);
-                                uint32_t t[4];
-                                ldmatrix_x4(t, b_base + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)) * 2);
-                                bfr[2 * p][0] = t[0];
-                                bfr[2 * p][1] = t[1];
-                                bfr[2 * p + 1][0] = t[2];
-                                bfr[2 * p + 1][1] = t[3];
-                            }
+                        if (part == 0) load_b_frags(bfr, kk);
 #pragma unroll
                         for (int mi = 0; mi < MI; mi++)
                             if (mi < mb)
