@@ -65,19 +65,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# two consecutive free ports
-port=$(python3 - <<'EOF'
-import socket
-for _ in range(200):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close()
-    if p >= 65535: continue
-    t = socket.socket()
-    try:
-        t.bind(("127.0.0.1", p + 1)); t.close(); print(p); break
-    except OSError:
-        t.close()
-EOF
-)
+# three consecutive free ports (the third: nothing listens there), below the ephemeral range (tests/harness.py says why)
+port=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import harness; print(harness.free_port_block(3))')
 urls=(--url "http://127.0.0.1:$port" --url "http://127.0.0.1:$((port + 1))")
 
 # the rank group, in its own process group so that cleanup reaches every rank

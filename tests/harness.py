@@ -45,6 +45,10 @@ def short(obj, n=300):
     return s if len(s) <= n else s[:n] + "..."
 
 
+# what a poll of a server not yet listening may raise
+NOT_READY = (OSError, http.client.HTTPException)
+
+
 def http_json(port, method, path, body=None, timeout=60.0):
     """One request on a fresh connection: (status, parsed JSON or None, raw text)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -72,11 +76,28 @@ def port_free(port):
             return False
 
 
+def ephemeral_range():
+    """The kernel's range of source ports for outgoing connections (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(n):
-    """A base port P with P .. P+n-1 all free now (rank r listens on P + r)."""
+    """A base port P with P .. P+n-1 all free now (rank r listens on P + r), below the ephemeral
+    range: a client polling a port in that range before the server listens can be given that
+    same port as its source and connect to itself (TCP simultaneous open), then read its own
+    request back as the answer."""
+    lo = min(ephemeral_range()[0], 32768)
+    floor = 10000 if lo > 12000 else 1024
+    if lo - n <= floor:  # no room below the range: take any
+        floor, lo = 20000, 60000
     rng = random.Random(os.getpid() ^ int(time.time() * 1000))
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(floor, lo - n)
         if all(port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no block of %d free ports" % n)

@@ -168,7 +168,7 @@ class Group(harness.Logged):
             for port in pending:
                 try:
                     status, _, _ = http_json(port, "GET", "/health", timeout=5)
-                except OSError:
+                except harness.NOT_READY:
                     status = 0
                 if status != 200:
                     still.append(port)

@@ -33,6 +33,8 @@ import threading
 import time
 import traceback
 
+import harness
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("BUILD", "build")
 BIN = os.path.join(ROOT, BUILD, "moeserve")
@@ -124,9 +126,7 @@ def http_request(port, method, path, body=None, headers=None, timeout=120):
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return harness.free_port_block(1)
 
 
 class Server:
@@ -162,7 +162,7 @@ class Server:
                 r = http_request(self.port, "GET", "/health", headers=self.headers(), timeout=5)
                 if r.status == 200:
                     return True
-            except OSError:
+            except harness.NOT_READY:
                 pass
             time.sleep(0.1)
         return False

@@ -183,7 +183,7 @@ class Proc(harness.Logged):
     def status(self, port, method, path):
         try:
             return self.request(port, method, path, timeout=5)[0]
-        except OSError:
+        except harness.NOT_READY:
             return 0
 
     def json(self, port, method, path, body=None, timeout=60):
