@@ -56,13 +56,17 @@ typedef struct moe_experts { /* the tag: C++ sees the member moe_experts below i
      * scales (gate_up_sf [E, 2F, D / 16], down_sf [E, D, F / 16]) and tensor scales s2 [E, 3]
      * (gate, up, down), all on the device, as the checkpoint stores them up to an arrangement
      * the GEMMs read faster (moe.cu's nvfp4_pack_kernel: codes reordered within each 64 values of
-     * a row, scales re-encoded, s2 times 2^7); the host tensors hold the dequantized weights. */
-    int wformat;        /* MOE_W_PLAIN (0) or MOE_W_NVFP4 */
+     * a row, scales re-encoded, s2 times 2^7); the host tensors hold the dequantized weights.
+     * MOE_W_FP8 (CUDA, cuda_prepare_experts_fp8): E4M3 codes (gate_up [E, 2F, D], down_all
+     * [E, D, F], wdtype U8, reordered within each 64 values of a row: moe.cu's fp8_pack_kernel)
+     * and fp32 block scales a weight row each (gate_up_sf [E, ceil(D / 128), 2F], down_sf
+     * [E, ceil(F / 128), D]: kernels/quant.h's quant_fp8_row_scales); s2 NULL. */
+    int wformat;        /* MOE_W_PLAIN (0), MOE_W_NVFP4 or MOE_W_FP8 */
     void *gate_up_sf;
     void *down_sf;
     float *s2;
 } moe_experts;
-enum { MOE_W_PLAIN = 0, MOE_W_NVFP4 = 1 };
+enum { MOE_W_PLAIN = 0, MOE_W_NVFP4 = 1, MOE_W_FP8 = 2 };
 
 /* One logit row of ops->sample: what to do with it. The draw follows runner/sampler.c (its
  * header says the order: penalties -> temperature -> top-k -> top-p -> min-p -> draw). */
@@ -119,6 +123,11 @@ typedef struct ops {
                                  const uint8_t *gate_up_sf, const uint8_t *down_q,
                                  const uint8_t *down_sf, const float *s2, int D, int F, char *err,
                                  size_t errlen);
+    /* Optional: the experts in FP8 from host arrays in the layout of moe_experts' MOE_W_FP8
+     * fields, the codes in checkpoint order (CUDA: cuda_prepare_experts_fp8). */
+    int (*prepare_experts_fp8)(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
+                               const uint8_t *down_q, const float *down_s, int D, int F, char *err,
+                               size_t errlen);
     /* Wait for every queued kernel (the CPU returns at once). */
     void (*sync)(void);
     /* Free and total bytes of the device's memory (the CPU: available and physical RAM). */

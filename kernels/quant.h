@@ -87,6 +87,29 @@ static inline QUANT_HD uint8_t fp4_e2m1_from_float(float x) {
     return sign | c;
 }
 
+/* ---- FP8 weights as the W8A16 expert GEMMs read them (kernels/cuda/moe.cu) ----
+ * Within each 64 k of a row the code bytes are rearranged once at load so that lane t (0..3) of
+ * an mma.sync B-fragment quad owns bytes [16t, 16t + 16): its word s (the k16 step s of the 64)
+ * holds the codes of k = 16s + 2t + {0, 8, 1, 9} as bytes 0..3. fp8_w8_decode(word, j) is then
+ * fragment register j (j = 0: k 16s + 2t and 2t + 1; j = 1: k 16s + 2t + 8 and 2t + 9; the lower
+ * k in the low half) as two BF16 numbers worth e4m3 2^-120, exactly: the sign to bit 15, exponent
+ * and mantissa to bits 4..10 (an E4M3 subnormal becomes a BF16 one). A shift and a mask or two;
+ * the kernel multiplies by FP8_W8_BF16_2P120 (2^120) in BF16, exact. A NaN code would decode to
+ * 480, so loading refuses it. */
+#define FP8_W8_BF16_2P120 0x7B80u /* 2^120 in BF16: exponent field 247 */
+
+static inline QUANT_HD void fp8_w8_pack64(uint8_t *dst, const uint8_t *src) {
+    for (int t = 0; t < 4; t++)
+        for (int s = 0; s < 4; s++)
+            for (int j = 0; j < 4; j++)
+                dst[16 * t + 4 * s + j] = src[16 * s + 2 * t + 8 * (j & 1) + (j >> 1)];
+}
+
+static inline QUANT_HD uint32_t fp8_w8_decode(uint32_t w, int j) {
+    if (j == 0) return ((w << 8) & 0x80008000u) | ((w << 4) & 0x07F007F0u); /* bytes 0 and 2 */
+    return (w & 0x80008000u) | ((w >> 4) & 0x07F007F0u);                    /* bytes 1 and 3 */
+}
+
 /* ---- block scalings (kernels/cpu/quant.c: the CPU reference) ----
  * FP8 activations (DeepSeek-V3's dynamic scheme): each token's D channels in groups of
  * QUANT_FP8_GROUP; group g of row t: s = max(amax, 1e-10) / 448, q = e4m3(x / s), x ~ q s.
@@ -112,6 +135,10 @@ void dequant_fp8_rows(float *x, const uint8_t *q, const float *s, int T, int D);
 /* q[N, K], s[ceil(N / 128), ceil(K / 128)] from w[N, K]; and back. */
 void quant_fp8_blocks(uint8_t *q, float *s, const float *w, int N, int K);
 void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K);
+/* The W8A16 kernels' scales of one FP8 weight [N, K] with block scales s [ceil(N / 128),
+ * ceil(K / 128)]: dst[kb * ld + r] = s[r / 128][kb] for each row r < N and 128-k block kb, a scale
+ * per row, so that the gate's and the up projection's rows stacked in one array keep their own. */
+void quant_fp8_row_scales(float *dst, int64_t ld, const float *s, int N, int K);
 
 /* q[R, C / 2] (packed), sf[R, C / 16] (E4M3 codes) from x[R, C] (C % 16 == 0) with tensor scale
  * s2 (<= 0: computed from x's amax and returned); and back. */

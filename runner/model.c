@@ -68,10 +68,12 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
                     q, dir, m->cfg.quant == MODEL_QUANT_FP8 ? "block FP8" : "NVFP4");
             goto fail;
         }
-        if (m->dummy && (want != MODEL_QUANT_NVFP4 || !ops->prepare_experts_nvfp4)) {
+        const bool dummy_ok = want == MODEL_QUANT_NVFP4 ? ops->prepare_experts_nvfp4 != NULL
+                                                        : ops->prepare_experts_fp8 != NULL;
+        if (m->dummy && !dummy_ok) {
             set_err(err, errlen,
-                    "--quantization %s with --load-format dummy: only nvfp4 on a GPU (routed "
-                    "experts in NVFP4, the rest BF16) is supported",
+                    "--quantization %s with --load-format dummy: only nvfp4 and fp8 on a GPU "
+                    "(routed experts quantized, the rest BF16) are supported",
                     q);
             goto fail;
         }
@@ -343,6 +345,24 @@ static int quantize_weight(model *m, const checkpoint_tensor *ct, const char *na
     }
     *out = own_f32(m, w, N, K);
     return 0;
+}
+
+int model_weight_fp8(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,
+                     const float **s, char *err, size_t errlen) {
+    if (m->dummy || m->cfg.quant != MODEL_QUANT_FP8) return 0;
+    const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
+    if (!ct || ct->t.dtype != DTYPE_F8_E4M3) return 0;
+    if (ct->t.ndim != 2 || ct->t.shape[0] != N || ct->t.shape[1] != K)
+        return set_err(err, errlen, "%s: tensor '%s' is not FP8 codes of [%lld, %lld]", ct->file,
+                       name, (long long)N, (long long)K);
+    const int64_t bn = (N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    const int64_t bk = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    const checkpoint_tensor *sc =
+        quant_part(m, name, ".weight_scale_inv", DTYPE_F32, bn * bk, err, errlen);
+    if (!sc) return -1;
+    *q = ct->t.data;
+    *s = sc->t.data;
+    return 1;
 }
 
 int model_weight_nvfp4(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,

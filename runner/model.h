@@ -117,7 +117,10 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
 /* Weight `name` [N, K] as the checkpoint stores it in NVFP4 (config.json's quantization says
  * NVFP4 and the tensor is packed U8): 1 with *q its codes [N, K / 2], *sf its E4M3 group scales
  * [N, K / 16] (checkpoint views) and *s2 its tensor scale; 0 when it is stored otherwise; -1 with
- * err when a part is missing or malformed. */
+ * err when a part is missing or malformed. model_weight_fp8: the same for block FP8 (*q its
+ * E4M3 codes [N, K], *s its weight_scale_inv [ceil(N / 128), ceil(K / 128)]). */
+int model_weight_fp8(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,
+                     const float **s, char *err, size_t errlen);
 int model_weight_nvfp4(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,
                        const uint8_t **sf, float *s2, char *err, size_t errlen);
 /* model_weight_info, then the model's own copy of the view, made usable by its backend

@@ -4,9 +4,9 @@
 # build/ — or the binaries below and build/gpu-libs — and run this script there).
 #   1. every CUDA op test (build/tests/test_cuda_*): CUDA against the CPU reference
 #   2. the whole model: teacher-forced logprobs of `moeserve generate --device cuda` against
-#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared; the NVFP4
-#      checkpoint through the W4A16 experts (mean |difference| at most 2e-3, every greedy token
-#      equal: its worst position moves by the experts' NVFP4 input rounding, a few 1e-2)
+#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared; the NVFP4 and
+#      FP8 checkpoints through the W4A16 / W8A16 experts (mean |difference| at most 2e-3, every
+#      greedy token equal: the worst position moves by the experts' input rounding, a few 1e-2)
 #   3. the server over HTTP with --device cuda
 #   4. tests/test_determinism.py with --device cuda (--enable-deterministic-inference, exact)
 # Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
@@ -71,22 +71,25 @@ sys.exit(0 if max(worst_in, worst_out) < 2e-2 else 1)
 PY
 done
 
-# 2b. the NVFP4 checkpoint: W4A16 experts on the GPU against the CPU's dequantized weights
-nv=tests/data/tiny-qwen3-moe-nvfp4
-for dev in cpu cuda; do
-    timeout 120 "$bin" generate --model-path "$nv" --device "$dev" --input-ids "$ids" \
-        --max-new-tokens 32 --temperature 0 --return-logprob --logprob-start-len 0 \
-        > "$out/generate-nvfp4-$dev.json" 2> "$out/generate-nvfp4-$dev.log" || bad "generate nvfp4 $dev"
-done
-python3 - "$out/generate-nvfp4-cpu.json" "$out/generate-nvfp4-cuda.json" <<'PY' && ok "NVFP4 (W4A16) whole model: mean logprob difference within 2e-3 of the CPU, greedy tokens equal" || bad "NVFP4 (W4A16) whole model against CPU"
+# 2b. the quantized checkpoints: the experts decoded on the GPU (NVFP4: W4A16, by default; FP8:
+# W8A16, MOESERVE_W8A16=1) against the CPU's dequantized weights
+for fmt in nvfp4 fp8; do
+    for dev in cpu cuda; do
+        MOESERVE_W8A16=1 timeout 120 "$bin" generate --model-path "tests/data/tiny-qwen3-moe-$fmt" \
+            --device "$dev" --input-ids "$ids" --max-new-tokens 32 --temperature 0 \
+            --return-logprob --logprob-start-len 0 \
+            > "$out/generate-$fmt-$dev.json" 2> "$out/generate-$fmt-$dev.log" || bad "generate $fmt $dev"
+    done
+    python3 - "$fmt" "$out/generate-$fmt-cpu.json" "$out/generate-$fmt-cuda.json" <<'PY' && ok "$fmt whole model (experts decoded on the GPU): mean logprob difference within 2e-3 of the CPU, greedy tokens equal" || bad "$fmt whole model against CPU"
 import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
+a, b = (json.load(open(p)) for p in sys.argv[2:4])
 lp = lambda j: [x[0] for x in j["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in j["meta_info"]["output_token_logprobs"]]
 d = [abs(x - y) for x, y in zip(lp(a), lp(b))]
 same = a["output_ids"] == b["output_ids"]
-print(f"nvfp4: mean |cuda - cpu| = {sum(d) / len(d):.3g}, worst {max(d):.3g} over {len(d)}; greedy tokens equal: {same}")
+print(f"{sys.argv[1]}: mean |cuda - cpu| = {sum(d) / len(d):.3g}, worst {max(d):.3g} over {len(d)}; greedy tokens equal: {same}")
 sys.exit(0 if same and sum(d) / len(d) < 2e-3 else 1)
 PY
+done
 
 # 3. the server over HTTP
 port=39100

@@ -315,6 +315,11 @@ static void test_dummy(void) {
     CHECK(q.status != 0 && strstr(q.err, "--quantization nvfp4 with --load-format dummy"),
           "dummy + --quantization on the CPU refused (exit %d): %s", q.status, q.err);
     run_free(&q);
+    q = run(BIN " generate --model-path tests/data/tiny-qwen3-moe --load-format dummy "
+                "--quantization fp8 --device cpu --input-ids 1,2 --max-new-tokens 1");
+    CHECK(q.status != 0 && strstr(q.err, "--quantization fp8 with --load-format dummy"),
+          "dummy + --quantization fp8 on the CPU refused (exit %d): %s", q.status, q.err);
+    run_free(&q);
 }
 
 static void test_generate_features(void) {

@@ -40,6 +40,12 @@
  * s2 (one more fp32 rounding): BF16's tolerances above. `--nvfp4` runs these alone and times them
  * at decode sizes (weight bytes: codes and scales, 0.5625 a weight).
  *
+ * FP8 experts (W8A16, cuda_prepare_experts_fp8; the same shapes, and D=320, F=192 for partial
+ * 128-k blocks): the weights quantized by kernels/cpu/quant.c in 128 x 128 blocks, the CPU
+ * reading the dequantized fp32 weights e4m3(q) s. The GPU decodes e4m3(q), exact in BF16, sums
+ * each 128 k apart and adds the sum times s into the total (one fp32 fma a block): BF16's
+ * tolerances. `--fp8` runs these alone and times them (weight bytes: 1 a weight and the scales).
+ *
  * F32 / F16 weights are rounded to BF16 in the device copy while the CPU reads them as they are: a
  * rounding in every term of both dot products, the same in both precisions (2.5e-2 seen at D = 40
  * in medium): allowed 2^-4 * rms in both. Exact in both: skipped rows keep their sentinel bit for
@@ -66,6 +72,8 @@
  *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
  *   test_cuda_moe --nvfp4                    only the NVFP4 comparisons, and their timings
  *   test_cuda_moe --nvfp4-timing T           the Qwen3 NVFP4 timing at T tokens alone
+ *   test_cuda_moe --fp8                      only the FP8 comparisons, and their timings
+ *   test_cuda_moe --fp8-timing T             the Qwen3 FP8 timing at T tokens alone
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -219,8 +227,9 @@ typedef struct {
     tensor *gate, *up, *down; /* [E] host tensors, windows into the pools */
     void *pool_in, *pool_out; /* gate/up values scaled by sqrt(3/D), down values by sqrt(3/F) */
     double wbytes;            /* device bytes per weight: 2 (BF16), 0.5625 (NVFP4: codes, scales) */
-    bool nvfp4;               /* model_nvfp4's: the host tensors are the dequantized weights */
-    float *deq;               /* model_nvfp4's: their storage */
+    bool quantized;           /* model_nvfp4's, model_fp8's: the host tensors are the dequantized
+                                 weights, which the device decodes exactly */
+    float *deq;               /* model_nvfp4's, model_fp8's: their storage */
 } model;
 
 static void *make_pool(dtype dt, size_t n, float scale) {
@@ -470,9 +479,9 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
     for (int pi = 0; pi < N_PRECISIONS; pi++) {
         const matmul_precision p = (matmul_precision)pi;
         const char *pn = precision_name[p];
-        /* NVFP4: the weights reach the tensor cores exactly (e2m1 x e4m3 in BF16), the tensor
-         * scale after the sums: BF16's tolerances */
-        const double tol = m->dt != DTYPE_BF16 && !m->nvfp4 ? TOL_ROW_RMS_CONVERTED
+        /* NVFP4, FP8: the weights reach the tensor cores exactly (e2m1 x e4m3, e4m3 in BF16), the
+         * tensor scale or block scales after the sums: BF16's tolerances */
+        const double tol = m->dt != DTYPE_BF16 && !m->quantized ? TOL_ROW_RMS_CONVERTED
                            : p == MATMUL_PRECISION_HIGH ? tol_high(m)
                                                         : TOL_ROW_RMS_MEDIUM;
         set_precision(p);
@@ -983,7 +992,7 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
  * codes and scales. 0 when the experts are on the device. */
 static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
     model_init(m, name, E, D, F, K, DTYPE_F32);
-    m->nvfp4 = true;
+    m->quantized = true;
     m->wbytes = 0.5 + 1.0 / 16;
     const size_t mat = (size_t)F * D;
     uint8_t *guq = xmalloc((size_t)E * mat), *gus = xmalloc((size_t)E * mat / 8);
@@ -1068,6 +1077,128 @@ static void test_nvfp4(bool full) {
     model_free(&m);
 }
 
+/* ---- FP8 experts (W8A16) ---- */
+
+int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
+                             const uint8_t *down_q, const float *down_s, int D, int F, char *err,
+                             size_t errlen);
+
+/* m's experts (F32 pools) quantized to block FP8 by kernels/cpu/quant.c's formula: the host
+ * tensors then hold the dequantized weights (the CPU reference is an fp32 GEMM on them) and the
+ * device the codes and the scales a row each. Each matrix's blocks are scaled by a factor of its
+ * own (up to 2^+-3 apart) so that a wrong block's scale shows. 0 when the experts are on the
+ * device. */
+static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
+    model_init(m, name, E, D, F, K, DTYPE_F32);
+    m->quantized = true;
+    const int nkd = (D + 127) / 128, nkf = (F + 127) / 128, nbf = (F + 127) / 128,
+              nbd = (D + 127) / 128;
+    m->wbytes = 1.0 + 4.0 / 128;
+    const size_t mat = (size_t)F * D;
+    uint8_t *guq = xmalloc((size_t)E * 2 * mat), *dq = xmalloc((size_t)E * mat);
+    float *gus = xmalloc((size_t)E * nkd * 2 * F * sizeof(float));
+    float *ds = xmalloc((size_t)E * nkf * D * sizeof(float));
+    m->deq = xmalloc((size_t)E * 3 * mat * sizeof(float));
+    const double t0 = now_s();
+#pragma omp parallel for schedule(dynamic)
+    for (int e = 0; e < E; e++) {
+        float *dg = m->deq + (size_t)3 * e * mat, *du = dg + mat, *dd = du + mat;
+        const float *src[3] = {m->gate[e].data, m->up[e].data, m->down[e].data};
+        float *deq[3] = {dg, du, dd};
+        for (int p = 0; p < 3; p++) {
+            const int N = p == 2 ? D : F, Kd = p == 2 ? F : D;
+            const int nb = p == 2 ? nbd : nbf, nk = p == 2 ? nkf : nkd;
+            float *sc = xmalloc((size_t)nb * nk * sizeof(float));
+            uint8_t *q = p == 2 ? dq + (size_t)e * mat : guq + (size_t)(2 * e + p) * mat;
+            /* each block of rows / k its own magnitude: blocks mixed up would show */
+            for (int r = 0; r < N; r++)
+                for (int k = 0; k < Kd; k++) {
+                    const int sh = (r / 128 * 3 + k / 128 + e + 2 * p) % 7 - 3;
+                    deq[p][(size_t)r * Kd + k] = src[p][(size_t)r * Kd + k] * ldexpf(1.0f, sh);
+                }
+            quant_fp8_blocks(q, sc, deq[p], N, Kd);
+            dequant_fp8_blocks(deq[p], q, sc, N, Kd);
+            if (p == 2)
+                quant_fp8_row_scales(ds + (size_t)e * nkf * D, D, sc, D, F);
+            else
+                quant_fp8_row_scales(gus + (size_t)e * nkd * 2 * F + (size_t)p * F, 2 * F, sc, F,
+                                     D);
+            free(sc);
+        }
+        m->gate[e].data = dg;
+        m->up[e].data = du;
+        m->down[e].data = dd;
+    }
+    char err[256] = "";
+    const int rc = cuda_prepare_experts_fp8(&m->w, guq, gus, dq, ds, D, F, err, sizeof err);
+    CHECK(rc == 0, "%s: cuda_prepare_experts_fp8: %s", name, err);
+    if (rc == 0)
+        printf("%s: %d experts quantized to FP8 on the host in %.1f s, %.2f GiB on the device\n",
+               name, E, now_s() - t0, (double)E * 3 * mat * m->wbytes / (1 << 30));
+    free(guq);
+    free(dq);
+    free(gus);
+    free(ds);
+    return rc;
+}
+
+/* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
+ * (the tiny path against the grouped one, every tile shape), partial 128-k blocks, bad input
+ * refused; with full (the --fp8 run) also Qwen3-30B-A3B's shape, checked and timed. */
+static void test_fp8(bool full) {
+    printf("FP8 experts (W8A16)\n");
+    model m;
+    if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
+        const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400}; /* every tile shape: tiny to prefill */
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 64, NULL);
+        run_case(&m, 5, ROUTE_RANDOM, 0.25, 5, true, NULL);
+        run_case(&m, 40, ROUTE_ONE, 0.0, 40, false, NULL);
+        run_empty_cases(&m);
+    }
+    model_free(&m);
+    if (model_fp8(&m, "fp8-partial-blocks", 4, 320, 192, 2) == 0) { /* Kd % 128 == 64 both ways */
+        const int Ts[] = {1, 2, 8, 40, 300};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 40, NULL);
+    }
+    model_free(&m);
+    {
+        moe_experts w = {.E = 2};
+        char err[256] = "";
+        static uint8_t q[2 * 96 * 64 * 2];
+        static float sc[2 * 2 * 96 * 2];
+        CHECK(cuda_prepare_experts_fp8(&w, q, sc, q, sc, 96, 64, err, sizeof err) != 0 &&
+                  strstr(err, "multiples of 64") && !w.gate_up,
+              "FP8 experts with D = 96 refused (%s)", err);
+    }
+    { /* a NaN code is refused (it would decode to 480) */
+        moe_experts w = {.E = 1};
+        char err[256] = "";
+        static uint8_t q[64 * 64 * 2];
+        static float sc[2 * 64];
+        for (int i = 0; i < 2 * 64; i++)
+            sc[i] = 1.0f;
+        q[77] = 0xFF;
+        CHECK(cuda_prepare_experts_fp8(&w, q, sc, q, sc, 64, 64, err, sizeof err) != 0 &&
+                  strstr(err, "NaN") && !w.gate_up,
+              "FP8 experts with a NaN code refused (%s)", err);
+        q[77] = 0;
+        sc[3] = INFINITY;
+        CHECK(cuda_prepare_experts_fp8(&w, q, sc, q, sc, 64, 64, err, sizeof err) != 0 &&
+                  strstr(err, "not finite") && !w.gate_up,
+              "FP8 experts with an infinite block scale refused (%s)", err);
+    }
+    if (!full) return;
+    if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0) {
+        const int Ts[] = {1, 2, 3, 8, 64, 1024};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 32, Ts[i] <= 64, NULL);
+        time_model(&m, 1024);
+    }
+    model_free(&m);
+}
+
 int main(int argc, char **argv) {
     const bool small_only = argc > 1 && strcmp(argv[1], "--small") == 0;
     const bool timing_only = argc > 1 && strcmp(argv[1], "--timing") == 0;
@@ -1097,6 +1228,21 @@ int main(int argc, char **argv) {
         print_timings();
         CHECK_SUMMARY();
     }
+    if (argc > 1 && strcmp(argv[1], "--fp8") == 0) { /* the FP8 checks and their timings */
+        copy_gbs = measure_copy_bandwidth();
+        test_fp8(true);
+        print_timings();
+        print_worst();
+        CHECK_SUMMARY();
+    }
+    if (argc > 2 && strcmp(argv[1], "--fp8-timing") == 0) { /* one size, for a profiler */
+        model m;
+        if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0)
+            time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
+        model_free(&m);
+        print_timings();
+        CHECK_SUMMARY();
+    }
     if (decode_only) {
         test_qwen3(true, true, 0);
         print_worst();
@@ -1108,6 +1254,7 @@ int main(int argc, char **argv) {
         test_small();
         test_tiny();
         if (!timing_deepseek) test_nvfp4(false);
+        if (!timing_deepseek) test_fp8(false);
     }
     if (!small_only) {
         copy_gbs = measure_copy_bandwidth();

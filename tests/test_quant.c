@@ -173,6 +173,57 @@ static void test_fp8_blocks(void) {
     free(x), free(y), free(q), free(s), free(w), free(v), free(wq), free(ws);
 }
 
+/* The W8A16 layout (kernels/quant.h): every code at every k of a 64-k chunk, packed, then read
+ * back as an mma.sync lane reads it (lane t's word s, register j, half h: k = 16s + 2t + 8j + h)
+ * and decoded, times 2^120: the code's value exactly, signed zeros and subnormals included. And the
+ * per-row scales of a block-scaled weight with partial blocks. */
+static void test_fp8_w8_layout(void) {
+    uint8_t src[64], dst[64];
+    int bad = 0, checked = 0;
+    for (int round = 0; round < 4; round++) { /* each code at each k once in 4 rounds of 64 */
+        for (int k = 0; k < 64; k++)
+            src[k] = (uint8_t)(round * 64 + k * 37 % 64);
+        fp8_w8_pack64(dst, src);
+        for (int t = 0; t < 4; t++)
+            for (int st = 0; st < 4; st++) {
+                const uint8_t *b = dst + 16 * t + 4 * st;
+                const uint32_t w = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+                                   (uint32_t)b[3] << 24;
+                for (int j = 0; j < 2; j++)
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t c = src[16 * st + 2 * t + 8 * j + h];
+                        if ((c & 0x7f) == 0x7f) continue; /* NaN: refused at load */
+                        const uint32_t bits = (fp8_w8_decode(w, j) >> (16 * h)) & 0xffffu;
+                        float f;
+                        const uint32_t f32 = bits << 16;
+                        memcpy(&f, &f32, 4);
+                        const float v = ldexpf(f, 120), want = fp8_e4m3_to_float(c);
+                        checked++;
+                        if (v != want || signbit(v) != signbit(want)) bad++;
+                    }
+            }
+    }
+    CHECK(bad == 0 && checked == 256 - 2, "fp8 W8A16 layout: %d of %d codes decode to their value",
+          checked - bad, checked);
+    CHECK(FP8_W8_BF16_2P120 << 16 == 0x7B800000u && ldexpf(1.0f, 120) == 0x1p120f,
+          "fp8 W8A16 layout: the BF16 constant is 2^120");
+
+    const int N = 200, K = 300, BK = 3; /* partial blocks both ways */
+    float s[2 * 3], dst_s[3 * 2 * 200];
+    for (int i = 0; i < 6; i++)
+        s[i] = (float)(i + 1);
+    for (int i = 0; i < 3 * 400; i++)
+        dst_s[i] = -1.0f;
+    quant_fp8_row_scales(dst_s + 200, 400, s, N, K); /* the second half of 400 stacked rows */
+    bad = 0;
+    for (int kb = 0; kb < BK; kb++)
+        for (int r = 0; r < 400; r++) {
+            const float want = r < 200 ? -1.0f : s[((r - 200) / 128) * BK + kb];
+            if (dst_s[kb * 400 + r] != want) bad++;
+        }
+    CHECK(bad == 0, "fp8 row scales: each row its block's scale, rows beside untouched (%d bad)", bad);
+}
+
 static void test_nvfp4(void) {
     const int R = 64, C = 2048;
     float *x = malloc(sizeof(float) * R * C), *y = malloc(sizeof(float) * R * C);
@@ -314,6 +365,7 @@ int main(void) {
     test_e4m3();
     test_e2m1();
     test_fp8_blocks();
+    test_fp8_w8_layout();
     test_nvfp4();
     CHECK_SUMMARY();
 }

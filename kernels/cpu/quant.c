@@ -71,6 +71,13 @@ void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K
         }
 }
 
+void quant_fp8_row_scales(float *dst, int64_t ld, const float *s, int N, int K) {
+    const int BK = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    for (int kb = 0; kb < BK; kb++)
+        for (int r = 0; r < N; r++)
+            dst[(int64_t)kb * ld + r] = s[(int64_t)(r / QUANT_FP8_BLOCK) * BK + kb];
+}
+
 float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s2) {
     MS_ASSERT(C % QUANT_FP4_GROUP == 0);
     if (!(s2 > 0.0f)) {

@@ -71,11 +71,18 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen);
 /* The experts in NVFP4 (W4A16: codes decoded exactly to BF16 in the GEMMs, the tensor scale in
  * their epilogues): copies the host arrays, in the layout of moe_experts' MOE_W_NVFP4 fields, to
  * the device and sets those fields (w->gate / up / down stay as they are). D and F multiples of
- * 64. 0, or -1 with err. The Qwen3-MoE loader takes it with MOESERVE_W4A16=1 (opt-in). */
+ * 64. 0, or -1 with err. The Qwen3-MoE loader takes it by default (MOESERVE_W4A16=0: not). */
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
                                const uint8_t *gate_up_sf, const uint8_t *down_q,
                                const uint8_t *down_sf, const float *s2, int D, int F, char *err,
                                size_t errlen);
+/* The experts in FP8 (W8A16: codes decoded exactly to BF16 in the GEMMs, each 128-k block's sums
+ * times its rows' scales): copies the host arrays, in the layout of moe_experts' MOE_W_FP8 fields
+ * (codes in checkpoint order; rearranged on the device), and sets those fields. D and F multiples
+ * of 64; a NaN code or a scale that is not finite is refused. 0, or -1 with err. */
+int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
+                             const uint8_t *down_q, const float *down_s, int D, int F, char *err,
+                             size_t errlen);
 void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                       int T, int K, int D, int F);
 void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,

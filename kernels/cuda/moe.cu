@@ -62,6 +62,19 @@
 //     not volatile: 23.3 / 189 us
 //   - more stages (up to 16, every k tile of a block in flight): no better, fewer blocks an SM.
 //
+// FP8 experts (W8A16, cuda_prepare_experts_fp8: E4M3 codes, a fp32 scale per 128 x 128 block as
+// DeepSeek-V3 ships them): every path with WF_FP8, where a stage carries the codes (half the BF16
+// bytes) and each lane decodes its own B fragments (fp8_w8_decode of kernels/quant.h: a shift and
+// a mask or two put sign, exponent and mantissa into BF16 bits worth e4m3 2^-120, and one bf16x2
+// product by 2^120 makes them exact), rearranged once at load (fp8_pack_kernel). A block scale
+// does not fit beside three mantissa bits in BF16, so it is applied to sums: each 128 k of an
+// output accumulate apart (the same k16 order), and at the end of the 128 the partial sum is
+// added into the total times its row's scale (one fp32 fma; the weight row is the output column,
+// so a lane's two columns of an n8 tile take two scales, one float2 load). The same boundaries at
+// every tile shape and batch: a token's rows are the same bits at any batch here too. The scales
+// are stored per weight row and 128-k block, [E, ceil(Kd / 128), rows], so gate and up rows keep
+// their own whatever F is.
+//
 // The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
 // groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
 // first pair, pairs in (t, k) order), h is indexed by pair id, and GEMM 1 converts its rows of x
@@ -407,6 +420,82 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
     return 0;
 }
 
+// FP8 weights as the W8A16 kernels read them (fp8_w8_pack64 of kernels/quant.h), in place; a
+// thread per 64 k of a row. A NaN code (S.1111.111) sets *bad: decoded it would be 480.
+__global__ void fp8_pack_kernel(uint8_t *q, int64_t n_chunks, int *bad) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_chunks) return;
+    uint4 *qp = reinterpret_cast<uint4 *>(q + i * 64);
+    uint4 in[4], out[4];
+    for (int c = 0; c < 4; c++)
+        in[c] = qp[c];
+    const uint8_t *src = reinterpret_cast<const uint8_t *>(in);
+    for (int k = 0; k < 64; k++)
+        if ((src[k] & 0x7f) == 0x7f) atomicExch(bad, 1);
+    fp8_w8_pack64(reinterpret_cast<uint8_t *>(out), src);
+    for (int c = 0; c < 4; c++)
+        qp[c] = out[c];
+}
+
+int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
+                             const uint8_t *down_q, const float *down_s, int D, int F, char *err,
+                             size_t errlen) {
+    const int E = w->E;
+    if (E <= 0 || D <= 0 || F <= 0 || D % 64 || F % 64)
+        return set_err(err, errlen, "CUDA: FP8 experts need E > 0 and D=%d, F=%d multiples of 64",
+                       D, F);
+    const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
+    const int64_t nkd = (D + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK,
+                  nkf = (F + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    const size_t sizes[4] = {(size_t)E * 2 * mat, (size_t)E * nkd * 2 * F * sizeof(float),
+                             (size_t)E * mat, (size_t)E * nkf * D * sizeof(float)};
+    const float *scales[2] = {gate_up_s, down_s};
+    for (int m = 0; m < 2; m++)
+        for (size_t i = 0; i < sizes[2 * m + 1] / sizeof(float); i++)
+            if (!(fabsf(scales[m][i]) < INFINITY))
+                return set_err(err, errlen, "CUDA: FP8 experts of D=%d F=%d: a block scale "
+                                            "(weight_scale_inv) of the %s is not finite",
+                               D, F, m ? "down projections" : "gate / up projections");
+    const void *src[4] = {gate_up_q, gate_up_s, down_q, down_s};
+    void *dst[4] = {};
+    int *bad = NULL;
+    cudaError_t ce = cudaMalloc(&bad, sizeof(int));
+    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
+    for (int i = 0; i < 4 && ce == cudaSuccess; i++) {
+        ce = cudaMalloc(&dst[i], sizes[i]);
+        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
+    }
+    int bad_h = 0;
+    for (int m = 0; m < 2 && ce == cudaSuccess; m++) { // gate_up, then down
+        const int64_t n_chunks = (int64_t)sizes[2 * m] / 64;
+        fp8_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
+            (uint8_t *)dst[2 * m], n_chunks, bad);
+        ce = cudaGetLastError();
+    }
+    if (ce == cudaSuccess) ce = cudaMemcpyAsync(&bad_h, bad, sizeof(int), cudaMemcpyDeviceToHost,
+                                                cuda_stream());
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
+    if (bad) cudaFree(bad);
+    if (ce != cudaSuccess || bad_h) {
+        cudaGetLastError();
+        for (int i = 0; i < 4; i++)
+            if (dst[i]) cudaFree(dst[i]);
+        if (bad_h)
+            return set_err(err, errlen, "CUDA: FP8 experts of D=%d F=%d: a weight code is NaN", D,
+                           F);
+        return set_err(err, errlen, "CUDA: copying %d FP8 experts of D=%d F=%d: %s", E, D, F,
+                       cudaGetErrorString(ce));
+    }
+    w->gate_up = dst[0];
+    w->gate_up_sf = dst[1];
+    w->down_all = dst[2];
+    w->down_sf = dst[3];
+    w->s2 = nullptr;
+    w->wdtype = DTYPE_U8;
+    w->wformat = MOE_W_FP8;
+    return 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // moe_experts: the grouping (prepare kernel)
 // ---------------------------------------------------------------------------------------------
@@ -671,8 +760,9 @@ typedef struct {
     float *part;
     int64_t part_stride;
     int wait_first;
-    // WQ (NVFP4 weights): the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of
-    // w's rows (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down)
+    // WF_NVFP4: the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of w's rows
+    // (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down). WF_FP8: the codes
+    // [E, rows, Kd] and (wsf) fp32 scales [E, ceil(Kd / 128), rows].
     const uint8_t *wq, *wsf;
     const float *ws2;
 } moe_gemm_args;
@@ -773,14 +863,17 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
 // Launched with PDL: GEMM 1 waits for the prepare kernel before anything; GEMM 2 starts during
 // GEMM 1's tail, reads its tile (written by the prepare kernel, complete before any GEMM 1 block
 // let it start) and prefetches its first weight stages, then waits for h.
-// WQ (NVFP4 weights, W4A16): a stage holds a B tile's codes [BN, BK / 2] and group scales
-// [BN, BK / 16] as they are in memory; after the stage lands, the block decodes it into one BF16
-// tile [BN, BK] (the layout the BF16 stages have), e2m1(q) e4m3(sf) exactly, and the products run
-// as in BF16. The tensor scale multiplies the sums in the epilogue (GATE_UP: the gate's and the
-// up's, before SiLU x up). The weight bytes per stage are 9/32 of BF16's.
-template <class C, bool WQ> struct moe_b_layout {
-    static constexpr int QROW = C::BK / 2, SROW = C::BK / 16; // bytes a B row per k tile
-    static constexpr int QC = C::BK / 32;                     // 16-byte code chunks a row
+// The weights' formats (template argument WF): BF16, NVFP4 (W4A16), FP8 (W8A16).
+enum { WF_BF16 = 0, WF_NVFP4 = 1, WF_FP8 = 2 };
+
+// WF_NVFP4: a stage holds a B tile's codes [BN, BK / 2] and group scales [BN, BK / 16] (9/32 of
+// the BF16 bytes); WF_FP8: its codes [BN, BK] (half). Either way each lane decodes its own
+// fragments from them (the header).
+template <class C, int WF> struct moe_b_layout {
+    static constexpr bool WQ = WF != WF_BF16;
+    static constexpr int QROW = WF == WF_FP8 ? C::BK : C::BK / 2; // code bytes a B row per k tile
+    static constexpr int SROW = WF == WF_NVFP4 ? C::BK / 16 : 0;  // scale bytes a row per k tile
+    static constexpr int QC = QROW / 16;                           // 16-byte code chunks a row
     static constexpr int QSTAGE = C::BN * (QROW + SROW);
     static constexpr size_t A_STAGE = (size_t)C::A_PARTS * C::BM * C::BK * 2;
     // WQ: as many stages as the BF16 shape's shared memory holds, up to twice its count: a stage
@@ -856,10 +949,13 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 // x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
 // shared memory as A_FULL does, after its first weight stages are requested and the kernel before
 // has completed.
-template <class C, bool GATE_UP, bool TINY, bool BI = false, bool WQ = false>
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
-    typedef moe_b_layout<C, WQ> BL;
+    typedef moe_b_layout<C, WF> BL;
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = BL::STAGES, MI = C::MI, NI = C::NI;
+    // W4: NVFP4 codes and group scales in the stages; W8: FP8 codes, block scales on the sums
+    constexpr bool W4 = WF == WF_NVFP4, W8 = WF == WF_FP8, WQ = W4 || W8;
+    constexpr int KPB = W4 ? 2 : 1; // k a code byte
     static_assert(!WQ || !BI, "linear_bi's weights are BF16");
     static_assert(!WQ || BK % 64 == 0, "WQ: whole 64-k chunks of codes a k tile");
     static_assert(!BI || (!GATE_UP && !TINY), "BI is GEMM 2's form");
@@ -946,8 +1042,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     const int64_t w_rows = GATE_UP ? 2 * (int64_t)a.N : a.N;
     const bf16 *w_e = a.w + (int64_t)e * w_rows * a.Kd;
-    const uint8_t *wq_e = WQ ? a.wq + (int64_t)e * w_rows * (a.Kd / 2) : nullptr;
-    const uint8_t *wsf_e = WQ ? a.wsf + (int64_t)e * w_rows * (a.Kd / 16) : nullptr;
+    const uint8_t *wq_e = WQ ? a.wq + (int64_t)e * w_rows * (a.Kd / KPB) : nullptr;
+    const uint8_t *wsf_e = W4 ? a.wsf + (int64_t)e * w_rows * (a.Kd / 16) : nullptr;
     // Weight row of B tile row r, or -1 past the last column.
     auto b_row = [&](int r) -> int {
         int col, wrow;
@@ -978,26 +1074,37 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 }
         }
     };
-    // WQ: this thread's load slots, fixed for the whole loop: QI 16-byte code chunks (32 k) and
-    // SI 4-byte scale pieces (64 k) of a stage; source at the block's first k tile (NULL past
-    // the last column: zeros), offset in the stage, k within the tile. Kd % 64 == 0, so each is
-    // whole inside Kd or past it. With 4 chunks a row, rows r with r & 2 swap their halves:
-    // wq_frag's reads of eight rows then fall in distinct banks.
+    // WQ: this thread's load slots, fixed for the whole loop: QI 16-byte code chunks (32 k in
+    // NVFP4, 16 in FP8) and (NVFP4) SI 4-byte scale pieces (64 k) of a stage; source at the
+    // block's first k tile (NULL past the last column: zeros), offset in the stage, k within the
+    // tile. Kd % 64 == 0, so each is whole inside Kd or past it. Swizzles, so that the fragment
+    // reads of eight rows fall in distinct banks: NVFP4 with 4 chunks a row, rows r with r & 2
+    // swap their halves (wq_frag's 8-byte reads); FP8 with 8 chunks a row (BK 128), odd rows swap
+    // their halves (w8_frag's 16-byte reads, two rows a phase).
     constexpr int QI = (BN * BL::QC + C::threads - 1) / C::threads;
     constexpr int SI = (BN * (BK / 64) + C::threads - 1) / C::threads;
-    const uint8_t *wq_src[WQ ? QI : 1], *ws_src[WQ ? SI : 1];
-    int wq_off[WQ ? QI : 1], wq_k[WQ ? QI : 1], ws_off[WQ ? SI : 1], ws_k[WQ ? SI : 1];
+    const uint8_t *wq_src[WQ ? QI : 1], *ws_src[W4 ? SI : 1];
+    int wq_off[WQ ? QI : 1], wq_k[WQ ? QI : 1], ws_off[W4 ? SI : 1], ws_k[W4 ? SI : 1];
+    auto q_swz = [&](int r, int c) -> int {
+        if constexpr (W4)
+            return BL::QC == 4 ? c ^ (r & 2) : c;
+        else
+            return BL::QC == 8 ? c ^ ((r & 1) << 2) : c;
+    };
     if constexpr (WQ) {
-        constexpr int QC = BL::QC, SC = BK / 64;
+        constexpr int QC = BL::QC;
 #pragma unroll
         for (int it = 0; it < QI; it++) {
             const int i = tid + it * C::threads, r = i / QC, c = i % QC;
             const int wrow = i < BN * QC ? b_row(r) : -1;
-            wq_src[it] = wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / 2) + kt0 * BK / 2 + c * 16
+            wq_src[it] = wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / KPB) + kt0 * BK / KPB + c * 16
                                    : nullptr;
-            wq_off[it] = i < BN * QC ? r * BL::QROW + (QC == 4 ? c ^ (r & 2) : c) * 16 : -1;
-            wq_k[it] = c * 32;
+            wq_off[it] = i < BN * QC ? r * BL::QROW + q_swz(r, c) * 16 : -1;
+            wq_k[it] = c * 16 * KPB;
         }
+    }
+    if constexpr (W4) {
+        constexpr int SC = BK / 64;
 #pragma unroll
         for (int it = 0; it < SI; it++) {
             const int i = tid + it * C::threads, r = i / SC, c = i % SC;
@@ -1016,10 +1123,10 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             for (int it = 0; it < QI; it++) {
                 if (wq_off[it] < 0) continue;
                 const bool ok = wq_src[it] && kb + wq_k[it] < a.Kd;
-                cp_async16(q0 + wq_off[it], ok ? wq_src[it] + kt * (BK / 2) : a.wq, ok ? 16 : 0);
+                cp_async16(q0 + wq_off[it], ok ? wq_src[it] + kt * (BK / KPB) : a.wq, ok ? 16 : 0);
             }
 #pragma unroll
-            for (int it = 0; it < SI; it++) {
+            for (int it = 0; it < (W4 ? SI : 0); it++) {
                 if (ws_off[it] < 0) continue;
                 const bool ok = ws_src[it] && kb + ws_k[it] < a.Kd;
                 cp_async4(q0 + ws_off[it], ok ? ws_src[it] + kt * (BK / 16) : a.wsf, ok ? 4 : 0);
@@ -1038,14 +1145,27 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
     };
 
-    float acc[MI][NI][4];
+    // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones
+    float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
 #pragma unroll
         for (int ni = 0; ni < NI; ni++)
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                acc[mi][ni][q] = 0.0f;
+                acc[mi][ni][q] = tot[mi][ni][q] = 0.0f;
+    // W8: the scales of this lane's two columns (weight rows) of n8 tile ni at 128-k block 0,
+    // the next block w_rows floats on (NULL past the last column)
+    const float *w8_s[W8 ? NI : 1];
+    if constexpr (W8) {
+        const int64_t nkb = (a.Kd + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+        const float *s_e = reinterpret_cast<const float *>(a.wsf) + (int64_t)e * nkb * w_rows;
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++) {
+            const int wrow = b_row(wn * C::WN + ni * 8 + 2 * (lane & 3));
+            w8_s[ni] = wrow >= 0 ? s_e + wrow : nullptr;
+        }
+    }
 
     // Prologue: STAGES - 1 k tiles in flight. GEMM 2 issues its weights before waiting for h
     // (one more commit group: [B 0..S-2], [A 0], ..., [A S-2]); either way k tile kt is complete
@@ -1138,13 +1258,28 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             cp_async_commit();
 
             const int slot = kt % STAGES;
+            // W8: does this k tile end a 128-k block (or Kd)? Then its scales, requested now and
+            // used after the tile's products.
+            const int k_end = (kt0 + kt + 1) * BK;
+            const bool w8_end = W8 && (k_end % QUANT_FP8_BLOCK == 0 || kt + 1 == nk);
+            float2 w8_sc[W8 ? NI : 1];
+            (void)w8_end;
+            (void)w8_sc;
+            if constexpr (W8) {
+                const int64_t at = (int64_t)((k_end - 1) / QUANT_FP8_BLOCK) * w_rows;
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++)
+                    w8_sc[ni] = w8_end && w8_s[ni]
+                                    ? __ldg(reinterpret_cast<const float2 *>(w8_s[ni] + at))
+                                    : make_float2(0.0f, 0.0f);
+            }
             const uint32_t a_base = sA + slot * AP * BM * BK * 2;
             const uint32_t b_base = sB + slot * BN * BK * 2; // (not WQ)
             (void)b_base;
             // WQ: the B fragment of n8 tile ni at k16 step kk, decoded from stage `slot`
             // (nvfp4_pack_kernel's layout). At each 64-k chunk (kk % 4 == 0, called in order of
             // kk) the lane loads its 8 code bytes and its row's 4 group scales of the chunk.
-            uint32_t wq_q[WQ ? NI : 1][2], wq_s[WQ ? NI : 1];
+            uint32_t wq_q[W4 ? NI : 1][2], wq_s[W4 ? NI : 1];
             auto wq_frag = [&](uint32_t(&b)[2], int ni, int kk) {
                 if ((kk & 3) == 0) {
                     const uint32_t q0 = sB + slot * BL::QSTAGE, s0 = q0 + BN * BL::QROW;
@@ -1166,6 +1301,23 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 b[0] = bf16x2_mul(wq_decode(q, j), sf2);
                 b[1] = bf16x2_mul(wq_decode(q, j + 1), sf2);
             };
+            // W8: the same from FP8 codes (fp8_pack_kernel's layout): at each 64-k chunk the lane
+            // loads its 16 code bytes, a word per k16 step.
+            uint32_t w8_q[W8 ? NI : 1][4];
+            auto w8_frag = [&](uint32_t(&b)[2], int ni, int kk) {
+                if ((kk & 3) == 0) {
+                    const int r = wn * C::WN + ni * 8 + (lane >> 2);
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(w8_q[ni][0]), "=r"(w8_q[ni][1]), "=r"(w8_q[ni][2]),
+                                   "=r"(w8_q[ni][3])
+                                 : "r"(sB + slot * BL::QSTAGE + r * BL::QROW +
+                                       q_swz(r, (kk >> 2) * 4 + (lane & 3)) * 16));
+                }
+                const uint32_t q = w8_q[ni][kk & 3];
+                constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
+                b[0] = bf16x2_mul(fp8_w8_decode(q, 0), p120);
+                b[1] = bf16x2_mul(fp8_w8_decode(q, 1), p120);
+            };
             (void)a_base; // unused where x's rows sit in shared memory whole (A_FULL)
             // activation fragment address: part, tile row r, 16-byte chunk ch of this k tile
             auto a_addr = [&](int part, int r, int ch) -> uint32_t {
@@ -1179,7 +1331,11 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             // the weight fragments fb[ni] of k16 step kk: decoded (WQ) or by ldmatrix, two n8
             // tiles a load
             auto load_b_frags = [&](uint32_t(&fb)[NI][2], int kk) {
-                if constexpr (WQ) {
+                if constexpr (W8) {
+#pragma unroll
+                    for (int ni = 0; ni < NI; ni++)
+                        w8_frag(fb[ni], ni, kk);
+                } else if constexpr (W4) {
 #pragma unroll
                     for (int ni = 0; ni < NI; ni++)
                         wq_frag(fb[ni], ni, kk);
@@ -1269,6 +1425,20 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     }
                 }
             }
+            if constexpr (W8) { // the block's sums into the total, times their rows' scales
+                if (w8_end) {
+#pragma unroll
+                    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                            for (int q = 0; q < 4; q++) {
+                                const float sc = (q & 1) ? w8_sc[ni].y : w8_sc[ni].x;
+                                tot[mi][ni][q] = __fmaf_rn(sc, acc[mi][ni][q], tot[mi][ni][q]);
+                                acc[mi][ni][q] = 0.0f;
+                            }
+                }
+            }
         }
     };
     if constexpr (C::BUSY_STATIC)
@@ -1278,7 +1448,16 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     cp_async_wait<0>();
 
     // Epilogue. Accumulator q of n8 tile ni: row lane / 4 (+ 8 for q >= 2), column
-    // 2 * (lane % 4) + (q & 1).
+    // 2 * (lane % 4) + (q & 1). W8: the scaled total.
+    if constexpr (W8) {
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    acc[mi][ni][q] = tot[mi][ni][q];
+    }
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
 #pragma unroll
@@ -1293,7 +1472,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     if (col >= a.N) continue;
                     float g[2] = {acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]};
                     float u[2] = {acc[mi][ni + NI / 2][2 * hr], acc[mi][ni + NI / 2][2 * hr + 1]};
-                    if constexpr (WQ) { // the tensor scales of the gate and the up projection
+                    if constexpr (W4) { // the tensor scales of the gate and the up projection
                         const float sg = __ldg(&a.ws2[3 * e]), su = __ldg(&a.ws2[3 * e + 1]);
                         g[0] = __fmul_rn(g[0], sg);
                         g[1] = __fmul_rn(g[1], sg);
@@ -1319,7 +1498,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     const int col = nb * BN + wn * C::WN + ni * 8 + 2 * (lane & 3);
                     if (col >= a.N) continue;
                     float y0 = acc[mi][ni][2 * hr], y1 = acc[mi][ni][2 * hr + 1];
-                    if constexpr (WQ) { // the down projection's tensor scale
+                    if constexpr (W4) { // the down projection's tensor scale
                         const float sd = __ldg(&a.ws2[3 * e + 2]);
                         y0 = __fmul_rn(y0, sd);
                         y1 = __fmul_rn(y1, sd);
@@ -1331,18 +1510,18 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 }
 
 // Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
-// shared memory (moe_b_layout<C, WQ>::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY, bool BI = false, bool WQ = false>
-static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WQ>::smem) {
+// shared memory (moe_b_layout<C, WF>::smem, or the tiny GEMM 1's, which depends on the shape).
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
+static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WF>::smem) {
     static size_t attr_set = 0; // one device per process
     if (smem > attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI, WQ>,
+        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = smem;
     }
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WQ>, dim3((unsigned)blocks),
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, dim3((unsigned)blocks),
                     dim3(C::threads), smem, a);
 }
 
@@ -1419,18 +1598,18 @@ static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bo
     return p;
 }
 
-// The GEMM arguments of w's weights: BF16 copies, or (WQ) NVFP4 codes and scales (w then points
+// The GEMM arguments of w's weights: BF16 copies, or NVFP4 / FP8 codes and scales (w then points
 // at the codes too, never read as BF16).
-template <bool WQ> static void set_weights(moe_gemm_args *g, const moe_experts *w, bool gate_up) {
+template <int WF> static void set_weights(moe_gemm_args *g, const moe_experts *w, bool gate_up) {
     g->w = (const bf16 *)(gate_up ? w->gate_up : w->down_all);
-    if constexpr (WQ) {
+    if constexpr (WF != WF_BF16) {
         g->wq = (const uint8_t *)(gate_up ? w->gate_up : w->down_all);
         g->wsf = (const uint8_t *)(gate_up ? w->gate_up_sf : w->down_sf);
         g->ws2 = w->s2;
     }
 }
 
-template <class C, bool WQ = false>
+template <class C, int WF = WF_BF16>
 static void moe_run(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                     int T, int K, int D, int F, const int32_t *n_rows) {
     const int E = w->E, BM = C::BM;
@@ -1458,19 +1637,19 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.h_lo = C::SPLIT ? n_pairs * F : 0;
     g.act = p.xb;
     g.act_lo = C::SPLIT ? (int64_t)T * D : 0;
-    set_weights<WQ>(&g, w, true);
+    set_weights<WF>(&g, w, true);
     g.Kd = D;
     g.N = F;
     g.n_col_blocks = (F + C::BN / 2 - 1) / (C::BN / 2);
-    launch_gemm<C, true, false, false, WQ>(g, max_tiles);
+    launch_gemm<C, true, false, false, WF>(g, max_tiles);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
-    set_weights<WQ>(&g, w, false);
+    set_weights<WF>(&g, w, false);
     g.Kd = F;
     g.N = D;
     g.n_col_blocks = (D + C::BN - 1) / C::BN;
-    launch_gemm<C, false, false, false, WQ>(g, max_tiles);
+    launch_gemm<C, false, false, false, WF>(g, max_tiles);
 }
 
 // The tile shape follows the mean pairs per expert; the result does not depend on it. Limits
@@ -1478,18 +1657,18 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
 // expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
 // 32.
 // (With n_rows the shape follows the bound T: the result does not depend on it either.)
-template <class DECODE, class MID, class MID_WIDE, class PREFILL, bool WQ = false>
+template <class DECODE, class MID, class MID_WIDE, class PREFILL, int WF = WF_BF16>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
     const int64_t n_pairs = (int64_t)T * K, E = w->E;
     if (n_pairs <= 12 * E)
-        moe_run<DECODE, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<DECODE, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 48 * E)
-        moe_run<MID, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<MID, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 96 * E)
-        moe_run<MID_WIDE, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<MID_WIDE, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else
-        moe_run<PREFILL, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<PREFILL, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1503,7 +1682,7 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
 
-template <class C1, class C2, bool WQ = false>
+template <class C1, class C2, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
     static_assert(C1::SPLIT == C2::SPLIT, "one precision");
@@ -1525,43 +1704,52 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     const int nk1 = (D + C1::BK - 1) / C1::BK, row_bytes = AP * nk1 * C1::BK * 2;
     const int R1 = std::max(1, std::min({16, MOE_TINY_A_BYTES / row_bytes, T}));
     g.act = g.h; // not read (x is); any valid address
-    set_weights<WQ>(&g, w, true);
+    set_weights<WF>(&g, w, true);
     g.Kd = D;
     g.N = F;
     g.tile_rows = R1;
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
-    launch_gemm<C1, true, true, false, WQ>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
-                                           moe_b_layout<C1, WQ>::bytes + (size_t)R1 * row_bytes);
+    launch_gemm<C1, true, true, false, WF>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
+                                           moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
-    set_weights<WQ>(&g, w, false);
+    set_weights<WF>(&g, w, false);
     g.Kd = F;
     g.N = D;
     g.tile_rows = C2::BM;
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
-    launch_gemm<C2, false, true, false, WQ>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
+    launch_gemm<C2, false, true, false, WF>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
 }
 
-// The path and tile shapes by size and precision, the weights BF16 or (WQ) NVFP4.
-template <bool WQ>
+// The path and tile shapes by size and precision, the weights BF16, NVFP4 or FP8. FP8 keeps the
+// middle shape for larger sizes: its second set of accumulators (the scaled totals) would not fit
+// beside the wide and prefill shapes' 128 (W8A16 is its decode path; prefill's is to come).
+template <int WF>
 static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids,
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if ((int64_t)T * K <= MOE_TINY_PAIRS) {
         if (medium)
-            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, WQ>(out, x, topk_ids, w, T, K, D, F,
+            moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, WF>(out, x, topk_ids, w, T, K, D, F,
                                                             n_rows);
         else
-            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high, WQ>(out, x, topk_ids, w, T, K,
+            moe_run_tiny<moe_cfg_tiny1_high, moe_cfg_decode_high, WF>(out, x, topk_ids, w, T, K,
                                                                       D, F, n_rows);
+    } else if constexpr (WF == WF_FP8) {
+        if (medium)
+            moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid, moe_cfg_mid, WF>(
+                out, x, topk_ids, w, T, K, D, F, n_rows);
+        else
+            moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high, moe_cfg_mid_high,
+                         WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     } else if (medium) {
-        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill, WQ>(
+        moe_dispatch<moe_cfg_decode, moe_cfg_mid, moe_cfg_mid_wide, moe_cfg_prefill, WF>(
             out, x, topk_ids, w, T, K, D, F, n_rows);
     } else {
         moe_dispatch<moe_cfg_decode_high, moe_cfg_mid_high, moe_cfg_mid_high,
-                     moe_cfg_prefill_high, WQ>(out, x, topk_ids, w, T, K, D, F, n_rows);
+                     moe_cfg_prefill_high, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     }
 }
 
@@ -1574,10 +1762,14 @@ static void moe_experts_any(float *out, const float *x, const int32_t *topk_ids,
     if (w->wformat == MOE_W_NVFP4) {
         MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf && w->s2);
         MS_ASSERT(D % 64 == 0 && F % 64 == 0);
-        moe_experts_path<true>(out, x, topk_ids, n_rows, w, T, K, D, F);
+        moe_experts_path<WF_NVFP4>(out, x, topk_ids, n_rows, w, T, K, D, F);
+    } else if (w->wformat == MOE_W_FP8) {
+        MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf);
+        MS_ASSERT(D % 64 == 0 && F % 64 == 0);
+        moe_experts_path<WF_FP8>(out, x, topk_ids, n_rows, w, T, K, D, F);
     } else {
         MS_ASSERT(w->gate_up && w->down_all && w->wdtype == DTYPE_BF16); // prepare_experts ran
-        moe_experts_path<false>(out, x, topk_ids, n_rows, w, T, K, D, F);
+        moe_experts_path<WF_BF16>(out, x, topk_ids, n_rows, w, T, K, D, F);
     }
 }
 

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "kernels/quant.h"
 #include "runner/model.h"
 #ifdef MOESERVE_CUDA
 #include "kernels/cuda/a2a_cuda.h"
@@ -136,6 +137,110 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
     return rc;
 }
 
+/* The same for a checkpoint whose routed experts of layer i are all in block FP8, on a backend
+ * that takes FP8 experts: their codes and block scales (a scale per weight row and 128-k block,
+ * quant_fp8_row_scales) go to the backend, whose GEMMs decode the codes (W8A16) and scale each
+ * block's sums. Opt-in with MOESERVE_W8A16=1 until the kernels have been checked on a GPU
+ * (otherwise the experts run in BF16 from the dequantized weights). 1 when done, 0 when not
+ * taken, -1 with err. */
+static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
+    const char *v = getenv("MOESERVE_W8A16");
+    if (!v || strcmp(v, "1") != 0 || !m->ops->prepare_experts_fp8) return 0;
+    const model_config *c = &m->cfg;
+    const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
+    const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
+    if (El <= 0 || D % 64 || F % 64) return 0;
+    const int64_t nkd = (D + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK,
+                  nkf = (F + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    const size_t mat = (size_t)F * D; /* elements of one gate, up or down matrix */
+    uint8_t *guq = malloc((size_t)El * 2 * mat), *dq = malloc((size_t)El * mat);
+    float *gus = malloc((size_t)El * nkd * 2 * F * sizeof(float));
+    float *ds = malloc((size_t)El * nkf * D * sizeof(float));
+    int rc = 1;
+    if (!guq || !dq || !gus || !ds) {
+        set_err(err, errlen, "%s: layer %d: out of memory staging %d FP8 experts", m->dir, i, El);
+        rc = -1;
+    }
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    char name[256];
+    for (int e = 0; e < El && rc == 1; e++)
+        for (int p = 0; p < 3 && rc == 1; p++) {
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
+                     parts[p]);
+            const uint8_t *q;
+            const float *s;
+            rc = model_weight_fp8(m, name, p == 2 ? D : F, p == 2 ? F : D, &q, &s, err, errlen);
+            if (rc != 1) break;
+            /* gate_up [El, 2F, D]: expert e's gate rows, then its up rows; down [El, D, F] */
+            if (p == 2) {
+                memcpy(dq + (size_t)e * mat, q, mat);
+                quant_fp8_row_scales(ds + (size_t)e * nkf * D, D, s, (int)D, (int)F);
+            } else {
+                memcpy(guq + (size_t)(2 * e + p) * mat, q, mat);
+                quant_fp8_row_scales(gus + (size_t)e * nkd * 2 * F + (size_t)p * F, 2 * F, s,
+                                     (int)F, (int)D);
+            }
+        }
+    if (rc == 1 && m->ops->prepare_experts_fp8(&l->experts, guq, gus, dq, ds, (int)D, (int)F, err,
+                                               errlen))
+        rc = -1;
+    free(guq);
+    free(dq);
+    free(gus);
+    free(ds);
+    return rc;
+}
+
+/* --load-format dummy --quantization fp8 on a backend that takes FP8 experts: layer i's experts
+ * as random E4M3 codes of magnitude 0.5 to 1.875 (either sign) and one block scale a matrix that
+ * gives the weights an RMS of about 1 / sqrt(in_features), as model_dummy_fill's BF16 ones have;
+ * each expert from its own seed, so a rank holds the experts one process would. */
+static int qwen3_moe_dummy_fp8(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
+    const model_config *c = &m->cfg;
+    const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
+    const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
+    const int64_t nkd = (D + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK,
+                  nkf = (F + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    const size_t mat = (size_t)F * D, sgu = (size_t)nkd * 2 * F, sd = (size_t)nkf * D;
+    uint8_t *guq = malloc((size_t)El * 2 * mat), *dq = malloc((size_t)El * mat);
+    float *gus = malloc((size_t)El * sgu * sizeof(float));
+    float *ds = malloc((size_t)El * sd * sizeof(float));
+    int rc = 0;
+    if (!guq || !dq || !gus || !ds) {
+        set_err(err, errlen, "%s: layer %d: out of host memory for %d dummy FP8 experts", m->dir,
+                i, El);
+        rc = -1;
+    }
+    const float rms = sqrtf(1.34f); /* E[v^2] over E4M3 0x30..0x3F */
+    for (int e = 0; e < El && rc == 0; e++) {
+        char name[96];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.fp8", i, E0 + e);
+        uint64_t x = model_dummy_seed(name) | 1;
+        uint8_t *parts[2] = {guq + (size_t)e * 2 * mat, dq + (size_t)e * mat};
+        const size_t sizes[2] = {2 * mat, mat};
+        for (int p = 0; p < 2; p++)
+            for (size_t k = 0; k < sizes[p]; k += 8) { /* xorshift64* words */
+                x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+                /* sign, exponent 6 or 7, any mantissa: 0.5 to 1.875 */
+                const uint64_t r =
+                    ((x * 2685821657736338717ull) & 0x8F8F8F8F8F8F8F8Full) | 0x3030303030303030ull;
+                memcpy(parts[p] + k, &r, sizes[p] - k < 8 ? sizes[p] - k : 8);
+            }
+        for (size_t k = 0; k < sgu; k++)
+            gus[(size_t)e * sgu + k] = 1.0f / (rms * sqrtf((float)D));
+        for (size_t k = 0; k < sd; k++)
+            ds[(size_t)e * sd + k] = 1.0f / (rms * sqrtf((float)F));
+    }
+    if (rc == 0 &&
+        m->ops->prepare_experts_fp8(&l->experts, guq, gus, dq, ds, (int)D, (int)F, err, errlen))
+        rc = -1;
+    free(guq);
+    free(dq);
+    free(gus);
+    free(ds);
+    return rc;
+}
+
 /* --load-format dummy --quantization nvfp4 on a backend that takes NVFP4 experts: layer i's
  * experts as random codes (every nibble equally likely), E4M3 group scales from 0.5 to 1.875 and
  * tensor scales that give the weights an RMS of about 1 / sqrt(in_features), as model_dummy_fill's
@@ -210,12 +315,14 @@ static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *er
             }
         return 0;
     }
-    if (m->online_quant == MODEL_QUANT_NVFP4 && m->ops->prepare_experts_nvfp4) {
+    if ((m->online_quant == MODEL_QUANT_NVFP4 && m->ops->prepare_experts_nvfp4) ||
+        (m->online_quant == MODEL_QUANT_FP8 && m->ops->prepare_experts_fp8)) {
         for (int e = 0; e < El; e++) /* views: shapes only, the backend reads its own copies */
             for (int p = 0; p < 3; p++)
                 dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
                                      .shape = {p == 2 ? D : F, p == 2 ? F : D}};
-        return qwen3_moe_dummy_nvfp4(m, i, l, err, errlen);
+        return m->online_quant == MODEL_QUANT_FP8 ? qwen3_moe_dummy_fp8(m, i, l, err, errlen)
+                                                  : qwen3_moe_dummy_nvfp4(m, i, l, err, errlen);
     }
     size_t half = (size_t)F * D; /* elements of one gate, up or down matrix */
     uint16_t *gate_up = m->ops->dev_alloc((size_t)El * 2 * half * sizeof(uint16_t));
@@ -309,9 +416,10 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     l->experts = (moe_experts){
         .E = El, .gate = l->expert_gate, .up = l->expert_up, .down = l->expert_down};
     char why[512];
-    const int w4 = qwen3_moe_nvfp4_experts(m, i, l, err, errlen);
-    if (w4 < 0) return -1;
-    if (!w4 && El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
+    int wq = qwen3_moe_nvfp4_experts(m, i, l, err, errlen);
+    if (wq == 0) wq = qwen3_moe_fp8_experts(m, i, l, err, errlen);
+    if (wq < 0) return -1;
+    if (!wq && El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
         return set_err(err, errlen, "%s: layer %d experts: %s", m->dir, i, why);
 #undef W1
 #undef W2
