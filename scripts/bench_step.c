@@ -2,7 +2,7 @@
  * prefill throughput, on one device, with a real checkpoint or dummy weights.
  *
  *   build/bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]
- *                    [--quantization nvfp4]   (dummy: routed experts in NVFP4, W4A16)
+ *                    [--quantization nvfp4|fp8] (dummy: routed experts in NVFP4, W4A16, or FP8, W8A16)
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
  *

@@ -980,6 +980,27 @@ static void test_deepseek(bool compare, int max_T) {
     model_free(&m);
 }
 
+/* ---- quantized experts: the cases both formats run ---- */
+
+/* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
+ * busy expert, empty calls. */
+static void quant_small_cases(const model *m) {
+    const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400};
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+        run_case(m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 64, NULL);
+    run_case(m, 5, ROUTE_RANDOM, 0.25, 5, true, NULL);
+    run_case(m, 40, ROUTE_ONE, 0.0, 40, false, NULL);
+    run_empty_cases(m);
+}
+
+/* Qwen3-30B-A3B's shape: checked at decode sizes and 1024, then timed. */
+static void quant_qwen3_cases(const model *m) {
+    const int Ts[] = {1, 2, 3, 8, 64, 1024};
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+        run_case(m, Ts[i], ROUTE_RANDOM, 0.0, 32, Ts[i] <= 64, NULL);
+    time_model(m, 1024);
+}
+
 /* ---- NVFP4 experts (W4A16) ---- */
 
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
@@ -1038,14 +1059,7 @@ static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
 static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
     model m;
-    if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) {
-        const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400}; /* every tile shape: tiny to prefill */
-        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 64, NULL);
-        run_case(&m, 5, ROUTE_RANDOM, 0.25, 5, true, NULL);
-        run_case(&m, 40, ROUTE_ONE, 0.0, 40, false, NULL);
-        run_empty_cases(&m);
-    }
+    if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) quant_small_cases(&m);
     model_free(&m);
     {
         moe_experts w = {.E = 2};
@@ -1069,10 +1083,7 @@ static void test_nvfp4(bool full) {
     }
     if (!full) return;
     if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
-        const int Ts[] = {1, 2, 3, 8, 64, 1024};
-        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 32, Ts[i] <= 64, NULL);
-        time_model(&m, 1024);
+        quant_qwen3_cases(&m);
     }
     model_free(&m);
 }
@@ -1148,14 +1159,7 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
 static void test_fp8(bool full) {
     printf("FP8 experts (W8A16)\n");
     model m;
-    if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
-        const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400}; /* every tile shape: tiny to prefill */
-        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 64, Ts[i] <= 64, NULL);
-        run_case(&m, 5, ROUTE_RANDOM, 0.25, 5, true, NULL);
-        run_case(&m, 40, ROUTE_ONE, 0.0, 40, false, NULL);
-        run_empty_cases(&m);
-    }
+    if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) quant_small_cases(&m);
     model_free(&m);
     if (model_fp8(&m, "fp8-partial-blocks", 4, 320, 192, 2) == 0) { /* Kd % 128 == 64 both ways */
         const int Ts[] = {1, 2, 8, 40, 300};
@@ -1191,10 +1195,7 @@ static void test_fp8(bool full) {
     }
     if (!full) return;
     if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0) {
-        const int Ts[] = {1, 2, 3, 8, 64, 1024};
-        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, 0.0, 32, Ts[i] <= 64, NULL);
-        time_model(&m, 1024);
+        quant_qwen3_cases(&m);
     }
     model_free(&m);
 }

@@ -357,6 +357,36 @@ __global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int
     *sp = sc;
 }
 
+// The quantized experts' upload: n host arrays into new device buffers dst[i] (sizes[i] bytes),
+// then pack(bad) queued on the backend's stream (the in-place rearrangement, which sets *bad on a
+// value it refuses) and *bad_h read back. On an error or *bad_h every buffer is freed.
+template <class Pack>
+static cudaError_t upload_packed(int n, const void *const *src, const size_t *sizes, void **dst,
+                                 Pack pack, int *bad_h) {
+    int *bad = nullptr;
+    *bad_h = 0;
+    cudaError_t ce = cudaMalloc(&bad, sizeof(int));
+    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
+    for (int i = 0; i < n && ce == cudaSuccess; i++) {
+        ce = cudaMalloc(&dst[i], sizes[i]);
+        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
+    }
+    if (ce == cudaSuccess) {
+        pack(bad);
+        ce = cudaGetLastError();
+    }
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(bad_h, bad, sizeof(int), cudaMemcpyDeviceToHost, cuda_stream());
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
+    if (bad) cudaFree(bad);
+    if (ce != cudaSuccess || *bad_h) {
+        cudaGetLastError();
+        for (int i = 0; i < n; i++)
+            if (dst[i]) cudaFree(dst[i]), dst[i] = nullptr;
+    }
+    return ce;
+}
+
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
                                const uint8_t *gate_up_sf, const uint8_t *down_q,
                                const uint8_t *down_sf, const float *s2, int D, int F, char *err,
@@ -381,29 +411,16 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
     }
     const void *src[5] = {gate_up_q, gate_up_sf, down_q, down_sf, s2k};
     void *dst[5] = {};
-    int *bad = NULL;
-    cudaError_t ce = cudaMalloc(&bad, sizeof(int));
-    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
-    for (int i = 0; i < 5 && ce == cudaSuccess; i++) {
-        ce = cudaMalloc(&dst[i], sizes[i]);
-        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
-    }
-    free(s2k);
     int bad_h = 0;
-    for (int m = 0; m < 2 && ce == cudaSuccess; m++) { // gate_up, then down
-        const int64_t n_chunks = (int64_t)(m ? 1 : 2) * E * (int64_t)mat / 64;
-        nvfp4_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
-            (uint8_t *)dst[2 * m], (uint8_t *)dst[2 * m + 1], n_chunks, bad);
-        ce = cudaGetLastError();
-    }
-    if (ce == cudaSuccess) ce = cudaMemcpyAsync(&bad_h, bad, sizeof(int), cudaMemcpyDeviceToHost,
-                                                cuda_stream());
-    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
-    if (bad) cudaFree(bad);
+    const cudaError_t ce = upload_packed(5, src, sizes, dst, [&](int *bad) {
+        for (int m = 0; m < 2; m++) { // gate_up, then down
+            const int64_t n_chunks = (int64_t)(m ? 1 : 2) * E * (int64_t)mat / 64;
+            nvfp4_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
+                (uint8_t *)dst[2 * m], (uint8_t *)dst[2 * m + 1], n_chunks, bad);
+        }
+    }, &bad_h);
+    free(s2k);
     if (ce != cudaSuccess || bad_h) {
-        cudaGetLastError();
-        for (int i = 0; i < 5; i++)
-            if (dst[i]) cudaFree(dst[i]);
         if (bad_h)
             return set_err(err, errlen, "CUDA: NVFP4 experts of D=%d F=%d: a group scale "
                                         "(weight_scale) is negative or NaN", D, F);
@@ -458,28 +475,15 @@ int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const flo
                                D, F, m ? "down projections" : "gate / up projections");
     const void *src[4] = {gate_up_q, gate_up_s, down_q, down_s};
     void *dst[4] = {};
-    int *bad = NULL;
-    cudaError_t ce = cudaMalloc(&bad, sizeof(int));
-    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
-    for (int i = 0; i < 4 && ce == cudaSuccess; i++) {
-        ce = cudaMalloc(&dst[i], sizes[i]);
-        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
-    }
     int bad_h = 0;
-    for (int m = 0; m < 2 && ce == cudaSuccess; m++) { // gate_up, then down
-        const int64_t n_chunks = (int64_t)sizes[2 * m] / 64;
-        fp8_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
-            (uint8_t *)dst[2 * m], n_chunks, bad);
-        ce = cudaGetLastError();
-    }
-    if (ce == cudaSuccess) ce = cudaMemcpyAsync(&bad_h, bad, sizeof(int), cudaMemcpyDeviceToHost,
-                                                cuda_stream());
-    if (ce == cudaSuccess) ce = cudaStreamSynchronize(cuda_stream());
-    if (bad) cudaFree(bad);
+    const cudaError_t ce = upload_packed(4, src, sizes, dst, [&](int *bad) {
+        for (int m = 0; m < 2; m++) { // gate_up, then down
+            const int64_t n_chunks = (int64_t)sizes[2 * m] / 64;
+            fp8_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
+                (uint8_t *)dst[2 * m], n_chunks, bad);
+        }
+    }, &bad_h);
     if (ce != cudaSuccess || bad_h) {
-        cudaGetLastError();
-        for (int i = 0; i < 4; i++)
-            if (dst[i]) cudaFree(dst[i]);
         if (bad_h)
             return set_err(err, errlen, "CUDA: FP8 experts of D=%d F=%d: a weight code is NaN", D,
                            F);
