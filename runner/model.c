@@ -86,6 +86,10 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
                         : quant == MODEL_QUANT_FP8   ? A2A_PAYLOAD_FP8
                         : quant == MODEL_QUANT_NVFP4 ? A2A_PAYLOAD_NVFP4
                                                      : A2A_PAYLOAD_F32;
+    /* MOESERVE_EXPERT_ACT_QUANT=0: the experts read their input unrounded (the W8A16 / W4A16
+     * kernels' BF16 activations, the format's weights alone): every rank of a run must agree */
+    const char *aq = getenv("MOESERVE_EXPERT_ACT_QUANT");
+    if (aq && strcmp(aq, "0") == 0) m->expert_payload = A2A_PAYLOAD_F32;
     if (m->expert_payload == A2A_PAYLOAD_NVFP4 && m->cfg.hidden_size % QUANT_FP4_GROUP != 0) {
         set_err(err, errlen, "%s/config.json: hidden_size %d: NVFP4 experts need a multiple of %d",
                 dir, m->cfg.hidden_size, QUANT_FP4_GROUP);
@@ -268,13 +272,13 @@ static const tensor *own_f32(model *m, float *w, int64_t N, int64_t K) {
     return &mt->t;
 }
 
-/* A quantized checkpoint tensor as the F32 [N, K] weight it stands for (kernels/cpu/quant.c's
- * formulas), made once at load and owned by the model: FP8 codes times their block's
- * weight_scale_inv, or NVFP4 codes times their group's weight_scale times weight_scale_2. The
- * backends then read it as any F32 weight (the CUDA experts round it to BF16); the quantized
- * kernels come later. */
-static int dequant_weight(model *m, const checkpoint_tensor *ct, const char *name,
-                          const int64_t *shape, const tensor **out, char *err, size_t errlen) {
+/* The checks of a quantized checkpoint tensor that stands for an [N, K] weight, nothing read
+ * from its data: its dtype against config.json's quantization_config, its shape, its scale
+ * tensors (FP8: *s the weight_scale_inv; NVFP4: *s the weight_scale, *s2 the weight_scale_2).
+ * 0, or -1 with err naming the file and tensor. */
+static int quant_check(const model *m, const checkpoint_tensor *ct, const char *name,
+                       const int64_t *shape, const checkpoint_tensor **s,
+                       const checkpoint_tensor **s2, char *err, size_t errlen) {
     const model_config *c = &m->cfg;
     const int64_t N = shape[0], K = shape[1];
     const bool fp8 = ct->t.dtype == DTYPE_F8_E4M3;
@@ -293,23 +297,34 @@ static int dequant_weight(model *m, const checkpoint_tensor *ct, const char *nam
                        ct->file, name, got, (long long)N, (long long)want1,
                        fp8 ? "" : " (packed: two values a byte)");
     }
-    float *w = malloc((size_t)N * K * sizeof(float));
-    if (!w) return set_err(err, errlen, "%s: out of memory dequantizing '%s'", m->dir, name);
+    *s2 = NULL;
     if (fp8) {
         const int64_t bn = (N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
         const int64_t bk = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
-        const checkpoint_tensor *s =
-            quant_part(m, name, ".weight_scale_inv", DTYPE_F32, bn * bk, err, errlen);
-        if (!s) return free(w), -1;
-        dequant_fp8_blocks(w, ct->t.data, s->t.data, (int)N, (int)K);
-    } else {
-        const checkpoint_tensor *sf =
-            quant_part(m, name, ".weight_scale", DTYPE_F8_E4M3, N * K / QUANT_FP4_GROUP, err, errlen);
-        const checkpoint_tensor *s2 =
-            sf ? quant_part(m, name, ".weight_scale_2", DTYPE_F32, 1, err, errlen) : NULL;
-        if (!s2) return free(w), -1;
-        dequant_nvfp4(w, ct->t.data, sf->t.data, *(const float *)s2->t.data, (int)N, (int)K);
+        *s = quant_part(m, name, ".weight_scale_inv", DTYPE_F32, bn * bk, err, errlen);
+        return *s ? 0 : -1;
     }
+    *s = quant_part(m, name, ".weight_scale", DTYPE_F8_E4M3, N * K / QUANT_FP4_GROUP, err, errlen);
+    *s2 = *s ? quant_part(m, name, ".weight_scale_2", DTYPE_F32, 1, err, errlen) : NULL;
+    return *s2 ? 0 : -1;
+}
+
+/* A quantized checkpoint tensor as the F32 [N, K] weight it stands for (kernels/cpu/quant.c's
+ * formulas), made once at load and owned by the model: FP8 codes times their block's
+ * weight_scale_inv, or NVFP4 codes times their group's weight_scale times weight_scale_2. The
+ * backends then read it as any F32 weight (the CUDA experts round it to BF16 unless the backend
+ * takes the codes themselves: qwen3_moe.c). */
+static int dequant_weight(model *m, const checkpoint_tensor *ct, const char *name,
+                          const int64_t *shape, const tensor **out, char *err, size_t errlen) {
+    const int64_t N = shape[0], K = shape[1];
+    const checkpoint_tensor *s = NULL, *s2 = NULL;
+    if (quant_check(m, ct, name, shape, &s, &s2, err, errlen) || !s) return -1;
+    float *w = malloc((size_t)N * K * sizeof(float));
+    if (!w) return set_err(err, errlen, "%s: out of memory dequantizing '%s'", m->dir, name);
+    if (ct->t.dtype == DTYPE_F8_E4M3)
+        dequant_fp8_blocks(w, ct->t.data, s->t.data, (int)N, (int)K);
+    else if (s2)
+        dequant_nvfp4(w, ct->t.data, s->t.data, *(const float *)s2->t.data, (int)N, (int)K);
     *out = own_f32(m, w, N, K);
     return 0;
 }
@@ -384,27 +399,108 @@ int model_weight_nvfp4(const model *m, const char *name, int64_t N, int64_t K, c
     return 1;
 }
 
-int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
-                      const tensor **out, char *err, size_t errlen) {
-    if (m->dummy)
-        return set_err(err, errlen, "%s: tensor '%s': a dummy model has no checkpoint views",
-                       m->dir, name);
+/* Checkpoint tensor `name`, found and checked against shape (quantized ones with their scales,
+ * nothing read from them): NULL with err when it is missing or malformed. */
+static const checkpoint_tensor *weight_checked(model *m, const char *name, int ndim,
+                                               const int64_t *shape, char *err, size_t errlen) {
+    if (m->dummy) {
+        set_err(err, errlen, "%s: tensor '%s': a dummy model has no checkpoint views", m->dir,
+                name);
+        return NULL;
+    }
     const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, name);
-    if (!ct) return set_err(err, errlen, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
-    if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8))
-        return dequant_weight(m, ct, name, shape, out, err, errlen);
+    if (!ct) {
+        set_err(err, errlen, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
+        return NULL;
+    }
+    if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8)) {
+        const checkpoint_tensor *s, *s2;
+        return quant_check(m, ct, name, shape, &s, &s2, err, errlen) ? NULL : ct;
+    }
     bool same = ct->t.ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = ct->t.shape[i] == shape[i];
     if (!same) {
         char got[128], want[128];
         tensor_format_shape(got, sizeof got, ct->t.ndim, ct->t.shape);
         tensor_format_shape(want, sizeof want, ndim, shape);
-        return set_err(err, errlen, "%s: tensor '%s' has shape %s but config.json implies %s",
-                       ct->file, name, got, want);
+        set_err(err, errlen, "%s: tensor '%s' has shape %s but config.json implies %s", ct->file,
+                name, got, want);
+        return NULL;
     }
-    if (ct->t.dtype != DTYPE_BF16 && ct->t.dtype != DTYPE_F32 && ct->t.dtype != DTYPE_F16)
-        return set_err(err, errlen, "%s: tensor '%s' has dtype %s; supported: BF16, F16, F32",
-                       ct->file, name, dtype_name(ct->t.dtype));
+    if (ct->t.dtype != DTYPE_BF16 && ct->t.dtype != DTYPE_F32 && ct->t.dtype != DTYPE_F16) {
+        set_err(err, errlen, "%s: tensor '%s' has dtype %s; supported: BF16, F16, F32", ct->file,
+                name, dtype_name(ct->t.dtype));
+        return NULL;
+    }
+    return ct;
+}
+
+int model_weight_check(model *m, const char *name, int ndim, const int64_t *shape, char *err,
+                       size_t errlen) {
+    return weight_checked(m, name, ndim, shape, err, errlen) ? 0 : -1;
+}
+
+/* Checkpoint tensor `name` [N, K] in BF16, F16 or F32 as floats (malloc'd), for --quantization
+ * at load: NULL with err. */
+static float *weight_floats(model *m, const char *name, int64_t N, int64_t K, char *err,
+                            size_t errlen) {
+    const int64_t shape[2] = {N, K};
+    const checkpoint_tensor *ct = weight_checked(m, name, 2, shape, err, errlen);
+    if (!ct) return NULL;
+    float *w = malloc((size_t)N * K * sizeof(float));
+    if (!w) {
+        set_err(err, errlen, "%s: out of memory quantizing '%s'", m->dir, name);
+        return NULL;
+    }
+    for (int64_t i = 0; i < N * K; i++)
+        w[i] = tensor_get_f32(&ct->t, i);
+    return w;
+}
+
+int model_weight_fp8_into(model *m, const char *name, int64_t N, int64_t K, uint8_t *q, float *s,
+                          char *err, size_t errlen) {
+    const uint8_t *cq = NULL;
+    const float *cs = NULL;
+    const int rc = model_weight_fp8(m, name, N, K, &cq, &cs, err, errlen);
+    const int64_t nb = ((N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK) *
+                       ((K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK);
+    if (rc == 1 && cq && cs) {
+        memcpy(q, cq, (size_t)(N * K));
+        memcpy(s, cs, (size_t)nb * sizeof(float));
+    }
+    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_FP8) return rc;
+    float *w = weight_floats(m, name, N, K, err, errlen);
+    if (!w) return -1;
+    quant_fp8_blocks(q, s, w, (int)N, (int)K); /* quantize_weight's codes */
+    free(w);
+    return 1;
+}
+
+int model_weight_nvfp4_into(model *m, const char *name, int64_t N, int64_t K, uint8_t *q,
+                            uint8_t *sf, float *s2, char *err, size_t errlen) {
+    const uint8_t *cq = NULL, *csf = NULL;
+    const int rc = model_weight_nvfp4(m, name, N, K, &cq, &csf, s2, err, errlen);
+    if (rc == 1 && cq && csf) {
+        memcpy(q, cq, (size_t)(N * K / 2));
+        memcpy(sf, csf, (size_t)(N * K / QUANT_FP4_GROUP));
+    }
+    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_NVFP4) return rc;
+    if (K % QUANT_FP4_GROUP != 0)
+        return set_err(err, errlen, "%s: tensor '%s' has %lld columns: NVFP4 needs a multiple of %d",
+                       m->dir, name, (long long)K, QUANT_FP4_GROUP);
+    float *w = weight_floats(m, name, N, K, err, errlen);
+    if (!w) return -1;
+    *s2 = quant_nvfp4(q, sf, w, (int)N, (int)K, 0.0f); /* quantize_weight's codes */
+    free(w);
+    return 1;
+}
+
+int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
+                      const tensor **out, char *err, size_t errlen) {
+    const checkpoint_tensor *ct = weight_checked(m, name, ndim, shape, err, errlen);
+    if (!ct) return -1;
+    if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8))
+        return dequant_weight(m, ct, name, shape, out, err, errlen);
     size_t len = strlen(name);
     if (m->online_quant != MODEL_QUANT_NONE && ndim == 2 && len > 12 &&
         strcmp(name + len - 12, "_proj.weight") == 0 &&

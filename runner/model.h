@@ -65,7 +65,9 @@ struct model {
      * cross quantized and each rank's experts see the bits one process gives them. A backend
      * without moe_input_quant keeps F32. Only the experts' input: their down projection reads
      * silu(gate) * up unrounded (a W8A8 kernel that quantizes it too must say so in
-     * moe_experts, with the CPU following). */
+     * moe_experts, with the CPU following). MOESERVE_EXPERT_ACT_QUANT=0 makes it F32 whatever
+     * the weights (the quantized GEMMs against their dequantized weights alone, nothing else
+     * rounded: gpu_check.sh's tight whole-model comparison of the GPU with the CPU). */
     int expert_payload;
     char err[512]; /* why the last forward failed */
     uint64_t ws_epoch; /* moves on whenever the activation buffers are reallocated */
@@ -114,6 +116,10 @@ void model_free(model *m);
  * the model. The message names the checkpoint file or folder, the tensor and both shapes. */
 int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape,
                       const tensor **out, char *err, size_t errlen);
+/* The same checks (a quantized weight's scale tensors included), nothing dequantized or read:
+ * for tensors that a backend takes in their stored format, or that this rank does not hold. */
+int model_weight_check(model *m, const char *name, int ndim, const int64_t *shape, char *err,
+                       size_t errlen);
 /* Weight `name` [N, K] as the checkpoint stores it in NVFP4 (config.json's quantization says
  * NVFP4 and the tensor is packed U8): 1 with *q its codes [N, K / 2], *sf its E4M3 group scales
  * [N, K / 16] (checkpoint views) and *s2 its tensor scale; 0 when it is stored otherwise; -1 with
@@ -123,6 +129,15 @@ int model_weight_fp8(const model *m, const char *name, int64_t N, int64_t K, con
                      const float **s, char *err, size_t errlen);
 int model_weight_nvfp4(const model *m, const char *name, int64_t N, int64_t K, const uint8_t **q,
                        const uint8_t **sf, float *s2, char *err, size_t errlen);
+/* The same parts copied into the caller's arrays (q [N, K], s [ceil(N / 128) * ceil(K / 128)];
+ * NVFP4: q [N, K / 2], sf [N, K / 16], *s2), from the checkpoint's quantized tensor, or, with
+ * --quantization fp8 / nvfp4 on a BF16 (F16, F32) checkpoint, quantized from its weight at load
+ * by the formulas the loaded F32 weight goes through (model_weight_info): the codes a W8A16 /
+ * W4A16 backend takes for what the CPU runs. 1 done, 0 when neither applies, -1 with err. */
+int model_weight_fp8_into(model *m, const char *name, int64_t N, int64_t K, uint8_t *q, float *s,
+                          char *err, size_t errlen);
+int model_weight_nvfp4_into(model *m, const char *name, int64_t N, int64_t K, uint8_t *q,
+                            uint8_t *sf, float *s2, char *err, size_t errlen);
 /* model_weight_info, then the model's own copy of the view, made usable by its backend
  * (ops->upload: on the device for CUDA); the copy lives as long as the model. */
 int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,

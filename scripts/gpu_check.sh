@@ -4,9 +4,8 @@
 # build/ — or the binaries below and build/gpu-libs — and run this script there).
 #   1. every CUDA op test (build/tests/test_cuda_*): CUDA against the CPU reference
 #   2. the whole model: teacher-forced logprobs of `moeserve generate --device cuda` against
-#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared; the NVFP4 and
-#      FP8 checkpoints through the W4A16 / W8A16 experts (mean |difference| at most 2e-3, every
-#      greedy token equal: the worst position moves by the experts' input rounding, a few 1e-2)
+#      --device cpu on the test checkpoint (limit 2e-2), greedy tokens compared; NVFP4 and FP8
+#      through the W4A16 / W8A16 experts (2b: the limits and why)
 #   3. the server over HTTP with --device cuda
 #   4. tests/test_determinism.py with --device cuda (--enable-deterministic-inference, exact)
 # Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
@@ -71,24 +70,46 @@ sys.exit(0 if max(worst_in, worst_out) < 2e-2 else 1)
 PY
 done
 
-# 2b. the quantized checkpoints: the experts decoded on the GPU (NVFP4: W4A16, by default; FP8:
-# W8A16, MOESERVE_W8A16=1) against the CPU's dequantized weights
-for fmt in nvfp4 fp8; do
+# 2b. quantized experts decoded on the GPU (NVFP4: W4A16, FP8: W8A16, both by default) against
+# the CPU's dequantized weights. The experts' input goes through its format on both (FP8: E4M3 a
+# token per 128 channels; NVFP4: E2M1), and a code that sits on a rounding boundary flips under
+# the GPU's last-bit differences; the test checkpoints amplify that from layer to layer (drawn
+# large on purpose: docs/benchmarks.md, "Quantized experts"), so they are compared three ways:
+#   exact:  the test checkpoints with MOESERVE_EXPERT_ACT_QUANT=0 (the input unrounded, only the
+#           quantized GEMMs differ): prompt mean |difference| at most 2e-4, worst 2e-2, greedy
+#           tokens equal
+#   served: the trained checkpoint quantized at load (--quantization fp8 / nvfp4: the experts
+#           still W8A16 / W4A16), input rounded as served: mean at most 2e-3, greedy tokens equal
+#   served: the test checkpoints as served: mean at most 2e-2 (the BF16 model's whole bound)
+# Usage: quant_case NAME MEAN WORST SAME_TOKENS(0/1) -- generate's model flags (env before).
+quant_case() {
+    local name=$1 lim_mean=$2 lim_worst=$3 same=$4
+    shift 5
     for dev in cpu cuda; do
-        MOESERVE_W8A16=1 timeout 120 "$bin" generate --model-path "tests/data/tiny-qwen3-moe-$fmt" \
-            --device "$dev" --input-ids "$ids" --max-new-tokens 32 --temperature 0 \
-            --return-logprob --logprob-start-len 0 \
-            > "$out/generate-$fmt-$dev.json" 2> "$out/generate-$fmt-$dev.log" || bad "generate $fmt $dev"
+        timeout 120 "$bin" generate "$@" --device "$dev" --input-ids "$ids" --max-new-tokens 32 \
+            --temperature 0 --return-logprob --logprob-start-len 0 \
+            > "$out/generate-$name-$dev.json" 2> "$out/generate-$name-$dev.log" || bad "generate $name $dev"
     done
-    python3 - "$fmt" "$out/generate-$fmt-cpu.json" "$out/generate-$fmt-cuda.json" <<'PY' && ok "$fmt whole model (experts decoded on the GPU): mean logprob difference within 2e-3 of the CPU, greedy tokens equal" || bad "$fmt whole model against CPU"
+    python3 - "$name" "$out/generate-$name-cpu.json" "$out/generate-$name-cuda.json" \
+        "$lim_mean" "$lim_worst" "$same" <<'PY' && ok "$name: within $lim_mean (mean) and $lim_worst (worst) of the CPU" || bad "$name against the CPU"
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[2:4])
-lp = lambda j: [x[0] for x in j["meta_info"]["input_token_logprobs"][1:]] + [x[0] for x in j["meta_info"]["output_token_logprobs"]]
+lim_mean, lim_worst, same = float(sys.argv[4]), float(sys.argv[5]), sys.argv[6] == "1"
+lp = lambda j: [x[0] for x in j["meta_info"]["input_token_logprobs"][1:]]
 d = [abs(x - y) for x, y in zip(lp(a), lp(b))]
-same = a["output_ids"] == b["output_ids"]
-print(f"{sys.argv[1]}: mean |cuda - cpu| = {sum(d) / len(d):.3g}, worst {max(d):.3g} over {len(d)}; greedy tokens equal: {same}")
-sys.exit(0 if same and sum(d) / len(d) < 2e-3 else 1)
+first = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), None)
+mean = sum(d) / len(d)
+print(f"{sys.argv[1]}: prompt logprobs mean |cuda - cpu| = {mean:.3g}, worst {max(d):.3g} over "
+      f"{len(d)}; greedy tokens: {'all equal' if first is None else f'first differs at {first}'}")
+sys.exit(0 if mean <= lim_mean and max(d) <= lim_worst and (first is None or not same) else 1)
 PY
+}
+for fmt in nvfp4 fp8; do
+    MOESERVE_EXPERT_ACT_QUANT=0 quant_case "$fmt-exact" 2e-4 2e-2 1 -- \
+        --model-path "tests/data/tiny-qwen3-moe-$fmt"
+    quant_case "$fmt-trained-served" 2e-3 1 1 -- --model-path tests/data/tiny-qwen3-moe-trained \
+        --quantization "$fmt"
+    quant_case "$fmt-served" 2e-2 10 0 -- --model-path "tests/data/tiny-qwen3-moe-$fmt"
 done
 
 # 3. the server over HTTP

@@ -1161,6 +1161,9 @@ static void test_fp8(bool full) {
     model m;
     if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) quant_small_cases(&m);
     model_free(&m);
+    /* the test checkpoint's shape: one partial 128-k block both ways */
+    if (model_fp8(&m, "fp8-64", 8, 64, 64, 2) == 0) quant_small_cases(&m);
+    model_free(&m);
     if (model_fp8(&m, "fp8-partial-blocks", 4, 320, 192, 2) == 0) { /* Kd % 128 == 64 both ways */
         const int Ts[] = {1, 2, 8, 40, 300};
         for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)

@@ -144,6 +144,61 @@ static void check_nvfp4_parts(model *bf, model *f8, model *f4, const char *name,
     free(w);
 }
 
+/* model_weight_fp8_into / _nvfp4_into, the codes a W8A16 / W4A16 backend gets: a quantized
+ * checkpoint's own; with --quantization on the BF16 checkpoint, codes that decode to the weight
+ * the loader hands the CPU, bit for bit (so the GPU's experts are the CPU's); none otherwise. */
+static void check_codes_into(const char *name, int N, int K) {
+    char err[512] = "";
+    model_load_opts o8 = {.ep_rank = 0, .ep_size = 1, .quantization = "fp8"};
+    model_load_opts o4 = {.ep_rank = 0, .ep_size = 1, .quantization = "nvfp4"};
+    model *bf = model_load(DATA "tiny-qwen3-moe", ops_cpu(), err, sizeof err);
+    model *q8 = model_load_with(DATA "tiny-qwen3-moe", ops_cpu(), &o8, err, sizeof err);
+    model *q4 = model_load_with(DATA "tiny-qwen3-moe", ops_cpu(), &o4, err, sizeof err);
+    model *f8 = model_load(DATA "tiny-qwen3-moe-fp8", ops_cpu(), err, sizeof err);
+    CHECK(bf && q8 && q4 && f8, "load: %s", err);
+    if (!bf || !q8 || !q4 || !f8) goto out;
+    const int nb = (N + 127) / 128 * ((K + 127) / 128);
+    uint8_t *q = malloc((size_t)N * K), *sf = malloc((size_t)N * K / 16);
+    float *s = malloc(sizeof(float) * nb), *w = malloc(sizeof(float) * N * K), s2 = 0;
+    const int64_t shape[2] = {N, K};
+    const tensor *t;
+    CHECK(model_weight_fp8_into(bf, name, N, K, q, s, err, sizeof err) == 0 &&
+              model_weight_nvfp4_into(bf, name, N, K, q, sf, &s2, err, sizeof err) == 0 &&
+              model_weight_nvfp4_into(q8, name, N, K, q, sf, &s2, err, sizeof err) == 0,
+          "%s: no codes from the BF16 checkpoint, nor NVFP4 ones under --quantization fp8", name);
+    int rc = model_weight_fp8_into(q8, name, N, K, q, s, err, sizeof err);
+    CHECK(rc == 1 && model_weight_info(q8, name, 2, shape, &t, err, sizeof err) == 0,
+          "%s: --quantization fp8 codes (%d: %s)", name, rc, err);
+    if (rc == 1) {
+        dequant_fp8_blocks(w, q, s, N, K);
+        CHECK(memcmp(w, t->data, sizeof(float) * N * K) == 0,
+              "%s: --quantization fp8 codes decode to the loaded weight", name);
+    }
+    rc = model_weight_nvfp4_into(q4, name, N, K, q, sf, &s2, err, sizeof err);
+    CHECK(rc == 1 && model_weight_info(q4, name, 2, shape, &t, err, sizeof err) == 0,
+          "%s: --quantization nvfp4 codes (%d: %s)", name, rc, err);
+    if (rc == 1) {
+        dequant_nvfp4(w, q, sf, s2, N, K);
+        CHECK(memcmp(w, t->data, sizeof(float) * N * K) == 0,
+              "%s: --quantization nvfp4 codes decode to the loaded weight", name);
+    }
+    const uint8_t *cq = NULL;
+    const float *cs = NULL;
+    rc = model_weight_fp8_into(f8, name, N, K, q, s, err, sizeof err);
+    CHECK(rc == 1 && model_weight_fp8(f8, name, N, K, &cq, &cs, err, sizeof err) == 1 &&
+              memcmp(q, cq, (size_t)N * K) == 0 && memcmp(s, cs, sizeof(float) * nb) == 0,
+          "%s: the FP8 checkpoint's own codes and scales (%d: %s)", name, rc, err);
+    CHECK(model_weight_fp8_into(f8, name, N, 2 * K, q, s, err, sizeof err) == -1 &&
+              strstr(err, name),
+          "%s with twice its K: refused (%s)", name, err);
+    free(q), free(sf), free(s), free(w);
+out:
+    model_free(bf);
+    model_free(q8);
+    model_free(q4);
+    model_free(f8);
+}
+
 static void test_loaded_weights(void) {
     char err[512];
     model *bf = model_load(DATA "tiny-qwen3-moe", ops_cpu(), err, sizeof err);
@@ -168,6 +223,8 @@ static void test_loaded_weights(void) {
             check_weight(bf, f4, w[i].name, w[i].N, w[i].K, false);
             check_nvfp4_parts(bf, f8, f4, w[i].name, w[i].N, w[i].K);
         }
+        check_codes_into("model.layers.2.mlp.experts.5.down_proj.weight", 64, 64);
+        check_codes_into("model.layers.0.self_attn.q_proj.weight", 128, 64);
     }
     model_free(bf);
     model_free(f8);

@@ -79,7 +79,8 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
 /* The experts in FP8 (W8A16: codes decoded exactly to BF16 in the GEMMs, each 128-k block's sums
  * times its rows' scales): copies the host arrays, in the layout of moe_experts' MOE_W_FP8 fields
  * (codes in checkpoint order; rearranged on the device), and sets those fields. D and F multiples
- * of 64; a NaN code or a scale that is not finite is refused. 0, or -1 with err. */
+ * of 64; a NaN code or a scale that is not finite is refused. 0, or -1 with err. The Qwen3-MoE
+ * loader takes it by default (MOESERVE_W8A16=0: not). */
 int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
                              const uint8_t *down_q, const float *down_s, int D, int F, char *err,
                              size_t errlen);

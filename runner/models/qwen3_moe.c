@@ -87,7 +87,9 @@ static int weight1(model *m, const char *name, int64_t d0, const tensor **out, c
 }
 
 /* A backend that takes NVFP4 experts (CUDA) and a checkpoint whose routed experts of layer i are
- * all stored in NVFP4: this rank's experts go to the backend as their codes and scales, which its
+ * all stored in NVFP4, or a BF16 one loaded with --quantization nvfp4 (quantized here, as the CPU
+ * gets them: model_weight_nvfp4_into): this rank's experts go to the backend as their codes and
+ * scales, which its
  * GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0 when not taken (the
  * caller prepares the dequantized weights as before), -1 with err. MOESERVE_W4A16=0 turns it off
  * (the experts then run in BF16 from the dequantized weights: more bytes, and each weight rounded
@@ -115,16 +117,12 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
         for (int p = 0; p < 3 && rc == 1; p++) {
             snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
                      parts[p]);
-            const uint8_t *q, *sf;
-            float t;
-            rc = model_weight_nvfp4(m, name, p == 2 ? D : F, p == 2 ? F : D, &q, &sf, &t, err,
-                                    errlen);
-            if (rc != 1) break;
             /* gate_up [El, 2F, D / 2]: expert e's gate rows, then its up rows; down [El, D, F / 2] */
             const size_t at = p == 2 ? (size_t)e : (size_t)2 * e + p;
-            memcpy((p == 2 ? dq : guq) + at * mat / 2, q, mat / 2);
-            memcpy((p == 2 ? ds : gus) + at * mat / 16, sf, mat / 16);
-            s2[3 * e + p] = t;
+            rc = model_weight_nvfp4_into(m, name, p == 2 ? D : F, p == 2 ? F : D,
+                                         (p == 2 ? dq : guq) + at * mat / 2,
+                                         (p == 2 ? ds : gus) + at * mat / 16, &s2[3 * e + p], err,
+                                         errlen);
         }
     if (rc == 1 && m->ops->prepare_experts_nvfp4(&l->experts, guq, gus, dq, ds, s2, (int)D,
                                                  (int)F, err, errlen))
@@ -147,15 +145,15 @@ static void dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint
     }
 }
 
-/* The same for a checkpoint whose routed experts of layer i are all in block FP8, on a backend
- * that takes FP8 experts: their codes and block scales (a scale per weight row and 128-k block,
+/* The same for a checkpoint whose routed experts of layer i are all in block FP8 (or a BF16 one
+ * with --quantization fp8), on a backend that takes FP8 experts: their codes and block scales (a scale per weight row and 128-k block,
  * quant_fp8_row_scales) go to the backend, whose GEMMs decode the codes (W8A16) and scale each
- * block's sums. Opt-in with MOESERVE_W8A16=1 until the kernels have been checked on a GPU
- * (otherwise the experts run in BF16 from the dequantized weights). 1 when done, 0 when not
- * taken, -1 with err. */
+ * block's sums. MOESERVE_W8A16=0 turns it off (the experts then run in BF16 from the
+ * dequantized weights, as with NVFP4's MOESERVE_W4A16=0). 1 when done, 0 when not taken, -1 with
+ * err. */
 static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
     const char *v = getenv("MOESERVE_W8A16");
-    if (!v || strcmp(v, "1") != 0 || !m->ops->prepare_experts_fp8) return 0;
+    if ((v && strcmp(v, "0") == 0) || !m->ops->prepare_experts_fp8) return 0;
     const model_config *c = &m->cfg;
     const int E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
     const int64_t D = c->hidden_size, F = c->moe_intermediate_size;
@@ -166,8 +164,9 @@ static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err,
     uint8_t *guq = malloc((size_t)El * 2 * mat), *dq = malloc((size_t)El * mat);
     float *gus = malloc((size_t)El * nkd * 2 * F * sizeof(float));
     float *ds = malloc((size_t)El * nkf * D * sizeof(float));
+    float *s = malloc((size_t)(nkd * nkf) * sizeof(float)); /* one matrix's block scales */
     int rc = 1;
-    if (!guq || !dq || !gus || !ds) {
+    if (!guq || !dq || !gus || !ds || !s) {
         set_err(err, errlen, "%s: layer %d: out of memory staging %d FP8 experts", m->dir, i, El);
         rc = -1;
     }
@@ -177,19 +176,17 @@ static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err,
         for (int p = 0; p < 3 && rc == 1; p++) {
             snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
                      parts[p]);
-            const uint8_t *q;
-            const float *s;
-            rc = model_weight_fp8(m, name, p == 2 ? D : F, p == 2 ? F : D, &q, &s, err, errlen);
-            if (rc != 1) break;
             /* gate_up [El, 2F, D]: expert e's gate rows, then its up rows; down [El, D, F] */
-            if (p == 2) {
-                memcpy(dq + (size_t)e * mat, q, mat);
+            rc = model_weight_fp8_into(m, name, p == 2 ? D : F, p == 2 ? F : D,
+                                       p == 2 ? dq + (size_t)e * mat
+                                              : guq + (size_t)(2 * e + p) * mat,
+                                       s, err, errlen);
+            if (rc != 1) break;
+            if (p == 2)
                 quant_fp8_row_scales(ds + (size_t)e * nkf * D, D, s, (int)D, (int)F);
-            } else {
-                memcpy(guq + (size_t)(2 * e + p) * mat, q, mat);
+            else
                 quant_fp8_row_scales(gus + (size_t)e * nkd * 2 * F + (size_t)p * F, 2 * F, s,
                                      (int)F, (int)D);
-            }
         }
     if (rc == 1 && m->ops->prepare_experts_fp8(&l->experts, guq, gus, dq, ds, (int)D, (int)F, err,
                                                errlen))
@@ -198,6 +195,7 @@ static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err,
     free(dq);
     free(gus);
     free(ds);
+    free(s);
     return rc;
 }
 
@@ -390,34 +388,45 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     int E = c->num_experts, E0 = m->expert_begin, El = m->expert_end - m->expert_begin;
     int64_t F = c->moe_intermediate_size;
     W2(router, "mlp.gate.weight", E, D);
-    /* Every expert's tensors are checked (headers only), so a bad checkpoint fails on every
-     * rank alike; only this rank's range is kept, indexed from 0. */
+    /* Every expert's tensors are checked (headers, and a quantized one's scale tensors), so a
+     * bad checkpoint fails on every rank alike; only this rank's range is kept, indexed from 0. */
     l->expert_gate = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     l->expert_up = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     l->expert_down = xcalloc(El > 0 ? El : 1, sizeof(tensor));
     if (m->dummy) return qwen3_moe_dummy_experts(m, i, l, err, errlen);
-    for (int e = 0; e < E; e++) {
-        const tensor *g, *u, *d;
-        int64_t fd[2] = {F, D}, df[2] = {D, F};
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.gate_proj.weight", i, e);
-        if (model_weight_info(m, name, 2, fd, &g, err, errlen)) return -1;
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.up_proj.weight", i, e);
-        if (model_weight_info(m, name, 2, fd, &u, err, errlen)) return -1;
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj.weight", i, e);
-        if (model_weight_info(m, name, 2, df, &d, err, errlen)) return -1;
-        if (e < E0 || e >= E0 + El) continue;
-        l->expert_gate[e - E0] = *g;
-        l->expert_up[e - E0] = *u;
-        l->expert_down[e - E0] = *d;
-    }
-    /* The backend's copies of the experts (CUDA: stacked on the device; the CPU reads the
-     * checkpoint's views above in place). */
+    static const char *const parts[3] = {"gate_proj", "up_proj", "down_proj"};
+    const int64_t fd[2] = {F, D}, df[2] = {D, F};
+    for (int e = 0; e < E; e++)
+        for (int p = 0; p < 3; p++) {
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, e,
+                     parts[p]);
+            if (model_weight_check(m, name, 2, p == 2 ? df : fd, err, errlen)) return -1;
+        }
+    /* The backend's copies of the experts: quantized ones as their codes where it takes them
+     * (CUDA, W4A16 / W8A16: nothing dequantized on the host, the views below shapes alone), else
+     * from the views (CUDA: stacked on the device in BF16; the CPU reads them in place: the
+     * checkpoint's, or the F32 weights a quantized tensor stands for). */
     l->experts = (moe_experts){
         .E = El, .gate = l->expert_gate, .up = l->expert_up, .down = l->expert_down};
-    char why[512];
     int wq = qwen3_moe_nvfp4_experts(m, i, l, err, errlen);
     if (wq == 0) wq = qwen3_moe_fp8_experts(m, i, l, err, errlen);
     if (wq < 0) return -1;
+    tensor *dst[3] = {l->expert_gate, l->expert_up, l->expert_down};
+    for (int e = 0; e < El; e++)
+        for (int p = 0; p < 3; p++) {
+            const int64_t *shape = p == 2 ? df : fd;
+            if (wq) {
+                dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
+                                     .shape = {shape[0], shape[1]}};
+                continue;
+            }
+            const tensor *t;
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
+                     parts[p]);
+            if (model_weight_info(m, name, 2, shape, &t, err, errlen)) return -1;
+            dst[p][e] = *t;
+        }
+    char why[512];
     if (!wq && El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
         return set_err(err, errlen, "%s: layer %d experts: %s", m->dir, i, why);
 #undef W1
@@ -443,6 +452,17 @@ static int qwen3_moe_load(model *m, char *err, size_t errlen) {
     w->layers = xcalloc(c->num_hidden_layers, sizeof(qwen3_moe_layer));
     for (int i = 0; i < c->num_hidden_layers; i++)
         if (qwen3_moe_load_layer(m, i, &w->layers[i], err, errlen)) return -1;
+    for (int i = 0; i < c->num_hidden_layers; i++) { /* what the routed experts run as */
+        const moe_experts *x = &w->layers[i].experts;
+        if (!w->layers[i].is_moe || x->E <= 0) continue;
+        if (x->wformat != MOE_W_PLAIN)
+            LOG_INFO("model", "routed experts: %s codes on the %s, decoded in the GEMMs (%s); "
+                     "their input as %s",
+                     x->wformat == MOE_W_FP8 ? "FP8" : "NVFP4", m->ops->name,
+                     x->wformat == MOE_W_FP8 ? "W8A16" : "W4A16",
+                     a2a_payload_name((a2a_payload)m->expert_payload));
+        break;
+    }
     return 0;
 }
 
