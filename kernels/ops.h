@@ -8,8 +8,8 @@
  *
  * Activations are float32 buffers on the backend's device (dev_alloc); so are the index arrays
  * (ids, pos, seq, page tables, top-k ids) and the KV cache. Weights are tensors, made usable by
- * upload / prepare_experts (BF16 or F32 today; FP8 and NVFP4 come later). Arguments go outputs,
- * inputs, sizes.
+ * upload / prepare_experts (BF16, F16 or F32; on a backend that has them, FP8 and NVFP4 experts
+ * and FP8 projections through the optional prepare_* hooks). Arguments go outputs, inputs, sizes.
  * Every op of every backend has the CPU version in kernels/cpu/ as its reference. */
 #ifndef MOESERVE_OPS_H
 #define MOESERVE_OPS_H
@@ -128,6 +128,12 @@ typedef struct ops {
     int (*prepare_experts_fp8)(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
                                const uint8_t *down_q, const float *down_s, int D, int F, char *err,
                                size_t errlen);
+    /* Optional: a dense weight [N, K] in block FP8 as a tensor this backend's linear takes
+     * (*t: dtype DTYPE_F8_E4M3, its data the backend's; freed with dev_free), from its E4M3 codes
+     * [N, K] and its scales a row per 128-k block [ceil(K / 128), N] (quant_fp8_row_scales)
+     * (CUDA: cuda_prepare_linear_fp8, W8A16). */
+    int (*prepare_linear_fp8)(tensor *t, const uint8_t *codes, const float *row_scales, int N,
+                              int K, char *err, size_t errlen);
     /* Wait for every queued kernel (the CPU returns at once). */
     void (*sync)(void);
     /* Free and total bytes of the device's memory (the CPU: available and physical RAM). */

@@ -72,8 +72,8 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
                                                         : ops->prepare_experts_fp8 != NULL;
         if (m->dummy && !dummy_ok) {
             set_err(err, errlen,
-                    "--quantization %s with --load-format dummy: only nvfp4 and fp8 on a GPU "
-                    "(routed experts quantized, the rest BF16) are supported",
+                    "--quantization %s with --load-format dummy: only nvfp4 (routed experts) "
+                    "and fp8 (routed experts and projections) on a GPU are supported",
                     q);
             goto fail;
         }
@@ -143,6 +143,80 @@ void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int 
     m->ops->fill_random(p, DTYPE_BF16, n, model_dummy_seed(name), offset, scale);
 }
 
+/* Whether --quantization applies to checkpoint tensor `name`: a projection (its name ends in
+ * _proj.weight), only the routed experts' with quantize_experts_only. */
+static bool online_quantized(const model *m, const char *name) {
+    const size_t len = strlen(name);
+    return m->online_quant != MODEL_QUANT_NONE && len > 12 &&
+           strcmp(name + len - 12, "_proj.weight") == 0 &&
+           (!m->online_quant_experts_only || strstr(name, ".mlp.experts."));
+}
+
+void model_dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint64_t set) {
+    for (size_t k = 0; k < n; k += 8) {
+        *x ^= *x >> 12, *x ^= *x << 25, *x ^= *x >> 27;
+        const uint64_t r = ((*x * 2685821657736338717ull) & mask) | set;
+        memcpy(dst + k, &r, n - k < 8 ? n - k : 8);
+    }
+}
+
+/* Dense projections names[0 .. n) ([rows[i], K] each, stacked by rows into one weight) on a
+ * backend that takes block FP8 weights (ops->prepare_linear_fp8, W8A16; MOESERVE_W8A16=0: not):
+ * stored in FP8 or quantized to it at load (model_weight_fp8_into), or with --load-format dummy
+ * --quantization fp8 random codes (as the dummy FP8 experts: magnitudes 0.5 to 1.875, one scale
+ * that gives an RMS of about 1 / sqrt(K)); their codes and scales a row into *t, no F32 copy
+ * made. 1 done, 0 not taken (the caller goes the usual way), -1 with err. */
+static int fp8_linear(model *m, int n, const char *const *names, const int64_t *rows, int64_t K,
+                      tensor *t, char *err, size_t errlen) {
+    const char *v = getenv("MOESERVE_W8A16");
+    if (!m->ops->prepare_linear_fp8 || (v && strcmp(v, "0") == 0) || K <= 0 || K % 64 != 0)
+        return 0;
+    const bool online = m->online_quant == MODEL_QUANT_FP8 && online_quantized(m, names[0]);
+    if (m->dummy && !online) return 0;
+    if (!m->dummy && !online) { /* stored in FP8? (the parts' own checks come below) */
+        const checkpoint_tensor *ct = checkpoint_find(&m->ckpt, names[0]);
+        if (!ct || ct->t.dtype != DTYPE_F8_E4M3 || m->cfg.quant != MODEL_QUANT_FP8) return 0;
+    }
+    int64_t N = 0, most = 0;
+    for (int i = 0; i < n; i++) {
+        N += rows[i];
+        most = rows[i] > most ? rows[i] : most;
+    }
+    if (N <= 0 || N % 8 != 0) return 0;
+    const int64_t nk = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+    uint8_t *q = malloc((size_t)(N * K));
+    float *rs = malloc((size_t)(nk * N) * sizeof(float));
+    /* one part's block scales: at most those of its largest (most >= 1: N > 0) */
+    const int64_t ns = (most + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK * nk;
+    float *s = malloc((size_t)(ns > 0 ? ns : 1) * sizeof(float));
+    int rc = 1;
+    if (!q || !rs || !s) {
+        set_err(err, errlen, "%s: out of memory staging '%s' in FP8", m->dir, names[0]);
+        rc = -1;
+    }
+    const float rms = sqrtf(1.34f); /* E[v^2] over E4M3 0x30..0x3F */
+    for (int i = 0, r0 = 0; i < n && rc == 1; r0 += (int)rows[i], i++) {
+        uint8_t *qi = q + (size_t)r0 * K;
+        if (m->dummy) {
+            uint64_t x = model_dummy_seed(names[i]) | 1;
+            model_dummy_bytes(&x, qi, (size_t)(rows[i] * K), 0x8F8F8F8F8F8F8F8Full,
+                              0x3030303030303030ull);
+            for (int64_t b = 0; b < (rows[i] + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK * nk; b++)
+                s[b] = 1.0f / (rms * sqrtf((float)K));
+        } else {
+            rc = model_weight_fp8_into(m, names[i], rows[i], K, qi, s, err, errlen);
+        }
+        if (rc == 1) quant_fp8_row_scales(rs + r0, N, s, (int)rows[i], (int)K);
+    }
+    char why[512];
+    if (rc == 1 && m->ops->prepare_linear_fp8(t, q, rs, (int)N, (int)K, why, sizeof why))
+        rc = set_err(err, errlen, "%s: tensor '%s': %s", m->dir, names[0], why);
+    free(q);
+    free(rs);
+    free(s);
+    return rc;
+}
+
 /* A dummy weight: BF16 on the backend's device, filled by model_dummy_fill. */
 static int dummy_weight(model *m, const char *name, int ndim, const int64_t *shape,
                         struct model_tensor *mt, char *err, size_t errlen) {
@@ -160,6 +234,17 @@ static int dummy_weight(model *m, const char *name, int ndim, const int64_t *sha
 
 int model_weight(model *m, const char *name, int ndim, const int64_t *shape, const tensor **out,
                  char *err, size_t errlen) {
+    if (ndim == 2) {
+        struct model_tensor *mt = xcalloc(1, sizeof *mt);
+        const int rc = fp8_linear(m, 1, &name, shape, shape[1], &mt->t, err, errlen);
+        if (rc != 0) {
+            mt->next = m->tensors;
+            m->tensors = mt;
+            *out = &mt->t;
+            return rc < 0 ? -1 : 0;
+        }
+        free(mt);
+    }
     if (m->dummy) {
         struct model_tensor *mt = xcalloc(1, sizeof *mt);
         mt->next = m->tensors;
@@ -168,8 +253,8 @@ int model_weight(model *m, const char *name, int ndim, const int64_t *shape, con
         *out = &mt->t;
         return 0;
     }
-    const tensor *view;
-    if (model_weight_info(m, name, ndim, shape, &view, err, errlen)) return -1;
+    const tensor *view = NULL;
+    if (model_weight_info(m, name, ndim, shape, &view, err, errlen) || !view) return -1;
     struct model_tensor *mt = xcalloc(1, sizeof *mt);
     mt->t = *view;
     mt->next = m->tensors;
@@ -191,6 +276,11 @@ int model_weight_rows(model *m, int n, const char *const *names, const int64_t *
     for (int i = 0; i < n; i++)
         total += rows[i];
     mt->t = (tensor){.ndim = 2, .shape = {total, cols}};
+    const int fp8 = fp8_linear(m, n, names, rows, cols, &mt->t, err, errlen);
+    if (fp8 != 0) {
+        *out = &mt->t;
+        return fp8 < 0 ? -1 : 0;
+    }
     if (m->dummy) { /* each part filled as model_weight fills it alone: the same values */
         mt->t.dtype = DTYPE_BF16;
         mt->t.device = m->ops->device;
@@ -468,7 +558,8 @@ int model_weight_fp8_into(model *m, const char *name, int64_t N, int64_t K, uint
         memcpy(q, cq, (size_t)(N * K));
         memcpy(s, cs, (size_t)nb * sizeof(float));
     }
-    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_FP8) return rc;
+    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_FP8 || !online_quantized(m, name))
+        return rc;
     float *w = weight_floats(m, name, N, K, err, errlen);
     if (!w) return -1;
     quant_fp8_blocks(q, s, w, (int)N, (int)K); /* quantize_weight's codes */
@@ -484,7 +575,8 @@ int model_weight_nvfp4_into(model *m, const char *name, int64_t N, int64_t K, ui
         memcpy(q, cq, (size_t)(N * K / 2));
         memcpy(sf, csf, (size_t)(N * K / QUANT_FP4_GROUP));
     }
-    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_NVFP4) return rc;
+    if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_NVFP4 || !online_quantized(m, name))
+        return rc;
     if (K % QUANT_FP4_GROUP != 0)
         return set_err(err, errlen, "%s: tensor '%s' has %lld columns: NVFP4 needs a multiple of %d",
                        m->dir, name, (long long)K, QUANT_FP4_GROUP);
@@ -501,11 +593,7 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
     if (!ct) return -1;
     if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8))
         return dequant_weight(m, ct, name, shape, out, err, errlen);
-    size_t len = strlen(name);
-    if (m->online_quant != MODEL_QUANT_NONE && ndim == 2 && len > 12 &&
-        strcmp(name + len - 12, "_proj.weight") == 0 &&
-        (!m->online_quant_experts_only || strstr(name, ".mlp.experts.")))
-        return quantize_weight(m, ct, name, out, err, errlen);
+    if (ndim == 2 && online_quantized(m, name)) return quantize_weight(m, ct, name, out, err, errlen);
     *out = &ct->t;
     return 0;
 }

@@ -104,6 +104,9 @@ model *model_load_with(const char *dir, const ops *ops, const model_load_opts *o
 
 /* The seed of a dummy tensor: a hash of its name. */
 uint64_t model_dummy_seed(const char *name);
+/* dst[0 .. n) from the xorshift64* generator at *x, word by word, each word's bits (r & mask) |
+ * set: the dummy quantized weights' codes and scales. */
+void model_dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint64_t set);
 /* Fill n elements at p (BF16, on the backend's device) as the dummy tensor `name` of the given
  * input width has them (element i of the tensor = element i of the stream). */
 void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,

@@ -1258,6 +1258,218 @@ static void test_linear_deterministic(void) {
     }
 }
 
+/* ---- linear with block-FP8 weights (W8A16, kernels/cuda/moe.cu's cuda_linear_fp8) ----
+ * The CPU runs the dequantized F32 weight (codes times their 128 x 128 block's scale); the GPU the
+ * codes, decoded exactly, each 128-k block's sums times the scale. Bound per output: (u + 4 Kin
+ * 2^-24) S, S = sum_k |x_k||w_nk|, u as for 16-bit weights (x in BF16, or hi + lo), 4 Kin 2^-24
+ * for both sides' fp32 sums and the per-block scaling. Rows are the same bits alone and in the
+ * batch with fixed ranges (deterministic mode); generic linear takes the same way. */
+int cuda_prepare_linear_fp8(tensor *t, const uint8_t *codes, const float *row_scales, int N,
+                            int K, char *err, size_t errlen);
+void cuda_linear_fp8(float *out, const float *x, const tensor *w, int T, int N, int K,
+                     bool fixed_ranges);
+void quant_fp8_blocks(uint8_t *q, float *s, const float *w, int N, int K);
+void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K);
+void quant_fp8_row_scales(float *dst, int64_t ld, const float *s, int N, int K);
+
+/* The device tensor's bytes (cuda_prepare_linear_fp8's layout: codes, then at the next 256
+ * bytes the scales a row per 128-k block). */
+static int64_t fp8_linear_bytes(int N, int K) {
+    return ((int64_t)N * K + 255) / 256 * 256 + (int64_t)(K + 127) / 128 * N * 4;
+}
+
+typedef struct {
+    tensor wd, aw, gw; /* dequantized F32 (host), |wd| (host), the FP8 tensor (device) */
+    int N, K;
+} fp8_weight;
+
+/* A random weight [N, K] through block FP8, each block its own magnitude (2^-3 .. 2^3 apart), so
+ * that a block's scale applied to the wrong sums shows. */
+static fp8_weight fp8_weight_make(int N, int K) {
+    fp8_weight f = {.N = N, .K = K};
+    const int nb = (N + 127) / 128, nk = (K + 127) / 128;
+    float *w = rand_floats((int64_t)N * K, 1.0f / sqrtf((float)K));
+    for (int r = 0; r < N; r++)
+        for (int k = 0; k < K; k++)
+            w[(int64_t)r * K + k] *= ldexpf(1.0f, (r / 128 * 3 + k / 128) % 7 - 3);
+    uint8_t *q = xmalloc((size_t)N * K);
+    float *sc = xmalloc(sizeof(float) * nb * nk), *rs = xmalloc(sizeof(float) * nk * N);
+    quant_fp8_blocks(q, sc, w, N, K);
+    dequant_fp8_blocks(w, q, sc, N, K);
+    quant_fp8_row_scales(rs, N, sc, N, K);
+    f.wd = (tensor){.dtype = DTYPE_F32, .ndim = 2, .shape = {N, K}, .data = w};
+    f.aw = make_weight(DTYPE_F32, N, K, 1.0f);
+    float *a = f.aw.data;
+    for (int64_t i = 0; i < (int64_t)N * K; i++)
+        a[i] = fabsf(w[i]);
+    char err[256] = "";
+    CHECK(cuda_prepare_linear_fp8(&f.gw, q, rs, N, K, err, sizeof err) == 0 &&
+              f.gw.dtype == DTYPE_F8_E4M3,
+          "FP8 linear [%d, %d] prepared (%s)", N, K, err);
+    free(q), free(sc), free(rs);
+    return f;
+}
+
+static void fp8_weight_free(fp8_weight *f) {
+    free(f->wd.data);
+    free(f->aw.data);
+    if (f->gw.data) gpu->dev_free(f->gw.data);
+}
+
+/* kernels/cuda/linear.cu, for tests: block-FP8 weights take the decode kernel up to T = max_t
+ * (-1: each its default); returns the override before. cuda_linear_fp8_decode_t: the largest T of
+ * a weight's decode kernel now. */
+int cuda_linear_fp8_decode_max_t(int max_t);
+int cuda_linear_fp8_decode_t(int N, int Kin);
+
+/* got[T, N] against the CPU's want within rel S; one line and a stat. */
+static void fp8_check(const char *what, const char *op, const char *tol, const float *got,
+                      const float *want, const float *S, int64_t n, double rel) {
+    int64_t bad = 0;
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)got[i] - want[i]), lim = rel * S[i] + 1e-30;
+        if (!(err <= lim) && bad++ < 5)
+            fprintf(stderr, "  linear fp8: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
+                    (long long)i, got[i], want[i], err, lim);
+        const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
+        if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
+    }
+    printf("  %-66s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
+    stat_add(op, tol, worst, worst / rel, n);
+    CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad, (long long)n);
+}
+
+/* Rows 0 and T - 1 of got (T > 1), each run alone through run(one row), bit for bit. */
+static void fp8_alone(const fp8_weight *f, const float *gx, const float *got, int T,
+                      const char *label, void (*run)(float *, const float *, const fp8_weight *)) {
+    float *gone = galloc_poisoned(sizeof(float) * f->N);
+    const int rows[2] = {0, T - 1};
+    for (int j = 0; j < 2; j++) {
+        gpoison(gone, sizeof(float) * f->N);
+        run(gone, gx + (int64_t)rows[j] * f->K, f);
+        float *one = gfetch(gone, sizeof(float) * f->N);
+        char what[192];
+        snprintf(what, sizeof what, "%.100s token %d alone == in T=%d", label, rows[j], T);
+        compare_bits("linear F8_E4M3 batch invariance", what, one, got + (int64_t)rows[j] * f->N,
+                     f->N, sizeof(float));
+        free(one);
+    }
+    gpu->dev_free(gone);
+}
+static void fp8_run_fixed(float *o, const float *x, const fp8_weight *f) {
+    cuda_linear_fp8(o, x, &f->gw, 1, f->N, f->K, true);
+}
+static void fp8_run_generic(float *o, const float *x, const fp8_weight *f) {
+    gpu->linear(o, x, &f->gw, 1, f->N, f->K);
+}
+
+/* T tokens through every way an FP8 weight runs: linear_bi's tiles (ranges by size, and fixed:
+ * rows the same bits alone) in both precisions, the decode kernel (forced up to T = 32; fp32 on
+ * the exact weights, held to the fp32 bound alone, rows the same bits alone), and the generic op's
+ * own choice (bit for bit the way it takes). */
+static void linear_fp8_case(const fp8_weight *f, int T) {
+    const int N = f->N, K = f->K;
+    const int64_t nx = (int64_t)T * K, n = (int64_t)T * N;
+    float *x = rand_floats(nx, 2.0f), *ax = xmalloc(sizeof(float) * nx);
+    for (int64_t i = 0; i < nx; i++)
+        ax[i] = fabsf(x[i]);
+    float *want = xmalloc(sizeof(float) * n), *S = xmalloc(sizeof(float) * n);
+    cpu->linear(want, x, &f->wd, T, N, K);
+    cpu->linear(S, ax, &f->aw, T, N, K);
+    float *gx = gdup(x, sizeof(float) * nx), *gout = galloc_poisoned(sizeof(float) * n);
+    char what[128], op[48];
+    float *tiles_high = NULL, *dec = NULL;
+    const matmul_precision precs[] = {MATMUL_PRECISION_HIGH, MATMUL_PRECISION_MEDIUM};
+    for (int pi = 0; pi < 2; pi++)
+        for (int fixed = 0; fixed < 2; fixed++) {
+            set_precision(precs[pi]);
+            const double rel = (precs[pi] == MATMUL_PRECISION_HIGH ? 0x1p-16 : 0x1p-8) +
+                               4.0 * K * 0x1p-24;
+            gpoison(gout, sizeof(float) * n);
+            cuda_linear_fp8(gout, gx, &f->gw, T, N, K, fixed);
+            float *got = gfetch(gout, sizeof(float) * n);
+            snprintf(what, sizeof what, "linear F8_E4M3 %-6s tiles, %s T=%d N=%d Kin=%d",
+                     prec_name(precs[pi]), fixed ? "fixed ranges" : "by size     ", T, N, K);
+            snprintf(op, sizeof op, "linear F8_E4M3 tiles %s", prec_name(precs[pi]));
+            fp8_check(what, op, "(u + 4 Kin 2^-24) S", got, want, S, n, rel);
+            if (fixed && T > 1) {
+                snprintf(what, sizeof what, "linear F8_E4M3 %s fixed", prec_name(precs[pi]));
+                fp8_alone(f, gx, got, T, what, fp8_run_fixed);
+            }
+            if (pi == 0 && !fixed)
+                tiles_high = got;
+            else
+                free(got);
+        }
+    set_precision(MATMUL_PRECISION_HIGH);
+    if (T <= 32) { /* the decode kernel, forced */
+        cuda_linear_fp8_decode_max_t(32);
+        gpoison(gout, sizeof(float) * n);
+        gpu->linear(gout, gx, &f->gw, T, N, K);
+        dec = gfetch(gout, sizeof(float) * n);
+        snprintf(what, sizeof what, "linear F8_E4M3 decode kernel T=%d N=%d Kin=%d", T, N, K);
+        fp8_check(what, "linear F8_E4M3 decode", "2 Kin 2^-24 S", dec, want, S, n,
+                  2.0 * K * 0x1p-24);
+        if (T > 1) fp8_alone(f, gx, dec, T, "linear F8_E4M3 decode", fp8_run_generic);
+        cuda_linear_fp8_decode_max_t(-1);
+    }
+    /* the generic op by default: the decode kernel at a few rows, the tiles by size above */
+    gpoison(gout, sizeof(float) * n);
+    gpu->linear(gout, gx, &f->gw, T, N, K);
+    float *via = gfetch(gout, sizeof(float) * n);
+    const bool decode = T <= cuda_linear_fp8_decode_t(N, K);
+    snprintf(what, sizeof what, "T=%d N=%d Kin=%d: gpu->linear == its %s", T, N, K,
+             decode ? "decode kernel" : "tiles by size");
+    if (tiles_high && (decode ? dec != NULL : true))
+        compare_bits("linear F8_E4M3 dispatch", what, via, decode ? dec : tiles_high, n,
+                     sizeof(float));
+    free(via), free(dec), free(tiles_high);
+    free(x), free(ax), free(want), free(S);
+    gpu->dev_free(gx);
+    gpu->dev_free(gout);
+}
+
+static void test_linear_fp8(void) {
+    printf("linear, block-FP8 weights (W8A16; |err| <= (u + 4 Kin 2^-24) sum|x||w|, u: high "
+           "2^-16, medium 2^-8)\n");
+    static const struct {
+        int N, K, maxT;
+    } shapes[] = {{64, 64, 700}, {200, 320, 700}, {512, 2048, 700}, {5120, 2048, 200},
+                  {2048, 4096, 200}};
+    static const int Ts[] = {1, 2, 5, 12, 13, 40, 64, 200, 700};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        fp8_weight f = fp8_weight_make(shapes[s].N, shapes[s].K);
+        if (f.gw.data)
+            for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++)
+                if (Ts[t] <= shapes[s].maxT) linear_fp8_case(&f, Ts[t]);
+        fp8_weight_free(&f);
+    }
+    /* refused: a NaN code, a block scale that is not finite, K not a multiple of 64, N of 8 */
+    static uint8_t q[64 * 128];
+    static float rs[64];
+    for (int i = 0; i < 64; i++)
+        rs[i] = 1.0f;
+    tensor t = {0};
+    char err[256] = "";
+    q[100] = 0x7F;
+    CHECK(cuda_prepare_linear_fp8(&t, q, rs, 64, 64, err, sizeof err) != 0 && strstr(err, "NaN") &&
+              !t.data,
+          "FP8 linear with a NaN code refused (%s)", err);
+    q[100] = 0;
+    rs[7] = NAN;
+    CHECK(cuda_prepare_linear_fp8(&t, q, rs, 64, 64, err, sizeof err) != 0 &&
+              strstr(err, "not finite") && !t.data,
+          "FP8 linear with a NaN block scale refused (%s)", err);
+    rs[7] = 1.0f;
+    CHECK(cuda_prepare_linear_fp8(&t, q, rs, 64, 96, err, sizeof err) != 0 &&
+              strstr(err, "of 64") && !t.data,
+          "FP8 linear with K = 96 refused (%s)", err);
+    CHECK(cuda_prepare_linear_fp8(&t, q, rs, 12, 64, err, sizeof err) != 0 &&
+              strstr(err, "multiple of 8") && !t.data,
+          "FP8 linear with N = 12 refused (%s)", err);
+}
+
 /* ---- figures ---- */
 
 /* A device buffer of n random BF16 values (host-made in parallel, then copied). */
@@ -1296,14 +1508,15 @@ typedef struct {
  * weights come from device memory as they do in a model's forward. With a name, one line: times,
  * then bandwidth and TFLOP/s from the graph time and their share of the ceilings (bytes = weights
  * + x fp32 + out fp32; FLOPs = 2 T N Kin, the product's, whatever the precision costs). */
-static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
-    const int64_t wbytes = (int64_t)N * Kin * 2, stride = (wbytes + 255) / 256 * 256;
+static linear_time time_linear_w(const char *name, void *pool, dtype dt, int64_t wbytes, int T,
+                                 int N, int Kin) {
+    const int64_t stride = (wbytes + 255) / 256 * 256;
     const int copies = (int)(POOL_BYTES / stride);
     MS_ASSERT(copies >= 1);
     float *gx = gpu_random_f32((int64_t)T * Kin);
     float *gout = gpu->dev_alloc(sizeof(float) * (size_t)T * N);
     MS_ASSERT(gout);
-    tensor w = {.dtype = DTYPE_BF16, .ndim = 2, .shape = {N, Kin}, .device = DEVICE_CUDA};
+    tensor w = {.dtype = dt, .ndim = 2, .shape = {N, Kin}, .device = DEVICE_CUDA};
     const int warm = 3, reps = 40;
     cudaStream_t st = cuda_stream();
     cudaEvent_t e0, e1;
@@ -1346,9 +1559,10 @@ static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, i
     if (name) {
         const double bytes = (double)wbytes + 4.0 * T * Kin + 4.0 * T * N;
         const double gbs = bytes / lt.graph / 1e9, tflops = 2.0 * T * N * Kin / lt.graph / 1e12;
-        printf("  %-9s %-6s T=%-5d N=%-6d Kin=%-5d %8.1f us %8.1f us  %6.0f GB/s %3.0f%%  %6.1f "
-               "TFLOP/s %3.0f%%\n",
-               name, prec_name(ops_cuda_matmul_precision()), T, N, Kin, lt.eager * 1e6,
+        printf("  %-9s %-4s %-6s T=%-5d N=%-6d Kin=%-5d %8.1f us %8.1f us  %6.0f GB/s %3.0f%%  "
+               "%6.1f TFLOP/s %3.0f%%\n",
+               name, dtype_name(dt), prec_name(ops_cuda_matmul_precision()), T, N, Kin,
+               lt.eager * 1e6,
                lt.graph * 1e6, gbs, 100.0 * gbs / ceiling_copy_gbs, tflops,
                100.0 * tflops / ceiling_gemm_tflops);
     }
@@ -1357,6 +1571,10 @@ static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, i
     gpu->dev_free(gx);
     gpu->dev_free(gout);
     return lt;
+}
+
+static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
+    return time_linear_w(name, pool, DTYPE_BF16, (int64_t)N * Kin * 2, T, N, Kin);
 }
 
 /* Device-to-device copy bandwidth (bytes read + written) of 1 GiB, in GB/s. */
@@ -1551,6 +1769,51 @@ static void time_elementwise(void) {
     gpu->dev_free(o);
 }
 
+/* FP8 weights against BF16 ones of the same shapes (high precision, graph time per call): a pool
+ * of copies of one prepared FP8 weight, larger than the L2, as time_linear's BF16 pool. */
+static void figures_fp8(uint16_t *pool) {
+    printf("linear, block-FP8 weights (W8A16) against BF16, Qwen3-30B-A3B shapes (columns as "
+           "above; bytes: codes + scales)\n");
+    static const struct {
+        const char *name;
+        int N, Kin;
+    } shapes[] = {{"qkv_proj", 5120, 2048}, {"k/v_proj", 512, 2048}, {"o_proj", 2048, 4096}};
+    static const int Ts[] = {1, 8, 64, 256, 2048};
+    void *fpool = gpu->dev_alloc((size_t)POOL_BYTES);
+    MS_ASSERT(fpool);
+    set_precision(MATMUL_PRECISION_HIGH);
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int N = shapes[s].N, K = shapes[s].Kin;
+        fp8_weight f = fp8_weight_make(N, K);
+        const int64_t bytes = fp8_linear_bytes(N, K), stride = (bytes + 255) / 256 * 256;
+        for (int64_t c = 0; f.gw.data && (c + 1) * stride <= POOL_BYTES; c++)
+            cudaMemcpy((char *)fpool + c * stride, f.gw.data, (size_t)bytes,
+                       cudaMemcpyDeviceToDevice);
+        for (size_t t = 0; f.gw.data && t < sizeof Ts / sizeof Ts[0]; t++) {
+            time_linear_w(shapes[s].name, fpool, DTYPE_F8_E4M3, bytes, Ts[t], N, K);
+            time_linear(shapes[s].name, pool, Ts[t], N, K);
+        }
+        /* where the decode kernel stops paying against the tiles (graph time per call) */
+        static const int Tsmall[] = {1, 2, 4, 8, 16, 32};
+        for (size_t t = 0; f.gw.data && t < sizeof Tsmall / sizeof Tsmall[0]; t++) {
+            cuda_linear_fp8_decode_max_t(32);
+            const double dec =
+                time_linear_w(NULL, fpool, DTYPE_F8_E4M3, bytes, Tsmall[t], N, K).graph;
+            cuda_linear_fp8_decode_max_t(0);
+            const double til =
+                time_linear_w(NULL, fpool, DTYPE_F8_E4M3, bytes, Tsmall[t], N, K).graph;
+            cuda_linear_fp8_decode_max_t(-1);
+            printf("  %-9s F8_E4M3 T=%-3d N=%-6d Kin=%-5d  decode kernel %7.1f us (%3.0f%% of "
+                   "copy)  tiles %7.1f us%s\n",
+                   shapes[s].name, Tsmall[t], N, K, dec * 1e6,
+                   100.0 * bytes / dec / 1e9 / ceiling_copy_gbs, til * 1e6,
+                   dec < til ? "  (decode faster)" : "");
+        }
+        fp8_weight_free(&f);
+    }
+    gpu->dev_free(fpool);
+}
+
 static void figures(void) {
     printf("\nfigures (BF16 weights; time per call = mean of 40 calls after warm-up, cudaEvent; "
            "bytes = weights + x fp32 + out fp32)\n");
@@ -1630,6 +1893,7 @@ static void figures(void) {
                    (stk < two ? stk : two) / med, stk < two ? "  (stacked faster)" : "");
         }
     linear_path_reset();
+    figures_fp8(pool);
     gpu->dev_free(pool);
     time_elementwise();
 }
@@ -1674,6 +1938,7 @@ int main(void) {
     test_add();
     test_linear();
     test_linear_deterministic();
+    test_linear_fp8();
     summary();
     figures();
     CHECK_SUMMARY();

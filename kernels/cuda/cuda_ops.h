@@ -92,6 +92,19 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
  * (the grouped GEMM with one expert, Kd cut into ranges fixed by (N, Kd); Kd and N multiples of 8,
  * x and w 16-byte aligned). In the matmul precision in force. */
 void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd);
+/* A dense weight [N, K] in block FP8 on the device as cuda_linear_fp8 reads it: t becomes a
+ * DTYPE_F8_E4M3 tensor holding the codes (rearranged for the W8A16 kernels) and the scales a row
+ * per 128-k block (row_scales [ceil(K / 128), N]: quant_fp8_row_scales). N a multiple of 8, K of
+ * 64; a NaN code or a scale that is not finite is refused. 0, or -1 with err. */
+int cuda_prepare_linear_fp8(tensor *t, const uint8_t *codes, const float *row_scales, int N,
+                            int K, char *err, size_t errlen);
+/* out[T, N] = x[T, K] w^T with w such a tensor: W8A16 through linear_bi's kernels (moe.cu). With
+ * fixed_ranges (deterministic mode) every row is the same bits at any T. (cuda_linear takes the
+ * decode kernel of linear.cu at a few rows outside deterministic mode.) */
+void cuda_linear_fp8(float *out, const float *x, const tensor *w, int T, int N, int K,
+                     bool fixed_ranges);
+/* Such a tensor's scales [ceil(K / 128), N] (the codes are at w->data, in the W8A16 layout). */
+const float *cuda_linear_fp8_scales(const tensor *w);
 
 /* attention.cu */
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,

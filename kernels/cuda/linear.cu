@@ -30,6 +30,12 @@
 //   so it does not fall into F16's subnormals; x beyond F16's range (65504) overflows here as it
 //   does in medium.
 // - F32 weights, either precision: an fp32 GEMM with CUBLAS_COMPUTE_32F, which excludes TF32.
+// - Block FP8 weights (DTYPE_F8_E4M3, cuda_prepare_linear_fp8): at a few rows outside
+//   deterministic mode (fp8_decode_max_t) the decode kernel below, fp32 x times each weight
+//   widened and times its block's scale in fp32 (the CPU's dequantized weight; u = 0); otherwise
+//   moe.cu's W8A16 tiles (cuda_linear_fp8), the codes decoded exactly and each 128-k block's sums
+//   times its scale, x as the precision says (medium: BF16; high: BF16 hi + lo), in
+//   deterministic mode with k ranges fixed by the weight's shape.
 //
 // The decode kernel (shape letters as in kernels/ops.h):
 // - A lane owns 8-wide k vectors (one 16-byte load of weights, nc, no L1 allocation) of R rows,
@@ -90,6 +96,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -140,6 +147,29 @@ static int decode_max_t(int N, int Kin) {
     const int64_t wbytes = (int64_t)N * Kin * 2;
     return wbytes <= ((int64_t)4 << 20) ? 16 : wbytes <= ((int64_t)64 << 20) ? 8 : 2;
 }
+
+// Block-FP8 weights outside deterministic mode: the decode kernel up to this T (either precision:
+// it multiplies fp32 x by the exact weights), moe.cu's W8A16 tiles above. By the codes' bytes, as
+// decode_max_t, from the H200 (test_cuda_ops' figures, graph time, decode against tiles): at T = 1
+// the kernel won on every shape (q/k/v stacked, 10 MiB: 7.7 us against 8.8; o_proj, 8 MiB: 5.1
+// against 8.0; k/v_proj, 1 MiB: 2.4 against 4.7); q/k/v lost from T = 2 (11.2 against 9.0),
+// o_proj from T = 8 (11.5 against 8.8), k/v_proj from T = 32. With max_t >= 0 the hook (tests)
+// puts T up to max_t on the decode kernel for every weight; -1 ends it; it returns the one before.
+static int g_fp8_decode_override = -1;
+static int fp8_decode_max_t(int N, int Kin) {
+    if (g_fp8_decode_override >= 0) return g_fp8_decode_override;
+    const int64_t bytes = (int64_t)N * Kin;
+    return bytes <= ((int64_t)2 << 20) ? 16 : bytes <= ((int64_t)9 << 20) ? 4 : 1;
+}
+extern "C" int cuda_linear_fp8_decode_max_t(int max_t);
+extern "C" int cuda_linear_fp8_decode_t(int N, int Kin);
+int cuda_linear_fp8_decode_max_t(int max_t) {
+    const int was = g_fp8_decode_override;
+    g_fp8_decode_override = max_t < 0 ? -1 : max_t > LINEAR_DECODE_TT_MAX ? LINEAR_DECODE_TT_MAX
+                                                                          : max_t;
+    return was;
+}
+int cuda_linear_fp8_decode_t(int N, int Kin) { return fp8_decode_max_t(N, Kin); }
 
 // High precision above the decode kernel: the stacked GEMM up to T = Kin / 8, two GEMMs above. By
 // bytes alone the two break even at T = Kin / 4: the stacked GEMM moves 8 T N bytes more through
@@ -608,6 +638,25 @@ __device__ __forceinline__ uint4 ld_weights16(const void *p) {
     return v;
 }
 
+// The decode kernel's block-FP8 weights (cuda_prepare_linear_fp8's tensor): a lane's vector is 8
+// bytes of the codes as the W8A16 kernels store them (fp8_w8_pack64 of kernels/quant.h): vector v
+// of a row is byte group g = v % 8 of its 64-k chunk c = v / 8, holding for t = g / 2 and the two
+// k16 steps s = 2 (g % 2), s + 1 the codes of k = 64 c + 16 s + 2t + {0, 8, 1, 9}.
+struct fp8_codes {};
+
+// 8 bytes of weights that are read once (the FP8 decode kernel's vector).
+__device__ __forceinline__ uint2 ld_weights8(const void *p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// Two E4M3 codes (bytes 0 and 1 of u) as fp32, exactly (E4M3 fits in F16).
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t u) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u & 0xffffu), __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2 *>(&h));
+}
+
 // Two 16-bit weights (element 2i in the low half) as fp32, exactly.
 template <typename W> __device__ __forceinline__ float2 widen2(uint32_t u);
 template <> __device__ __forceinline__ float2 widen2<__nv_bfloat16>(uint32_t u) {
@@ -645,10 +694,17 @@ template <int V, int LVL> __device__ __forceinline__ void warp_sums(float *acc, 
 // split Kin in 8-wide vectors (lane s of the group: vectors s, s + 32 wpr, ...). The order of
 // every sum is in the file's header. VEC: 16-byte loads (Kin % 8 == 0, x and w 16-byte aligned);
 // otherwise element loads with k >= Kin read as zeros, in the same order.
+// W = fp8_codes: block-FP8 codes (VEC only: Kin % 64 == 0, x 8-byte aligned), 8-byte vectors in
+// their stored order (above), each weight widened and times its 128-k block's scale (wsc, a row
+// per block: [Kin / 128, N]) in fp32, the CPU's dequantized weight bit for bit; x read at the
+// vector's k, pairs of floats.
 template <typename W, int TT, bool VEC>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCKS)
     decode_kernel(float *__restrict__ out, const float *__restrict__ x,
-                  const uint16_t *__restrict__ w, int T, int N, int Kin, int wpr) {
+                  const uint16_t *__restrict__ w, int T, int N, int Kin, int wpr,
+                  const float *__restrict__ wsc) {
+    constexpr bool F8 = std::is_same<W, fp8_codes>::value;
+    static_assert(!F8 || VEC, "FP8: vectors only");
     using shape = decode_shape<TT>;
     constexpr int R = shape::R, V = shape::V, U = shape::U;
     __shared__ float red[DECODE_WARPS][V]; // per warp, its lane sums (wpr > 1)
@@ -674,7 +730,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
                 uint4 q = make_uint4(0, 0, 0, 0);
                 if (v < nvec && n < N) {
                     const uint16_t *p = w + (int64_t)n * Kin + (int64_t)v * 8;
-                    if constexpr (VEC) {
+                    if constexpr (F8) {
+                        const uint2 c = ld_weights8(reinterpret_cast<const unsigned char *>(w) +
+                                                    (int64_t)n * Kin + (int64_t)v * 8);
+                        q = make_uint4(c.x, c.y, 0u, 0u);
+                    } else if constexpr (VEC) {
                         q = ld_weights16(p);
                     } else {
                         uint32_t e[8];
@@ -696,17 +756,32 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
             const int v = v0 + u * lanes;
             if (v >= nvec) break;
             float wf[R][8];
+            // F8: element 4 i + {0, 1, 2, 3} of wf is k = k8 + 16 i + {0, 1, 8, 9}
+            const int k8 = F8 ? (v >> 3) * 64 + (v & 1) * 32 + ((v & 7) >> 1) * 2 : 0;
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const uint32_t q[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
+                if constexpr (F8) { // bytes of each word: k + 0, + 8, + 1, + 9
+                    const int n = n0 + r < N ? n0 + r : N - 1;
+                    const float sc = __ldg(wsc + (int64_t)(k8 >> 7) * N + n);
 #pragma unroll
-                for (int h = 0; h < 4; h++) {
-                    const float2 f = widen2<W>(q[h]);
-                    wf[r][2 * h] = f.x;
-                    wf[r][2 * h + 1] = f.y;
+                    for (int i = 0; i < 2; i++) {
+                        const float2 a = fp8x2_to_float2(q[i]), b = fp8x2_to_float2(q[i] >> 16);
+                        wf[r][4 * i] = __fmul_rn(a.x, sc);
+                        wf[r][4 * i + 1] = __fmul_rn(b.x, sc);
+                        wf[r][4 * i + 2] = __fmul_rn(a.y, sc);
+                        wf[r][4 * i + 3] = __fmul_rn(b.y, sc);
+                    }
+                } else {
+#pragma unroll
+                    for (int h = 0; h < 4; h++) {
+                        const float2 f = widen2<W>(q[h]);
+                        wf[r][2 * h] = f.x;
+                        wf[r][2 * h + 1] = f.y;
+                    }
                 }
             }
-            const float *xv = x + (int64_t)v * 8;
+            const float *xv = x + (F8 ? (int64_t)k8 : (int64_t)v * 8);
 #pragma unroll
             for (int t = 0; t < TT; t++) {
                 // Tokens T..TT-1 of the tile read token T - 1 and sum into accumulators that are
@@ -714,7 +789,15 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
                 // together.
                 float xf[8];
                 const float *xt = xv + (int64_t)(t < T ? t : T - 1) * Kin;
-                if constexpr (VEC) {
+                if constexpr (F8) {
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const float2 a = __ldg((const float2 *)(xt + 16 * i)),
+                                     b = __ldg((const float2 *)(xt + 16 * i + 8));
+                        xf[4 * i] = a.x, xf[4 * i + 1] = a.y, xf[4 * i + 2] = b.x,
+                               xf[4 * i + 3] = b.y;
+                    }
+                } else if constexpr (VEC) {
                     const float4 a = __ldg((const float4 *)xt), b = __ldg((const float4 *)xt + 1);
                     xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
                     xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
@@ -776,41 +859,54 @@ static int decode_wpr(int N, int Kin) {
 }
 
 template <typename W, int TT>
-static void decode_launch_tt(float *out, const float *x, const void *w, int T, int N, int Kin) {
+static void decode_launch_tt(float *out, const float *x, const void *w, int T, int N, int Kin,
+                             const float *wsc) {
     const int wpr = decode_wpr(N, Kin);
     const int rows = DECODE_WARPS / wpr * decode_shape<TT>::R; // per block
     const int blocks = (int)(((int64_t)N + rows - 1) / rows);
     const bool vec = Kin % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
-    if (vec)
+    if constexpr (std::is_same<W, fp8_codes>::value) // the caller checked its conditions
         cuda_launch_pdl(decode_kernel<W, TT, true>, blocks, DECODE_WARPS * 32, 0, out, x,
-                        (const uint16_t *)w, T, N, Kin, wpr);
+                        (const uint16_t *)w, T, N, Kin, wpr, wsc);
+    else if (vec)
+        cuda_launch_pdl(decode_kernel<W, TT, true>, blocks, DECODE_WARPS * 32, 0, out, x,
+                        (const uint16_t *)w, T, N, Kin, wpr, wsc);
     else
         cuda_launch_pdl(decode_kernel<W, TT, false>, blocks, DECODE_WARPS * 32, 0, out, x,
-                        (const uint16_t *)w, T, N, Kin, wpr);
+                        (const uint16_t *)w, T, N, Kin, wpr, wsc);
     CUDA_CHECK_LAUNCH();
 }
 
 template <typename W>
-static void decode_launch(float *out, const float *x, const void *w, int T, int N, int Kin) {
+static void decode_launch(float *out, const float *x, const void *w, int T, int N, int Kin,
+                          const float *wsc = nullptr) {
     static_assert(LINEAR_DECODE_TT_MAX == 32, "the token tiles below");
     if (T <= 1)
-        decode_launch_tt<W, 1>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 1>(out, x, w, T, N, Kin, wsc);
     else if (T <= 2)
-        decode_launch_tt<W, 2>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 2>(out, x, w, T, N, Kin, wsc);
     else if (T <= 4)
-        decode_launch_tt<W, 4>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 4>(out, x, w, T, N, Kin, wsc);
     else if (T <= 8)
-        decode_launch_tt<W, 8>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 8>(out, x, w, T, N, Kin, wsc);
     else if (T <= 16)
-        decode_launch_tt<W, 16>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 16>(out, x, w, T, N, Kin, wsc);
     else
-        decode_launch_tt<W, 32>(out, x, w, T, N, Kin);
+        decode_launch_tt<W, 32>(out, x, w, T, N, Kin, wsc);
 }
 
 // ---- the op ----
 
 void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int Kin) {
     if (T <= 0 || N <= 0) return;
+    if (w->dtype == DTYPE_F8_E4M3 && w->device == DEVICE_CUDA) { // block FP8 (the header)
+        if (!g_deterministic && T <= fp8_decode_max_t(N, Kin) && Kin % 64 == 0 &&
+            ((uintptr_t)x & 7) == 0)
+            decode_launch<fp8_codes>(out, x, w->data, T, N, Kin, cuda_linear_fp8_scales(w));
+        else
+            cuda_linear_fp8(out, x, w, T, N, Kin, g_deterministic);
+        return;
+    }
     if (w->device != DEVICE_CUDA ||
         (w->dtype != DTYPE_F32 && w->dtype != DTYPE_BF16 && w->dtype != DTYPE_F16)) {
         char msg[160];

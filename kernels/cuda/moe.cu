@@ -960,7 +960,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // W4: NVFP4 codes and group scales in the stages; W8: FP8 codes, block scales on the sums
     constexpr bool W4 = WF == WF_NVFP4, W8 = WF == WF_FP8, WQ = W4 || W8;
     constexpr int KPB = W4 ? 2 : 1; // k a code byte
-    static_assert(!WQ || !BI, "linear_bi's weights are BF16");
+    static_assert(!W4 || !BI, "linear_bi's weights are BF16 or FP8");
     static_assert(!WQ || BK % 64 == 0, "WQ: whole 64-k chunks of codes a k tile");
     static_assert(!BI || (!GATE_UP && !TINY), "BI is GEMM 2's form");
     constexpr bool A_FULL = (TINY && GATE_UP) || BI;
@@ -1850,13 +1850,19 @@ static void bi_reduce(float *out, const float *part, int T, int N, int S) {
 
 // What both ways of linear_bi give the GEMM kernel: w [N, Kd] as the down projection of expert
 // 0 of a top-1 grouping, Kd in S ranges of L, the ranges' sums into part [S, T, N].
-template <class C>
-static moe_gemm_args bi_args(float *out, const bf16 *w, int T, int N, int Kd, int L, int S,
-                             float *part) {
+// FP8 (WF_FP8): w is the codes [N, Kd] in fp8_pack_kernel's layout, wsf the scales a row per
+// 128-k block [ceil(Kd / 128), N] (cuda_prepare_linear_fp8's tensor).
+template <class C, int WF = WF_BF16>
+static moe_gemm_args bi_args(float *out, const void *w, const float *wsf, int T, int N, int Kd,
+                             int L, int S, float *part) {
     moe_gemm_args g = {};
     g.topk = 1;
     g.out = out;
-    g.w = w;
+    g.w = (const bf16 *)w;
+    if constexpr (WF == WF_FP8) {
+        g.wq = (const uint8_t *)w;
+        g.wsf = (const uint8_t *)wsf;
+    }
     g.Kd = Kd;
     g.N = N;
     g.n_col_blocks = (N + C::BN - 1) / C::BN;
@@ -1869,33 +1875,36 @@ static moe_gemm_args bi_args(float *out, const bf16 *w, int T, int N, int Kd, in
 
 // A few rows (T <= the tile's BM): one launch of the BI kernel, no prepare kernel, then the
 // reduction. The same tiles' arithmetic as bi_run's with the same C: the same bits.
-template <class C>
-static void bi_run_small(float *out, const float *x, const bf16 *w, int T, int N, int Kd) {
+template <class C, int WF>
+static void bi_run_small(float *out, const float *x, const void *w, const float *wsf, int T, int N,
+                         int Kd, int L) {
     static_assert(BI_SPLIT_UNIT % C::BK == 0, "a range is whole k tiles of every shape");
     MS_ASSERT(T <= C::BM);
-    const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
+    const int S = (Kd + L - 1) / L;
     unsigned char *ws = moe_workspace(S > 1 ? (size_t)S * T * N * 4 : 256);
-    moe_gemm_args g = bi_args<C>(out, w, T, N, Kd, L, S, (float *)ws);
-    g.act = w; // not read (x is); any valid address
+    moe_gemm_args g = bi_args<C, WF>(out, w, wsf, T, N, Kd, L, S, (float *)ws);
+    g.act = (const bf16 *)w; // not read (x is); any valid address
     g.x = x;
     g.n_pairs = T;
     g.tile_rows = T;
-    const size_t smem = (size_t)C::STAGES * C::BN * C::BK * 2 + (size_t)C::A_PARTS * T * L * 2;
-    launch_gemm<C, false, false, true>(g, S, smem); // one tile, S ranges
+    const size_t smem = moe_b_layout<C, WF>::bytes + (size_t)C::A_PARTS * T * L * 2;
+    launch_gemm<C, false, false, true, WF>(g, S, smem); // one tile, S ranges
     if (S > 1) bi_reduce(out, g.part, T, N, S);
 }
 
-template <class C>
-static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int Kd) {
+// L: the k of a range (bi_split_len; Kd or more: one range).
+template <class C, int WF = WF_BF16>
+static void bi_run(float *out, const float *x, const void *w, const float *wsf, int T, int N,
+                   int Kd, int L) {
     static_assert(BI_SPLIT_UNIT % C::BK == 0, "a range is whole k tiles of every shape");
     const int BM = C::BM;
     const int max_tiles = (T + BM - 1) / BM;
-    const int L = bi_split_len(N, Kd), S = (Kd + L - 1) / L;
+    const int S = (Kd + L - 1) / L;
     // a few rows whose x fits beside the weight stages (BI_SMALL_A_BYTES): one launch fewer. The
     // tiles of one row of warps only (decode and middle shapes, which the tests run this way); the
     // prefill shape (medium, 97 to 128 rows of a small weight) keeps the prepare kernel.
     if (C::WARPS_M == 1 && T <= C::BM && (size_t)C::A_PARTS * T * L * 2 <= BI_SMALL_A_BYTES) {
-        bi_run_small<C>(out, x, w, T, N, Kd);
+        bi_run_small<C, WF>(out, x, w, wsf, T, N, Kd, L);
         return;
     }
     const size_t AP = C::A_PARTS;
@@ -1906,14 +1915,14 @@ static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int 
     // topk_ids NULL: every row to expert 0
     const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, nullptr, T, 1, Kd, 1, BM, nullptr);
 
-    moe_gemm_args g = bi_args<C>(out, w, T, N, Kd, L, S, (float *)(ws + o_part));
+    moe_gemm_args g = bi_args<C, WF>(out, w, wsf, T, N, Kd, L, S, (float *)(ws + o_part));
     g.tiles = p.tiles;
     g.n_tiles = p.n_tiles;
     g.pairs = p.pairs;
     g.act = p.xb;
     g.act_lo = C::SPLIT ? (int64_t)T * Kd : 0;
     g.wait_first = 1;
-    launch_gemm<C, false, false>(g, max_tiles * S);
+    launch_gemm<C, false, false, false, WF>(g, max_tiles * S);
     if (S > 1) bi_reduce(out, g.part, T, N, S);
 }
 
@@ -1921,22 +1930,105 @@ static void bi_run(float *out, const float *x, const bf16 *w, int T, int N, int 
 void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd) {
     if (T <= 0 || N <= 0) return;
     MS_ASSERT(Kd % 8 == 0 && N % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0);
-    const bf16 *wb = (const bf16 *)w;
+    const int L = bi_split_len(N, Kd);
     if (ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM) {
         if (T <= 12)
-            bi_run<moe_cfg_decode>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_decode>(out, x, w, nullptr, T, N, Kd, L);
         else if (T <= 48)
-            bi_run<moe_cfg_mid>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_mid>(out, x, w, nullptr, T, N, Kd, L);
         else if (T <= 96)
-            bi_run<moe_cfg_mid_wide>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_mid_wide>(out, x, w, nullptr, T, N, Kd, L);
         else
-            bi_run<moe_cfg_prefill>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_prefill>(out, x, w, nullptr, T, N, Kd, L);
     } else {
         if (T <= 12)
-            bi_run<moe_cfg_decode_high>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_decode_high>(out, x, w, nullptr, T, N, Kd, L);
         else if (T <= 96)
-            bi_run<moe_cfg_mid_high>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_mid_high>(out, x, w, nullptr, T, N, Kd, L);
         else
-            bi_run<moe_cfg_prefill_high>(out, x, wb, T, N, Kd);
+            bi_run<moe_cfg_prefill_high>(out, x, w, nullptr, T, N, Kd, L);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense FP8 weights (W8A16): linear_bi's kernels on E4M3 codes
+// ---------------------------------------------------------------------------------------------
+// A dense projection stored in block FP8 runs as the routed experts' FP8 path does (the header):
+// codes decoded to BF16 in registers, each 128-k block's sums times its row's scale, through
+// linear_bi's one-expert grouping. Ranges of k are whole 128-k blocks (BI_SPLIT_UNIT), so the
+// block sums are those of one range; the tile shapes are the experts' FP8 ones (decode, then the
+// middle shape at every larger size). fixed_ranges (deterministic mode): the ranges follow the
+// weight's shape alone, so a row is the same bits at every T; otherwise, once the tiles alone
+// fill the GPU (BI_TARGET_BLOCKS), one range: no partial sums to store and add.
+
+// The tensor: codes [N, K] then, at the next 256 bytes, the row scales [ceil(K / 128), N] fp32.
+static size_t fp8_linear_scales_at(int64_t N, int64_t K) { return align256((size_t)(N * K)); }
+
+int cuda_prepare_linear_fp8(tensor *t, const uint8_t *codes, const float *row_scales, int N,
+                            int K, char *err, size_t errlen) {
+    if (N <= 0 || K <= 0 || N % 8 || K % 64)
+        return set_err(err, errlen, "CUDA: an FP8 linear needs N=%d a multiple of 8, K=%d of 64",
+                       N, K);
+    const size_t nks = (size_t)(K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK * N;
+    for (size_t i = 0; i < nks; i++)
+        if (!(fabsf(row_scales[i]) < INFINITY))
+            return set_err(err, errlen, "CUDA: an FP8 linear [%d, %d]: a block scale "
+                                        "(weight_scale_inv) is not finite", N, K);
+    const size_t at = fp8_linear_scales_at(N, K), bytes = at + nks * sizeof(float);
+    unsigned char *host = (unsigned char *)calloc(1, bytes);
+    if (!host) return set_err(err, errlen, "CUDA: out of host memory staging an FP8 linear");
+    memcpy(host, codes, (size_t)N * K);
+    memcpy(host + at, row_scales, nks * sizeof(float));
+    const void *src[1] = {host};
+    void *dst[1] = {};
+    int bad_h = 0;
+    const int64_t n_chunks = (int64_t)N * K / 64;
+    const cudaError_t ce = upload_packed(1, src, &bytes, dst, [&](int *bad) {
+        fp8_pack_kernel<<<(unsigned)((n_chunks + 255) / 256), 256, 0, cuda_stream()>>>(
+            (uint8_t *)dst[0], n_chunks, bad);
+    }, &bad_h);
+    free(host);
+    if (ce != cudaSuccess || bad_h) {
+        if (bad_h) return set_err(err, errlen, "CUDA: an FP8 linear [%d, %d]: a code is NaN", N, K);
+        return set_err(err, errlen, "CUDA: copying an FP8 linear [%d, %d]: %s", N, K,
+                       cudaGetErrorString(ce));
+    }
+    *t = (tensor){.dtype = DTYPE_F8_E4M3, .ndim = 2, .shape = {N, K}, .data = dst[0],
+                  .device = DEVICE_CUDA};
+    return 0;
+}
+
+const float *cuda_linear_fp8_scales(const tensor *w) {
+    return reinterpret_cast<const float *>((const unsigned char *)w->data +
+                                           fp8_linear_scales_at(w->shape[0], w->shape[1]));
+}
+
+// One tile shape: the ranges (above), then linear_bi's run.
+template <class C>
+static void fp8_linear_run(float *out, const float *x, const tensor *w, const float *wsf, int T,
+                           int N, int Kd, bool fixed_ranges) {
+    const int64_t tile_blocks = (int64_t)((T + C::BM - 1) / C::BM) * ((N + C::BN - 1) / C::BN);
+    const int L = fixed_ranges || tile_blocks < BI_TARGET_BLOCKS
+                      ? bi_split_len(N, Kd)
+                      : (Kd + BI_SPLIT_UNIT - 1) / BI_SPLIT_UNIT * BI_SPLIT_UNIT;
+    bi_run<C, WF_FP8>(out, x, w->data, wsf, T, N, Kd, L);
+}
+
+void cuda_linear_fp8(float *out, const float *x, const tensor *w, int T, int N, int Kd,
+                     bool fixed_ranges) {
+    if (T <= 0 || N <= 0) return;
+    MS_ASSERT(w->dtype == DTYPE_F8_E4M3 && w->device == DEVICE_CUDA && w->shape[0] == N &&
+              w->shape[1] == Kd && Kd % 64 == 0 && N % 8 == 0 && ((uintptr_t)x & 15) == 0);
+    const float *wsf = cuda_linear_fp8_scales(w);
+    const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    if (T <= 12) {
+        if (medium)
+            fp8_linear_run<moe_cfg_decode>(out, x, w, wsf, T, N, Kd, fixed_ranges);
+        else
+            fp8_linear_run<moe_cfg_decode_high>(out, x, w, wsf, T, N, Kd, fixed_ranges);
+    } else if (medium) {
+        fp8_linear_run<moe_cfg_mid>(out, x, w, wsf, T, N, Kd, fixed_ranges);
+    } else {
+        fp8_linear_run<moe_cfg_mid_high>(out, x, w, wsf, T, N, Kd, fixed_ranges);
     }
 }

@@ -163,6 +163,7 @@ static const ops cuda_ops_table = {
     .prepare_experts = cuda_prepare_experts,
     .prepare_experts_nvfp4 = cuda_prepare_experts_nvfp4,
     .prepare_experts_fp8 = cuda_prepare_experts_fp8,
+    .prepare_linear_fp8 = cuda_prepare_linear_fp8,
     .sync = cuda_sync,
     .mem_info = cuda_mem_info,
     .graph_begin = cuda_graph_begin,

@@ -135,16 +135,6 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
     return rc;
 }
 
-/* dst[0 .. n) from the xorshift64* generator at *x, word by word, each word's bits (r & mask) |
- * set: the dummy quantized experts' codes and scales. */
-static void dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint64_t set) {
-    for (size_t k = 0; k < n; k += 8) {
-        *x ^= *x >> 12, *x ^= *x << 25, *x ^= *x >> 27;
-        const uint64_t r = ((*x * 2685821657736338717ull) & mask) | set;
-        memcpy(dst + k, &r, n - k < 8 ? n - k : 8);
-    }
-}
-
 /* The same for a checkpoint whose routed experts of layer i are all in block FP8 (or a BF16 one
  * with --quantization fp8), on a backend that takes FP8 experts: their codes and block scales (a scale per weight row and 128-k block,
  * quant_fp8_row_scales) go to the backend, whose GEMMs decode the codes (W8A16) and scale each
@@ -227,7 +217,7 @@ static int qwen3_moe_dummy_fp8(model *m, int i, qwen3_moe_layer *l, char *err, s
         uint8_t *parts[2] = {guq + (size_t)e * 2 * mat, dq + (size_t)e * mat};
         const size_t sizes[2] = {2 * mat, mat};
         for (int p = 0; p < 2; p++) /* sign, exponent 6 or 7, any mantissa: 0.5 to 1.875 */
-            dummy_bytes(&x, parts[p], sizes[p], 0x8F8F8F8F8F8F8F8Full, 0x3030303030303030ull);
+            model_dummy_bytes(&x, parts[p], sizes[p], 0x8F8F8F8F8F8F8F8Full, 0x3030303030303030ull);
         for (size_t k = 0; k < sgu; k++)
             gus[(size_t)e * sgu + k] = 1.0f / (rms * sqrtf((float)D));
         for (size_t k = 0; k < sd; k++)
@@ -271,7 +261,7 @@ static int qwen3_moe_dummy_nvfp4(model *m, int i, qwen3_moe_layer *l, char *err,
                              gus + (size_t)e * 2 * s1, ds + (size_t)e * s1};
         const size_t sizes[4] = {2 * q1, q1, 2 * s1, s1};
         for (int p = 0; p < 4; p++) /* codes any; scales E4M3 0x30..0x3F, 0.5 to 1.875 */
-            dummy_bytes(&x, parts[p], sizes[p], p >= 2 ? 0x0F0F0F0F0F0F0F0Full : ~0ull,
+            model_dummy_bytes(&x, parts[p], sizes[p], p >= 2 ? 0x0F0F0F0F0F0F0F0Full : ~0ull,
                         p >= 2 ? 0x3030303030303030ull : 0);
         s2[3 * e] = s2[3 * e + 1] = 1.0f / (rms * sqrtf((float)D));
         s2[3 * e + 2] = 1.0f / (rms * sqrtf((float)F));
