@@ -578,8 +578,9 @@ int model_weight_nvfp4_into(model *m, const char *name, int64_t N, int64_t K, ui
     if (rc != 0 || m->dummy || m->online_quant != MODEL_QUANT_NVFP4 || !online_quantized(m, name))
         return rc;
     if (K % QUANT_FP4_GROUP != 0)
-        return set_err(err, errlen, "%s: tensor '%s' has %lld columns: NVFP4 needs a multiple of %d",
-                       m->dir, name, (long long)K, QUANT_FP4_GROUP);
+        return set_err(err, errlen,
+                       "%s: tensor '%s' has %lld columns: NVFP4 needs a multiple of %d", m->dir,
+                       name, (long long)K, QUANT_FP4_GROUP);
     float *w = weight_floats(m, name, N, K, err, errlen);
     if (!w) return -1;
     *s2 = quant_nvfp4(q, sf, w, (int)N, (int)K, 0.0f); /* quantize_weight's codes */
@@ -593,7 +594,8 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
     if (!ct) return -1;
     if (ndim == 2 && (ct->t.dtype == DTYPE_F8_E4M3 || ct->t.dtype == DTYPE_U8))
         return dequant_weight(m, ct, name, shape, out, err, errlen);
-    if (ndim == 2 && online_quantized(m, name)) return quantize_weight(m, ct, name, out, err, errlen);
+    if (ndim == 2 && online_quantized(m, name))
+        return quantize_weight(m, ct, name, out, err, errlen);
     *out = &ct->t;
     return 0;
 }

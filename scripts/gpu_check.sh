@@ -90,7 +90,8 @@ quant_case() {
     for dev in cpu cuda; do
         timeout 120 "$bin" generate "$@" --device "$dev" --input-ids "$ids" --max-new-tokens 32 \
             --temperature 0 --return-logprob --logprob-start-len 0 \
-            > "$out/generate-$name-$dev.json" 2> "$out/generate-$name-$dev.log" || bad "generate $name $dev"
+            > "$out/generate-$name-$dev.json" 2> "$out/generate-$name-$dev.log" ||
+            bad "generate $name $dev"
     done
     if [ "$lim_mean" = - ]; then
         python3 - "$name" "$out/generate-$name-cpu.json" "$out/generate-$name-cuda.json" 1 1 0 \

@@ -653,7 +653,8 @@ __device__ __forceinline__ uint2 ld_weights8(const void *p) {
 
 // Two E4M3 codes (bytes 0 and 1 of u) as fp32, exactly (E4M3 fits in F16).
 __device__ __forceinline__ float2 fp8x2_to_float2(uint32_t u) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u & 0xffffu), __NV_E4M3);
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u & 0xffffu), __NV_E4M3);
     return __half22float2(*reinterpret_cast<const __half2 *>(&h));
 }
 

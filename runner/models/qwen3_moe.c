@@ -89,8 +89,7 @@ static int weight1(model *m, const char *name, int64_t d0, const tensor **out, c
 /* A backend that takes NVFP4 experts (CUDA) and a checkpoint whose routed experts of layer i are
  * all stored in NVFP4, or a BF16 one loaded with --quantization nvfp4 (quantized here, as the CPU
  * gets them: model_weight_nvfp4_into): this rank's experts go to the backend as their codes and
- * scales, which its
- * GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0 when not taken (the
+ * scales, which its GEMMs decode (W4A16), instead of the dequantized weights. 1 when done, 0 when not taken (the
  * caller prepares the dequantized weights as before), -1 with err. MOESERVE_W4A16=0 turns it off
  * (the experts then run in BF16 from the dequantized weights: more bytes, and each weight rounded
  * to BF16 once more; docs/benchmarks.md, issue 8). */
@@ -136,9 +135,9 @@ static int qwen3_moe_nvfp4_experts(model *m, int i, qwen3_moe_layer *l, char *er
 }
 
 /* The same for a checkpoint whose routed experts of layer i are all in block FP8 (or a BF16 one
- * with --quantization fp8), on a backend that takes FP8 experts: their codes and block scales (a scale per weight row and 128-k block,
- * quant_fp8_row_scales) go to the backend, whose GEMMs decode the codes (W8A16) and scale each
- * block's sums. MOESERVE_W8A16=0 turns it off (the experts then run in BF16 from the
+ * with --quantization fp8), on a backend that takes FP8 experts: their codes and block scales (a
+ * scale per weight row and 128-k block, quant_fp8_row_scales) go to the backend, whose GEMMs
+ * decode the codes (W8A16) and scale each block's sums. MOESERVE_W8A16=0 turns it off (the experts then run in BF16 from the
  * dequantized weights, as with NVFP4's MOESERVE_W4A16=0). 1 when done, 0 when not taken, -1 with
  * err. */
 static int qwen3_moe_fp8_experts(model *m, int i, qwen3_moe_layer *l, char *err, size_t errlen) {
@@ -262,7 +261,7 @@ static int qwen3_moe_dummy_nvfp4(model *m, int i, qwen3_moe_layer *l, char *err,
         const size_t sizes[4] = {2 * q1, q1, 2 * s1, s1};
         for (int p = 0; p < 4; p++) /* codes any; scales E4M3 0x30..0x3F, 0.5 to 1.875 */
             model_dummy_bytes(&x, parts[p], sizes[p], p >= 2 ? 0x0F0F0F0F0F0F0F0Full : ~0ull,
-                        p >= 2 ? 0x3030303030303030ull : 0);
+                              p >= 2 ? 0x3030303030303030ull : 0);
         s2[3 * e] = s2[3 * e + 1] = 1.0f / (rms * sqrtf((float)D));
         s2[3 * e + 2] = 1.0f / (rms * sqrtf((float)F));
     }
