@@ -160,11 +160,20 @@ void model_dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint6
     }
 }
 
+void model_dummy_fp8(uint64_t *x, uint8_t *dst, size_t n) {
+    /* sign, exponent 6 or 7, any mantissa */
+    model_dummy_bytes(x, dst, n, 0x8F8F8F8F8F8F8F8Full, 0x3030303030303030ull);
+}
+
+float model_dummy_fp8_scale(int64_t in_features) {
+    const float rms = sqrtf(1.34f); /* E[v^2] over E4M3 0x30..0x3F */
+    return 1.0f / (rms * sqrtf((float)in_features));
+}
+
 /* Dense projections names[0 .. n) ([rows[i], K] each, stacked by rows into one weight) on a
  * backend that takes block FP8 weights (ops->prepare_linear_fp8, W8A16; MOESERVE_W8A16=0: not):
  * stored in FP8 or quantized to it at load (model_weight_fp8_into), or with --load-format dummy
- * --quantization fp8 random codes (as the dummy FP8 experts: magnitudes 0.5 to 1.875, one scale
- * that gives an RMS of about 1 / sqrt(K)); their codes and scales a row into *t, no F32 copy
+ * --quantization fp8 random codes (model_dummy_fp8, as the dummy FP8 experts); their codes and scales a row into *t, no F32 copy
  * made. 1 done, 0 not taken (the caller goes the usual way), -1 with err. */
 static int fp8_linear(model *m, int n, const char *const *names, const int64_t *rows, int64_t K,
                       tensor *t, char *err, size_t errlen) {
@@ -194,15 +203,13 @@ static int fp8_linear(model *m, int n, const char *const *names, const int64_t *
         set_err(err, errlen, "%s: out of memory staging '%s' in FP8", m->dir, names[0]);
         rc = -1;
     }
-    const float rms = sqrtf(1.34f); /* E[v^2] over E4M3 0x30..0x3F */
     for (int i = 0, r0 = 0; i < n && rc == 1; r0 += (int)rows[i], i++) {
         uint8_t *qi = q + (size_t)r0 * K;
         if (m->dummy) {
             uint64_t x = model_dummy_seed(names[i]) | 1;
-            model_dummy_bytes(&x, qi, (size_t)(rows[i] * K), 0x8F8F8F8F8F8F8F8Full,
-                              0x3030303030303030ull);
+            model_dummy_fp8(&x, qi, (size_t)(rows[i] * K));
             for (int64_t b = 0; b < (rows[i] + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK * nk; b++)
-                s[b] = 1.0f / (rms * sqrtf((float)K));
+                s[b] = model_dummy_fp8_scale(K);
         } else {
             rc = model_weight_fp8_into(m, names[i], rows[i], K, qi, s, err, errlen);
         }

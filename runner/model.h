@@ -107,6 +107,10 @@ uint64_t model_dummy_seed(const char *name);
 /* dst[0 .. n) from the xorshift64* generator at *x, word by word, each word's bits (r & mask) |
  * set: the dummy quantized weights' codes and scales. */
 void model_dummy_bytes(uint64_t *x, uint8_t *dst, size_t n, uint64_t mask, uint64_t set);
+/* Dummy FP8 weights: n E4M3 codes of magnitude 0.5 to 1.875, either sign (from *x as above), and
+ * the one block scale that gives them an RMS of about 1 / sqrt(in_features). */
+void model_dummy_fp8(uint64_t *x, uint8_t *dst, size_t n);
+float model_dummy_fp8_scale(int64_t in_features);
 /* Fill n elements at p (BF16, on the backend's device) as the dummy tensor `name` of the given
  * input width has them (element i of the tensor = element i of the stream). */
 void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,

@@ -1040,6 +1040,25 @@ static void linear_path_reset(void) {
     cuda_linear_stack_max_t(-1);
 }
 
+/* linear's got[n] against the CPU's want within rel S (S = sum_k |x_k||w_nk| per output); one
+ * line with the worst err / S, a stat, a check. */
+static void linear_check(const char *what, const char *op, const char *tol, const float *got,
+                      const float *want, const float *S, int64_t n, double rel) {
+    int64_t bad = 0;
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)got[i] - want[i]), lim = rel * S[i] + 1e-30;
+        if (!(err <= lim) && bad++ < 5)
+            fprintf(stderr, "  linear: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
+                    (long long)i, got[i], want[i], err, lim);
+        const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
+        if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
+    }
+    printf("  %-66s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
+    stat_add(op, tol, worst, worst / rel, n);
+    CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad, (long long)n);
+}
+
 /* T random tokens through the weight on the CPU and on the GPU in every path (x and out `off`
  * floats past 16-byte alignment; F32 weights: high and medium, both an fp32 GEMM). */
 static void linear_case(const linear_weight *lw, int T, int off) {
@@ -1071,29 +1090,13 @@ static void linear_case(const linear_weight *lw, int T, int off) {
         gpoison(gout, sizeof(float) * (n + 1));
         gpu->linear(gout + off, gx + off, &lw->gw, T, N, Kin);
         float *got = gfetch(gout + off, sizeof(float) * n);
-        int64_t bad = 0;
-        double worst = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            const double err = fabs((double)got[i] - want[i]);
-            const double lim = rel * S[i] + 1e-30;
-            if (!(err <= lim)) {
-                if (bad < 5)
-                    fprintf(stderr, "  linear: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
-                            (long long)i, got[i], want[i], err, lim);
-                bad++;
-            }
-            const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
-            if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
-        }
         const char *pname = dt == DTYPE_F32 ? prec_name(p) : linear_path_names[path];
         char what[128], op[48], tol[64];
         snprintf(what, sizeof what, "linear %s %-12s T=%d N=%d Kin=%d%s", dtype_name(dt), pname, T,
                  N, Kin, off ? " unaligned" : "");
-        printf("  %-62s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
         snprintf(op, sizeof op, "linear %s %s", dtype_name(dt), pname);
         snprintf(tol, sizeof tol, "(%s + 2 Kin 2^-24) S", linear_u_name(dt, p));
-        stat_add(op, tol, worst, worst / rel, n);
-        CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad, (long long)n);
+        linear_check(what, op, tol, got, want, S, n, rel);
 
         /* a token alone (T = 1 takes the decode kernel in high precision whatever the hooks say
          * above 0, so here with the decode hook at 32) against its row of the batch */
@@ -1322,24 +1325,6 @@ static void fp8_weight_free(fp8_weight *f) {
 int cuda_linear_fp8_decode_max_t(int max_t);
 int cuda_linear_fp8_decode_t(int N, int Kin);
 
-/* got[T, N] against the CPU's want within rel S; one line and a stat. */
-static void fp8_check(const char *what, const char *op, const char *tol, const float *got,
-                      const float *want, const float *S, int64_t n, double rel) {
-    int64_t bad = 0;
-    double worst = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const double err = fabs((double)got[i] - want[i]), lim = rel * S[i] + 1e-30;
-        if (!(err <= lim) && bad++ < 5)
-            fprintf(stderr, "  linear fp8: [%lld] got %.9g want %.9g err %.3g > %.3g\n",
-                    (long long)i, got[i], want[i], err, lim);
-        const double r = S[i] > 0 ? err / S[i] : (err > 0 ? INFINITY : 0.0);
-        if (isnan(r) || r > worst) worst = isnan(r) ? INFINITY : r;
-    }
-    printf("  %-66s max err/S %.3g (allowed %.3g)\n", what, worst, rel);
-    stat_add(op, tol, worst, worst / rel, n);
-    CHECK(bad == 0, "%s: %lld of %lld outside the bound", what, (long long)bad, (long long)n);
-}
-
 /* Rows 0 and T - 1 of got (T > 1), each run alone through run(one row), bit for bit. */
 static void fp8_alone(const fp8_weight *f, const float *gx, const float *got, int T,
                       const char *label, void (*run)(float *, const float *, const fp8_weight *)) {
@@ -1392,7 +1377,7 @@ static void linear_fp8_case(const fp8_weight *f, int T) {
             snprintf(what, sizeof what, "linear F8_E4M3 %-6s tiles, %s T=%d N=%d Kin=%d",
                      prec_name(precs[pi]), fixed ? "fixed ranges" : "by size     ", T, N, K);
             snprintf(op, sizeof op, "linear F8_E4M3 tiles %s", prec_name(precs[pi]));
-            fp8_check(what, op, "(u + 4 Kin 2^-24) S", got, want, S, n, rel);
+            linear_check(what, op, "(u + 4 Kin 2^-24) S", got, want, S, n, rel);
             if (fixed && T > 1) {
                 snprintf(what, sizeof what, "linear F8_E4M3 %s fixed", prec_name(precs[pi]));
                 fp8_alone(f, gx, got, T, what, fp8_run_fixed);
@@ -1409,7 +1394,7 @@ static void linear_fp8_case(const fp8_weight *f, int T) {
         gpu->linear(gout, gx, &f->gw, T, N, K);
         dec = gfetch(gout, sizeof(float) * n);
         snprintf(what, sizeof what, "linear F8_E4M3 decode kernel T=%d N=%d Kin=%d", T, N, K);
-        fp8_check(what, "linear F8_E4M3 decode", "2 Kin 2^-24 S", dec, want, S, n,
+        linear_check(what, "linear F8_E4M3 decode", "2 Kin 2^-24 S", dec, want, S, n,
                   2.0 * K * 0x1p-24);
         if (T > 1) fp8_alone(f, gx, dec, T, "linear F8_E4M3 decode", fp8_run_generic);
         cuda_linear_fp8_decode_max_t(-1);

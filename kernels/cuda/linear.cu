@@ -865,14 +865,12 @@ static void decode_launch_tt(float *out, const float *x, const void *w, int T, i
     const int wpr = decode_wpr(N, Kin);
     const int rows = DECODE_WARPS / wpr * decode_shape<TT>::R; // per block
     const int blocks = (int)(((int64_t)N + rows - 1) / rows);
+    constexpr bool F8 = std::is_same<W, fp8_codes>::value; // vectors: the caller checked
     const bool vec = Kin % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
-    if constexpr (std::is_same<W, fp8_codes>::value) // the caller checked its conditions
+    if (F8 || vec)
         cuda_launch_pdl(decode_kernel<W, TT, true>, blocks, DECODE_WARPS * 32, 0, out, x,
                         (const uint16_t *)w, T, N, Kin, wpr, wsc);
-    else if (vec)
-        cuda_launch_pdl(decode_kernel<W, TT, true>, blocks, DECODE_WARPS * 32, 0, out, x,
-                        (const uint16_t *)w, T, N, Kin, wpr, wsc);
-    else
+    else if constexpr (!F8)
         cuda_launch_pdl(decode_kernel<W, TT, false>, blocks, DECODE_WARPS * 32, 0, out, x,
                         (const uint16_t *)w, T, N, Kin, wpr, wsc);
     CUDA_CHECK_LAUNCH();

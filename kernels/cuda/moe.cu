@@ -454,6 +454,14 @@ __global__ void fp8_pack_kernel(uint8_t *q, int64_t n_chunks, int *bad) {
         qp[c] = out[c];
 }
 
+// Whether the n block scales at s are all finite (FP8 weights' weight_scale_inv: the W8A16 kernels
+// multiply sums by them as they are).
+static bool fp8_scales_finite(const float *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!(fabsf(s[i]) < INFINITY)) return false;
+    return true;
+}
+
 int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const float *gate_up_s,
                              const uint8_t *down_q, const float *down_s, int D, int F, char *err,
                              size_t errlen) {
@@ -468,11 +476,10 @@ int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const flo
                              (size_t)E * mat, (size_t)E * nkf * D * sizeof(float)};
     const float *scales[2] = {gate_up_s, down_s};
     for (int m = 0; m < 2; m++)
-        for (size_t i = 0; i < sizes[2 * m + 1] / sizeof(float); i++)
-            if (!(fabsf(scales[m][i]) < INFINITY))
-                return set_err(err, errlen, "CUDA: FP8 experts of D=%d F=%d: a block scale "
-                                            "(weight_scale_inv) of the %s is not finite",
-                               D, F, m ? "down projections" : "gate / up projections");
+        if (!fp8_scales_finite(scales[m], sizes[2 * m + 1] / sizeof(float)))
+            return set_err(err, errlen, "CUDA: FP8 experts of D=%d F=%d: a block scale "
+                                        "(weight_scale_inv) of the %s is not finite",
+                           D, F, m ? "down projections" : "gate / up projections");
     const void *src[4] = {gate_up_q, gate_up_s, down_q, down_s};
     void *dst[4] = {};
     int bad_h = 0;
@@ -1970,10 +1977,9 @@ int cuda_prepare_linear_fp8(tensor *t, const uint8_t *codes, const float *row_sc
         return set_err(err, errlen, "CUDA: an FP8 linear needs N=%d a multiple of 8, K=%d of 64",
                        N, K);
     const size_t nks = (size_t)(K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK * N;
-    for (size_t i = 0; i < nks; i++)
-        if (!(fabsf(row_scales[i]) < INFINITY))
-            return set_err(err, errlen, "CUDA: an FP8 linear [%d, %d]: a block scale "
-                                        "(weight_scale_inv) is not finite", N, K);
+    if (!fp8_scales_finite(row_scales, nks))
+        return set_err(err, errlen, "CUDA: an FP8 linear [%d, %d]: a block scale "
+                                    "(weight_scale_inv) is not finite", N, K);
     const size_t at = fp8_linear_scales_at(N, K), bytes = at + nks * sizeof(float);
     unsigned char *host = (unsigned char *)calloc(1, bytes);
     if (!host) return set_err(err, errlen, "CUDA: out of host memory staging an FP8 linear");

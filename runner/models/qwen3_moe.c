@@ -208,19 +208,16 @@ static int qwen3_moe_dummy_fp8(model *m, int i, qwen3_moe_layer *l, char *err, s
                 i, El);
         rc = -1;
     }
-    const float rms = sqrtf(1.34f); /* E[v^2] over E4M3 0x30..0x3F */
     for (int e = 0; e < El && rc == 0; e++) {
         char name[96];
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.fp8", i, E0 + e);
         uint64_t x = model_dummy_seed(name) | 1;
-        uint8_t *parts[2] = {guq + (size_t)e * 2 * mat, dq + (size_t)e * mat};
-        const size_t sizes[2] = {2 * mat, mat};
-        for (int p = 0; p < 2; p++) /* sign, exponent 6 or 7, any mantissa: 0.5 to 1.875 */
-            model_dummy_bytes(&x, parts[p], sizes[p], 0x8F8F8F8F8F8F8F8Full, 0x3030303030303030ull);
+        model_dummy_fp8(&x, guq + (size_t)e * 2 * mat, 2 * mat);
+        model_dummy_fp8(&x, dq + (size_t)e * mat, mat);
         for (size_t k = 0; k < sgu; k++)
-            gus[(size_t)e * sgu + k] = 1.0f / (rms * sqrtf((float)D));
+            gus[(size_t)e * sgu + k] = model_dummy_fp8_scale(D);
         for (size_t k = 0; k < sd; k++)
-            ds[(size_t)e * sd + k] = 1.0f / (rms * sqrtf((float)F));
+            ds[(size_t)e * sd + k] = model_dummy_fp8_scale(F);
     }
     if (rc == 0 &&
         m->ops->prepare_experts_fp8(&l->experts, guq, gus, dq, ds, (int)D, (int)F, err, errlen))
@@ -276,6 +273,16 @@ static int qwen3_moe_dummy_nvfp4(model *m, int i, qwen3_moe_layer *l, char *err,
     return rc;
 }
 
+/* This rank's per-expert views of layer l as shapes alone (gate, up [F, D], down [D, F]), for a
+ * backend that reads its own stacked copies (moe_experts), no data of their own. */
+static void expert_shape_views(const model *m, qwen3_moe_layer *l, int El, int64_t D, int64_t F) {
+    tensor *dst[3] = {l->expert_gate, l->expert_up, l->expert_down};
+    for (int e = 0; e < El; e++)
+        for (int p = 0; p < 3; p++)
+            dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
+                                 .shape = {p == 2 ? D : F, p == 2 ? F : D}};
+}
+
 /* Dummy experts of layer i (no checkpoint). The CPU gets every expert tensor as model_weight
  * makes it. A backend with its own memory gets its stacked copies (moe_experts) filled in place,
  * with the same values the per-expert tensors would hold, so no expert exists twice. */
@@ -303,10 +310,7 @@ static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *er
     }
     if ((m->online_quant == MODEL_QUANT_NVFP4 && m->ops->prepare_experts_nvfp4) ||
         (m->online_quant == MODEL_QUANT_FP8 && m->ops->prepare_experts_fp8)) {
-        for (int e = 0; e < El; e++) /* views: shapes only, the backend reads its own copies */
-            for (int p = 0; p < 3; p++)
-                dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
-                                     .shape = {p == 2 ? D : F, p == 2 ? F : D}};
+        expert_shape_views(m, l, El, D, F);
         return m->online_quant == MODEL_QUANT_FP8 ? qwen3_moe_dummy_fp8(m, i, l, err, errlen)
                                                   : qwen3_moe_dummy_nvfp4(m, i, l, err, errlen);
     }
@@ -319,18 +323,14 @@ static int qwen3_moe_dummy_experts(model *m, int i, qwen3_moe_layer *l, char *er
     if (!gate_up || !down)
         return set_err(err, errlen, "%s: layer %d: out of %s memory for %d dummy experts", m->dir,
                        i, m->ops->name, El);
-    for (int e = 0; e < El; e++) {
+    for (int e = 0; e < El; e++)
         for (int p = 0; p < 3; p++) {
             snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
                      parts[p]);
             uint16_t *at = p == 2 ? down + (size_t)e * half : gate_up + ((size_t)2 * e + p) * half;
             model_dummy_fill(m, at, name, (int64_t)half, 2, p == 2 ? F : D);
-            /* the per-expert view: its shape, no data of its own (the backend reads the stack) */
-            dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device};
-            dst[p][e].shape[0] = p == 2 ? D : F;
-            dst[p][e].shape[1] = p == 2 ? F : D;
         }
-    }
+    expert_shape_views(m, l, El, D, F);
     return 0;
 }
 
@@ -400,23 +400,21 @@ static int qwen3_moe_load_layer(model *m, int i, qwen3_moe_layer *l, char *err, 
     int wq = qwen3_moe_nvfp4_experts(m, i, l, err, errlen);
     if (wq == 0) wq = qwen3_moe_fp8_experts(m, i, l, err, errlen);
     if (wq < 0) return -1;
+    if (wq) {
+        expert_shape_views(m, l, El, D, F);
+        return 0;
+    }
     tensor *dst[3] = {l->expert_gate, l->expert_up, l->expert_down};
     for (int e = 0; e < El; e++)
         for (int p = 0; p < 3; p++) {
-            const int64_t *shape = p == 2 ? df : fd;
-            if (wq) {
-                dst[p][e] = (tensor){.dtype = DTYPE_BF16, .ndim = 2, .device = m->ops->device,
-                                     .shape = {shape[0], shape[1]}};
-                continue;
-            }
             const tensor *t;
             snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", i, E0 + e,
                      parts[p]);
-            if (model_weight_info(m, name, 2, shape, &t, err, errlen)) return -1;
+            if (model_weight_info(m, name, 2, p == 2 ? df : fd, &t, err, errlen)) return -1;
             dst[p][e] = *t;
         }
     char why[512];
-    if (!wq && El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
+    if (El > 0 && m->ops->prepare_experts(&l->experts, why, sizeof why))
         return set_err(err, errlen, "%s: layer %d experts: %s", m->dir, i, why);
 #undef W1
 #undef W2
