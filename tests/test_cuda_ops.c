@@ -1678,6 +1678,74 @@ static double time_gemm_bf16(uint16_t *pool) {
         cudaEventDestroy(e1_);                                                                     \
     } while (0)
 
+/* A decode step's small ops one after another as the step has them: CHAIN calls captured in one
+ * CUDA graph and replayed, time per call. Each kernel waits for the one before (programmatic
+ * dependent launch where the op has it), so this is what one costs in a step's chain of launches,
+ * its launch and the wait for its neighbour included. */
+#define CHAIN 96
+#define TIME_CHAIN(label, call)                                                                    \
+    do {                                                                                           \
+        cudaStream_t st_ = cuda_stream();                                                          \
+        cudaGraph_t g_ = NULL;                                                                     \
+        cudaGraphExec_t ge_ = NULL;                                                                \
+        float ms_ = NAN;                                                                           \
+        if (cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {        \
+            for (int r_ = 0; r_ < CHAIN; r_++)                                                     \
+                call;                                                                              \
+            if (cudaStreamEndCapture(st_, &g_) == cudaSuccess &&                                   \
+                cudaGraphInstantiate(&ge_, g_, 0) == cudaSuccess) {                                \
+                cudaEvent_t e0_, e1_;                                                              \
+                cudaEventCreate(&e0_);                                                             \
+                cudaEventCreate(&e1_);                                                             \
+                cudaGraphLaunch(ge_, st_);                                                         \
+                cudaEventRecord(e0_, st_);                                                         \
+                for (int r_ = 0; r_ < 5; r_++)                                                     \
+                    cudaGraphLaunch(ge_, st_);                                                     \
+                cudaEventRecord(e1_, st_);                                                         \
+                cudaEventSynchronize(e1_);                                                         \
+                cudaEventElapsedTime(&ms_, e0_, e1_);                                              \
+                cudaEventDestroy(e0_);                                                             \
+                cudaEventDestroy(e1_);                                                             \
+            }                                                                                      \
+        }                                                                                          \
+        printf("  %-52s %6.2f us a call\n", (label), ms_ * 1e3 / (5 * CHAIN));                      \
+        if (ge_) cudaGraphExecDestroy(ge_);                                                        \
+        if (g_) cudaGraphDestroy(g_);                                                              \
+    } while (0)
+
+static void time_chain(void) {
+    printf("decode-size ops in a chain of %d (one CUDA graph, T = 1, Qwen3-30B-A3B shapes)\n",
+           CHAIN);
+    const int D = 2048, E = 128, K = 8;
+    float *a = gpu_random_f32((int64_t)K * D), *b = gpu_random_f32((int64_t)K * D);
+    float *o = gpu_random_f32((int64_t)K * D), *lg = gpu_random_f32(E);
+    float *tw = gpu_random_f32(K);
+    tensor hw = make_weight(DTYPE_BF16, 1, D, 1.0f);
+    hw.ndim = 1;
+    hw.shape[0] = D;
+    tensor w = gpu_weight(&hw);
+    tensor hr = make_weight(DTYPE_BF16, E, D, 0.02f), wr = gpu_weight(&hr);
+    int32_t *tk = gpu->dev_alloc(sizeof(int32_t) * K);
+    MS_ASSERT(tk);
+    TIME_CHAIN("add_rmsnorm D=2048", gpu->add_rmsnorm(a, o, b, &w, 1, D, 1e-6f));
+    TIME_CHAIN("moe_finalize_add_rmsnorm K=8 D=2048",
+               gpu->moe_finalize_add_rmsnorm(a, o, b, tw, &w, 1, K, D, 1e-6f));
+    TIME_CHAIN("router_topk E=128 K=8", gpu->router_topk(tk, tw, lg, 1, E, K, true));
+    TIME_CHAIN("linear (router) N=128 Kin=2048", gpu->linear(lg, o, &wr, 1, E, D));
+    TIME_CHAIN("router linear + router_topk",
+               (gpu->linear(lg, o, &wr, 1, E, D), gpu->router_topk(tk, tw, lg, 1, E, K, true)));
+    free(hw.data);
+    free(hr.data);
+    gpu->dev_free(w.data);
+    gpu->dev_free(wr.data);
+    gpu->dev_free(tk);
+    gpu->dev_free(a);
+    gpu->dev_free(b);
+    gpu->dev_free(o);
+    gpu->dev_free(lg);
+    gpu->dev_free(tw);
+}
+
 /* The other ops at prefill sizes of Qwen3-30B-A3B (T = 8192 tokens; K = 8 of 128 experts, expert
  * FFN 768): memory-bound passes, compared with the copy ceiling. */
 static void time_elementwise(void) {
@@ -1880,6 +1948,7 @@ static void figures(void) {
     linear_path_reset();
     figures_fp8(pool);
     gpu->dev_free(pool);
+    time_chain();
     time_elementwise();
 }
 

@@ -815,24 +815,27 @@ __global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const
     for (int i = 0; i < NPL; i++)
         v[i] = lane + 32 * i < E ? __fdiv_rn(v[i], sum) : -1.0f;
 
+    // Each round takes the largest probability, the lowest id among equal ones, as two warp
+    // reductions (redux.sync) rather than a butterfly of value and id: the key of a probability
+    // p >= 0 is its bits (sign cleared) + 1, which order as the values do, 0 for one taken (-1)
+    // or NaN, so the largest key is the largest p, and the lowest id among the lanes holding it
+    // is the lowest id of that p (a lane offers its own lowest). No key above 0: bp -1, be E, as
+    // the butterfly gave.
     float s = 0.0f, mine = 0.0f; // lane k keeps the k-th weight (K <= 32)
     for (int k = 0; k < K; k++) {
-        float bp = -1.0f;
+        unsigned kb = 0u;
         int be = E;
 #pragma unroll
-        for (int i = 0; i < NPL; i++)
-            if (v[i] > bp) { // strict, in increasing id: the lowest id of equal values stays
-                bp = v[i];
+        for (int i = 0; i < NPL; i++) {
+            const unsigned key = v[i] >= 0.0f ? (__float_as_uint(v[i]) & 0x7fffffffu) + 1u : 0u;
+            if (key > kb) { // strict, in increasing id: the lowest id of equal values stays
+                kb = key;
                 be = lane + 32 * i;
             }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float op = __shfl_xor_sync(FULL_MASK, bp, off);
-            const int oe = __shfl_xor_sync(FULL_MASK, be, off);
-            if (op > bp || (op == bp && oe < be)) {
-                bp = op;
-                be = oe;
-            }
         }
+        const unsigned top = __reduce_max_sync(FULL_MASK, kb);
+        be = (int)__reduce_min_sync(FULL_MASK, kb == top ? (unsigned)be : (unsigned)E);
+        const float bp = top ? __uint_as_float(top - 1u) : -1.0f;
 #pragma unroll
         for (int i = 0; i < NPL; i++)
             if (be == lane + 32 * i) v[i] = -1.0f; // the lane that owns expert be
