@@ -124,6 +124,15 @@ int cublasGemmEx(cublasHandle_t h, int transa, int transb, int m, int n, int k, 
 #define CUDA_R_16BF_        14
 #define CUBLAS_COMPUTE_32F_ 68
 #define CUBLAS_GEMM_DEFAULT_ (-1)
+typedef struct CUgraph_st *cudaGraph_t;
+typedef struct CUgraphExec_st *cudaGraphExec_t;
+int cudaStreamBeginCapture(cudaStream_t s, int mode);
+int cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
+int cudaGraphInstantiateWithFlags(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags);
+int cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s);
+int cudaGraphExecDestroy(cudaGraphExec_t e);
+int cudaGraphDestroy(cudaGraph_t g);
+#define CUDA_CAPTURE_THREAD_LOCAL 1
 /* kernels/cuda/cuda_ops.h: the stream every op of the backend runs on. */
 cudaStream_t cuda_stream(void);
 
@@ -589,6 +598,7 @@ typedef struct {
     double us[N_PRECISIONS], gbs[N_PRECISIONS], pct[N_PRECISIONS], tflops[N_PRECISIONS]; /* ours */
     double cublas_us, cublas_tflops; /* per-expert cuBLAS (prefill rows only) */
     double copy_same_us;             /* a device copy moving as many bytes (read + write) */
+    double chain_us[N_PRECISIONS];   /* time_moe_chain's, decode sizes (0: not timed) */
 } timing_row;
 
 static timing_row rows[32];
@@ -658,6 +668,8 @@ static void moe_once(void *c, int i) {
                      mc->T, m->K, m->D, m->F);
 }
 
+static double time_moe_chain(moe_ctx *c);
+
 /* Times moe_experts at T tokens over n_sets routings of the given mode, in each precision on the
  * same inputs; adds a timing row. The precision is left at high. */
 static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int iters) {
@@ -696,6 +708,7 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
         r->gbs[p] = r->weight_gb / (ms * 1e-3);
         r->pct[p] = 100.0 * r->gbs[p] / copy_gbs;
         r->tflops[p] = 6.0 * T * K * (double)D * m->F / (ms * 1e-3) / 1e12;
+        if (T <= 64 && n_sets >= 8) r->chain_us[p] = time_moe_chain(&c);
     }
     set_precision(MATMUL_PRECISION_HIGH);
     gpu->dev_free(c.out);
@@ -704,6 +717,42 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
     free(x_h);
     free(ids_h);
     return r;
+}
+
+/* The in-step cost of moe_experts at T tokens: MOE_CHAIN calls (the routings in turn) captured in
+ * one CUDA graph, each waiting for the one before as a decode step's layers do, replayed; the
+ * median of 5 replays per call. */
+#define MOE_CHAIN 48
+static double time_moe_chain(moe_ctx *c) {
+    cudaStream_t st = cuda_stream();
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    double us = NAN;
+    if (cudaStreamBeginCapture(st, CUDA_CAPTURE_THREAD_LOCAL) == 0) {
+        for (int i = 0; i < MOE_CHAIN; i++)
+            moe_once(c, i);
+        if (cudaStreamEndCapture(st, &g) == 0 && cudaGraphInstantiateWithFlags(&ge, g, 0) == 0) {
+            cudaEvent_t e[2];
+            cudaEventCreate(&e[0]);
+            cudaEventCreate(&e[1]);
+            float ms[5];
+            cudaGraphLaunch(ge, st); /* warm-up */
+            for (int r = 0; r < 5; r++) {
+                cudaEventRecord(e[0], st);
+                cudaGraphLaunch(ge, st);
+                cudaEventRecord(e[1], st);
+                cudaEventSynchronize(e[1]);
+                cudaEventElapsedTime(&ms[r], e[0], e[1]);
+            }
+            qsort(ms, 5, sizeof(float), cmp_float);
+            us = ms[2] * 1e3 / MOE_CHAIN;
+            cudaEventDestroy(e[0]);
+            cudaEventDestroy(e[1]);
+        }
+    }
+    if (ge) cudaGraphExecDestroy(ge);
+    if (g) cudaGraphDestroy(g);
+    return us;
 }
 
 typedef struct {
@@ -785,6 +834,16 @@ static void print_timings(void) {
             printf(" %8s |", "");
         if (r->cublas_us > 0) printf(" %8.1f %8.1f", r->cublas_us, r->cublas_tflops);
         printf("\n");
+    }
+    printf("in a chain (calls captured in one CUDA graph, each after the one before; %% of the "
+           "copy rate):\n");
+    for (int i = 0; i < n_rows; i++) {
+        const timing_row *r = &rows[i];
+        const int M = MATMUL_PRECISION_MEDIUM, H = MATMUL_PRECISION_HIGH;
+        if (r->chain_us[H] > 0)
+            printf("%-26s %5d | medium %8.1f us %5.1f%% | high %8.1f us %5.1f%%\n", r->label,
+                   r->T, r->chain_us[M], 100.0 * r->weight_gb / (r->chain_us[M] * 1e-6) / copy_gbs,
+                   r->chain_us[H], 100.0 * r->weight_gb / (r->chain_us[H] * 1e-6) / copy_gbs);
     }
 }
 

@@ -9,6 +9,8 @@
 //   is the one loss against the CPU, which multiplies fp32 x by the widened weights: at most 2^-8
 //   (BF16) or 2^-11 (F16) of S = sum_k |x_k||w_nk| per output. Through the whole model (test
 //   checkpoint, H200) that moved teacher-forced logprobs by up to 0.8 from the CPU backend's.
+//   At decode sizes outside deterministic mode (medium_decode_max_t) medium takes high's decode
+//   kernel instead: more exact than medium asks, and faster there than rounding x for a GEMM.
 // - high (the default): faithful to fp32 x, three ways by batch size (the thresholds, from H200
 //   timings, are decode_max_t and stack_max_t below):
 //   * decode (T <= 2 to 16, by the weight's bytes): decode_kernel multiplies fp32 x by the widened
@@ -146,6 +148,19 @@ static int decode_max_t(int N, int Kin) {
     if (g_decode_override >= 0) return g_decode_override;
     const int64_t wbytes = (int64_t)N * Kin * 2;
     return wbytes <= ((int64_t)4 << 20) ? 16 : wbytes <= ((int64_t)64 << 20) ? 8 : 2;
+}
+
+// Medium precision, outside deterministic mode: the decode kernel up to this T, against medium's
+// one GEMM on rounded x (test_cuda_ops' figures, H200, graph time per call, decode against
+// medium): q_proj 5.5 against 8.8 us at T = 1, 7.6 against 8.9 at 4, 10.1 against 8.0 at 8; o_proj
+// 5.2 against 9.7 at 1, 9.4 against 9.7 at 8; k/v_proj and the router win to T = 8 and past;
+// lm_head 137.5 against 151.6 at 1, 153.0 against 153.4 at 4, 219 against 155 at 8. So by the
+// weight's bytes as decode_max_t: up to 4 MiB T <= 16, up to 64 MiB T <= 4, larger T <= 2.
+static int medium_decode_max_t(int N, int Kin) {
+    if (g_decode_override >= 0) return g_decode_override;
+    const int64_t wbytes = (int64_t)N * Kin * 2;
+    const int t = wbytes <= ((int64_t)4 << 20) ? 16 : wbytes <= ((int64_t)64 << 20) ? 4 : 2;
+    return t < decode_max_t(N, Kin) ? t : decode_max_t(N, Kin);
 }
 
 // Block-FP8 weights outside deterministic mode: the decode kernel up to this T (either precision:
@@ -955,6 +970,13 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
         return;
     }
 
+    if (w->dtype != DTYPE_F32 && !g_deterministic && T <= medium_decode_max_t(N, Kin)) {
+        if (bf16) // medium at decode sizes: high's decode kernel (medium_decode_max_t)
+            decode_launch<__nv_bfloat16>(out, x, w->data, T, N, Kin);
+        else
+            decode_launch<__half>(out, x, w->data, T, N, Kin);
+        return;
+    }
     const void *xin = x; // F32 weights: x as it is
     if (w->dtype != DTYPE_F32) { // medium: x rounded to the weight's dtype
         const int64_t n = (int64_t)T * Kin;
