@@ -112,6 +112,16 @@
 //   - The tiny path at T = 4 (32 pairs, 2 waves of blocks): 83.0 / 87.0 us against the grouped
 //     path's 81.0 / 82.3, hence the limit of 16 pairs. Earlier (see git history): L2 prefetch
 //     hints before the PDL wait and evict-first weights, 29.8-30.1 us against 29.0.
+//   - The router's top-k in the tiny GEMMs (each block routing its token from the logits, the
+//     same bits; no top-k kernel): router + experts 35.1 / 33.2 us against 32.8 / 30.2 with the
+//     top-k kernel before (high / medium), a batch-1 step 3.40 ms against 3.25.
+//   - Other stage counts (T = 1, medium / high): GEMM 2 with all six k tiles of its weights
+//     requested before it waits for h (7 stages) 32.4 / 33.1 us against 26.5 / 29.2; GEMM 2 with
+//     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
+//     leave fewer GEMM 2 blocks resident during GEMM 1.
+// In a decode step the two GEMMs run in a chain of launches (tests/test_cuda_moe times that too):
+// T = 1 23.5 / 25.7 us (76% / 69% of the copy rate), GEMM 1 alone 16.0 / 17.1, GEMM 2 alone
+// 8.8 / 9.2: each streams about as a device copy of its size, and they overlap by about 1 us.
 //
 // GEMM mainloop: a STAGES-deep cp.async pipeline of BM x BK activation tiles (high: a hi and a lo
 // tile) and BN x BK weight tiles, all BF16, in shared memory (16-byte chunks XOR-swizzled by row so
@@ -1812,7 +1822,10 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
 // H200, Qwen3-30B-A3B dummy weights, a batch-1 decode step in deterministic mode (graphs, high):
 // 4.46 ms with the prepare kernel, 3.71 without (3.21 with the mode off). Tried and dropped: the
 // reduction as the GEMM's grid tail (the last block of each N-block to count itself done adds the
-// ranges of its columns), 4.08 ms against 3.71 in the same run.
+// ranges of its columns), 4.08 ms against 3.71 in the same run; and at prefill sizes every range
+// in one block (each range's sums added into out at its end, read back by the thread that stored
+// them; the same bits, from a full wave of tiles on): prefill 1 / 8 x 2048 in deterministic mode
+// 10174 / 10675 tokens/s against 10467 / 10982, each range end stalling its block on the read.
 
 #define BI_SPLIT_UNIT    128 /* a range is a multiple of this many k (the largest BK) */
 #define BI_TARGET_BLOCKS 256 /* blocks wanted at decode sizes (the decode tile: BN 64) */
