@@ -118,7 +118,10 @@
 //   - Other stage counts (T = 1, medium / high): GEMM 2 with all six k tiles of its weights
 //     requested before it waits for h (7 stages) 32.4 / 33.1 us against 26.5 / 29.2; GEMM 2 with
 //     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
-//     leave fewer GEMM 2 blocks resident during GEMM 1.
+//     leave fewer GEMM 2 blocks resident during GEMM 1. Smaller ones, in a chain of calls: GEMM 2
+//     with 2 stages 24.8 / 26.6 us at T = 1 against 23.4 / 25.6, but 39.4 / 40.4 at T = 2
+//     against 40.3 / 43.8 (a batch-2 step 4.21 ms against 4.36; not taken yet: T = 2 alone, on
+//     Qwen3's shape alone); GEMM 1 with 2 stages slower at both.
 // In a decode step the two GEMMs run in a chain of launches (tests/test_cuda_moe times that too):
 // T = 1 23.5 / 25.7 us (76% / 69% of the copy rate), GEMM 1 alone 16.0 / 17.1, GEMM 2 alone
 // 8.8 / 9.2: each streams about as a device copy of its size, and they overlap by about 1 us.
