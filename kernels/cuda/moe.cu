@@ -118,10 +118,8 @@
 //   - Other stage counts (T = 1, medium / high): GEMM 2 with all six k tiles of its weights
 //     requested before it waits for h (7 stages) 32.4 / 33.1 us against 26.5 / 29.2; GEMM 2 with
 //     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
-//     leave fewer GEMM 2 blocks resident during GEMM 1. Smaller ones, in a chain of calls: GEMM 2
-//     with 2 stages 24.8 / 26.6 us at T = 1 against 23.4 / 25.6, but 39.4 / 40.4 at T = 2
-//     against 40.3 / 43.8 (a batch-2 step 4.21 ms against 4.36; not taken yet: T = 2 alone, on
-//     Qwen3's shape alone); GEMM 1 with 2 stages slower at both.
+//     leave fewer GEMM 2 blocks resident during GEMM 1. GEMM 1 with 2 stages: slower at T = 1
+//     and 2. (GEMM 2 with 2 stages where that fits its grid in one wave: tiny_two_stages.)
 // In a decode step the two GEMMs run in a chain of launches (tests/test_cuda_moe times that too):
 // T = 1 23.5 / 25.7 us (76% / 69% of the copy rate), GEMM 1 alone 16.0 / 17.1, GEMM 2 alone
 // 8.8 / 9.2: each streams about as a device copy of its size, and they overlap by about 1 us.
@@ -1706,6 +1704,33 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
 
+// The blocks of GEMM kernel `kernel` (dynamic shared memory smem) resident on the device at once.
+template <typename K> static int64_t resident_blocks(K kernel, int threads, size_t smem) {
+    int dev = 0, sms = 0, per_sm = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    return (int64_t)per_sm * sms;
+}
+
+// The tiny path's GEMM 2 with two stages (C2_2) instead of C2's where C2's blocks would take two
+// waves and two stages' fit in one (the same sums: the stages only pace the loads). H200,
+// Qwen3-30B-A3B's experts in a chain of calls (tests/test_cuda_moe), medium / high: T = 2 (512
+// blocks) 39.4 / 40.4 us against 40.3 / 43.8 with C2, a batch-2 step 4.21 ms against 4.36; at
+// T = 1 (256 blocks, one wave either way) C2's deeper prefetch wins, 23.4 / 25.6 against 24.8 /
+// 26.6.
+template <class C2, class C2_2> static bool tiny_two_stages(int64_t blocks) {
+    static int64_t deep = -1, two = -1; // resident blocks of each (one device per process)
+    if (deep < 0) {
+        deep = resident_blocks(moe_gemm_kernel<C2, false, true, false, WF_BF16>, C2::threads,
+                               moe_b_layout<C2, WF_BF16>::smem);
+        two = resident_blocks(moe_gemm_kernel<C2_2, false, true, false, WF_BF16>, C2_2::threads,
+                              moe_b_layout<C2_2, WF_BF16>::smem);
+    }
+    return blocks > deep && blocks <= two;
+}
+
 template <class C1, class C2, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
@@ -1743,7 +1768,15 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.N = D;
     g.tile_rows = C2::BM;
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
-    launch_gemm<C2, false, true, false, WF>(g, std::min(n, (n + busy * (C2::BM - 1)) / C2::BM));
+    const int tiles2 = std::min(n, (n + busy * (C2::BM - 1)) / C2::BM);
+    typedef moe_tile_cfg<C2::BM, C2::BN, C2::BK, C2::WARPS_M, C2::WARPS_N, 2, C2::SPLIT> C2_2;
+    if constexpr (WF == WF_BF16) {
+        if (tiny_two_stages<C2, C2_2>((int64_t)tiles2 * g.n_col_blocks)) {
+            launch_gemm<C2_2, false, true, false, WF>(g, tiles2);
+            return;
+        }
+    }
+    launch_gemm<C2, false, true, false, WF>(g, tiles2);
 }
 
 // The path and tile shapes by size and precision, the weights BF16, NVFP4 or FP8. FP8 keeps the
