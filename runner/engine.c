@@ -79,9 +79,29 @@ static void engine_stage(engine *e, forward_batch *fb, const int32_t *page_table
     fb->logit_rows = e->d_rows;
 }
 
+static int log2_floor(int x) {
+    int l = 0;
+    while (x >= 2 << l)
+        l++;
+    return l;
+}
+
+/* Graphs come in sets by the step's runtime_max (expert parallelism: a captured step holds the
+ * all-to-all's runtime_max): set 0 alone, 1 + i for 2^i <= max_bs, the last for max_bs itself
+ * where it is not a power of two; scheduler.c rounds a group's runtime_max to one of these. */
+static int graph_sets(int max_bs) { return log2_floor(max_bs) + 3; }
+
+static int graph_set(const engine *e, int runtime_max) {
+    if (runtime_max == 0) return 0;
+    if (runtime_max < 0 || runtime_max > e->graph_max_bs) return -1;
+    if ((runtime_max & (runtime_max - 1)) == 0) return 1 + log2_floor(runtime_max);
+    return runtime_max == e->graph_max_bs ? graph_sets(runtime_max) - 1 : -1;
+}
+
 /* Free every captured graph (their buffers stay). */
 static void engine_drop_graphs(engine *e) {
-    for (int b = 0; e->graphs && b <= e->graph_max_bs; b++)
+    const int n = (e->graph_max_bs + 1) * graph_sets(e->graph_max_bs);
+    for (int b = 0; e->graphs && b < n; b++)
         if (e->graphs[b]) {
             e->m->ops->graph_free(e->graphs[b]);
             e->graphs[b] = NULL;
@@ -116,7 +136,7 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
     e->g_table = o->dev_alloc(B * G * sizeof(int32_t));
     e->g_logits = o->dev_alloc(B * V * sizeof(float));
     e->g_host = xcalloc(B * (4 + G), sizeof(int32_t));
-    e->graphs = xcalloc(B + 1, sizeof(void *));
+    e->graphs = xcalloc((B + 1) * (size_t)graph_sets(max_bs), sizeof(void *));
     e->graph_max_bs = max_bs;
     e->graph_max_pages = max_pages;
     e->graph_epoch = 0;
@@ -128,9 +148,10 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
     return 0;
 }
 
-/* A step the graphs can take: decode only (one token per sequence, each sampled), alone. */
+/* A step the graphs can take: decode only (one token per sequence, each sampled), alone or with
+ * a runtime_max that has a set of graphs. */
 static bool graph_step_ok(const engine *e, engine_seq *const *seqs, int n, int T, int n_rows) {
-    if (e->graph_max_bs == 0 || e->runtime_max != 0 || T != n || T > e->graph_max_bs ||
+    if (e->graph_max_bs == 0 || graph_set(e, e->runtime_max) < 0 || T != n || T > e->graph_max_bs ||
         n_rows != T || T == 0)
         return false;
     for (int i = 0; i < n; i++)
@@ -172,9 +193,11 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     g.logit_rows = e->g_rows;
 
     if (graph_epoch_now(e) != e->graph_epoch) engine_drop_graphs(e);
-    if (e->graphs[T]) {
-        o->graph_launch(e->graphs[T]);
-        return 0;
+    void **slot = &e->graphs[(size_t)graph_set(e, e->runtime_max) * (e->graph_max_bs + 1) + T];
+    if (*slot) {
+        o->graph_launch(*slot);
+        /* what the all-to-all's kernels recorded in the replay (nothing alone) */
+        return e->runtime_max ? model_step_check(m) : 0;
     }
     /* First step of this size: eagerly (it sizes every workspace), then captured. */
     if (m->arch->forward(m, &e->kv, &g, e->g_logits)) return -1;
@@ -201,7 +224,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
         e->graph_max_bs = 0; /* the eager step above already produced this step's logits */
         return 0;
     }
-    e->graphs[T] = graph; /* the eager step produced this step's logits */
+    *slot = graph; /* the eager step produced this step's logits */
     return 0;
 }
 

@@ -8,6 +8,9 @@
 
 #include "common/log.h"
 #include "kernels/quant.h"
+#ifdef MOESERVE_CUDA
+#include "kernels/cuda/a2a_cuda.h"
+#endif
 
 static const model_arch *const model_archs[] = {&qwen3_moe_arch};
 
@@ -604,5 +607,13 @@ int model_weight_info(model *m, const char *name, int ndim, const int64_t *shape
     if (ndim == 2 && online_quantized(m, name))
         return quantize_weight(m, ct, name, out, err, errlen);
     *out = &ct->t;
+    return 0;
+}
+
+int model_step_check(model *m) {
+#ifdef MOESERVE_CUDA
+    if (m->a2a_gpu) return a2a_gpu_check(m->a2a_gpu, m->err, sizeof m->err);
+#endif
+    (void)m;
     return 0;
 }

@@ -116,6 +116,10 @@ float model_dummy_fp8_scale(int64_t in_features);
 void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,
                       int64_t in_features);
 void model_free(model *m);
+/* After a step's work is queued where the forward itself did not check (a replayed decode
+ * graph): waits for it and reports what the GPU all-to-all's kernels recorded (a peer that did
+ * not arrive in time, a runtime_max mismatch) into m->err. 0 where there is nothing to check. */
+int model_step_check(model *m);
 
 /* Look up a tensor by name and check its shape (ndim dims from shape[]) and dtype; ok -> 0 and
  * *out set to the checkpoint's view (host memory), or, for a weight stored quantized (F8_E4M3 or

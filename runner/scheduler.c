@@ -741,6 +741,20 @@ static void fill_report(scheduler *s, int n_tokens, bool stopping, rank_report *
                        .gen_throughput_milli = (int64_t)llround(st.last_gen_throughput * 1000.0)};
 }
 
+/* The runtime_max a step of the rank group runs with, the same on every rank. With decode
+ * graphs (a backend that has them, cuda_graph_max_bs set: the same on every rank) the group's
+ * largest batch goes up to a power of two, at most cuda_graph_max_bs: a captured step holds its
+ * runtime_max, so a few values cover every decode step (runner/engine.c keys its graphs by
+ * batch and by these). Larger steps keep theirs. */
+static int step_runtime_max(const scheduler *s, int rm) {
+    const int gmax = s->cfg.cuda_graph_max_bs;
+    if (gmax <= 0 || !s->m->ops->graph_begin || rm > gmax) return rm;
+    int b = 1;
+    while (b < rm)
+        b <<= 1;
+    return b < gmax ? b : gmax;
+}
+
 static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {
     for (;;) {
         double t0 = now_seconds();
@@ -771,7 +785,7 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
             idle_wait(s, stop);
             continue;
         }
-        s->e.runtime_max = st.runtime_max;
+        s->e.runtime_max = step_runtime_max(s, st.runtime_max);
         if (step_run(s, n_batch, t0) < 0) return set_err(err, errlen, "%s", s->m->err);
     }
 }

@@ -4,7 +4,7 @@ alone and to `mpirun -np N moeserve serve --device cuda --moe-a2a-backend T`, pr
 logprobs compared position by position (greedy, so the tokens must agree too).
 
     scripts/gpu_ep_compare.py [--np 2] [--backends nvlink_one_sided,nccl] [--model DIR] [--dummy]
-                              [--deterministic]
+                              [--deterministic] [--graphs N]
 
 --dummy serves a config.json-only folder with random weights (--load-format dummy
 --skip-tokenizer-init; every weight is seeded by its name, so each rank's experts are the single
@@ -21,7 +21,9 @@ which tokens share a step depends on when requests arrive (and, warm, on the pre
 the dense GEMMs' kernels are chosen by the step's size (the deterministic mode's business). The
 worst difference is printed, and how many rounds gave the single GPU's bits exactly.
 --deterministic serves every run with --enable-deterministic-inference, and then every round
-must give the single GPU's bits exactly (a check of its own)."""
+must give the single GPU's bits exactly (a check of its own). --graphs N serves every run with
+--cuda-graph-max-bs N: decode steps replay CUDA graphs, under mpirun too (nvlink_one_sided; the
+nccl transport cannot be captured and runs eagerly)."""
 import argparse
 import json
 import os
@@ -124,6 +126,8 @@ def main():
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "/tmp/gpu-ep"))
     ap.add_argument("--dummy", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--graphs", type=int, default=0,
+                    help="--cuda-graph-max-bs for every server (decode steps as CUDA graphs)")
     a = ap.parse_args()
     vocab = 2048  # the test checkpoint's ids below its end-of-text token
     if a.dummy:
@@ -142,6 +146,8 @@ def main():
         serve += ["--load-format", "dummy", "--skip-tokenizer-init"]
     if a.deterministic:
         serve += ["--enable-deterministic-inference"]
+    if a.graphs:
+        serve += ["--cuda-graph-max-bs", str(a.graphs)]
     with open(os.path.join(a.log_dir, "single.log"), "w") as log:
         proc, up = start([BIN] + serve + ["--port", str(a.port)], [a.port], log)
         check("one GPU: the server starts", up)

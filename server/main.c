@@ -1005,10 +1005,12 @@ static int cmd_serve(int argc, char **argv) {
     if (!strcmp(a.device, "cuda")) {
         backend = ops_cuda(rank_group_local_rank(group), err, sizeof err);
         if (!backend) die("--device cuda: %s", err);
-        if (world > 1 && a.cuda_graph_max_bs > 0) {
-            LOG_WARN("serve", "--cuda-graph-max-bs: decode steps run eagerly with %d ranks "
-                              "(graphs of the all-to-all's rounds are not wired in yet)",
-                     world);
+        if (world > 1 && a.cuda_graph_max_bs > 0 && transport != A2A_NVLINK_ONE_SIDED) {
+            LOG_WARN("serve",
+                     "--cuda-graph-max-bs: decode steps run eagerly with the %s all-to-all (its "
+                     "dispatch reads counts on the host: no graph can hold it); "
+                     "nvlink_one_sided runs them as graphs",
+                     a2a_transport_name(transport));
             a.cuda_graph_max_bs = 0;
         }
     }

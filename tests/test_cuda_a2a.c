@@ -324,7 +324,7 @@ static void test_rounds(a2a_transport tr) {
     struct {
         int M, D, K, E, rounds;
     } shapes[] = {{64, 256, 8, 64, 6},
-                  {40, 144, 4, 10, 4},
+                  {40, 144, 6, 11, 4}, /* an uneven split, K not dividing 32 */
                   {600, 2048, 8, 256, 3},
                   {1100, 256, 8, 64, 2},
                   {8500, 64, 4, 16, 2}};

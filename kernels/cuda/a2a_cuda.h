@@ -112,7 +112,8 @@ int a2a_gpu_combine_partial(a2a_gpu *a, const float *expert_out, float *out /* [
 
 /* Syncs the stream of the last call, then reports any error a kernel recorded: 0, or -1 with a
  * message such as "all-to-all rank 0: rank 1 did not arrive within 10 s (dispatch counts, round
- * 7)". After -1 the object is broken. */
+ * 7)". After -1 the object is broken. While that stream is being captured into a CUDA graph it
+ * returns 0 at once (nothing ran yet): check after each replay instead. */
 int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen);
 
 /* With MOESERVE_A2A_TRACE=1 in the environment at create: the %globaltimer nanoseconds of the

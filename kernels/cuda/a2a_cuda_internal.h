@@ -101,6 +101,7 @@ typedef struct {
     a2a_gpu_state *st;
     a2a_gpu_err *herr;     /* mapped host memory */
     const int32_t *owner;  /* [E] owner rank of each expert */
+    int eper;              /* E / ep where rank r owns [r eper, (r + 1) eper), else 0 */
     const int32_t *ebegin; /* [ep + 1] */
     int32_t *slot_rank;    /* [M, K] owner rank of slot k of token t */
     int32_t *slot_index;   /* [M, K] the token's row at that rank's [me] region */
@@ -158,6 +159,7 @@ struct a2a_gpu {
     a2a_gpu_state *st;
     a2a_gpu_err *herr, *herr_dev; /* mapped host memory, and its device address */
     int32_t *owner, *ebegin, *slot_rank, *slot_index, *inv, *rids;
+    int eper; /* experts per rank where the split is even and in order (owner = id / eper) */
     float *rx, *rw;
 
     /* The watch thread (cfg.check_peers given, ep_size > 1): asks it every 100 ms; on an answer

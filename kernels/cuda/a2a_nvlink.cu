@@ -181,8 +181,8 @@ typedef struct {
     int tok[A2A_SUB];               /* token (or row) of each row of the sub-chunk */
     int ids[A2A_SUB][A2A_GPU_KMAX]; /* local ids of the rows' slots (or a slot mask) */
     float w[A2A_SUB][A2A_GPU_KMAX];
-    int nr[A2A_SUB];               /* partial gather: ranks of each token, in rank order, */
-    int rr[A2A_SUB][A2A_GPU_KMAX]; /* and the token's row there */
+    int nr[A2A_SUB];                /* partial gather: ranks of each token, in rank order, */
+    int rr[A2A_SUB][A2A_GPU_KMAX];  /* and the token's row there */
     int rj[A2A_SUB][A2A_GPU_KMAX];
     float amax[A2A_SUB]; /* NVFP4: each row's amax */
     float red[32];
@@ -246,6 +246,7 @@ __device__ void rows_amax(const a2a_kp &p, a2a_smem &s, int R) {
 template <bool SELF>
 __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int out0, int r) {
     const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
+    const int begin = p.ebegin[r]; /* loaded while the payload streams */
     switch (p.payload) {
     case A2A_PAYLOAD_F32:
     case A2A_PAYLOAD_BF16: {
@@ -394,12 +395,12 @@ __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int
         break;
     }
     }
-    const int begin = p.ebegin[r];
-    for (int u = tid; u < R * K; u += nt) {
+    for (int u = tid; u < R * K; u += nt) { /* the route kernel's owner of each slot: no chain */
         const int row = u / K, k = u - row * K, t = s.tok[row];
         const int id = p.ids[(size_t)t * K + k];
         const float w = p.w[(size_t)t * K + k];
-        const int lid = id >= 0 && id < p.E && p.owner[id] == r ? id - begin : -1;
+        const bool own = id >= 0 && id < p.E && p.slot_rank[(size_t)t * K + k] == r;
+        const int lid = own ? id - begin : -1;
         if (SELF) {
             p.rids[(size_t)(out0 + row) * K + k] = lid;
             p.rw[(size_t)(out0 + row) * K + k] = w;
@@ -518,132 +519,129 @@ __device__ void decode_rows(const a2a_kp &p, const a2a_smem &s, int R, const cha
 
 /* ---- route ---- */
 
-/* Exclusive scan of 8 counters per thread over the block; tot gets the block totals. */
-__device__ void block_scan8(int v[8], int tot[8], int (*s_w)[8]) {
+/* Block-wide exclusive scan of 8 bits per thread (bit q of m: this thread's token goes to rank
+ * group member q): pre[q] = how many lower threads have bit q, tot[q] = how many have it in all.
+ * Ballots count within a warp, one warp scans the warps' counts (the 8 chains interleaved), so
+ * the dependent steps are few: a thread-per-counter shuffle scan cost about 2 us here. */
+__device__ void block_scan_bits8(unsigned m, int pre[8], int tot[8], int (*s_w)[8]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl[8];
+    unsigned b[8];
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        int x = v[i];
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        incl[i] = x;
-        if (lane == 31) s_w[warp][i] = x;
-    }
+    for (int q = 0; q < 8; q++)
+        b[q] = __ballot_sync(0xffffffffu, (m >> q) & 1u);
+#pragma unroll
+    for (int q = 0; q < 8; q++)
+        if (lane == q) s_w[warp][q] = __popc(b[q]);
     __syncthreads();
     if (warp == 0) {
+        int x[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int x = lane < nw ? s_w[lane][i] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, x, o);
-                if (lane >= o) x += y;
+        for (int q = 0; q < 8; q++)
+            x[q] = lane < nw ? s_w[lane][q] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1)
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const int y = __shfl_up_sync(0xffffffffu, x[q], o);
+                if (lane >= o) x[q] += y;
             }
-            if (lane < nw) s_w[lane][i] = x;
-        }
+        if (lane < nw)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                s_w[lane][q] = x[q];
     }
     __syncthreads();
+    const unsigned below = (1u << lane) - 1u;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        v[i] = (warp > 0 ? s_w[warp - 1][i] : 0) + incl[i] - v[i];
-        tot[i] = s_w[nw - 1][i];
+    for (int q = 0; q < 8; q++) {
+        pre[q] = (warp > 0 ? s_w[warp - 1][q] : 0) + __popc(b[q] & below);
+        tot[q] = s_w[nw - 1][q];
     }
     __syncthreads();
 }
 
-/* One block. Pass 1, a warp per 32 / K tokens, a lane per slot: the owner rank of every slot,
- * and whether it is the token's first slot on that rank (__match_any_sync over (token, rank));
- * a later slot records which earlier one it shares a row with. Pass 2, a thread per run of
- * tokens: count first slots per rank, scan over the block (ranks 8 at a time), hand out rows in
- * token order, the inverse map row -> token, the totals. Then the count lines. */
+/* One block, tokens a pass of P at a time (P <= the block's threads). A warp takes 32 / K tokens
+ * at once, a lane a slot: the owner rank of every slot, kept in registers for the pass. Then for
+ * each group of 8 ranks: each token's set of ranks in the group (shared-memory OR: a token goes
+ * to a rank once), a thread per token scans the sets over the block, hands out rows in token
+ * order after the rows of the earlier passes (as kernels/a2a.c does) and writes the inverse map
+ * row -> token; every slot then takes its token's row at its rank. Loads come first and nothing
+ * waits on a global load inside the loops: at 2048 tokens a pass costs a few microseconds (the
+ * earlier thread-per-run-of-tokens version waited on global loads one slot at a time: 41 us at
+ * 2048 tokens, 6 us at one). Then the count lines. */
+#define A2A_ROUTE_IT 8 /* token groups a warp takes per pass */
 __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp p) {
     pdl_trigger_(); /* the dispatch kernel may launch now; it waits for this one to finish */
-    __shared__ int s_w[32][8], s_tot[A2A_MAX_RANKS];
+    __shared__ int s_w[32][8], s_row[A2A_GPU_ROUTE_THREADS][8], s_base[A2A_MAX_RANKS];
+    __shared__ unsigned s_m[A2A_GPU_ROUTE_THREADS];
     if (broken(p)) return;
     const unsigned long long round = p.st->round, v = 2 * round + 1;
-    const int T = p.T, K = p.K, nt = blockDim.x, tid = threadIdx.x, lane = tid & 31,
+    const int T = p.T, K = p.K, ep = p.ep, nt = blockDim.x, tid = threadIdx.x, lane = tid & 31,
               warp = tid >> 5, nw = nt >> 5;
     const int tpw = 32 / K, lt = lane / K, k = lane - lt * K;
+    const int P = min(nt, nw * tpw * A2A_ROUTE_IT);
     if (tid == 0) trace(p, A2A_TR_ROUTE);
-    for (int t0 = warp * tpw; t0 < T; t0 += nw * tpw * 4) {
-        int id[4];
+    for (int r = tid; r < ep; r += nt)
+        s_base[r] = 0;
+    for (int t0 = 0; t0 < T; t0 += P) {
+        int id[A2A_ROUTE_IT], rk[A2A_ROUTE_IT];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int t = t0 + q * nw * tpw + lt;
-            id[q] = lt < tpw && t < T ? p.ids[(size_t)t * K + k] : 0;
+        for (int q = 0; q < A2A_ROUTE_IT; q++) {
+            const int j = (q * nw + warp) * tpw + lt, t = t0 + j;
+            id[q] = lt < tpw && j < P && t < T ? p.ids[(size_t)t * K + k] : 0;
         }
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int t = t0 + q * nw * tpw + lt;
-            const bool act = lt < tpw && t < T;
-            int r = 0;
-            if (act) {
-                if (id[q] < 0 || id[q] >= p.E) {
-                    raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
-                    id[q] = 0;
-                }
-                r = __ldg(p.owner + id[q]);
+        for (int q = 0; q < A2A_ROUTE_IT; q++) {
+            const int j = (q * nw + warp) * tpw + lt, t = t0 + j;
+            rk[q] = -1;
+            if (!(lt < tpw && j < P && t < T)) continue;
+            if (id[q] < 0 || id[q] >= p.E) {
+                raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
+                id[q] = 0;
             }
-            const unsigned key = act ? (unsigned)lt << 9 | (unsigned)r : 0xffffffffu;
-            const int first = __ffs(__match_any_sync(0xffffffffu, key)) - 1;
-            if (act) {
-                p.slot_rank[(size_t)t * K + k] = r;
-                p.slot_index[(size_t)t * K + k] = first == lane ? -1 : -2 - (first - lt * K);
-            }
+            rk[q] = p.eper ? id[q] / p.eper : __ldg(p.owner + id[q]);
+            p.slot_rank[(size_t)t * K + k] = rk[q];
         }
-    }
-    __syncthreads();
-    const int per = (T + nt - 1) / nt;
-    const int t0 = min(T, tid * per), t1 = min(T, t0 + per);
-    for (int rg = 0; rg < p.ep; rg += 8) {
-        int cnt[8] = {0, 0, 0, 0, 0, 0, 0, 0}, tot[8];
-        for (int t = t0; t < t1; t++)
-            for (int kk = 0; kk < K; kk++) {
-                const size_t i = (size_t)t * K + kk;
-                const int r = p.slot_rank[i] - rg;
-                if (p.slot_index[i] == -1 && r >= 0 && r < 8) {
+        for (int rg = 0; rg < ep; rg += 8) {
+            if (tid < P) s_m[tid] = 0;
+            __syncthreads();
 #pragma unroll
-                    for (int q = 0; q < 8; q++)
-                        cnt[q] += q == r;
-                }
+            for (int q = 0; q < A2A_ROUTE_IT; q++) {
+                const unsigned d = (unsigned)(rk[q] - rg);
+                if (rk[q] >= 0 && d < 8) atomicOr(&s_m[(q * nw + warp) * tpw + lt], 1u << d);
             }
-        block_scan8(cnt, tot, s_w);
-        for (int t = t0; t < t1; t++)
-            for (int kk = 0; kk < K; kk++) {
-                const size_t i = (size_t)t * K + kk;
-                const int r = p.slot_rank[i];
-                if (r < rg || r >= rg + 8) continue;
-                const int m = p.slot_index[i];
-                if (m == -1) {
-                    int s = 0;
-#pragma unroll
-                    for (int q = 0; q < 8; q++)
-                        if (q == r - rg) s = cnt[q]++;
-                    p.slot_index[i] = s;
-                    p.inv[(size_t)r * p.M + s] = t;
-                } else { /* shares the row of its first slot on r, handed out above */
-                    p.slot_index[i] = p.slot_index[(size_t)t * K + (-2 - m)];
-                }
-            }
-        if (tid < 8 && rg + tid < p.ep) {
-            int c = 0;
+            __syncthreads();
+            const unsigned m = tid < P ? s_m[tid] : 0u;
+            int cnt[8], tot[8];
+            block_scan_bits8(m, cnt, tot, s_w);
 #pragma unroll
             for (int q = 0; q < 8; q++)
-                if (q == tid) c = tot[q];
-            p.st->send[rg + tid] = c;
-            s_tot[rg + tid] = c;
+                if ((m >> q) & 1u) {
+                    const int row = s_base[rg + q] + cnt[q];
+                    s_row[tid][q] = row;
+                    p.inv[(size_t)(rg + q) * p.M + row] = t0 + tid;
+                }
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                if (tid == q && rg + q < ep) s_base[rg + q] += tot[q];
+#pragma unroll
+            for (int q = 0; q < A2A_ROUTE_IT; q++) {
+                const int j = (q * nw + warp) * tpw + lt;
+                const unsigned d = (unsigned)(rk[q] - rg);
+                if (rk[q] >= 0 && d < 8) p.slot_index[(size_t)(t0 + j) * K + k] = s_row[j][d];
+            }
         }
-        __syncthreads();
     }
     __syncthreads();
+    for (int r = tid; r < ep; r += nt)
+        p.st->send[r] = s_base[r];
     if (tid == 0) trace(p, A2A_TR_ROUTE_SCANNED);
     /* Count lines, before any payload: receivers learn their row offsets early. Nothing of
      * this round goes into rank r's memory before r has ended the previous round (its combine
      * end flag, 2N): by then it has read everything of that round. */
     for (int r = tid; r < p.ep; r += nt) {
-        const int c = s_tot[r];
+        const int c = s_base[r];
         if (p.one_sided) {
             if (!wait_flag(p,
                            (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
@@ -864,16 +862,25 @@ __device__ void pack_rows(const a2a_kp &p, const a2a_smem &s, int R, int i0, cha
             const int row = u / upr, c = (u - row * upr) * 8;
             float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             const float *eo = p.eo + (size_t)(i0 + row) * K * D + c;
-#pragma unroll 4
-            for (int k = 0; k < K; k++) {
-                if (s.ids[row][k] < 0) continue;
-                const float wk = s.w[row][k];
-                const float4 a = *(const float4 *)(eo + (size_t)k * D);
-                const float4 b = *(const float4 *)(eo + (size_t)k * D + 4);
-                const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            for (int k0 = 0; k0 < K; k0 += 4) { /* the loads of 4 slots first, then the sums */
+                float4 a[4], b[4];
 #pragma unroll
-                for (int q = 0; q < 8; q++)
-                    acc[q] = __fadd_rn(acc[q], __fmul_rn(wk, e[q]));
+                for (int q = 0; q < 4; q++)
+                    if (k0 + q < K && s.ids[row][k0 + q] >= 0) {
+                        a[q] = *(const float4 *)(eo + (size_t)(k0 + q) * D);
+                        b[q] = *(const float4 *)(eo + (size_t)(k0 + q) * D + 4);
+                    }
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    if (k0 + q >= K) break;
+                    if (s.ids[row][k0 + q] < 0) continue;
+                    const float wk = s.w[row][k0 + q];
+                    const float e[8] = {a[q].x, a[q].y, a[q].z, a[q].w,
+                                        b[q].x, b[q].y, b[q].z, b[q].w};
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, e[i]));
+                }
             }
             *(uint4 *)(dst0 + (size_t)row * ret + (size_t)c * 2) =
                 make_uint4(bf16x2(acc[0], acc[1]), bf16x2(acc[2], acc[3]), bf16x2(acc[4], acc[5]),
@@ -1164,6 +1171,7 @@ void a2a_gpu_params(const a2a_gpu *a, a2a_kp *kp, const float *x, const int32_t 
     kp->st = a->st;
     kp->herr = a->herr_dev;
     kp->owner = a->owner;
+    kp->eper = a->eper;
     kp->ebegin = a->ebegin;
     kp->slot_rank = a->slot_rank;
     kp->slot_index = a->slot_index;
@@ -1438,6 +1446,9 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
     for (int r = 0; r < ep; r++)
         for (int e = cfg->expert_begin[r]; e < cfg->expert_begin[r + 1]; e++)
             owner[e] = r;
+    a->eper = E % ep == 0 ? E / ep : 0;
+    for (int r = 0; r <= ep && a->eper; r++)
+        if (cfg->expert_begin[r] != r * a->eper) a->eper = 0;
     {
         TRY(cudaGetDevice(&a->device), "cudaGetDevice");
         TRY(cudaDeviceGetAttribute(&a->n_sm, cudaDevAttrMultiProcessorCount, a->device),
@@ -1654,6 +1665,9 @@ int a2a_gpu_combine_partial(a2a_gpu *a, const float *expert_out, float *out, voi
 
 int a2a_gpu_check(a2a_gpu *a, char *err, size_t errlen) {
     if (!a) return a2a_gpu_errf(err, errlen, "all-to-all: check on a NULL object");
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(a->stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
+        return 0; /* inside a graph's capture: the caller checks after each replay */
     cudaError_t e = cudaStreamSynchronize(a->stream);
     if (e != cudaSuccess) {
         a->phase = A2A_GPU_BROKEN;
