@@ -30,6 +30,9 @@
 #define A2A_GPU_THREADS       256
 #define A2A_GPU_ROUTE_THREADS 1024
 #define A2A_GPU_KMAX          32
+/* one-sided rounds of runtime_max <= A2A_FUSED_T over <= 8 ranks: every dispatch block routes
+ * the round itself, no route kernel before it (kp.fused) */
+#define A2A_FUSED_T 256
 
 /* error codes of a2a_gpu_err.code */
 enum {
@@ -95,7 +98,7 @@ typedef struct {
 
 /* Everything a kernel needs, passed by value. */
 typedef struct {
-    int ep, me, D, K, E, M, T, rm, ch, nch, payload, roles, one_sided;
+    int ep, me, D, K, E, M, T, rm, ch, nch, payload, roles, one_sided, fused;
     int rec, off_sc, off_s2, off_ids, off_w; /* record sections, bytes */
     unsigned long long timeout_ns;
     a2a_gpu_state *st;
@@ -140,6 +143,8 @@ struct a2a_gpu {
     int device, n_sm, cap_dispatch, cap_combine;
     int nchunks; /* chunks per source (A2A_GPU_NCHUNK, or MOESERVE_A2A_CHUNKS) */
     bool pdl;
+    bool fuse; /* small one-sided rounds routed inside the dispatch kernel (MOESERVE_A2A_FUSE=0:
+                  the route kernel at every size) */
     a2a_gpu_phase phase;
     char broken_why[480];
     int T, runtime_max;
@@ -149,12 +154,12 @@ struct a2a_gpu {
     int rec, off_sc, off_s2, off_ids, off_w;
     /* one-sided workspace */
     size_t off_count, off_dchunk, off_cchunk, off_cdone, off_recv, off_comb, seg_bytes;
-    char *seg;        /* this rank's segment */
-    int seg_kind;     /* A2A_SEG_*: how it is shared */
-    size_t seg_map;   /* cuMem ways: bytes mapped (seg_bytes rounded to the granularity) */
+    char *seg;      /* this rank's segment */
+    int seg_kind;   /* A2A_SEG_*: how it is shared */
+    size_t seg_map; /* cuMem ways: bytes mapped (seg_bytes rounded to the granularity) */
     unsigned long long *seg_handles; /* cuMem ways: [ep] allocation handles (own and imported) */
-    char **peer_host; /* [ep] mapped segments (peer_host[me] = seg) */
-    char **peer_dev;  /* the same table in device memory */
+    char **peer_host;                /* [ep] mapped segments (peer_host[me] = seg) */
+    char **peer_dev;                 /* the same table in device memory */
 
     a2a_gpu_state *st;
     a2a_gpu_err *herr, *herr_dev; /* mapped host memory, and its device address */

@@ -181,8 +181,8 @@ typedef struct {
     int tok[A2A_SUB];               /* token (or row) of each row of the sub-chunk */
     int ids[A2A_SUB][A2A_GPU_KMAX]; /* local ids of the rows' slots (or a slot mask) */
     float w[A2A_SUB][A2A_GPU_KMAX];
-    int nr[A2A_SUB];                /* partial gather: ranks of each token, in rank order, */
-    int rr[A2A_SUB][A2A_GPU_KMAX];  /* and the token's row there */
+    int nr[A2A_SUB];               /* partial gather: ranks of each token, in rank order, */
+    int rr[A2A_SUB][A2A_GPU_KMAX]; /* and the token's row there */
     int rj[A2A_SUB][A2A_GPU_KMAX];
     float amax[A2A_SUB]; /* NVFP4: each row's amax */
     float red[32];
@@ -560,94 +560,105 @@ __device__ void block_scan_bits8(unsigned m, int pre[8], int tot[8], int (*s_w)[
     __syncthreads();
 }
 
-/* One block, tokens a pass of P at a time (P <= the block's threads). A warp takes 32 / K tokens
- * at once, a lane a slot: the owner rank of every slot, kept in registers for the pass. Then for
- * each group of 8 ranks: each token's set of ranks in the group (shared-memory OR: a token goes
- * to a rank once), a thread per token scans the sets over the block, hands out rows in token
- * order after the rows of the earlier passes (as kernels/a2a.c does) and writes the inverse map
- * row -> token; every slot then takes its token's row at its rank. Loads come first and nothing
- * waits on a global load inside the loops: at 2048 tokens a pass costs a few microseconds (the
- * earlier thread-per-run-of-tokens version waited on global loads one slot at a time: 41 us at
- * 2048 tokens, 6 us at one). Then the count lines. */
-#define A2A_ROUTE_IT 8 /* token groups a warp takes per pass */
-__global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp p) {
-    pdl_trigger_(); /* the dispatch kernel may launch now; it waits for this one to finish */
-    __shared__ int s_w[32][8], s_row[A2A_GPU_ROUTE_THREADS][8], s_base[A2A_MAX_RANKS];
-    __shared__ unsigned s_m[A2A_GPU_ROUTE_THREADS];
-    if (broken(p)) return;
-    const unsigned long long round = p.st->round, v = 2 * round + 1;
-    const int T = p.T, K = p.K, ep = p.ep, nt = blockDim.x, tid = threadIdx.x, lane = tid & 31,
-              warp = tid >> 5, nw = nt >> 5;
+/* Routing of a round by one block of NT threads, tokens a pass of P at a time (P <= NT). A warp
+ * takes 32 / K tokens at once, a lane a slot: the owner rank of every slot, kept in registers
+ * for the pass. Then for each group of 8 ranks: each token's set of ranks in the group
+ * (shared-memory OR: a token goes to a rank once), a ballot scan of the sets over the block, rows
+ * handed out in token order after the rows of the earlier passes (as kernels/a2a.c does), and
+ * every slot takes its token's row at its rank. Loads come first and nothing waits on a global
+ * load inside the loops (an earlier thread-per-run-of-tokens version waited on them one slot at
+ * a time: 41 us at 2048 tokens, 6 us at one). rs.base[r] ends as the count for rank r. With glob
+ * the slot maps and the inverse map row -> token go to global memory (p.slot_rank,
+ * p.slot_index, p.inv: what the dispatch and combine kernels read); with inv (ep <= 8 and
+ * runtime_max <= A2A_FUSED_T) the inverse map also goes to shared memory. */
+template <int NT> struct a2a_route_smem {
+    int w[32][8], row[NT][8], base[A2A_MAX_RANKS];
+    unsigned m[NT];
+};
+template <int NT, int IT> /* IT: token groups a warp takes per pass */
+__device__ void route_block(const a2a_kp &p, unsigned long long round, bool glob,
+                            a2a_route_smem<NT> &rs, short (*inv)[A2A_FUSED_T]) {
+    const int T = p.T, K = p.K, ep = p.ep, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5,
+              nw = NT >> 5;
     const int tpw = 32 / K, lt = lane / K, k = lane - lt * K;
-    const int P = min(nt, nw * tpw * A2A_ROUTE_IT);
-    if (tid == 0) trace(p, A2A_TR_ROUTE);
-    for (int r = tid; r < ep; r += nt)
-        s_base[r] = 0;
+    const int P = min(NT, nw * tpw * IT);
+    if (glob && tid == 0) trace(p, A2A_TR_ROUTE);
+    for (int r = tid; r < ep; r += NT)
+        rs.base[r] = 0;
     for (int t0 = 0; t0 < T; t0 += P) {
-        int id[A2A_ROUTE_IT], rk[A2A_ROUTE_IT];
+        int id[IT], rk[IT];
 #pragma unroll
-        for (int q = 0; q < A2A_ROUTE_IT; q++) {
+        for (int q = 0; q < IT; q++) {
             const int j = (q * nw + warp) * tpw + lt, t = t0 + j;
             id[q] = lt < tpw && j < P && t < T ? p.ids[(size_t)t * K + k] : 0;
         }
 #pragma unroll
-        for (int q = 0; q < A2A_ROUTE_IT; q++) {
+        for (int q = 0; q < IT; q++) {
             const int j = (q * nw + warp) * tpw + lt, t = t0 + j;
             rk[q] = -1;
             if (!(lt < tpw && j < P && t < T)) continue;
             if (id[q] < 0 || id[q] >= p.E) {
-                raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
+                if (glob) raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
                 id[q] = 0;
             }
             rk[q] = p.eper ? id[q] / p.eper : __ldg(p.owner + id[q]);
-            p.slot_rank[(size_t)t * K + k] = rk[q];
+            if (glob) p.slot_rank[(size_t)t * K + k] = rk[q];
         }
         for (int rg = 0; rg < ep; rg += 8) {
-            if (tid < P) s_m[tid] = 0;
+            if (tid < P) rs.m[tid] = 0;
             __syncthreads();
 #pragma unroll
-            for (int q = 0; q < A2A_ROUTE_IT; q++) {
+            for (int q = 0; q < IT; q++) {
                 const unsigned d = (unsigned)(rk[q] - rg);
-                if (rk[q] >= 0 && d < 8) atomicOr(&s_m[(q * nw + warp) * tpw + lt], 1u << d);
+                if (rk[q] >= 0 && d < 8) atomicOr(&rs.m[(q * nw + warp) * tpw + lt], 1u << d);
             }
             __syncthreads();
-            const unsigned m = tid < P ? s_m[tid] : 0u;
+            const unsigned m = tid < P ? rs.m[tid] : 0u;
             int cnt[8], tot[8];
-            block_scan_bits8(m, cnt, tot, s_w);
+            block_scan_bits8(m, cnt, tot, rs.w);
 #pragma unroll
             for (int q = 0; q < 8; q++)
                 if ((m >> q) & 1u) {
-                    const int row = s_base[rg + q] + cnt[q];
-                    s_row[tid][q] = row;
-                    p.inv[(size_t)(rg + q) * p.M + row] = t0 + tid;
+                    const int row = rs.base[rg + q] + cnt[q];
+                    rs.row[tid][q] = row;
+                    if (glob) p.inv[(size_t)(rg + q) * p.M + row] = t0 + tid;
+                    if (inv) inv[q][row] = (short)(t0 + tid);
                 }
             __syncthreads();
 #pragma unroll
             for (int q = 0; q < 8; q++)
-                if (tid == q && rg + q < ep) s_base[rg + q] += tot[q];
+                if (tid == q && rg + q < ep) rs.base[rg + q] += tot[q];
+            if (glob)
 #pragma unroll
-            for (int q = 0; q < A2A_ROUTE_IT; q++) {
-                const int j = (q * nw + warp) * tpw + lt;
-                const unsigned d = (unsigned)(rk[q] - rg);
-                if (rk[q] >= 0 && d < 8) p.slot_index[(size_t)(t0 + j) * K + k] = s_row[j][d];
-            }
+                for (int q = 0; q < IT; q++) {
+                    const int j = (q * nw + warp) * tpw + lt;
+                    const unsigned d = (unsigned)(rk[q] - rg);
+                    if (rk[q] >= 0 && d < 8) p.slot_index[(size_t)(t0 + j) * K + k] = rs.row[j][d];
+                }
         }
     }
     __syncthreads();
-    for (int r = tid; r < ep; r += nt)
-        p.st->send[r] = s_base[r];
-    if (tid == 0) trace(p, A2A_TR_ROUTE_SCANNED);
-    /* Count lines, before any payload: receivers learn their row offsets early. Nothing of
-     * this round goes into rank r's memory before r has ended the previous round (its combine
-     * end flag, 2N): by then it has read everything of that round. */
-    for (int r = tid; r < p.ep; r += nt) {
-        const int c = s_base[r];
+    if (glob && tid == 0) trace(p, A2A_TR_ROUTE_SCANNED);
+}
+
+/* This rank's counts (base[r]: tokens for rank r) into its state and, one-sided, its count
+ * line into every rank, before any payload: receivers learn their row offsets early. Nothing
+ * of this round goes into rank r's memory before r has ended the previous round (its combine
+ * end flag, 2N): by then it has read everything of that round. nccl: the lines NCCL sends.
+ * Per thread (thread r takes rank r): false where a wait failed (the error is recorded). */
+__device__ bool publish_counts(const a2a_kp &p, unsigned long long round, const int *base) {
+    const unsigned long long v = 2 * round + 1;
+    bool ok = true;
+    for (int r = threadIdx.x; r < p.ep; r += blockDim.x) {
+        const int c = base[r];
+        p.st->send[r] = c;
         if (p.one_sided) {
-            if (!wait_flag(p,
-                           (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
-                                                        (size_t)r * A2A_GPU_LINE),
-                           2 * round, r, A2A_GPU_W_COMBINE_END, round))
-                return;
+            if (ok && !wait_flag(p,
+                                 (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
+                                                              (size_t)r * A2A_GPU_LINE),
+                                 2 * round, r, A2A_GPU_W_COMBINE_END, round))
+                ok = false;
+            if (!ok) continue;
             a2a_gpu_count_line *line =
                 (a2a_gpu_count_line *)(p.peer[r] + p.off_count + (size_t)p.me * A2A_GPU_LINE);
             line->count = c;
@@ -660,6 +671,18 @@ __global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp
             p.cnt_out[r].flag = v;
         }
     }
+    return ok;
+}
+
+/* The route kernel (one block): route_block, then the counts. The dispatch kernel does the same
+ * itself where the round is small (kp.fused). */
+__global__ void __launch_bounds__(A2A_GPU_ROUTE_THREADS) a2a_route_kernel(a2a_kp p) {
+    pdl_trigger_(); /* the dispatch kernel may launch now; it waits for this one to finish */
+    __shared__ a2a_route_smem<A2A_GPU_ROUTE_THREADS> rs;
+    if (broken(p)) return;
+    const unsigned long long round = p.st->round;
+    route_block<A2A_GPU_ROUTE_THREADS, 8>(p, round, true, rs, nullptr);
+    publish_counts(p, round, rs.base);
 }
 
 /* ---- dispatch ---- */
@@ -723,17 +746,31 @@ __device__ bool read_counts(const a2a_kp &p, unsigned long long round, a2a_smem 
     return s.ok;
 }
 
+/* FUSED (kp.fused): every block routes the round itself (two instances, so that the routing's
+ * registers do not weigh on the unfused kernel's loops). */
+template <bool FUSED>
 __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp p) {
     __shared__ a2a_smem s;
+    __shared__ a2a_route_smem<FUSED ? A2A_GPU_THREADS : 1> rs;
+    __shared__ short s_inv[FUSED ? 8 : 1][A2A_FUSED_T]; /* rank r's row -> token */
     pdl_wait_();
     if (broken(p)) return;
     const int tid = threadIdx.x, me = p.me, ch = p.ch, G = gridDim.x;
     const unsigned long long round = p.st->round, v = 2 * round + 1;
     for (int i = tid; i < 256; i += blockDim.x)
         s.lut[i] = fp8_e4m3_to_float((uint8_t)i);
-    for (int r = tid; r < p.ep; r += blockDim.x)
-        s.send[r] = p.st->send[r];
+    if constexpr (FUSED) { /* every block routes the round; block 0 also publishes it */
+        route_block<A2A_GPU_THREADS, 4>(p, round, blockIdx.x == 0, rs, s_inv);
+        const bool ok = blockIdx.x == 0 ? publish_counts(p, round, rs.base) : true;
+        if (!__syncthreads_and(ok)) return;
+        for (int r = tid; r < p.ep; r += blockDim.x)
+            s.send[r] = rs.base[r];
+    } else {
+        for (int r = tid; r < p.ep; r += blockDim.x)
+            s.send[r] = p.st->send[r];
+    }
     __syncthreads();
+    unsigned waited = blockIdx.x == 0 ? ~0u : 0u; /* fused: peers whose end flag this block saw */
 
     /* SEND and SELF items interleaved, one list over the blocks (mixed_item) */
     const int n_self = (p.roles & A2A_GPU_SELF) ? cdiv(s.send[me], ch) : 0;
@@ -751,10 +788,21 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
             const int r = nth_item(p, s.send, idx, &c);
             char *dst = p.one_sided ? p.peer[r] + p.off_recv + (size_t)me * p.rm * p.rec
                                     : p.send_buf + (size_t)r * p.rm * p.rec;
+            if (FUSED && !((waited >> r) & 1u)) { /* r has ended the previous round */
+                if (tid == 0)
+                    s.ok = wait_flag(p,
+                                     (const unsigned long long *)(p.peer[me] + p.off_cdone +
+                                                                  (size_t)r * A2A_GPU_LINE),
+                                     2 * round, r, A2A_GPU_W_COMBINE_END, round);
+                __syncthreads();
+                if (!s.ok) return;
+                waited |= 1u << r;
+            }
             const int j1 = min(s.send[r], (c + 1) * ch);
             for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
                 const int R = min(A2A_SUB, j1 - j0);
-                if (tid < R) s.tok[tid] = p.inv[(size_t)r * p.M + j0 + tid];
+                if (tid < R)
+                    s.tok[tid] = FUSED ? s_inv[r][j0 + tid] : p.inv[(size_t)r * p.M + j0 + tid];
                 __syncthreads();
                 encode_rows<false>(p, s, R, dst + (size_t)j0 * p.rec, 0, r);
                 __syncthreads();
@@ -771,7 +819,8 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
             const int c = idx, j1 = min(s.send[me], (c + 1) * ch);
             for (int j0 = c * ch; j0 < j1; j0 += A2A_SUB) {
                 const int R = min(A2A_SUB, j1 - j0);
-                if (tid < R) s.tok[tid] = p.inv[(size_t)me * p.M + j0 + tid];
+                if (tid < R)
+                    s.tok[tid] = FUSED ? s_inv[me][j0 + tid] : p.inv[(size_t)me * p.M + j0 + tid];
                 __syncthreads();
                 encode_rows<true>(p, s, R, NULL, s.begin[me] + j0, me);
                 __syncthreads();
@@ -1231,8 +1280,8 @@ int a2a_gpu_launch_dispatch(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *
     if (kp->roles & A2A_GPU_SELF) ub += tch;
     if (kp->roles & A2A_GPU_RECV) ub += (long)(ep - 1) * kp->nch;
     int grid = (int)(ub < 1 ? 1 : ub > a->cap_dispatch ? a->cap_dispatch : ub);
-    return launch(a, a2a_dispatch_kernel, grid, A2A_GPU_THREADS, true, kp, s,
-                  "the dispatch kernel's launch", err, errlen);
+    return launch(a, kp->fused ? a2a_dispatch_kernel<true> : a2a_dispatch_kernel<false>, grid,
+                  A2A_GPU_THREADS, true, kp, s, "the dispatch kernel's launch", err, errlen);
 }
 
 int a2a_gpu_launch_combine(a2a_gpu *a, const a2a_kp *kp, cudaStream_t s, char *err, size_t errlen) {
@@ -1411,8 +1460,10 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
     a->cfg = *cfg;
     a->comm = MPI_COMM_NULL;
     if (a->cfg.timeout_s == 0) a->cfg.timeout_s = A2A_DEFAULT_TIMEOUT_S;
-    const char *pdl = getenv("MOESERVE_A2A_PDL"), *tr = getenv("MOESERVE_A2A_TRACE");
+    const char *pdl = getenv("MOESERVE_A2A_PDL"), *tr = getenv("MOESERVE_A2A_TRACE"),
+               *fuse = getenv("MOESERVE_A2A_FUSE");
     a->pdl = !(pdl && strcmp(pdl, "0") == 0);
+    a->fuse = !(fuse && strcmp(fuse, "0") == 0);
     const bool want_trace = tr && strcmp(tr, "1") == 0;
     /* chunks per source (tuning; every rank must use the same: agreed below) */
     const char *nc = getenv("MOESERVE_A2A_CHUNKS");
@@ -1454,7 +1505,7 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
         TRY(cudaDeviceGetAttribute(&a->n_sm, cudaDevAttrMultiProcessorCount, a->device),
             "cudaDeviceGetAttribute");
         int occ_d = 0, occ_c = 0;
-        TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, a2a_dispatch_kernel,
+        TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, a2a_dispatch_kernel<true>,
                                                           A2A_GPU_THREADS, 0),
             "the occupancy query");
         TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_c, a2a_combine_kernel,
@@ -1596,7 +1647,8 @@ int a2a_gpu_dispatch(a2a_gpu *a, const float *x, const int32_t *topk_ids, const 
         rc = a2a_nccl_dispatch(a, &kp, a->stream, err, errlen);
     } else {
         kp.roles = A2A_GPU_SEND | A2A_GPU_SELF | A2A_GPU_RECV;
-        rc = a2a_gpu_launch_route(a, &kp, a->stream, err, errlen);
+        kp.fused = a->fuse && kp.ep <= 8 && kp.rm <= A2A_FUSED_T;
+        rc = kp.fused ? 0 : a2a_gpu_launch_route(a, &kp, a->stream, err, errlen);
         if (rc == 0) rc = a2a_gpu_launch_dispatch(a, &kp, a->stream, err, errlen);
     }
     if (rc != 0) {
