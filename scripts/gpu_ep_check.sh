@@ -3,9 +3,10 @@
 # repository root with the build carried there (build here: `make -j2 && scripts/gpu_bundle.sh`):
 #   1. build/tests/test_cuda_a2a under mpirun -np 2: the GPU all-to-all against the CPU's shm
 #   2. scripts/gpu_ep_compare.py: `mpirun -np 2 moeserve serve --device cuda` with
-#      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens
-#   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights) on one GPU and
-#      on two (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU run)
+#      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens;
+#      deterministic, every round bit for bit, eagerly and with decode steps as CUDA graphs
+#   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights, decode graphs)
+#      on one GPU and on two (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU run)
 # Logs go to ${OUT:-/tmp/gpu-ep}; each part prints its summary, the last line is "N passed, M
 # failed" over parts 1 and 2.
 set -u
@@ -51,14 +52,19 @@ echo "== 2b. the same with --enable-deterministic-inference: every round bit for
 OUT=$out/det timeout 600 python3 scripts/gpu_ep_compare.py --deterministic > "$out/compare-det.txt" 2>&1
 grep -E '^FAIL|bit for bit' "$out/compare-det.txt"
 count "$out/compare-det.txt"
+echo "== 2c. decode steps as CUDA graphs (--cuda-graph-max-bs 32), deterministic: bit for bit"
+OUT=$out/graphs timeout 600 python3 scripts/gpu_ep_compare.py --deterministic --graphs 32 \
+    --backends nvlink_one_sided > "$out/compare-graphs.txt" 2>&1
+grep -E '^FAIL|bit for bit' "$out/compare-graphs.txt"
+count "$out/compare-graphs.txt"
 
 if [[ " ${SKIP:-} " != *" serve "* ]]; then
     if [ -z "${SKIP_ONE:-}" ]; then
-        echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU"
-        OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh
+        echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU (decode graphs)"
+        OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh --cuda-graph-max-bs 256
     fi
-    echo "== 3. serving, two GPUs (nvlink_one_sided)"
+    echo "== 3. serving, two GPUs (nvlink_one_sided, decode graphs)"
     OUT=$out/serve2 LAUNCH="${mpi[*]} -np 2" timeout 600 bash scripts/gpu_serve_bench.sh \
-        --moe-a2a-backend nvlink_one_sided
+        --moe-a2a-backend nvlink_one_sided --cuda-graph-max-bs 256
 fi
 echo "$pass passed, $fail failed"

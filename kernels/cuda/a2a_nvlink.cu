@@ -8,7 +8,11 @@
  *                            exactly as kernels/a2a.c does, so received rows come in the CPU
  *                            transports' order; then the count line {count, runtime_max} and its
  *                            flag 2N+1 go to every rank (release, system scope), early, before
- *                            any payload: receivers learn their row offsets at once.
+ *                            any payload: receivers learn their row offsets at once. Small
+ *                            rounds (runtime_max <= A2A_FUSED_T, <= 8 ranks) have no route
+ *                            kernel: every dispatch block routes the round itself into shared
+ *                            memory (block 0 also writes the maps and the count lines), which
+ *                            saves a launch and a grid boundary, about 4 us a round.
  *   dispatch kernel          blocks take items: SEND (a chunk of rows for one peer: encode each
  *                            token once per peer from x, store into the peer's receive region,
  *                            then the chunk's flag), SELF (this rank's own rows: the same encoding
@@ -25,7 +29,7 @@
  *                            round; it does not wait: the next route kernel does).
  *
  * Why no more flags are needed: a rank writes into a peer's memory for round N+1 only after its
- * route kernel N+1 saw that peer's end flag of round N, which the peer stores once every block of
+ * route kernel N+1 (fused: the block that sends there) saw that peer's end flag of round N, which the peer stores once every block of
  * its combine N is past its sends and its gathers, and its combine runs after its dispatch N
  * decode (stream order). The wait sits where it costs least: between one round's combine and
  * the next dispatch the engine runs the rest of the layer. Flag values never
