@@ -86,22 +86,37 @@ static int log2_floor(int x) {
     return l;
 }
 
-/* Graphs come in sets by the step's runtime_max (expert parallelism: a captured step holds the
- * all-to-all's runtime_max): set 0 alone, 1 + i for 2^i <= max_bs, the last for max_bs itself
- * where it is not a power of two; scheduler.c rounds a group's runtime_max to one of these. */
-static int graph_sets(int max_bs) { return log2_floor(max_bs) + 3; }
+/* Where v sits among 0, the powers of two up to max and max itself: 0, 1 + log2 v, the last
+ * (pow2_slots(max) - 1); -1 for any other value. */
+static int pow2_slots(int max) { return log2_floor(max) + 3; }
 
-static int graph_set(const engine *e, int runtime_max) {
-    if (runtime_max == 0) return 0;
-    if (runtime_max < 0 || runtime_max > e->graph_max_bs) return -1;
-    if ((runtime_max & (runtime_max - 1)) == 0) return 1 + log2_floor(runtime_max);
-    return runtime_max == e->graph_max_bs ? graph_sets(runtime_max) - 1 : -1;
+static int pow2_index(int v, int max) {
+    if (v == 0) return 0;
+    if (v < 0 || v > max) return -1;
+    if ((v & (v - 1)) == 0) return 1 + log2_floor(v);
+    return v == max ? pow2_slots(max) - 1 : -1;
+}
+
+/* Captured graphs, by the step's runtime_max (expert parallelism: a graph holds the
+ * all-to-all's runtime_max; 0 alone, else a power of two up to graph_max_bs or graph_max_bs,
+ * as scheduler.c rounds a group's), by the page-table stride (graph_pages) and by the padded
+ * batch (graph_batch): the index of that graph, or -1 for a runtime_max without graphs. */
+static int64_t graph_index(const engine *e, int runtime_max, int pages, int batch) {
+    const int set = pow2_index(runtime_max, e->graph_max_bs);
+    const int pb = pow2_index(pages, e->graph_max_pages);
+    if (set < 0 || pb < 0) return -1;
+    return ((int64_t)set * pow2_slots(e->graph_max_pages) + pb) * (e->graph_max_bs + 1) + batch;
+}
+
+static int64_t graph_count(const engine *e) {
+    return (int64_t)pow2_slots(e->graph_max_bs) * pow2_slots(e->graph_max_pages) *
+           (e->graph_max_bs + 1);
 }
 
 /* Free every captured graph (their buffers stay). */
 static void engine_drop_graphs(engine *e) {
-    const int n = (e->graph_max_bs + 1) * graph_sets(e->graph_max_bs);
-    for (int b = 0; e->graphs && b < n; b++)
+    const int64_t n = graph_count(e);
+    for (int64_t b = 0; e->graphs && b < n; b++)
         if (e->graphs[b]) {
             e->m->ops->graph_free(e->graphs[b]);
             e->graphs[b] = NULL;
@@ -136,9 +151,9 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
     e->g_table = o->dev_alloc(B * G * sizeof(int32_t));
     e->g_logits = o->dev_alloc(B * V * sizeof(float));
     e->g_host = xcalloc(B * (4 + G), sizeof(int32_t));
-    e->graphs = xcalloc((B + 1) * (size_t)graph_sets(max_bs), sizeof(void *));
     e->graph_max_bs = max_bs;
     e->graph_max_pages = max_pages;
+    e->graphs = xcalloc((size_t)graph_count(e), sizeof(void *));
     e->graph_epoch = 0;
     if (!e->g_ids || !e->g_pos || !e->g_seq || !e->g_rows || !e->g_table || !e->g_logits) {
         engine_free_graphs(e);
@@ -148,11 +163,35 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
     return 0;
 }
 
+/* The batch a decode graph runs: T rounded up to 1, 2, 4, 8 or a multiple of 8, at most
+ * graph_max_bs (as SGLang's capture sizes), so a few dozen graphs cover every batch: a graph is
+ * captured on a batch's first step (an eager step, then the recording), and one per exact size
+ * meant a capture at most of the sizes a busy server passes through. Never above the step's
+ * runtime_max: scheduler.c rounds that up to a power of two (or graph_max_bs), at least this. */
+static int graph_batch(const engine *e, int T) {
+    const int b = T <= 2 ? T : T <= 4 ? 4 : T <= 8 ? 8 : (T + 7) / 8 * 8;
+    return b < e->graph_max_bs ? b : e->graph_max_bs;
+}
+
+/* The page-table stride, and bound on positions, a decode graph runs with: the batch's longest
+ * table rounded up to a power of two of at least 16 pages, at most graph_max_pages. The
+ * attention sizes its grids from that bound, and the context length's (a 40960-token context:
+ * 161 chunks of 256 positions a token, nearly all empty) made a graph's decode step slower than
+ * an eager one with the batch's own longest table. */
+static int graph_pages(const engine *e, engine_seq *const *seqs, int n) {
+    int mp = 1, b = 16;
+    for (int i = 0; i < n; i++)
+        if (seqs[i]->n_pages > mp) mp = seqs[i]->n_pages;
+    while (b < mp)
+        b <<= 1;
+    return b < e->graph_max_pages ? b : e->graph_max_pages;
+}
+
 /* A step the graphs can take: decode only (one token per sequence, each sampled), alone or with
  * a runtime_max that has a set of graphs. */
 static bool graph_step_ok(const engine *e, engine_seq *const *seqs, int n, int T, int n_rows) {
-    if (e->graph_max_bs == 0 || graph_set(e, e->runtime_max) < 0 || T != n || T > e->graph_max_bs ||
-        n_rows != T || T == 0)
+    if (e->graph_max_bs == 0 || pow2_index(e->runtime_max, e->graph_max_bs) < 0 || T != n ||
+        T > e->graph_max_bs || n_rows != T || T == 0)
         return false;
     for (int i = 0; i < n; i++)
         if (seqs[i]->take != 1 || seqs[i]->n_pages > e->graph_max_pages) return false;
@@ -170,21 +209,29 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
                                 const int32_t *page_table, int max_pages) {
     model *m = e->m;
     const ops *o = m->ops;
-    int T = fb->T, G = e->graph_max_pages;
-    int32_t *h_seq = e->g_host, *h_rows = h_seq + e->graph_max_bs,
-            *h_table = h_rows + e->graph_max_bs;
-    for (int t = 0; t < T; t++) {
-        h_seq[t] = t;
+    const int T = fb->T, Tb = graph_batch(e, T), B = e->graph_max_bs;
+    const int G = graph_pages(e, seqs, T); /* the table's stride here, <= graph_max_pages */
+    int32_t *h_seq = e->g_host, *h_rows = h_seq + B, *h_table = h_rows + B,
+            *h_ids = h_table + (size_t)B * e->graph_max_pages, *h_pos = h_ids + B;
+    /* Rows past T copy row 0 (its token, position and page-table row): they store the same
+     * key and value into the same slot, and their logits are not read. */
+    for (int t = 0; t < Tb; t++) {
+        const int src = t < T ? t : 0;
+        h_seq[t] = src;
         h_rows[t] = t;
-        const int32_t *src = page_table + (size_t)seqs[t]->slot * max_pages;
-        memcpy(h_table + (size_t)t * G, src, (size_t)seqs[t]->n_pages * sizeof(int32_t));
+        h_ids[t] = fb->ids[src];
+        h_pos[t] = fb->attn.pos[src];
+        if (t < T)
+            memcpy(h_table + (size_t)t * G, page_table + (size_t)seqs[t]->slot * max_pages,
+                   (size_t)seqs[t]->n_pages * sizeof(int32_t));
     }
-    o->to_device(e->g_ids, fb->ids, (size_t)T * sizeof(int32_t));
-    o->to_device(e->g_pos, fb->attn.pos, (size_t)T * sizeof(int32_t));
-    o->to_device(e->g_seq, h_seq, (size_t)T * sizeof(int32_t));
-    o->to_device(e->g_rows, h_rows, (size_t)T * sizeof(int32_t));
+    o->to_device(e->g_ids, h_ids, (size_t)Tb * sizeof(int32_t));
+    o->to_device(e->g_pos, h_pos, (size_t)Tb * sizeof(int32_t));
+    o->to_device(e->g_seq, h_seq, (size_t)Tb * sizeof(int32_t));
+    o->to_device(e->g_rows, h_rows, (size_t)Tb * sizeof(int32_t));
     o->to_device(e->g_table, h_table, (size_t)T * G * sizeof(int32_t));
     forward_batch g = *fb;
+    g.T = g.attn.T = g.n_logits = Tb;
     g.ids = e->g_ids;
     g.attn.pos = e->g_pos;
     g.attn.seq = e->g_seq;
@@ -193,7 +240,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     g.logit_rows = e->g_rows;
 
     if (graph_epoch_now(e) != e->graph_epoch) engine_drop_graphs(e);
-    void **slot = &e->graphs[(size_t)graph_set(e, e->runtime_max) * (e->graph_max_bs + 1) + T];
+    void **slot = &e->graphs[graph_index(e, e->runtime_max, G, Tb)];
     if (*slot) {
         o->graph_launch(*slot);
         /* what the all-to-all's kernels recorded in the replay (nothing alone) */

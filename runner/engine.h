@@ -110,13 +110,13 @@ typedef struct {
     float *d_logits;
     int cap_d_logits;
     /* Decode graphs (engine_enable_graphs): one captured forward per batch size up to
-     * graph_max_bs (and, with expert parallelism, per runtime_max: engine.c's graph sets), over
-     * buffers of their own that are never reallocated; recaptured when the backend's or the
-     * model's workspaces move (graph_epoch). */
+     * graph_max_bs, batches padded to 1, 2, 4, 8 or a multiple of 8, per page-table stride (the
+     * batch's longest table rounded up to a power of two) and, with expert parallelism, per
+     * runtime_max (engine.c's graph_index), over buffers of their own that are never
+     * reallocated; recaptured when the backend's or the model's workspaces move (graph_epoch). */
     int graph_max_bs;    /* 0: off */
-    int graph_max_pages; /* page-table stride the graphs read */
-    void **graphs;       /* [sets][graph_max_bs + 1] by runtime_max and batch size, NULL until
-                            captured */
+    int graph_max_pages; /* the longest page table a graph takes */
+    void **graphs;       /* by runtime_max, stride and batch (graph_index), NULL until captured */
     uint64_t graph_epoch;
     int32_t *g_ids, *g_pos, *g_seq, *g_rows, *g_table; /* device */
     int32_t *g_host;                                   /* host staging of the same */
@@ -148,7 +148,8 @@ typedef struct {
 /* Replay decode steps of up to max_bs sequences as CUDA graphs (steps where every sequence
  * forwards one token and samples it, with page tables of at most max_pages; in a rank group,
  * steps whose runtime_max is one of the graph sets' values, as the scheduler rounds it, and
- * with an all-to-all that a graph can hold): a step of a size not seen yet runs eagerly once,
+ * with an all-to-all that a graph can hold). A batch runs padded to 1, 2, 4, 8 or a multiple of
+ * 8 sequences (the extra rows repeat the first); a padded size not seen yet runs eagerly once,
  * is captured, and later steps of that size replay the capture. 0, or -1 with a message when
  * the backend has no graphs. */
 int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t errlen);
