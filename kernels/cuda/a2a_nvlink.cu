@@ -31,10 +31,10 @@
  * Why no more flags are needed: a rank writes into a peer's memory for round N+1 only after its
  * route kernel N+1 (fused: the block that sends there) saw that peer's end flag of round N,
  * which the peer stores once every block of its combine N is past its sends and its gathers,
- * and its combine runs after its dispatch N decode (stream order). The wait sits where it costs least: between one round's combine and
- * the next dispatch the engine runs the rest of the layer. Flag values never
- * repeat (2N+1, 2N+2; the round lives in device memory and advances in the kernel), so CUDA
- * graph replays are new rounds and an equal flag can only be this round's.
+ * and its combine runs after its dispatch N decode (stream order). The wait sits where it costs
+ * least: between one round's combine and the next dispatch the engine runs the rest of the
+ * layer. Flag values never repeat (2N+1, 2N+2; the round lives in device memory and advances in
+ * the kernel), so CUDA graph replays are new rounds and an equal flag can only be this round's.
  *
  * Ordering: payload stores are plain; each block's stores are followed by __syncthreads, a
  * system fence and a release store of the flag (system scope); the receiver spins with acquire
