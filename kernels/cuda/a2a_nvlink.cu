@@ -247,7 +247,7 @@ __device__ void rows_amax(const a2a_kp &p, a2a_smem &s, int R) {
 /* Block-wide: R tokens s.tok[0..R) for target rank r. SELF = false: encode each into its record
  * at rec0 + row * rec (codes | scales | ids | w). SELF = true: this rank's own tokens, the same
  * round trip in registers, decoded into received rows out0 + row. */
-template <bool SELF>
+template <bool SELF, bool FUSED>
 __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int out0, int r) {
     const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
     const int begin = p.ebegin[r]; /* loaded while the payload streams */
@@ -399,11 +399,17 @@ __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int
         break;
     }
     }
-    for (int u = tid; u < R * K; u += nt) { /* the route kernel's owner of each slot: no chain */
+    /* each slot's owner: the route kernel's (no chain of loads), or, routed in this kernel
+     * (FUSED: block 0 writes slot_rank while the others run), from the id */
+    for (int u = tid; u < R * K; u += nt) {
         const int row = u / K, k = u - row * K, t = s.tok[row];
         const int id = p.ids[(size_t)t * K + k];
         const float w = p.w[(size_t)t * K + k];
-        const bool own = id >= 0 && id < p.E && p.slot_rank[(size_t)t * K + k] == r;
+        const bool in = id >= 0 && id < p.E;
+        const int owner = !in     ? -1
+                          : FUSED ? (p.eper ? id / p.eper : __ldg(p.owner + id))
+                                  : p.slot_rank[(size_t)t * K + k];
+        const bool own = in && owner == r;
         const int lid = own ? id - begin : -1;
         if (SELF) {
             p.rids[(size_t)(out0 + row) * K + k] = lid;
@@ -808,7 +814,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
                 if (tid < R)
                     s.tok[tid] = FUSED ? s_inv[r][j0 + tid] : p.inv[(size_t)r * p.M + j0 + tid];
                 __syncthreads();
-                encode_rows<false>(p, s, R, dst + (size_t)j0 * p.rec, 0, r);
+                encode_rows<false, FUSED>(p, s, R, dst + (size_t)j0 * p.rec, 0, r);
                 __syncthreads();
             }
             if (p.one_sided && tid == 0) /* after the block's stores (the barrier above) */
@@ -826,7 +832,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
                 if (tid < R)
                     s.tok[tid] = FUSED ? s_inv[me][j0 + tid] : p.inv[(size_t)me * p.M + j0 + tid];
                 __syncthreads();
-                encode_rows<true>(p, s, R, NULL, s.begin[me] + j0, me);
+                encode_rows<true, FUSED>(p, s, R, NULL, s.begin[me] + j0, me);
                 __syncthreads();
             }
         }
