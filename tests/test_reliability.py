@@ -645,12 +645,13 @@ def case_disconnect_radix(srv):
 
 
 def case_drain(srv):
-    """SIGTERM with 8 requests in (4 streaming, 4 not; --max-running-requests 4, so 4 wait):
-    /health and a new request get 503 while it drains, all 8 finish with their 300 tokens,
-    the process exits 0."""
+    """SIGTERM with 16 requests in (8 streaming, 8 not; --max-running-requests 4, so 12 wait):
+    /health and a new request get 503 while it drains, all 16 finish with their 480 tokens,
+    the process exits 0. (Enough work that the drain outlasts the probes: with 8 requests of
+    300 tokens a fast machine had finished and exited 0.2 s after SIGTERM.)"""
     socks = []
-    for i in range(8):
-        socks.append(raw_post(srv.base, "/generate", gen_body([5, 6, 7, i], 300, stream=i % 2 == 0)))
+    for i in range(16):
+        socks.append(raw_post(srv.base, "/generate", gen_body([5, 6, 7, i], 480, stream=i % 2 == 0)))
     time.sleep(0.5)
     t0 = time.time()
     os.kill(srv.pids[0], signal.SIGTERM)
@@ -670,19 +671,19 @@ def case_drain(srv):
         head, _, body = raw.partition(b"\r\n\r\n")
         if i % 2 == 0:
             done, last = last_stream_event(body)
-            ok = done and last and last["meta_info"]["completion_tokens"] == 300 and last["meta_info"]["finish_reason"]["type"] == "length"
+            ok = done and last and last["meta_info"]["completion_tokens"] == 480 and last["meta_info"]["finish_reason"]["type"] == "length"
         else:
             try:
                 j = json.loads(body)
-                ok = len(j["output_ids"]) == 300
+                ok = len(j["output_ids"]) == 480
             except (ValueError, KeyError):
                 ok = False
         complete += bool(ok)
         if not ok:
             detail.append(raw[-200:])
     rc = srv.wait(40 * TIME_SCALE)
-    check("drain: all 8 requests (4 running, 4 waiting at SIGTERM) finish with 300 tokens",
-          complete == 8, detail[:2])
+    check("drain: all 16 requests (4 running, 12 waiting at SIGTERM) finish with 480 tokens",
+          complete == 16, detail[:2])
     check("drain: exit status 0, %.1f s after SIGTERM" % (time.time() - t0), rc == 0, "rc %s\n    %s" % (rc, srv.log_tail()))
     check("drain: the log says it drained", "drained in" in srv.log_text(), srv.log_tail())
 
