@@ -748,11 +748,14 @@ static void fill_report(scheduler *s, int n_tokens, bool stopping, rank_report *
  * batch and by these). Larger steps keep theirs. */
 static int step_runtime_max(const scheduler *s, int rm) {
     const int gmax = s->cfg.cuda_graph_max_bs;
+    /* the all-to-all's max_tokens_per_rank (server/main.c): never above it */
+    const int cap = s->cfg.max_running_requests + s->cfg.chunked_prefill_size;
     if (gmax <= 0 || !s->m->ops->graph_begin || rm > gmax) return rm;
     int b = 1;
     while (b < rm)
         b <<= 1;
-    return b < gmax ? b : gmax;
+    b = b < gmax ? b : gmax;
+    return b < cap ? b : cap > rm ? cap : rm;
 }
 
 static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {
