@@ -755,7 +755,8 @@ static int step_runtime_max(const scheduler *s, int rm) {
     while (b < rm)
         b <<= 1;
     b = b < gmax ? b : gmax;
-    return b < cap ? b : cap > rm ? cap : rm;
+    b = b < cap ? b : cap;
+    return b > rm ? b : rm;
 }
 
 static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {

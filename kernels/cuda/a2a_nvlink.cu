@@ -107,6 +107,11 @@ __device__ __forceinline__ void pdl_trigger_() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 __device__ __forceinline__ int broken(const a2a_kp &p) { return *(volatile int *)&p.st->err; }
+/* The rank that owns expert id (in range): id / (E / ep) where the split is even, else the
+ * table. */
+__device__ __forceinline__ int owner_of(const a2a_kp &p, int id) {
+    return p.eper ? id / p.eper : __ldg(p.owner + id);
+}
 
 /* Record the object's first error (later ones are dropped). */
 __device__ void raise_error(const a2a_kp &p, int code, int peer, int where, int a, int b, int c,
@@ -145,6 +150,14 @@ __device__ bool wait_flag(const a2a_kp &p, const unsigned long long *flag, unsig
             }
         }
     }
+}
+
+/* One thread: rank r has ended round - 1 (its combine end flag 2 round is in this rank's
+ * segment), so this round may write into r's memory. */
+__device__ bool wait_peer_ended(const a2a_kp &p, int r, unsigned long long round) {
+    return wait_flag(
+        p, (const unsigned long long *)(p.peer[p.me] + p.off_cdone + (size_t)r * A2A_GPU_LINE),
+        2 * round, r, A2A_GPU_W_COMBINE_END, round);
 }
 
 __device__ __forceinline__ uint16_t bf16_rne(float f) {
@@ -250,7 +263,7 @@ __device__ void rows_amax(const a2a_kp &p, a2a_smem &s, int R) {
 template <bool SELF, bool FUSED>
 __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int out0, int r) {
     const int D = p.D, K = p.K, tid = threadIdx.x, nt = blockDim.x;
-    const int begin = p.ebegin[r]; /* loaded while the payload streams */
+    const int begin = p.ebegin[r]; /* requested before the payload's loads, not after them */
     switch (p.payload) {
     case A2A_PAYLOAD_F32:
     case A2A_PAYLOAD_BF16: {
@@ -406,9 +419,7 @@ __device__ void encode_rows(const a2a_kp &p, a2a_smem &s, int R, char *rec0, int
         const int id = p.ids[(size_t)t * K + k];
         const float w = p.w[(size_t)t * K + k];
         const bool in = id >= 0 && id < p.E;
-        const int owner = !in     ? -1
-                          : FUSED ? (p.eper ? id / p.eper : __ldg(p.owner + id))
-                                  : p.slot_rank[(size_t)t * K + k];
+        const int owner = !in ? -1 : FUSED ? owner_of(p, id) : p.slot_rank[(size_t)t * K + k];
         const bool own = in && owner == r;
         const int lid = own ? id - begin : -1;
         if (SELF) {
@@ -611,7 +622,7 @@ __device__ void route_block(const a2a_kp &p, unsigned long long round, bool glob
                 if (glob) raise_error(p, A2A_GPU_E_EXPERT, p.me, 0, t, k, id[q], round);
                 id[q] = 0;
             }
-            rk[q] = p.eper ? id[q] / p.eper : __ldg(p.owner + id[q]);
+            rk[q] = owner_of(p, id[q]);
             if (glob) p.slot_rank[(size_t)t * K + k] = rk[q];
         }
         for (int rg = 0; rg < ep; rg += 8) {
@@ -663,11 +674,7 @@ __device__ bool publish_counts(const a2a_kp &p, unsigned long long round, const 
         const int c = base[r];
         p.st->send[r] = c;
         if (p.one_sided) {
-            if (ok && !wait_flag(p,
-                                 (const unsigned long long *)(p.peer[p.me] + p.off_cdone +
-                                                              (size_t)r * A2A_GPU_LINE),
-                                 2 * round, r, A2A_GPU_W_COMBINE_END, round))
-                ok = false;
+            if (ok && !wait_peer_ended(p, r, round)) ok = false;
             if (!ok) continue;
             a2a_gpu_count_line *line =
                 (a2a_gpu_count_line *)(p.peer[r] + p.off_count + (size_t)p.me * A2A_GPU_LINE);
@@ -799,11 +806,7 @@ __global__ void __launch_bounds__(A2A_GPU_THREADS, 2) a2a_dispatch_kernel(a2a_kp
             char *dst = p.one_sided ? p.peer[r] + p.off_recv + (size_t)me * p.rm * p.rec
                                     : p.send_buf + (size_t)r * p.rm * p.rec;
             if (FUSED && !((waited >> r) & 1u)) { /* r has ended the previous round */
-                if (tid == 0)
-                    s.ok = wait_flag(p,
-                                     (const unsigned long long *)(p.peer[me] + p.off_cdone +
-                                                                  (size_t)r * A2A_GPU_LINE),
-                                     2 * round, r, A2A_GPU_W_COMBINE_END, round);
+                if (tid == 0) s.ok = wait_peer_ended(p, r, round);
                 __syncthreads();
                 if (!s.ok) return;
                 waited |= 1u << r;

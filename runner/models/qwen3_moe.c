@@ -555,23 +555,14 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
     return 0;
 }
 
-/* A rank with no tokens this step: only the all-to-alls of the MoE layers, in layer order. */
-/* The GPU all-to-all's kernels record a failure (a peer that did not arrive in time, a
- * runtime_max mismatch) on the device; once a step's work is queued this waits for it and
- * reports one as the forward's error. */
-static int a2a_gpu_step_check(model *m) {
-#ifdef MOESERVE_CUDA
-    if (m->a2a_gpu) return a2a_gpu_check(m->a2a_gpu, m->err, sizeof m->err);
-#endif
-    return 0;
-}
-
+/* A rank with no tokens this step: only the all-to-alls of the MoE layers, in layer order. The
+ * forwards end with model_step_check: what the GPU all-to-all's kernels recorded. */
 static int qwen3_moe_forward_empty(model *m, const forward_batch *b) {
     const qwen3_moe_weights *w = m->weights;
     qwen3_moe_workspace *ws = m->workspace;
     for (int i = 0; i < m->cfg.num_hidden_layers; i++)
         if (w->layers[i].is_moe && moe_block(m, &w->layers[i], ws, 0, b->runtime_max)) return -1;
-    return a2a_gpu_step_check(m);
+    return model_step_check(m);
 }
 
 static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, float *logits) {
@@ -634,12 +625,12 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
         else
             op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
     }
-    if (b->n_logits == 0) return a2a_gpu_step_check(m);
+    if (b->n_logits == 0) return model_step_check(m);
     /* Only the rows that sample or score go through the final norm and lm_head. */
     op->gather_rows(ws->h, ws->x, b->logit_rows, b->n_logits, D);
     op->rmsnorm(ws->h, ws->h, w->norm, b->n_logits, D, eps);
     op->linear(logits, ws->h, w->lm_head, b->n_logits, c->vocab_size, D);
-    return a2a_gpu_step_check(m);
+    return model_step_check(m);
 }
 
 static void qwen3_moe_free(model *m) {
