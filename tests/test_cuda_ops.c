@@ -1237,6 +1237,7 @@ static void linear_det_case(const linear_weight *lw, int max_T) {
 }
 
 int cuda_linear_det_kernel(int k);
+int cuda_linear_bi_cluster(int on);
 
 static void test_linear_deterministic(void) {
     printf("linear, deterministic mode (every T the same bits)\n");
@@ -1248,15 +1249,21 @@ static void test_linear_deterministic(void) {
                  {151936, 2048, 300, DTYPE_BF16}, {520, 1000, 300, DTYPE_F16},
                  {136, 264, 300, DTYPE_F32}};
     /* with each kernel of the mode: the pinned cuBLASLt algorithm, moe.cu's cuda_linear_bi (BF16
-     * weights only; the others keep cuBLASLt) */
-    for (int k = 0; k < 2; k++) {
-        const int old = cuda_linear_det_kernel(k);
-        printf("  deterministic linear: %s\n", k ? "cuda_linear_bi" : "cuBLASLt, pinned");
+     * weights only; the others keep cuBLASLt), and cuda_linear_bi with the ranges of a few rows
+     * added by the reduction kernel instead of in a cluster (its BF16 cases) */
+    static const char *const names[] = {"cuBLASLt, pinned", "cuda_linear_bi",
+                                        "cuda_linear_bi, no cluster"};
+    for (int k = 0; k < 3; k++) {
+        const int old = cuda_linear_det_kernel(k ? 1 : 0);
+        const int old_c = cuda_linear_bi_cluster(k != 2);
+        printf("  deterministic linear: %s\n", names[k]);
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            if (k == 2 && cases[c].dt != DTYPE_BF16) continue;
             linear_weight lw = linear_weight_make(cases[c].dt, cases[c].N, cases[c].Kin);
             linear_det_case(&lw, cases[c].max_T);
             linear_weight_free(&lw);
         }
+        cuda_linear_bi_cluster(old_c);
         cuda_linear_det_kernel(old);
     }
 }
@@ -1560,6 +1567,40 @@ static linear_time time_linear_w(const char *name, void *pool, dtype dt, int64_t
 
 static linear_time time_linear(const char *name, uint16_t *pool, int T, int N, int Kin) {
     return time_linear_w(name, pool, DTYPE_BF16, (int64_t)N * Kin * 2, T, N, Kin);
+}
+
+/* Deterministic mode at decode sizes: cuda_linear_bi with its ranges added in a cluster and by
+ * the reduction kernel, against the mode off (the decode kernel), in high precision; graph time
+ * per call and the share of the copy rate. */
+typedef struct {
+    const char *name;
+    int N, Kin;
+} linear_shape;
+
+static void figures_det_small(uint16_t *pool, const linear_shape *shapes, size_t n) {
+    printf("deterministic mode, small T: cuda_linear_bi, ranges added in a cluster / by a "
+           "kernel; the mode off (high, graph time per call)\n");
+    static const int Ts[] = {1, 2, 8};
+    set_precision(MATMUL_PRECISION_HIGH);
+    const int old_k = cuda_linear_det_kernel(1);
+    for (size_t s = 0; s < n; s++)
+        for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++) {
+            const int T = Ts[t], N = shapes[s].N, Kin = shapes[s].Kin;
+            const double off = time_linear(NULL, pool, T, N, Kin).graph;
+            ops_cuda_set_deterministic(true);
+            const int old_c = cuda_linear_bi_cluster(1);
+            const double cl = time_linear(NULL, pool, T, N, Kin).graph;
+            cuda_linear_bi_cluster(0);
+            const double rk = time_linear(NULL, pool, T, N, Kin).graph;
+            cuda_linear_bi_cluster(old_c);
+            ops_cuda_set_deterministic(false);
+            const double bytes = 2.0 * N * Kin + 4.0 * T * Kin + 4.0 * T * N;
+            printf("  %-9s T=%-3d N=%-6d Kin=%-5d  cluster %7.1f us (%3.0f%%)  kernel %7.1f us  "
+                   "mode off %7.1f us (%3.0f%%)\n",
+                   shapes[s].name, T, N, Kin, cl * 1e6, 100.0 * bytes / cl / 1e9 / ceiling_copy_gbs,
+                   rk * 1e6, off * 1e6, 100.0 * bytes / off / 1e9 / ceiling_copy_gbs);
+        }
+    cuda_linear_det_kernel(old_k);
 }
 
 /* Device-to-device copy bandwidth (bytes read + written) of 1 GiB, in GB/s. */
@@ -1882,14 +1923,9 @@ static void figures(void) {
         time_linear("linear", pool, 8192, 8192, 8192);
     }
     printf("linear, Qwen3-30B-A3B shapes (same columns)\n");
-    static const struct {
-        const char *name;
-        int N, Kin;
-    } shapes[] = {{"q_proj", 4096, 2048},
-                  {"k/v_proj", 512, 2048},
-                  {"o_proj", 2048, 4096},
-                  {"router", 128, 2048},
-                  {"lm_head", 151936, 2048}};
+    static const linear_shape shapes[] = {{"q_proj", 4096, 2048},  {"qkv_proj", 5120, 2048},
+                                          {"k/v_proj", 512, 2048}, {"o_proj", 2048, 4096},
+                                          {"router", 128, 2048},   {"lm_head", 151936, 2048}};
     static const int Ts[] = {1, 8, 64, 256, 8192};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++)
@@ -1946,6 +1982,7 @@ static void figures(void) {
                    (stk < two ? stk : two) / med, stk < two ? "  (stacked faster)" : "");
         }
     linear_path_reset();
+    figures_det_small(pool, shapes, sizeof shapes / sizeof shapes[0]);
     figures_fp8(pool);
     gpu->dev_free(pool);
     time_chain();

@@ -165,6 +165,7 @@
 //
 // Shape letters as in kernels/ops.h; n = the pairs routed to local experts (<= T*K). D and F must
 // be multiples of 8 (16-byte rows for cp.async); every model this serves has multiples of 64.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -175,6 +176,8 @@
 #include "common/log.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/quant.h"
+
+namespace cg = cooperative_groups;
 
 typedef __nv_bfloat16 bf16;
 
@@ -778,10 +781,14 @@ typedef struct {
     // block each; with n_splits > 1 split s writes its sums to part + s * part_stride (rows by
     // pair id, as out) and a reduction adds them in split order. wait_first: the kernel before is
     // the prepare kernel itself, so the tile table is read only after pdl_wait.
+    // cluster (bi_run_small): the S ranges of an N-block are one thread-block cluster (blocks
+    // c * S + split), and instead of part they add their sums in split order through each other's
+    // shared memory.
     int n_splits, nk_split;
     float *part;
     int64_t part_stride;
     int wait_first;
+    int cluster;
     // WF_NVFP4: the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of w's rows
     // (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down). WF_FP8: the codes
     // [E, rows, Kd] and (wsf) fp32 scales [E, ceil(Kd / 128), rows].
@@ -876,15 +883,6 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
     return d;
 }
 
-// One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
-// Block b of the 1-D grid is N-block b % n_col_blocks of tile b / n_col_blocks: the blocks that
-// run together share their A rows (and an expert's tiles follow each other), so A is read from
-// L2 and the weights from memory about once.
-// GATE_UP: the block's BN weight rows are, per warp, WN/2 gate rows then the WN/2 up rows of the
-// same h columns, so a thread holds g and u of the same (row, column) and writes silu(g) * u.
-// Launched with PDL: GEMM 1 waits for the prepare kernel before anything; GEMM 2 starts during
-// GEMM 1's tail, reads its tile (written by the prepare kernel, complete before any GEMM 1 block
-// let it start) and prefetches its first weight stages, then waits for h.
 // The weights' formats (template argument WF): BF16, NVFP4 (W4A16), FP8 (W8A16).
 enum { WF_BF16 = 0, WF_NVFP4 = 1, WF_FP8 = 2 };
 
@@ -953,6 +951,50 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
 }
 
+// linear_bi's ranges in one cluster (moe_gemm_args.cluster): each block puts its sums [rows, BN]
+// in its shared memory at sp, and after the cluster's barrier block `split` adds a share of the
+// tile's elements over the S blocks in split order, s = 0 first: bi_reduce_kernel's adds, the
+// same bits. The second barrier keeps every block's shared memory until the others have read it.
+template <class C>
+__device__ __forceinline__ void
+bi_cluster_epilogue(const moe_gemm_args &a, const float (&acc)[C::MI][C::NI][4], uint32_t sp,
+                    int rows, int nb, int split, int S) {
+    constexpr int BN = C::BN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+    float *tile = reinterpret_cast<float *>(__cvta_shared_to_generic(sp));
+#pragma unroll
+    for (int mi = 0; mi < C::MI; mi++)
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int r = wm * C::WM + mi * 16 + (lane >> 2) + hr * 8;
+            if (r >= rows) continue;
+#pragma unroll
+            for (int ni = 0; ni < C::NI; ni++) {
+                const int c = wn * C::WN + ni * 8 + 2 * (lane & 3);
+                *reinterpret_cast<float2 *>(tile + r * BN + c) =
+                    make_float2(acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]);
+            }
+        }
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    const int n4 = rows * BN / 4; // BN % 4 == 0 and N % 8 == 0: a float4 never crosses N
+    for (int i = split * C::threads + tid; i < n4; i += S * C::threads) {
+        const int r = i * 4 / BN, col = nb * BN + i * 4 % BN;
+        if (col >= a.N) continue;
+        float4 v = *reinterpret_cast<const float4 *>(cl.map_shared_rank(tile, 0) + i * 4);
+        for (int s = 1; s < S; s++) {
+            const float4 p = *reinterpret_cast<const float4 *>(cl.map_shared_rank(tile, s) + i * 4);
+            v.x = __fadd_rn(v.x, p.x);
+            v.y = __fadd_rn(v.y, p.y);
+            v.z = __fadd_rn(v.z, p.z);
+            v.w = __fadd_rn(v.w, p.w);
+        }
+        *reinterpret_cast<float4 *>(a.out + (int64_t)r * a.N + col) = v;
+    }
+    cl.sync();
+}
+
 // One (tile, N-block) of a grouped GEMM: C[rows, cols] = A[rows, Kd] W_e[cols, Kd]^T.
 // Block b of the 1-D grid is N-block b % n_col_blocks of tile b / n_col_blocks: the blocks that
 // run together share their A rows (and an expert's tiles follow each other), so A is read from
@@ -970,7 +1012,7 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 // BI (linear_bi at a few rows, GEMM 2's form, not TINY): no prepare kernel; the block's rows are
 // x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
 // shared memory as A_FULL does, after its first weight stages are requested and the kernel before
-// has completed.
+// has completed. With moe_gemm_args.cluster the ranges are added in the cluster (above).
 template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     typedef moe_b_layout<C, WF> BL;
@@ -987,14 +1029,16 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         pdl_trigger();
     } else if (a.wait_first) {
         pdl_wait();
-    } else if (BI) {
+    } else if (BI && !a.cluster) {
         pdl_trigger(); // the reduction of the ranges may take its place; it waits for this grid
     }
-    // block b: tile b / (n_col_blocks S), then split, then N-block (S = 1 but in linear_bi)
+    // block b: tile b / (n_col_blocks S), then split, then N-block (S = 1 but in linear_bi); in a
+    // cluster launch the split varies fastest
     const int S = GATE_UP || TINY ? 1 : max(1, a.n_splits);
+    const bool in_cluster = BI && a.cluster;
     const int tile = blockIdx.x / (a.n_col_blocks * S);
-    const int split = S > 1 ? blockIdx.x / a.n_col_blocks % S : 0;
-    const int nb = blockIdx.x % a.n_col_blocks;
+    const int split = S == 1 ? 0 : in_cluster ? blockIdx.x % S : blockIdx.x / a.n_col_blocks % S;
+    const int nb = in_cluster ? blockIdx.x / S % a.n_col_blocks : blockIdx.x % a.n_col_blocks;
     // the k tiles of this block: [kt0, kt0 + nk) of Kd's (all of them but in linear_bi)
     const int nk_all = (a.Kd + C::BK - 1) / C::BK;
     const int kt0 = S > 1 ? split * a.nk_split : 0;
@@ -1480,6 +1524,16 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 for (int q = 0; q < 4; q++)
                     acc[mi][ni][q] = tot[mi][ni][q];
     }
+    if constexpr (BI) {
+        if (in_cluster) { // its sums after x's rows (bi_run_small's shared memory)
+            // the kernel after may launch while the ranges are added (at the start instead,
+            // its blocks slowed the GEMM's: H200, batch-1 deterministic step 3.81 ms, 3.50 here)
+            pdl_trigger();
+            bi_cluster_epilogue<C>(a, acc, sAf + (uint32_t)(AP * a.nk_split * R1 * BK * 2), rows,
+                                   nb, split, S);
+            return;
+        }
+    }
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
 #pragma unroll
@@ -1531,20 +1585,69 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
 }
 
-// Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
-// shared memory (moe_b_layout<C, WF>::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
-static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WF>::smem) {
-    static size_t attr_set = 0; // one device per process
+// The kernel's dynamic shared memory allowed up to smem at least; returns the amount allowed (the
+// largest asked for so far, one device per process). Every launch of a kernel goes through this
+// one count: a launch that allowed less after another allowed more would fail the larger one's.
+template <class C, bool GATE_UP, bool TINY, bool BI, int WF>
+static size_t gemm_allow_smem(size_t smem) {
+    static size_t attr_set = 0;
     if (smem > attr_set) {
         CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = smem;
     }
+    return attr_set;
+}
+
+// Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
+// shared memory (moe_b_layout<C, WF>::smem, or the tiny GEMM 1's, which depends on the shape).
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
+static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WF>::smem) {
+    gemm_allow_smem<C, GATE_UP, TINY, BI, WF>(smem);
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
     cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, dim3((unsigned)blocks),
                     dim3(C::threads), smem, a);
+}
+
+// linear_bi's launch with a.cluster set: one tile, each N-block's S ranges one cluster. False
+// (nothing launched) when clusters of S blocks of this shared memory cannot run on the device.
+template <class C, int WF> static bool launch_bi_cluster(moe_gemm_args a, int S, size_t smem) {
+    auto kernel = moe_gemm_kernel<C, false, false, true, WF>;
+    static size_t checked = 0;
+    static int fits[17]; // by S: 0 unknown, 1 yes, -1 no (at `checked` bytes of shared memory)
+    if (S < 2 || S > 16) return false;
+    const size_t allowed = gemm_allow_smem<C, false, false, true, WF>(smem);
+    if (allowed > checked) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        checked = allowed;
+        memset(fits, 0, sizeof fits);
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(a.n_col_blocks * S));
+    cfg.blockDim = dim3(C::threads);
+    cfg.dynamicSmemBytes = checked; // one answer per S, for the most shared memory asked
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)S;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    if (!fits[S]) {
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+        cudaGetLastError(); // not sticky: clear it
+        fits[S] = n > 0 ? 1 : -1;
+    }
+    if (fits[S] < 0) return false;
+    cfg.dynamicSmemBytes = smem;
+    a.cluster = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+    return true;
 }
 
 // The scratch of moe_experts: device memory grown on demand and kept for the process.
@@ -1854,9 +1957,13 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
 // every T. Deterministic mode's linear (kernels/cuda/linear.cu) takes it by default.
 // A few rows (decode; x's rows of a range within BI_SMALL_A_BYTES) go without the prepare kernel:
 // the BI form of the GEMM kernel converts its rows of x itself, after requesting its first weight
-// stages (they depend on no earlier kernel), and the reduction is launched with PDL behind it.
+// stages (they depend on no earlier kernel). There the S ranges of an N-block run as one thread-
+// block cluster and add their sums through each other's shared memory in split order, the
+// reduction kernel's adds (bi_cluster_epilogue), with no fp32 scratch and no second launch; where
+// such clusters cannot run (or MOESERVE_BI_CLUSTER=0) the reduction kernel follows with PDL.
 // H200, Qwen3-30B-A3B dummy weights, a batch-1 decode step in deterministic mode (graphs, high):
-// 4.46 ms with the prepare kernel, 3.71 without (3.21 with the mode off). Tried and dropped: the
+// 4.46 ms with the prepare kernel, 3.71 without, 3.50 with the cluster (3.17 to 3.21 with the
+// mode off). Tried and dropped: the
 // reduction as the GEMM's grid tail (the last block of each N-block to count itself done adds the
 // ranges of its columns), 4.08 ms against 3.71 in the same run; and at prefill sizes every range
 // in one block (each range's sums added into out at its end, read back by the thread that stored
@@ -1929,6 +2036,24 @@ static moe_gemm_args bi_args(float *out, const void *w, const float *wsf, int T,
     return g;
 }
 
+// MOESERVE_BI_CLUSTER=0: the ranges of a few rows added by bi_reduce_kernel, not in a cluster.
+static int g_bi_cluster = -1;
+static bool bi_cluster() {
+    if (g_bi_cluster < 0) {
+        const char *e = getenv("MOESERVE_BI_CLUSTER");
+        g_bi_cluster = !(e && strcmp(e, "0") == 0);
+    }
+    return g_bi_cluster;
+}
+
+// For tests/test_cuda_ops.c (which declares it): the ranges of a few rows added in a cluster (1)
+// or by the reduction kernel (0) from now on; returns the way before.
+extern "C" int cuda_linear_bi_cluster(int on) {
+    const int old = bi_cluster();
+    g_bi_cluster = on;
+    return old;
+}
+
 // A few rows (T <= the tile's BM): one launch of the BI kernel, no prepare kernel, then the
 // reduction. The same tiles' arithmetic as bi_run's with the same C: the same bits.
 template <class C, int WF>
@@ -1944,6 +2069,9 @@ static void bi_run_small(float *out, const float *x, const void *w, const float 
     g.n_pairs = T;
     g.tile_rows = T;
     const size_t smem = moe_b_layout<C, WF>::bytes + (size_t)C::A_PARTS * T * L * 2;
+    // the ranges added in a cluster: after x's rows, the block's sums [T, BN] in fp32
+    if (S > 1 && bi_cluster() && launch_bi_cluster<C, WF>(g, S, smem + (size_t)T * C::BN * 4))
+        return;
     launch_gemm<C, false, false, true, WF>(g, S, smem); // one tile, S ranges
     if (S > 1) bi_reduce(out, g.part, T, N, S);
 }
