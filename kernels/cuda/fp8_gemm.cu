@@ -1,0 +1,277 @@
+// FP8 x FP8 grouped GEMM on Hopper's tensor cores (wgmma, sm_90a), for the experts at prefill
+// sizes (issue 8's W8A8 path): both operands E4M3 codes with fp32 block scales, as DeepSeek-V3's
+// FP8 recipe has them.
+//
+//   out[m, n] = sum over 128-k blocks kb of sa[m, kb] sb[e, kb, n] sum_{k in kb} a[m, k] b[e, n, k]
+//
+// a [M, K]: the tokens' codes, rows grouped by expert (expert e owns rows offsets[e] ..
+// offsets[e + 1] - 1; offsets on the device, so no count goes to the host), sa [M, K / 128] a
+// scale per token per 128 channels; b [E, N, K] the experts' weight rows (K-major, as stored), sb
+// [E, K / 128, N] a scale per weight row and 128-k block (the layout of moe.cu's FP8 experts; a
+// checkpoint's 128 x 128 block scale repeated over its rows). K and N are multiples of 128.
+//
+// Tiles: 128 rows x 128 columns a block, two warpgroups of 64 rows, k tiles of 128 (one 128-byte
+// row of codes per tile row, the 128-byte swizzle's width). Each k tile is one stage of a cp.async
+// ring (codes of both operands and their scales); each warpgroup runs four m64n128k32 wgmma on it
+// into a fresh partial sum, waits for them, and adds the partial into its fp32 total times
+// sa[m] sb[n]. The tensor cores' FP8 sums keep fewer bits than fp32 (DeepSeek-V3's report, and
+// DeepGEMM, promote every 128 k for that reason); promoting at every k tile keeps at most 128
+// products in one tensor-core sum. The blocks of a row of tiles run side by side (n fastest), so
+// a tile of A is read from L2 by all its column blocks.
+//
+// Smem layout of a tile (A or B, 128 rows of 128 bytes): row r at 128 r, its 16-byte chunk c at
+// chunk c ^ (r % 8): the 128-byte swizzle the wgmma descriptors name (layout type 1), with the
+// tile 1024-byte aligned. A descriptor starts at the warpgroup's first row; stepping k by 32
+// (one instruction) adds 32 bytes to the start address, inside the swizzled row.
+//
+// The CPU reference is the test's (tests/test_cuda_fp8_gemm.c): the same sum in fp64 on the
+// decoded codes (kernels/quant.h's fp8_e4m3_to_float) times the scales.
+//
+// Status: checked against that reference, and timed, on the H200 (8 experts x 4096 tokens, N 1536
+// and 4096, K 2048 and 7168: 490 to 580 TFLOP/s, 28 to 32% of cuBLASLt's FP8 GEMM at 8192^3,
+// 1758 TFLOP/s in the same run; the W8A16 tiles the experts run now give about 150). Not yet
+// called by the experts: the activations' codes and a plain K-major copy of the weights' codes
+// come first. Each warpgroup waits for its own products before it promotes them, and a block
+// holds both warpgroups' loads and products in step: the tensor cores idle through every
+// promotion and every stage's barrier. The next steps are the ones DeepGEMM takes: a producer
+// warpgroup (TMA) and consumers that promote one k tile while the next one's products run.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/log.h"
+#include "kernels/cuda/cuda_ops.h"
+
+#define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
+#define FP8G_BN      128 /* columns of a tile */
+#define FP8G_BK      128 /* k of a stage: one 128-byte swizzled row of codes */
+#define FP8G_THREADS 256
+
+// One stage: A and B codes (16 KiB each), A's row scales and B's column scales for the stage's k
+// tile (512 bytes each), padded to a multiple of 1024 bytes so that every tile stays aligned.
+#define FP8G_TILE_BYTES  (FP8G_BM * FP8G_BK)
+#define FP8G_STAGE_BYTES (2 * FP8G_TILE_BYTES + 1024)
+
+__device__ __forceinline__ void fp8g_cp16(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void fp8g_cp4(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void fp8g_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void fp8g_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The wgmma descriptor of a K-major tile with the 128-byte swizzle at shared address addr: start
+// address >> 4 (bits 0-13), leading byte offset 1 (unused by this layout), stride byte offset
+// 1024 >> 4 between groups of eight rows (bits 32-45), layout type 1 (bits 62-63).
+__device__ __forceinline__ uint64_t fp8g_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+// d (+)= A[64 x 32] B[128 x 32]^T, fp32 accumulators in the m64n128 fragment layout; accumulate
+// 0 starts the sum afresh.
+__device__ __forceinline__ void fp8g_wgmma(float (&d)[64], uint64_t da, uint64_t db,
+                                           int accumulate) {
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// Block (n-block x, tile y): tile y of the experts' tiles in expert order (each expert's rows cut
+// into tiles of 128); blocks past the last tile return at once (the grid is an upper bound:
+// ceil(M / 128) + E tiles).
+template <int STAGES>
+__global__ void __launch_bounds__(FP8G_THREADS)
+    fp8_grouped_gemm_kernel(float *__restrict__ out, const uint8_t *__restrict__ a,
+                            const float *__restrict__ sa, const uint8_t *__restrict__ b,
+                            const float *__restrict__ sb, const int32_t *__restrict__ offsets,
+                            int E, int N, int K) {
+    extern __shared__ __align__(16) unsigned char fp8g_smem[];
+    __shared__ int s_tile[2]; // expert, first row
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int nkb = K / FP8G_BK;
+
+    // which expert's tile this is: warp 0 counts the experts' tiles 32 at a time
+    if (warp == 0) {
+        int y = blockIdx.y, found = 0;
+        for (int e0 = 0; e0 < E && !found; e0 += 32) {
+            const int e = e0 + lane;
+            int lo = 0, n = 0;
+            if (e < E) {
+                lo = __ldg(&offsets[e]);
+                n = (__ldg(&offsets[e + 1]) - lo + FP8G_BM - 1) / FP8G_BM;
+            }
+            int incl = n; // tiles of experts e0 .. e
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
+            if (hit) {
+                const int l = __ffs(hit) - 1;
+                if (lane == l) s_tile[0] = e, s_tile[1] = lo + (y - (incl - n)) * FP8G_BM;
+                found = 1;
+            } else {
+                y -= __shfl_sync(0xffffffffu, incl, 31);
+            }
+        }
+        if (!found && lane == 0) s_tile[0] = -1;
+    }
+    __syncthreads();
+    const int e = s_tile[0];
+    if (e < 0) return;
+    const int m0 = s_tile[1], rows = min(FP8G_BM, __ldg(&offsets[e + 1]) - m0);
+    const int n0 = blockIdx.x * FP8G_BN;
+
+    // the stages from the first 1024-byte boundary (the launch adds 1024 bytes for it)
+    const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
+    const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
+    unsigned char *const smem_gen = fp8g_smem + (smem0 - smem_raw);
+    const uint8_t *b_e = b + (int64_t)e * N * K;
+    const float *sb_e = sb + (int64_t)e * nkb * N;
+    // stage s: A tile, B tile, A's scales [128], B's scales [128]
+    auto stage_a = [&](int s) { return smem0 + s * FP8G_STAGE_BYTES; };
+    auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
+    auto stage_sa = [&](int s) { return stage_a(s) + 2 * FP8G_TILE_BYTES; };
+    auto stage_sb = [&](int s) { return stage_sa(s) + FP8G_BM * 4; };
+    auto load = [&](int s, int kb) {
+        const int k0 = kb * FP8G_BK;
+#pragma unroll
+        for (int i = 0; i < FP8G_BM * 8 / FP8G_THREADS; i++) { // 16-byte chunks of each tile
+            const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
+            const uint32_t off = r * 128 + ((c ^ (r & 7)) << 4);
+            const bool ok = r < rows;
+            fp8g_cp16(stage_a(s) + off, ok ? a + (int64_t)(m0 + r) * K + k0 + c * 16 : a,
+                      ok ? 16 : 0);
+            fp8g_cp16(stage_b(s) + off, b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
+        }
+        if (tid < FP8G_BM) {
+            const bool ok = tid < rows;
+            fp8g_cp4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)(m0 + tid) * nkb + kb : sa,
+                     ok ? 4 : 0);
+        } else if (tid < FP8G_BM + FP8G_BN / 4) {
+            const int c = tid - FP8G_BM;
+            fp8g_cp16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + n0 + c * 4, 16);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nkb) load(s, s);
+        fp8g_commit();
+    }
+
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        acc[i] = 0.0f;
+    // this thread's rows (within the tile) and first column of each n8 group: the m64n128
+    // fragment layout, warp w of the warpgroup on rows 16 w .. 16 w + 15
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
+    const int c0 = 2 * (lane & 3);
+
+    for (int kb = 0; kb < nkb; kb++) {
+        const int s = kb % STAGES;
+        fp8g_wait<STAGES - 2>();
+        // the stage's bytes, written through cp.async, are read by wgmma (the async proxy)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        // the stage the previous k tile used: every warpgroup has waited for its wgmma there
+        if (kb + STAGES - 1 < nkb) load((kb + STAGES - 1) % STAGES, kb + STAGES - 1);
+        fp8g_commit();
+
+        const uint64_t da = fp8g_desc(stage_a(s) + wg * 64 * 128), db = fp8g_desc(stage_b(s));
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < FP8G_BK / 32; k++)
+            fp8g_wgmma(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+        const float *ssa =
+            reinterpret_cast<const float *>(smem_gen + s * FP8G_STAGE_BYTES + 2 * FP8G_TILE_BYTES);
+        const float *ssb = ssa + FP8G_BM;
+        const float a0 = ssa[r0], a1 = ssa[r1];
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
+            acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
+        }
+    }
+    fp8g_wait<0>();
+
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int col = n0 + 8 * j + c0;
+        if (r0 < rows)
+            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r0) * N + col) =
+                make_float2(acc[4 * j], acc[4 * j + 1]);
+        if (r1 < rows)
+            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r1) * N + col) =
+                make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+}
+
+template <int STAGES>
+static void fp8_grouped_gemm_launch(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
+                                    const float *sb, const int32_t *offsets, int E, int M, int N,
+                                    int K) {
+    auto kernel = fp8_grouped_gemm_kernel<STAGES>;
+    const size_t smem = (size_t)STAGES * FP8G_STAGE_BYTES + 1024;
+    static bool attr_set = false; // one device per process
+    if (!attr_set) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr_set = true;
+    }
+    const dim3 grid((unsigned)(N / FP8G_BN), (unsigned)((M + FP8G_BM - 1) / FP8G_BM + E));
+    kernel<<<grid, FP8G_THREADS, smem, cuda_stream()>>>(out, a, sa, b, sb, offsets, E, N, K);
+    CUDA_CHECK_LAUNCH();
+}
+
+static int g_fp8g_stages = 4;
+
+extern "C" int cuda_fp8_grouped_gemm_stages(int stages) {
+    const int old = g_fp8g_stages;
+    g_fp8g_stages = stages;
+    return old;
+}
+
+void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
+                           const float *sb, const int32_t *offsets, int E, int M, int N, int K) {
+    if (M <= 0 || N <= 0 || E <= 0) return;
+    MS_ASSERT(K % FP8G_BK == 0 && N % FP8G_BN == 0 && K > 0);
+    MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
+              ((uintptr_t)out & 7) == 0);
+    if (g_fp8g_stages == 3)
+        fp8_grouped_gemm_launch<3>(out, a, sa, b, sb, offsets, E, M, N, K);
+    else
+        fp8_grouped_gemm_launch<4>(out, a, sa, b, sb, offsets, E, M, N, K);
+}

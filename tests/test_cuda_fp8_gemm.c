@@ -1,0 +1,357 @@
+/* The FP8 x FP8 grouped GEMM (kernels/cuda/fp8_gemm.cu, wgmma) against the CPU reference, and its
+ * speed against cuBLASLt's FP8 GEMM in the same run.
+ *
+ * Reference: out[m, n] = sum over 128-k blocks of sa[m, kb] sb[e, kb, n] sum_k a[m, k] b[e, n, k]
+ * in double on the decoded codes (kernels/quant.h). Bound per output: |got - want| <= 2^-10 S
+ * with S = sum_kb |sa sb| sum_k |a b| (the tensor cores' FP8 sums keep fewer bits than fp32, and
+ * each 128-k block is one of them), and the issue's figure beside it: max |got - want| over the
+ * rms of want, at most 1e-2. Device outputs are poisoned with NaN first, so a row the kernel never
+ * wrote fails. Shapes: uneven experts (empty ones, one row, 128 and 129 rows, a tile cut short),
+ * Qwen3-30B-A3B's and DeepSeek-V3's expert shapes; both pipeline depths give the same bits.
+ *
+ * Figures: cuBLASLt's FP8 GEMM (E4M3 in, BF16 out) at 8192^3, the peak the issue measures against,
+ * and at the grouped shapes' total (8 experts x 4096 tokens as one GEMM); the grouped GEMM at
+ * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak.
+ *
+ *   test_cuda_fp8_gemm   on GPU 0; without CUDA in the build or without a Hopper GPU it prints
+ *                        "skipped: <reason>" and "0 passed, 0 failed" */
+#include <stdio.h>
+
+#ifdef MOESERVE_CUDA
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/quant.h"
+#include "tests/check.h"
+
+/* kernels/cuda/ops_cuda.cu (its declaration in cuda_ops.h is visible to CUDA C++ only) */
+cudaStream_t cuda_stream(void);
+/* kernels/cuda/fp8_gemm.cu, for tests: the pipeline depth (3 or 4 stages) from now on; returns
+ * the one before */
+int cuda_fp8_grouped_gemm_stages(int stages);
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double urand(void) { /* [0, 1) */
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) / 9007199254740992.0;
+}
+static float nrand(void) { /* about N(0, 1) */
+    return (float)((urand() + urand() + urand() + urand() - 2.0) * 1.7320508);
+}
+
+static void *dev_copy(const void *h, size_t bytes) {
+    void *d = NULL;
+    MS_ASSERT(cudaMalloc(&d, bytes ? bytes : 16) == cudaSuccess);
+    if (bytes) MS_ASSERT(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+    return d;
+}
+
+typedef struct {
+    int E, M, N, K;
+    int32_t *off; /* [E + 1] */
+    uint8_t *a, *b;
+    float *sa, *sb;
+} fp8_case;
+
+/* Random codes (the E4M3 rounding of normal values, never NaN) and scales of 2^-6 .. 2^2. */
+static fp8_case case_make(int E, const int *rows, int N, int K) {
+    fp8_case c = {.E = E, .N = N, .K = K};
+    c.off = malloc(sizeof(int32_t) * (E + 1));
+    c.off[0] = 0;
+    for (int e = 0; e < E; e++)
+        c.off[e + 1] = c.off[e] + rows[e];
+    c.M = c.off[E];
+    const int nkb = K / 128;
+    c.a = malloc((size_t)c.M * K + 1);
+    c.b = malloc((size_t)E * N * K);
+    c.sa = malloc(sizeof(float) * ((size_t)c.M * nkb + 1));
+    c.sb = malloc(sizeof(float) * (size_t)E * nkb * N);
+    for (int64_t i = 0; i < (int64_t)c.M * K; i++)
+        c.a[i] = fp8_e4m3_from_float(nrand() * 8.0f);
+    for (int64_t i = 0; i < (int64_t)E * N * K; i++)
+        c.b[i] = fp8_e4m3_from_float(nrand() * 8.0f);
+    for (int64_t i = 0; i < (int64_t)c.M * nkb; i++)
+        c.sa[i] = ldexpf(1.0f + (float)urand(), -6 + (int)(urand() * 8));
+    for (int64_t i = 0; i < (int64_t)E * nkb * N; i++)
+        c.sb[i] = ldexpf(1.0f + (float)urand(), -6 + (int)(urand() * 8));
+    return c;
+}
+
+static void case_free(fp8_case *c) {
+    free(c->off);
+    free(c->a);
+    free(c->b);
+    free(c->sa);
+    free(c->sb);
+}
+
+/* The GPU's out [M, N] for c with the given pipeline depth (host copy, caller frees). */
+static float *gpu_run(const fp8_case *c, int stages) {
+    const int nkb = c->K / 128;
+    void *da = dev_copy(c->a, (size_t)c->M * c->K),
+         *db = dev_copy(c->b, (size_t)c->E * c->N * c->K);
+    void *dsa = dev_copy(c->sa, sizeof(float) * (size_t)c->M * nkb);
+    void *dsb = dev_copy(c->sb, sizeof(float) * (size_t)c->E * nkb * c->N);
+    void *doff = dev_copy(c->off, sizeof(int32_t) * (c->E + 1));
+    const size_t ob = sizeof(float) * (size_t)c->M * c->N;
+    float *dout = NULL;
+    MS_ASSERT(cudaMalloc((void **)&dout, ob ? ob : 16) == cudaSuccess);
+    cudaMemset(dout, 0xff, ob); /* NaN */
+    const int old = cuda_fp8_grouped_gemm_stages(stages);
+    cuda_fp8_grouped_gemm(dout, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
+    cuda_fp8_grouped_gemm_stages(old);
+    float *out = malloc(ob ? ob : 16);
+    MS_ASSERT(cudaStreamSynchronize(cuda_stream()) == cudaSuccess);
+    if (ob) MS_ASSERT(cudaMemcpy(out, dout, ob, cudaMemcpyDeviceToHost) == cudaSuccess);
+    cudaFree(da);
+    cudaFree(db);
+    cudaFree(dsa);
+    cudaFree(dsb);
+    cudaFree(doff);
+    cudaFree(dout);
+    return out;
+}
+
+static void check_case(const char *name, int E, const int *rows, int N, int K) {
+    fp8_case c = case_make(E, rows, N, K);
+    const int nkb = K / 128;
+    float *got = gpu_run(&c, 4), *got3 = gpu_run(&c, 3);
+    float *fa = malloc(sizeof(float) * (size_t)c.M * K + 4);
+    float *fb = malloc(sizeof(float) * (size_t)E * N * K);
+    for (int64_t i = 0; i < (int64_t)c.M * K; i++)
+        fa[i] = fp8_e4m3_to_float(c.a[i]);
+    for (int64_t i = 0; i < (int64_t)E * N * K; i++)
+        fb[i] = fp8_e4m3_to_float(c.b[i]);
+    double worst = 0.0, max_err = 0.0, sq = 0.0;
+    int64_t bad = 0, n = 0;
+    for (int e = 0; e < E; e++)
+        for (int m = c.off[e]; m < c.off[e + 1]; m++)
+            for (int j = 0; j < N; j++) {
+                double want = 0.0, S = 0.0;
+                for (int kb = 0; kb < nkb; kb++) {
+                    const float *x = fa + (int64_t)m * K + kb * 128;
+                    const float *w = fb + ((int64_t)e * N + j) * K + kb * 128;
+                    double s = 0.0, sa = 0.0;
+                    for (int k = 0; k < 128; k++) {
+                        s += (double)x[k] * w[k];
+                        sa += fabs((double)x[k] * w[k]);
+                    }
+                    const double sc =
+                        (double)c.sa[(int64_t)m * nkb + kb] * c.sb[((int64_t)e * nkb + kb) * N + j];
+                    want += sc * s;
+                    S += fabs(sc) * sa;
+                }
+                const double g = got[(int64_t)m * N + j], err = fabs(g - want);
+                if (!(err <= 0x1p-10 * S + 1e-30)) {
+                    if (bad < 3)
+                        fprintf(stderr, "  %s: out[%d, %d] = %.9g, want %.9g (S %.3g)\n", name, m,
+                                j, g, want, S);
+                    bad++;
+                }
+                if (S > 0 && err / S > worst) worst = err / S;
+                if (err > max_err || isnan(err)) max_err = isnan(err) ? INFINITY : err;
+                sq += want * want;
+                n++;
+            }
+    const double rms = n ? sqrt(sq / n) : 0.0;
+    CHECK(bad == 0, "fp8 grouped GEMM %s: %lld of %lld outside 2^-10 S", name, (long long)bad,
+          (long long)n);
+    CHECK(n == 0 || max_err <= 1e-2 * rms, "fp8 grouped GEMM %s: max |err| %.3g over rms %.3g",
+          name, max_err, rms);
+    CHECK(memcmp(got, got3, sizeof(float) * (size_t)c.M * N) == 0,
+          "fp8 grouped GEMM %s: 3 stages give other bits than 4", name);
+    printf("  %-40s E=%d M=%d N=%d K=%d: worst err / S %.2e, max |err| / rms %.2e\n", name, E, c.M,
+           N, K, worst, n ? max_err / rms : 0.0);
+    free(got);
+    free(got3);
+    free(fa);
+    free(fb);
+    case_free(&c);
+}
+
+/* ---- figures ---- */
+
+/* Seconds per call of cuBLASLt's FP8 GEMM out [M, N] (BF16) = x [M, K] w [N, K]^T, E4M3 both;
+ * NAN if cuBLASLt offers no algorithm. */
+static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) {
+    void *w = NULL, *x = NULL, *o = NULL;
+    if (cudaMalloc(&w, (size_t)N * K) != cudaSuccess ||
+        cudaMalloc(&x, (size_t)M * K) != cudaSuccess ||
+        cudaMalloc(&o, (size_t)M * N * 2) != cudaSuccess) {
+        cudaFree(w);
+        cudaFree(x);
+        return NAN;
+    }
+    cudaMemset(w, 0x38, (size_t)N * K); /* 1.0 */
+    cudaMemset(x, 0x38, (size_t)M * K);
+    cublasLtHandle_t lt = NULL;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulPreference_t pref;
+    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+    const uint64_t wsb = ws_bytes;
+    cublasLtMatmulHeuristicResult_t res;
+    int n_res = 0;
+    /* column-major: out^T [N, M] = (w as [K, N])^T (x as [K, M]): the "TN" FP8 needs */
+    int ok =
+        cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT) == 0 &&
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN) == 0 &&
+        cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
+        cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, M, K) == 0 &&
+        cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, N, M, N) == 0 &&
+        cublasLtMatmulPreferenceCreate(&pref) == 0 &&
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
+                                             sizeof wsb) == 0 &&
+        cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &n_res) == 0 &&
+        n_res == 1;
+    double s = NAN;
+    if (ok) {
+        const float alpha = 1.0f, beta = 0.0f;
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        const int warm = 2, reps = 10;
+        int status = 0;
+        for (int r = 0; r < warm + reps; r++) {
+            if (r == warm) cudaEventRecord(e0, cuda_stream());
+            status |= cublasLtMatmul(lt, desc, &alpha, w, la, x, lb, &beta, o, lc, o, lc, &res.algo,
+                                     ws, wsb, cuda_stream());
+        }
+        cudaEventRecord(e1, cuda_stream());
+        cudaEventSynchronize(e1);
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (status == 0) s = ms / 1e3 / reps;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cublasLtMatmulPreferenceDestroy(pref);
+        cublasLtMatrixLayoutDestroy(la);
+        cublasLtMatrixLayoutDestroy(lb);
+        cublasLtMatrixLayoutDestroy(lc);
+        cublasLtMatmulDescDestroy(desc);
+    }
+    if (lt) cublasLtDestroy(lt);
+    cudaFree(w);
+    cudaFree(x);
+    cudaFree(o);
+    return s;
+}
+
+/* Seconds per call of the grouped GEMM, E experts of T tokens each. */
+static double time_grouped(int E, int T, int N, int K, int stages) {
+    const int M = E * T, nkb = K / 128;
+    void *a = NULL, *b = NULL, *sa = NULL, *sb = NULL, *off = NULL, *o = NULL;
+    MS_ASSERT(cudaMalloc(&a, (size_t)M * K) == cudaSuccess &&
+              cudaMalloc(&b, (size_t)E * N * K) == cudaSuccess &&
+              cudaMalloc(&sa, sizeof(float) * (size_t)M * nkb) == cudaSuccess &&
+              cudaMalloc(&sb, sizeof(float) * (size_t)E * nkb * N) == cudaSuccess &&
+              cudaMalloc(&off, sizeof(int32_t) * (E + 1)) == cudaSuccess &&
+              cudaMalloc(&o, sizeof(float) * (size_t)M * N) == cudaSuccess);
+    cudaMemset(a, 0x38, (size_t)M * K);
+    cudaMemset(b, 0x38, (size_t)E * N * K);
+    cudaMemset(sa, 0, sizeof(float) * (size_t)M * nkb);
+    cudaMemset(sb, 0, sizeof(float) * (size_t)E * nkb * N);
+    int32_t *h = malloc(sizeof(int32_t) * (E + 1));
+    for (int e = 0; e <= E; e++)
+        h[e] = e * T;
+    cudaMemcpy(off, h, sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice);
+    free(h);
+    const int old = cuda_fp8_grouped_gemm_stages(stages);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    const int warm = 2, reps = 10;
+    for (int r = 0; r < warm + reps; r++) {
+        if (r == warm) cudaEventRecord(e0, cuda_stream());
+        cuda_fp8_grouped_gemm(o, a, sa, b, sb, off, E, M, N, K);
+    }
+    cudaEventRecord(e1, cuda_stream());
+    cudaEventSynchronize(e1);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cuda_fp8_grouped_gemm_stages(old);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(sa);
+    cudaFree(sb);
+    cudaFree(off);
+    cudaFree(o);
+    return ms / 1e3 / reps;
+}
+
+static void figures(void) {
+    const size_t ws_bytes = (size_t)32 << 20;
+    void *ws = NULL;
+    MS_ASSERT(cudaMalloc(&ws, ws_bytes) == cudaSuccess);
+    const int n = 8192;
+    const double s_peak = time_cublaslt_fp8(n, n, n, ws, ws_bytes);
+    const double peak = 2.0 * n * n * (double)n / s_peak / 1e12;
+    printf("figures: cuBLASLt FP8 GEMM 8192^3 (E4M3 in, BF16 out): %.0f us, %.0f TFLOP/s (the "
+           "peak below)\n",
+           s_peak * 1e6, peak);
+    static const int NK[][2] = {{1536, 2048}, {4096, 2048}, {1536, 7168}, {4096, 7168}};
+    const int E = 8, T = 4096;
+    for (size_t i = 0; i < sizeof NK / sizeof NK[0]; i++) {
+        const int N = NK[i][0], K = NK[i][1];
+        const double fl = 2.0 * E * T * (double)N * K;
+        const double g4 = time_grouped(E, T, N, K, 4), g3 = time_grouped(E, T, N, K, 3);
+        const double cb = time_cublaslt_fp8(E * T, N, K, ws, ws_bytes);
+        printf(
+            "  %d experts x %d tokens, N %-4d K %-4d: grouped %7.1f us %4.0f TFLOP/s (%3.0f%% of "
+            "peak), 3 stages %7.1f us %4.0f TFLOP/s; cuBLASLt one GEMM of %d rows %7.1f us %4.0f "
+            "TFLOP/s\n",
+            E, T, N, K, g4 * 1e6, fl / g4 / 1e12, 100.0 * fl / g4 / 1e12 / peak, g3 * 1e6,
+            fl / g3 / 1e12, E * T, cb * 1e6, fl / cb / 1e12);
+    }
+    cudaFree(ws);
+}
+
+int main(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    char err[256];
+    const ops *gpu = ops_cuda(0, err, sizeof err);
+    if (!gpu) {
+        printf("skipped: %s\n", err);
+        printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9) {
+        printf("skipped: the wgmma kernel is built for sm_90a (Hopper)\n");
+        printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    printf("FP8 grouped GEMM (wgmma) against the CPU\n");
+    check_case("uneven experts", 5, (const int[]){0, 1, 130, 255, 7}, 256, 384);
+    check_case("whole and cut tiles", 3, (const int[]){128, 128, 129}, 128, 128);
+    check_case("no rows", 2, (const int[]){0, 0}, 128, 128);
+    check_case("Qwen3-30B-A3B gate_up", 8, (const int[]){130, 17, 64, 0, 129, 1, 40, 3}, 1536,
+               2048);
+    check_case("Qwen3-30B-A3B down", 4, (const int[]){77, 300, 5, 128}, 2048, 768);
+    check_case("DeepSeek-V3 gate_up", 2, (const int[]){40, 9}, 4096, 7168);
+    figures();
+    CHECK_SUMMARY();
+}
+
+#else
+
+int main(void) {
+    printf("skipped: this build has no CUDA (nvcc not found, or make CUDA=0)\n");
+    printf("0 passed, 0 failed\n");
+    return 0;
+}
+
+#endif
