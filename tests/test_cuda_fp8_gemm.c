@@ -33,9 +33,10 @@
 
 /* kernels/cuda/ops_cuda.cu (its declaration in cuda_ops.h is visible to CUDA C++ only) */
 cudaStream_t cuda_stream(void);
-/* kernels/cuda/fp8_gemm.cu, for tests: the pipeline depth (3 or 4 stages) from now on; returns
- * the one before */
-int cuda_fp8_grouped_gemm_stages(int stages);
+/* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
+ * with 4 or 3 stages, 64 columns with 4 or 6); returns the one before */
+int cuda_fp8_grouped_gemm_config(int config);
+#define FP8G_CONFIGS 4
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void) { /* [0, 1) */
@@ -94,8 +95,8 @@ static void case_free(fp8_case *c) {
     free(c->sb);
 }
 
-/* The GPU's out [M, N] for c with the given pipeline depth (host copy, caller frees). */
-static float *gpu_run(const fp8_case *c, int stages) {
+/* The GPU's out [M, N] for c with the given tile configuration (host copy, caller frees). */
+static float *gpu_run(const fp8_case *c, int config) {
     const int nkb = c->K / 128;
     void *da = dev_copy(c->a, (size_t)c->M * c->K),
          *db = dev_copy(c->b, (size_t)c->E * c->N * c->K);
@@ -106,9 +107,9 @@ static float *gpu_run(const fp8_case *c, int stages) {
     float *dout = NULL;
     MS_ASSERT(cudaMalloc((void **)&dout, ob ? ob : 16) == cudaSuccess);
     cudaMemset(dout, 0xff, ob); /* NaN */
-    const int old = cuda_fp8_grouped_gemm_stages(stages);
+    const int old = cuda_fp8_grouped_gemm_config(config);
     cuda_fp8_grouped_gemm(dout, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
-    cuda_fp8_grouped_gemm_stages(old);
+    cuda_fp8_grouped_gemm_config(old);
     float *out = malloc(ob ? ob : 16);
     MS_ASSERT(cudaStreamSynchronize(cuda_stream()) == cudaSuccess);
     if (ob) MS_ASSERT(cudaMemcpy(out, dout, ob, cudaMemcpyDeviceToHost) == cudaSuccess);
@@ -124,55 +125,78 @@ static float *gpu_run(const fp8_case *c, int stages) {
 static void check_case(const char *name, int E, const int *rows, int N, int K) {
     fp8_case c = case_make(E, rows, N, K);
     const int nkb = K / 128;
-    float *got = gpu_run(&c, 4), *got3 = gpu_run(&c, 3);
     float *fa = malloc(sizeof(float) * (size_t)c.M * K + 4);
     float *fb = malloc(sizeof(float) * (size_t)E * N * K);
     for (int64_t i = 0; i < (int64_t)c.M * K; i++)
         fa[i] = fp8_e4m3_to_float(c.a[i]);
     for (int64_t i = 0; i < (int64_t)E * N * K; i++)
         fb[i] = fp8_e4m3_to_float(c.b[i]);
-    double worst = 0.0, max_err = 0.0, sq = 0.0;
-    int64_t bad = 0, n = 0;
+    /* the reference and its bound's S, per output */
+    double *want = malloc(sizeof(double) * ((size_t)c.M * N + 1));
+    double *S = malloc(sizeof(double) * ((size_t)c.M * N + 1));
+    double sq = 0.0;
     for (int e = 0; e < E; e++)
         for (int m = c.off[e]; m < c.off[e + 1]; m++)
             for (int j = 0; j < N; j++) {
-                double want = 0.0, S = 0.0;
+                double w_ = 0.0, S_ = 0.0;
                 for (int kb = 0; kb < nkb; kb++) {
                     const float *x = fa + (int64_t)m * K + kb * 128;
                     const float *w = fb + ((int64_t)e * N + j) * K + kb * 128;
-                    double s = 0.0, sa = 0.0;
+                    double t = 0.0, ta = 0.0;
                     for (int k = 0; k < 128; k++) {
-                        s += (double)x[k] * w[k];
-                        sa += fabs((double)x[k] * w[k]);
+                        t += (double)x[k] * w[k];
+                        ta += fabs((double)x[k] * w[k]);
                     }
                     const double sc =
                         (double)c.sa[(int64_t)m * nkb + kb] * c.sb[((int64_t)e * nkb + kb) * N + j];
-                    want += sc * s;
-                    S += fabs(sc) * sa;
+                    w_ += sc * t;
+                    S_ += fabs(sc) * ta;
                 }
-                const double g = got[(int64_t)m * N + j], err = fabs(g - want);
-                if (!(err <= 0x1p-10 * S + 1e-30)) {
-                    if (bad < 3)
-                        fprintf(stderr, "  %s: out[%d, %d] = %.9g, want %.9g (S %.3g)\n", name, m,
-                                j, g, want, S);
-                    bad++;
-                }
-                if (S > 0 && err / S > worst) worst = err / S;
-                if (err > max_err || isnan(err)) max_err = isnan(err) ? INFINITY : err;
-                sq += want * want;
-                n++;
+                want[(int64_t)m * N + j] = w_;
+                S[(int64_t)m * N + j] = S_;
+                sq += w_ * w_;
             }
+    const int64_t n = (int64_t)c.M * N;
     const double rms = n ? sqrt(sq / n) : 0.0;
-    CHECK(bad == 0, "fp8 grouped GEMM %s: %lld of %lld outside 2^-10 S", name, (long long)bad,
-          (long long)n);
-    CHECK(n == 0 || max_err <= 1e-2 * rms, "fp8 grouped GEMM %s: max |err| %.3g over rms %.3g",
-          name, max_err, rms);
-    CHECK(memcmp(got, got3, sizeof(float) * (size_t)c.M * N) == 0,
+    float *got[FP8G_CONFIGS];
+    for (int cf = 0; cf < FP8G_CONFIGS; cf++) {
+        got[cf] = gpu_run(&c, cf);
+        double worst = 0.0, max_err = 0.0;
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const double err = fabs((double)got[cf][i] - want[i]);
+            if (!(err <= 0x1p-10 * S[i] + 1e-30)) {
+                if (bad < 3)
+                    fprintf(stderr,
+                            "  %s, configuration %d: out[%lld, %lld] = %.9g, want %.9g (S "
+                            "%.3g)\n",
+                            name, cf, (long long)(i / N), (long long)(i % N), got[cf][i], want[i],
+                            S[i]);
+                bad++;
+            }
+            if (S[i] > 0 && err / S[i] > worst) worst = err / S[i];
+            if (err > max_err || isnan(err)) max_err = isnan(err) ? INFINITY : err;
+        }
+        CHECK(bad == 0, "fp8 grouped GEMM %s, configuration %d: %lld of %lld outside 2^-10 S", name,
+              cf, (long long)bad, (long long)n);
+        CHECK(n == 0 || max_err <= 1e-2 * rms,
+              "fp8 grouped GEMM %s, configuration %d: max |err| %.3g over rms %.3g", name, cf,
+              max_err, rms);
+        printf(
+            "  %-24s E=%d M=%-4d N=%-4d K=%-4d configuration %d: worst err / S %.2e, max |err| / "
+            "rms %.2e%s\n",
+            name, E, c.M, N, K, cf, worst, n ? max_err / rms : 0.0,
+            cf && memcmp(got[cf], got[0], sizeof(float) * (size_t)n) == 0 ? " (bits of 0)" : "");
+    }
+    /* the pipeline depth changes no sum: the same bits at the same tile width */
+    CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
           "fp8 grouped GEMM %s: 3 stages give other bits than 4", name);
-    printf("  %-40s E=%d M=%d N=%d K=%d: worst err / S %.2e, max |err| / rms %.2e\n", name, E, c.M,
-           N, K, worst, n ? max_err / rms : 0.0);
-    free(got);
-    free(got3);
+    CHECK(memcmp(got[2], got[3], sizeof(float) * (size_t)n) == 0,
+          "fp8 grouped GEMM %s: 6 stages give other bits than 4", name);
+    for (int cf = 0; cf < FP8G_CONFIGS; cf++)
+        free(got[cf]);
+    free(want);
+    free(S);
     free(fa);
     free(fb);
     case_free(&c);
@@ -249,7 +273,7 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
 }
 
 /* Seconds per call of the grouped GEMM, E experts of T tokens each. */
-static double time_grouped(int E, int T, int N, int K, int stages) {
+static double time_grouped(int E, int T, int N, int K, int config) {
     const int M = E * T, nkb = K / 128;
     void *a = NULL, *b = NULL, *sa = NULL, *sb = NULL, *off = NULL, *o = NULL;
     MS_ASSERT(cudaMalloc(&a, (size_t)M * K) == cudaSuccess &&
@@ -267,7 +291,7 @@ static double time_grouped(int E, int T, int N, int K, int stages) {
         h[e] = e * T;
     cudaMemcpy(off, h, sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice);
     free(h);
-    const int old = cuda_fp8_grouped_gemm_stages(stages);
+    const int old = cuda_fp8_grouped_gemm_config(config);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -280,7 +304,7 @@ static double time_grouped(int E, int T, int N, int K, int stages) {
     cudaEventSynchronize(e1);
     float ms = 0.0f;
     cudaEventElapsedTime(&ms, e0, e1);
-    cuda_fp8_grouped_gemm_stages(old);
+    cuda_fp8_grouped_gemm_config(old);
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     cudaFree(a);
@@ -307,14 +331,16 @@ static void figures(void) {
     for (size_t i = 0; i < sizeof NK / sizeof NK[0]; i++) {
         const int N = NK[i][0], K = NK[i][1];
         const double fl = 2.0 * E * T * (double)N * K;
-        const double g4 = time_grouped(E, T, N, K, 4), g3 = time_grouped(E, T, N, K, 3);
         const double cb = time_cublaslt_fp8(E * T, N, K, ws, ws_bytes);
         printf(
-            "  %d experts x %d tokens, N %-4d K %-4d: grouped %7.1f us %4.0f TFLOP/s (%3.0f%% of "
-            "peak), 3 stages %7.1f us %4.0f TFLOP/s; cuBLASLt one GEMM of %d rows %7.1f us %4.0f "
+            "  %d experts x %d tokens, N %-4d K %-4d: cuBLASLt one GEMM of %d rows %7.1f us %4.0f "
             "TFLOP/s\n",
-            E, T, N, K, g4 * 1e6, fl / g4 / 1e12, 100.0 * fl / g4 / 1e12 / peak, g3 * 1e6,
-            fl / g3 / 1e12, E * T, cb * 1e6, fl / cb / 1e12);
+            E, T, N, K, E * T, cb * 1e6, fl / cb / 1e12);
+        for (int cf = 0; cf < FP8G_CONFIGS; cf++) {
+            const double g = time_grouped(E, T, N, K, cf);
+            printf("    grouped, configuration %d: %7.1f us %4.0f TFLOP/s, %3.0f%% of the peak\n",
+                   cf, g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
+        }
     }
     cudaFree(ws);
 }

@@ -28,13 +28,19 @@
 // decoded codes (kernels/quant.h's fp8_e4m3_to_float) times the scales.
 //
 // Status: checked against that reference, and timed, on the H200 (8 experts x 4096 tokens, N 1536
-// and 4096, K 2048 and 7168: 490 to 580 TFLOP/s, 28 to 32% of cuBLASLt's FP8 GEMM at 8192^3,
-// 1758 TFLOP/s in the same run; the W8A16 tiles the experts run now give about 150). Not yet
+// and 4096, K 2048 and 7168: 490 to 580 TFLOP/s, 28 to 33% of cuBLASLt's FP8 GEMM at 8192^3,
+// 1770 TFLOP/s in the same run; the W8A16 tiles the experts run now give about 150). Not yet
 // called by the experts: the activations' codes and a plain K-major copy of the weights' codes
 // come first. Each warpgroup waits for its own products before it promotes them, and a block
-// holds both warpgroups' loads and products in step: the tensor cores idle through every
-// promotion and every stage's barrier. The next steps are the ones DeepGEMM takes: a producer
-// warpgroup (TMA) and consumers that promote one k tile while the next one's products run.
+// keeps both warpgroups in step with a barrier a stage. Neither 64-column tiles with two blocks a
+// multiprocessor nor other depths changed the rate (configurations below, the test's figures);
+// a second partial sum, so that one tile's products run while the one before is promoted, made
+// ptxas serialize the wgmma (C7514). The next steps are DeepGEMM's: a producer warpgroup (TMA,
+// mbarriers instead of the block's barrier) and consumer warpgroups that drift apart.
+//
+// Every configuration gives the same bits (the test checks it): the tensor cores' sum of an
+// output does not depend on the tile's width.
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -43,14 +49,16 @@
 #include "kernels/cuda/cuda_ops.h"
 
 #define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
-#define FP8G_BN      128 /* columns of a tile */
 #define FP8G_BK      128 /* k of a stage: one 128-byte swizzled row of codes */
 #define FP8G_THREADS 256
 
-// One stage: A and B codes (16 KiB each), A's row scales and B's column scales for the stage's k
-// tile (512 bytes each), padded to a multiple of 1024 bytes so that every tile stays aligned.
-#define FP8G_TILE_BYTES  (FP8G_BM * FP8G_BK)
-#define FP8G_STAGE_BYTES (2 * FP8G_TILE_BYTES + 1024)
+// One stage: A's codes (16 KiB), B's (BN rows of 128 bytes), A's row scales and B's column
+// scales for the stage's k tile, padded to a multiple of 1024 bytes so that every tile stays
+// aligned.
+#define FP8G_TILE_BYTES (FP8G_BM * FP8G_BK)
+template <int BN> struct fp8g_stage {
+    static constexpr int bytes = FP8G_TILE_BYTES + BN * FP8G_BK + 1024;
+};
 
 __device__ __forceinline__ void fp8g_cp16(uint32_t saddr, const void *g, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
@@ -73,10 +81,14 @@ __device__ __forceinline__ uint64_t fp8g_desc(uint32_t addr) {
            (uint64_t)1 << 62;
 }
 
-// d (+)= A[64 x 32] B[128 x 32]^T, fp32 accumulators in the m64n128 fragment layout; accumulate
-// 0 starts the sum afresh.
-__device__ __forceinline__ void fp8g_wgmma(float (&d)[64], uint64_t da, uint64_t db,
-                                           int accumulate) {
+// d (+)= A[64 x 32] B[BN x 32]^T, fp32 accumulators in the m64nBN fragment layout; accumulate 0
+// starts the sum afresh.
+template <int BN>
+__device__ __forceinline__ void fp8g_wgmma(float (&d)[BN / 2], uint64_t da, uint64_t db,
+                                           int accumulate);
+template <>
+__device__ __forceinline__ void fp8g_wgmma<128>(float (&d)[64], uint64_t da, uint64_t db,
+                                                int accumulate) {
     asm volatile("{\n"
                  ".reg .pred p;\n"
                  "setp.ne.b32 p, %66, 0;\n"
@@ -101,11 +113,31 @@ __device__ __forceinline__ void fp8g_wgmma(float (&d)[64], uint64_t da, uint64_t
                  : "l"(da), "l"(db), "r"(accumulate));
 }
 
+template <>
+__device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint64_t db,
+                                               int accumulate) {
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "setp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1;\n"
+                 "}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // Block (n-block x, tile y): tile y of the experts' tiles in expert order (each expert's rows cut
 // into tiles of 128); blocks past the last tile return at once (the grid is an upper bound:
 // ceil(M / 128) + E tiles).
-template <int STAGES>
-__global__ void __launch_bounds__(FP8G_THREADS)
+template <int STAGES, int BN>
+__global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     fp8_grouped_gemm_kernel(float *__restrict__ out, const uint8_t *__restrict__ a,
                             const float *__restrict__ sa, const uint8_t *__restrict__ b,
                             const float *__restrict__ sb, const int32_t *__restrict__ offsets,
@@ -145,7 +177,8 @@ __global__ void __launch_bounds__(FP8G_THREADS)
     const int e = s_tile[0];
     if (e < 0) return;
     const int m0 = s_tile[1], rows = min(FP8G_BM, __ldg(&offsets[e + 1]) - m0);
-    const int n0 = blockIdx.x * FP8G_BN;
+    const int n0 = blockIdx.x * BN;
+    constexpr int STAGE_BYTES = fp8g_stage<BN>::bytes;
 
     // the stages from the first 1024-byte boundary (the launch adds 1024 bytes for it)
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
@@ -154,9 +187,9 @@ __global__ void __launch_bounds__(FP8G_THREADS)
     const uint8_t *b_e = b + (int64_t)e * N * K;
     const float *sb_e = sb + (int64_t)e * nkb * N;
     // stage s: A tile, B tile, A's scales [128], B's scales [128]
-    auto stage_a = [&](int s) { return smem0 + s * FP8G_STAGE_BYTES; };
+    auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; };
     auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
-    auto stage_sa = [&](int s) { return stage_a(s) + 2 * FP8G_TILE_BYTES; };
+    auto stage_sa = [&](int s) { return stage_b(s) + BN * FP8G_BK; };
     auto stage_sb = [&](int s) { return stage_sa(s) + FP8G_BM * 4; };
     auto load = [&](int s, int kb) {
         const int k0 = kb * FP8G_BK;
@@ -167,13 +200,18 @@ __global__ void __launch_bounds__(FP8G_THREADS)
             const bool ok = r < rows;
             fp8g_cp16(stage_a(s) + off, ok ? a + (int64_t)(m0 + r) * K + k0 + c * 16 : a,
                       ok ? 16 : 0);
-            fp8g_cp16(stage_b(s) + off, b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
+        }
+#pragma unroll
+        for (int i = 0; i < BN * 8 / FP8G_THREADS; i++) {
+            const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
+            fp8g_cp16(stage_b(s) + r * 128 + ((c ^ (r & 7)) << 4),
+                      b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
         }
         if (tid < FP8G_BM) {
             const bool ok = tid < rows;
             fp8g_cp4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)(m0 + tid) * nkb + kb : sa,
                      ok ? 4 : 0);
-        } else if (tid < FP8G_BM + FP8G_BN / 4) {
+        } else if (tid < FP8G_BM + BN / 4) {
             const int c = tid - FP8G_BM;
             fp8g_cp16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + n0 + c * 4, 16);
         }
@@ -185,9 +223,9 @@ __global__ void __launch_bounds__(FP8G_THREADS)
         fp8g_commit();
     }
 
-    float acc[64], part[64];
+    float acc[BN / 2], part[BN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; i++)
+    for (int i = 0; i < BN / 2; i++)
         acc[i] = 0.0f;
     // this thread's rows (within the tile) and first column of each n8 group: the m64n128
     // fragment layout, warp w of the warpgroup on rows 16 w .. 16 w + 15
@@ -208,16 +246,16 @@ __global__ void __launch_bounds__(FP8G_THREADS)
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int k = 0; k < FP8G_BK / 32; k++)
-            fp8g_wgmma(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
+            fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
-        const float *ssa =
-            reinterpret_cast<const float *>(smem_gen + s * FP8G_STAGE_BYTES + 2 * FP8G_TILE_BYTES);
+        const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
+                                                           FP8G_TILE_BYTES + BN * FP8G_BK);
         const float *ssb = ssa + FP8G_BM;
         const float a0 = ssa[r0], a1 = ssa[r1];
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < BN / 8; j++) {
             const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
             acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
             acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
@@ -228,7 +266,7 @@ __global__ void __launch_bounds__(FP8G_THREADS)
     fp8g_wait<0>();
 
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < BN / 8; j++) {
         const int col = n0 + 8 * j + c0;
         if (r0 < rows)
             *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r0) * N + col) =
@@ -239,39 +277,43 @@ __global__ void __launch_bounds__(FP8G_THREADS)
     }
 }
 
-template <int STAGES>
+template <int STAGES, int BN>
 static void fp8_grouped_gemm_launch(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                                     const float *sb, const int32_t *offsets, int E, int M, int N,
                                     int K) {
-    auto kernel = fp8_grouped_gemm_kernel<STAGES>;
-    const size_t smem = (size_t)STAGES * FP8G_STAGE_BYTES + 1024;
+    auto kernel = fp8_grouped_gemm_kernel<STAGES, BN>;
+    const size_t smem = (size_t)STAGES * fp8g_stage<BN>::bytes + 1024;
     static bool attr_set = false; // one device per process
     if (!attr_set) {
         CUDA_CHECK(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = true;
     }
-    const dim3 grid((unsigned)(N / FP8G_BN), (unsigned)((M + FP8G_BM - 1) / FP8G_BM + E));
+    const dim3 grid((unsigned)(N / BN), (unsigned)((M + FP8G_BM - 1) / FP8G_BM + E));
     kernel<<<grid, FP8G_THREADS, smem, cuda_stream()>>>(out, a, sa, b, sb, offsets, E, N, K);
     CUDA_CHECK_LAUNCH();
 }
 
-static int g_fp8g_stages = 4;
+// The tile configuration: 0 (the default) 128 columns and 4 stages, 1 128 and 3, 2 64 columns
+// and 4 stages (two blocks a multiprocessor), 3 64 and 6.
+static int g_fp8g_config = 0;
 
-extern "C" int cuda_fp8_grouped_gemm_stages(int stages) {
-    const int old = g_fp8g_stages;
-    g_fp8g_stages = stages;
+extern "C" int cuda_fp8_grouped_gemm_config(int config) {
+    const int old = g_fp8g_config;
+    g_fp8g_config = config;
     return old;
 }
 
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K) {
     if (M <= 0 || N <= 0 || E <= 0) return;
-    MS_ASSERT(K % FP8G_BK == 0 && N % FP8G_BN == 0 && K > 0);
+    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0);
     MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
               ((uintptr_t)out & 7) == 0);
-    if (g_fp8g_stages == 3)
-        fp8_grouped_gemm_launch<3>(out, a, sa, b, sb, offsets, E, M, N, K);
-    else
-        fp8_grouped_gemm_launch<4>(out, a, sa, b, sb, offsets, E, M, N, K);
+    switch (g_fp8g_config) {
+    case 1: fp8_grouped_gemm_launch<3, 128>(out, a, sa, b, sb, offsets, E, M, N, K); break;
+    case 2: fp8_grouped_gemm_launch<4, 64>(out, a, sa, b, sb, offsets, E, M, N, K); break;
+    case 3: fp8_grouped_gemm_launch<6, 64>(out, a, sa, b, sb, offsets, E, M, N, K); break;
+    default: fp8_grouped_gemm_launch<4, 128>(out, a, sa, b, sb, offsets, E, M, N, K); break;
+    }
 }
