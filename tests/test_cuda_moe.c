@@ -227,6 +227,10 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* kernels/cuda/fp8_gemm.cu, for tests: whether GEMM 1 of FP8 experts takes the FP8 tensor cores
+ * for n_pairs pairs over E experts of shape D, F, at the precision and mode in force */
+int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
+
 /* ---- a model's experts ---- */
 
 typedef struct {
@@ -240,6 +244,9 @@ typedef struct {
     bool quantized;           /* model_nvfp4's, model_fp8's: the host tensors are the dequantized
                                  weights, which the device decodes exactly */
     float *deq;               /* model_nvfp4's, model_fp8's: their storage */
+    bool fp8_input;           /* model_fp8's: x rounded to the FP8 payload's grid first, as the
+                                 experts receive it served (medium precision's GEMM 1 at prefill
+                                 sizes quantizes x itself, fp8_gemm.h) */
 } model;
 
 static void *make_pool(dtype dt, size_t n, float scale) {
@@ -469,6 +476,14 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
     float *out = xmalloc(((size_t)n_pairs * D + 1) * sizeof(float));
     for (int64_t i = 0; i < (int64_t)T * D; i++)
         x[i] = rng_uniform();
+    if (m->fp8_input && T > 0) { /* the FP8 payload's round trip (kernels/cpu/quant.c) */
+        uint8_t *q = xmalloc((size_t)T * D);
+        float *sc = xmalloc(sizeof(float) * (size_t)T * ((D + 127) / 128));
+        quant_fp8_rows(q, sc, x, T, D);
+        dequant_fp8_rows(x, q, sc, T, D);
+        free(q);
+        free(sc);
+    }
     make_routing(ids, T, K, m->E, mode, skip);
 
     /* the CPU reference on a spread subset of the tokens */
@@ -522,13 +537,31 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
         if (worst) worst[p] = w;
         note_worst(m->name, p, w);
 
-        /* batch invariance: the last token alone gives the same bits */
+        /* batch invariance: the last token alone gives the same bits as its rows in the batch.
+         * Where the batch's GEMM 1 ran on the FP8 tensor cores (medium precision at prefill sizes,
+         * outside deterministic mode: other sums than the token alone's W8A16 tiles), it stays
+         * within the tolerance of them instead. */
         if (T > 1) {
             float *one = xmalloc((size_t)K * D * sizeof(float));
             gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
-            CHECK(memcmp(one, out + (size_t)(T - 1) * K * D, (size_t)K * D * sizeof(float)) == 0,
-                  "%s %s T=%d %s: token T-1 alone differs from its rows in the batch", m->name, pn,
-                  T, route_name[mode]);
+            const float *row = out + (size_t)(T - 1) * K * D;
+            if (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) {
+                double r2 = 0.0, mx = 0.0;
+                for (size_t i = 0; i < (size_t)K * D; i++) {
+                    const double d = fabs((double)one[i] - row[i]);
+                    mx = d > mx ? d : mx;
+                    r2 += (double)row[i] * row[i];
+                }
+                const double rms = sqrt(r2 / ((double)K * D));
+                CHECK(mx <= tol * rms,
+                      "%s %s T=%d %s: token T-1 alone %.3g * rms from its rows in the batch (FP8 "
+                      "GEMM 1 there; tolerance %.3g)",
+                      m->name, pn, T, route_name[mode], rms > 0 ? mx / rms : mx, tol);
+            } else {
+                CHECK(memcmp(one, row, (size_t)K * D * sizeof(float)) == 0,
+                      "%s %s T=%d %s: token T-1 alone differs from its rows in the batch", m->name,
+                      pn, T, route_name[mode]);
+            }
             free(one);
         }
         /* run to run: the same call gives the same bits */
@@ -1166,6 +1199,7 @@ int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const flo
 static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
     model_init(m, name, E, D, F, K, DTYPE_F32);
     m->quantized = true;
+    m->fp8_input = true;
     const int nkd = (D + 127) / 128, nkf = (F + 127) / 128, nbf = (F + 127) / 128,
               nbd = (D + 127) / 128;
     m->wbytes = 1.0 + 4.0 / 128;
@@ -1263,6 +1297,7 @@ static void test_fp8(bool full) {
     if (!full) return;
     if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
+        if (full) time_moe(&m, 4096, ROUTE_RANDOM, 8, 5); /* a prefill chunk (medium: W8A8 GEMM 1) */
     }
     model_free(&m);
 }

@@ -44,9 +44,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/log.h"
+#include "kernels/cuda/bf16_pair.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/fp8_gemm.h"
+#include "kernels/quant.h"
 
 #define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
 #define FP8G_BK      128 /* k of a stage: one 128-byte swizzled row of codes */
@@ -133,15 +138,38 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
                  : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// The kernel's arguments. Row m of the grouping (expert e: offsets[e] <= m < offsets[e + 1],
+// offsets [E + 1] on the device) reads a's row a_rows[m] / topk (a_rows NULL: row m) and sa's of
+// the same row; b [E, N, K], sb [E, K / 128, N]; out [rows, N] fp32, or (GATE_UP) h [rows, N / 2]
+// BF16.
+typedef struct {
+    float *out;
+    __nv_bfloat16 *h;
+    const uint8_t *a;
+    const float *sa;
+    const int32_t *a_rows;
+    int topk;
+    const uint8_t *b;
+    const float *sb;
+    const int32_t *offsets;
+    int E, N, K;
+} fp8g_args;
+
 // Block (n-block x, tile y): tile y of the experts' tiles in expert order (each expert's rows cut
 // into tiles of 128); blocks past the last tile return at once (the grid is an upper bound:
 // ceil(M / 128) + E tiles).
-template <int STAGES, int BN>
+// GATE_UP (the experts' GEMM 1): b's rows are E blocks of F gate rows then F up rows (N = 2F);
+// block x takes h's columns 64 x .. 64 x + 63, the tile's first 64 columns their gate rows and the
+// last 64 their up rows, so that a thread holds the gate and the up sum of the same h element
+// (n8 groups j and j + 8) and writes h = silu(gate) * up in BF16, rows in grouped order.
+template <int STAGES, int BN, bool GATE_UP>
 __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
-    fp8_grouped_gemm_kernel(float *__restrict__ out, const uint8_t *__restrict__ a,
-                            const float *__restrict__ sa, const uint8_t *__restrict__ b,
-                            const float *__restrict__ sb, const int32_t *__restrict__ offsets,
-                            int E, int N, int K) {
+    fp8_grouped_gemm_kernel(const fp8g_args p) {
+    static_assert(!GATE_UP || BN == 128, "GATE_UP: 64 gate and 64 up columns a tile");
+    const uint8_t *__restrict__ a = p.a;
+    const float *__restrict__ sa = p.sa;
+    const int32_t *__restrict__ offsets = p.offsets;
+    const int E = p.E, N = p.N, K = p.K;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ int s_tile[2]; // expert, first row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -177,15 +205,25 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     const int e = s_tile[0];
     if (e < 0) return;
     const int m0 = s_tile[1], rows = min(FP8G_BM, __ldg(&offsets[e + 1]) - m0);
-    const int n0 = blockIdx.x * BN;
+    const int n0 = blockIdx.x * (GATE_UP ? BN / 2 : BN); // GATE_UP: h's first column
     constexpr int STAGE_BYTES = fp8g_stage<BN>::bytes;
 
     // the stages from the first 1024-byte boundary (the launch adds 1024 bytes for it)
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
     const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
     unsigned char *const smem_gen = fp8g_smem + (smem0 - smem_raw);
-    const uint8_t *b_e = b + (int64_t)e * N * K;
-    const float *sb_e = sb + (int64_t)e * nkb * N;
+    const uint8_t *b_e = p.b + (int64_t)e * N * K;
+    const float *sb_e = p.sb + (int64_t)e * nkb * N;
+    // b's row of tile row r: GATE_UP's gate rows, then its up rows (F = N / 2)
+    auto b_row = [&](int r) { return GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r; };
+    // a's row of tile row r (r < rows): the token of the grouped row's pair, or the row itself
+    int a_row[FP8G_BM * 8 / FP8G_THREADS];
+#pragma unroll
+    for (int i = 0; i < FP8G_BM * 8 / FP8G_THREADS; i++) {
+        const int r = (i * FP8G_THREADS + tid) >> 3;
+        a_row[i] = r >= rows ? 0 : p.a_rows ? __ldg(&p.a_rows[m0 + r]) / p.topk : m0 + r;
+    }
+    const int sa_row = tid >= rows ? 0 : p.a_rows ? __ldg(&p.a_rows[m0 + tid]) / p.topk : m0 + tid;
     // stage s: A tile, B tile, A's scales [128], B's scales [128]
     auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; };
     auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
@@ -198,22 +236,21 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
             const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
             const uint32_t off = r * 128 + ((c ^ (r & 7)) << 4);
             const bool ok = r < rows;
-            fp8g_cp16(stage_a(s) + off, ok ? a + (int64_t)(m0 + r) * K + k0 + c * 16 : a,
+            fp8g_cp16(stage_a(s) + off, ok ? a + (int64_t)a_row[i] * K + k0 + c * 16 : a,
                       ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < BN * 8 / FP8G_THREADS; i++) {
             const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
             fp8g_cp16(stage_b(s) + r * 128 + ((c ^ (r & 7)) << 4),
-                      b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
+                      b_e + (int64_t)b_row(r) * K + k0 + c * 16, 16);
         }
         if (tid < FP8G_BM) {
             const bool ok = tid < rows;
-            fp8g_cp4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)(m0 + tid) * nkb + kb : sa,
-                     ok ? 4 : 0);
+            fp8g_cp4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)sa_row * nkb + kb : sa, ok ? 4 : 0);
         } else if (tid < FP8G_BM + BN / 4) {
-            const int c = tid - FP8G_BM;
-            fp8g_cp16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + n0 + c * 4, 16);
+            const int c = tid - FP8G_BM; // 4 columns' scales (the 4 rows never straddle gate / up)
+            fp8g_cp16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + b_row(4 * c), 16);
         }
     };
 
@@ -265,23 +302,36 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     }
     fp8g_wait<0>();
 
+    if constexpr (GATE_UP) { // moe.cu's GEMM 1 epilogue in medium precision, the same formula
+        const int F = N / 2;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-        const int col = n0 + 8 * j + c0;
-        if (r0 < rows)
-            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r0) * N + col) =
-                make_float2(acc[4 * j], acc[4 * j + 1]);
-        if (r1 < rows)
-            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r1) * N + col) =
-                make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < BN / 16; j++) {
+            const int col = n0 + 8 * j + c0;
+            const float *g = acc + 4 * j, *u = acc + 4 * (j + BN / 16);
+            if (r0 < rows)
+                *reinterpret_cast<uint32_t *>(p.h + (int64_t)(m0 + r0) * F + col) =
+                    pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]);
+            if (r1 < rows)
+                *reinterpret_cast<uint32_t *>(p.h + (int64_t)(m0 + r1) * F + col) =
+                    pack_bf16x2(silu(g[2]) * u[2], silu(g[3]) * u[3]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int col = n0 + 8 * j + c0;
+            if (r0 < rows)
+                *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r0) * N + col) =
+                    make_float2(acc[4 * j], acc[4 * j + 1]);
+            if (r1 < rows)
+                *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r1) * N + col) =
+                    make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+        }
     }
 }
 
-template <int STAGES, int BN>
-static void fp8_grouped_gemm_launch(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
-                                    const float *sb, const int32_t *offsets, int E, int M, int N,
-                                    int K) {
-    auto kernel = fp8_grouped_gemm_kernel<STAGES, BN>;
+template <int STAGES, int BN, bool GATE_UP>
+static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
+    auto kernel = fp8_grouped_gemm_kernel<STAGES, BN, GATE_UP>;
     const size_t smem = (size_t)STAGES * fp8g_stage<BN>::bytes + 1024;
     static bool attr_set = false; // one device per process
     if (!attr_set) {
@@ -289,8 +339,9 @@ static void fp8_grouped_gemm_launch(float *out, const uint8_t *a, const float *s
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         attr_set = true;
     }
-    const dim3 grid((unsigned)(N / BN), (unsigned)((M + FP8G_BM - 1) / FP8G_BM + E));
-    kernel<<<grid, FP8G_THREADS, smem, cuda_stream()>>>(out, a, sa, b, sb, offsets, E, N, K);
+    // GATE_UP: F / 64 blocks of 64 gate and 64 up rows, N / BN as well
+    const dim3 grid((unsigned)(p.N / BN), (unsigned)((max_rows + FP8G_BM - 1) / FP8G_BM + p.E));
+    kernel<<<grid, FP8G_THREADS, smem, cuda_stream()>>>(p);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -310,10 +361,106 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0);
     MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
               ((uintptr_t)out & 7) == 0);
+    fp8g_args p = {};
+    p.out = out;
+    p.a = a;
+    p.sa = sa;
+    p.b = b;
+    p.sb = sb;
+    p.offsets = offsets;
+    p.E = E;
+    p.N = N;
+    p.K = K;
     switch (g_fp8g_config) {
-    case 1: fp8_grouped_gemm_launch<3, 128>(out, a, sa, b, sb, offsets, E, M, N, K); break;
-    case 2: fp8_grouped_gemm_launch<4, 64>(out, a, sa, b, sb, offsets, E, M, N, K); break;
-    case 3: fp8_grouped_gemm_launch<6, 64>(out, a, sa, b, sb, offsets, E, M, N, K); break;
-    default: fp8_grouped_gemm_launch<4, 128>(out, a, sa, b, sb, offsets, E, M, N, K); break;
+    case 1: fp8_grouped_gemm_launch<3, 128, false>(p, M); break;
+    case 2: fp8_grouped_gemm_launch<4, 64, false>(p, M); break;
+    case 3: fp8_grouped_gemm_launch<6, 64, false>(p, M); break;
+    default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break;
     }
+}
+
+// ---- the experts' GEMM 1 (fp8_gemm.h) ----
+
+// x [T, D] (D % 128 == 0) to E4M3 codes q [T, D], packed per 64 k as the W8A16 weights are
+// (fp8_w8_pack64), and scales s [T, D / 128]: the FP8 payload's formula (elementwise.cu's
+// moe_input_fp8_kernel, kernels/cpu/quant.c): s = max(amax, 1e-10) / 448, q = e4m3(x / s). A block
+// per token, a warp per 128 channels.
+__global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const float *x, int D) {
+    __shared__ uint8_t codes[8][FP8G_BK];
+    const int64_t t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = D / FP8G_BK;
+    for (int g = warp; g < G; g += blockDim.x >> 5) {
+        const float *xg = x + t * D + g * FP8G_BK;
+        float v[4], m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = xg[lane + 32 * i];
+            const float av = fabsf(v[i]);
+            m = av > m ? av : m; // NaN never wins
+        }
+        for (int off = 16; off > 0; off >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        const float sc = __fdiv_rn(m > 1e-10f ? m : 1e-10f, FP8_E4M3_MAX);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            codes[warp][lane + 32 * i] = fp8_e4m3_from_float(__fdiv_rn(v[i], sc));
+        __syncwarp();
+        // lane l writes packed bytes 4 l .. 4 l + 3: 64-k chunk l / 16, fp8_w8_pack64's t = l % 16
+        // / 4 and s = l % 4, bytes j = k 16 s + 2 t + {0, 8, 1, 9}
+        const int ch = lane >> 4, tt = (lane & 15) >> 2, ss = lane & 3;
+        const uint8_t *src = codes[warp] + 64 * ch + 16 * ss + 2 * tt;
+        const uint32_t w = (uint32_t)src[0] | (uint32_t)src[8] << 8 | (uint32_t)src[1] << 16 |
+                           (uint32_t)src[9] << 24;
+        reinterpret_cast<uint32_t *>(q + t * D + g * FP8G_BK)[lane] = w;
+        if (lane == 0) s[t * G + g] = sc;
+        __syncwarp();
+    }
+}
+
+static int w8a8_env() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MOESERVE_W8A8");
+        on = !(e && strcmp(e, "0") == 0);
+    }
+    return on;
+}
+
+bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
+    return n_pairs > 48 * (int64_t)E && D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
+           ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
+           w8a8_env();
+}
+
+extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
+    return fp8_w8a8_takes(n_pairs, E, D, F);
+}
+
+size_t fp8_w8a8_scratch_bytes(int T, int D) {
+    return ((size_t)T * D + 255) / 256 * 256 + (size_t)T * (D / FP8G_BK) * sizeof(float);
+}
+
+void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, const int32_t *pairs,
+                      int K, const uint8_t *w, const float *wsc, const int32_t *offsets, int E,
+                      int64_t n_pairs, unsigned char *scratch) {
+    MS_ASSERT(D % FP8G_BK == 0 && F % 64 == 0 && ((uintptr_t)w & 15) == 0 &&
+              ((uintptr_t)wsc & 15) == 0 && ((uintptr_t)scratch & 255) == 0);
+    if (T <= 0 || n_pairs <= 0) return;
+    uint8_t *q = scratch;
+    float *s = reinterpret_cast<float *>(scratch + ((size_t)T * D + 255) / 256 * 256);
+    fp8_act_codes_kernel<<<T, 256, 0, cuda_stream()>>>(q, s, x, D);
+    CUDA_CHECK_LAUNCH();
+    fp8g_args p = {};
+    p.h = h;
+    p.a = q;
+    p.sa = s;
+    p.a_rows = pairs;
+    p.topk = K;
+    p.b = w;
+    p.sb = wsc;
+    p.offsets = offsets;
+    p.E = E;
+    p.N = 2 * F;
+    p.K = D;
+    fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs);
 }
