@@ -29,14 +29,16 @@
 //
 // Status: checked against that reference, and timed, on the H200 (8 experts x 4096 tokens, N 1536
 // and 4096, K 2048 and 7168: 490 to 580 TFLOP/s, 28 to 33% of cuBLASLt's FP8 GEMM at 8192^3,
-// 1770 TFLOP/s in the same run; the W8A16 tiles the experts run now give about 150). Not yet
-// called by the experts: the activations' codes and a plain K-major copy of the weights' codes
-// come first. Each warpgroup waits for its own products before it promotes them, and a block
-// keeps both warpgroups in step with a barrier a stage. Neither 64-column tiles with two blocks a
-// multiprocessor nor other depths changed the rate (configurations below, the test's figures);
-// a second partial sum, so that one tile's products run while the one before is promoted, made
-// ptxas serialize the wgmma (C7514). The next steps are DeepGEMM's: a producer warpgroup (TMA,
-// mbarriers instead of the block's barrier) and consumer warpgroups that drift apart.
+// 1770 TFLOP/s in the same run; the W8A16 tiles give about 150). The experts call it for GEMM 1
+// in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps the W8A16 tiles, since h is not
+// on the FP8 grid). The sums inside the tensor cores keep fewer bits than high precision allows:
+// 2.3e-4 of sum |a b| at worst in the test, against high's 2^-13 of a row's rms. Each warpgroup
+// waits for its own products before it promotes them, and a block keeps both warpgroups in step
+// with a barrier a stage. Neither 64-column tiles with two blocks a multiprocessor nor other depths
+// changed the rate (configurations below, the test's figures); a second partial sum, so that one
+// tile's products run while the one before is promoted, made ptxas serialize the wgmma (C7514). The
+// next steps are DeepGEMM's: a producer warpgroup (TMA, mbarriers instead of the block's barrier)
+// and consumer warpgroups that drift apart.
 //
 // Every configuration gives the same bits (the test checks it): the tensor cores' sum of an
 // output does not depend on the tile's width.
