@@ -50,9 +50,9 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "kernels/cuda/bf16_pair.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/gemm_common.cuh"
 #include "kernels/quant.h"
 
 #define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
@@ -66,19 +66,6 @@
 template <int BN> struct fp8g_stage {
     static constexpr int bytes = FP8G_TILE_BYTES + BN * FP8G_BK + 1024;
 };
-
-__device__ __forceinline__ void fp8g_cp16(uint32_t saddr, const void *g, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void fp8g_cp4(uint32_t saddr, const void *g, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(g),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void fp8g_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void fp8g_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // The wgmma descriptor of a K-major tile with the 128-byte swizzle at shared address addr: start
 // address >> 4 (bits 0-13), leading byte offset 1 (unused by this layout), stride byte offset
@@ -238,28 +225,28 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
             const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
             const uint32_t off = r * 128 + ((c ^ (r & 7)) << 4);
             const bool ok = r < rows;
-            fp8g_cp16(stage_a(s) + off, ok ? a + (int64_t)a_row[i] * K + k0 + c * 16 : a,
-                      ok ? 16 : 0);
+            cp_async16(stage_a(s) + off, ok ? a + (int64_t)a_row[i] * K + k0 + c * 16 : a,
+                       ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < BN * 8 / FP8G_THREADS; i++) {
             const int id = i * FP8G_THREADS + tid, r = id >> 3, c = id & 7;
-            fp8g_cp16(stage_b(s) + r * 128 + ((c ^ (r & 7)) << 4),
-                      b_e + (int64_t)b_row(r) * K + k0 + c * 16, 16);
+            cp_async16(stage_b(s) + r * 128 + ((c ^ (r & 7)) << 4),
+                       b_e + (int64_t)b_row(r) * K + k0 + c * 16, 16);
         }
         if (tid < FP8G_BM) {
             const bool ok = tid < rows;
-            fp8g_cp4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)sa_row * nkb + kb : sa, ok ? 4 : 0);
+            cp_async4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)sa_row * nkb + kb : sa, ok ? 4 : 0);
         } else if (tid < FP8G_BM + BN / 4) {
             const int c = tid - FP8G_BM; // 4 columns' scales (the 4 rows never straddle gate / up)
-            fp8g_cp16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + b_row(4 * c), 16);
+            cp_async16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + b_row(4 * c), 16);
         }
     };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nkb) load(s, s);
-        fp8g_commit();
+        cp_async_commit();
     }
 
     float acc[BN / 2], part[BN / 2];
@@ -273,13 +260,13 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
 
     for (int kb = 0; kb < nkb; kb++) {
         const int s = kb % STAGES;
-        fp8g_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         // the stage's bytes, written through cp.async, are read by wgmma (the async proxy)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         // the stage the previous k tile used: every warpgroup has waited for its wgmma there
         if (kb + STAGES - 1 < nkb) load((kb + STAGES - 1) % STAGES, kb + STAGES - 1);
-        fp8g_commit();
+        cp_async_commit();
 
         const uint64_t da = fp8g_desc(stage_a(s) + wg * 64 * 128), db = fp8g_desc(stage_b(s));
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -302,7 +289,7 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
             acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
         }
     }
-    fp8g_wait<0>();
+    cp_async_wait<0>();
 
     if constexpr (GATE_UP) { // moe.cu's GEMM 1 epilogue in medium precision, the same formula
         const int F = N / 2;

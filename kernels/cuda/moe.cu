@@ -180,7 +180,7 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "kernels/cuda/bf16_pair.cuh"
+#include "kernels/cuda/gemm_common.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/quant.h"
@@ -788,14 +788,6 @@ typedef struct {
     const float *ws2;
 } moe_gemm_args;
 
-__device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 __device__ __forceinline__ void ldmatrix_x4(uint32_t *r, uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -899,10 +891,6 @@ template <class C, int WF> struct moe_b_layout {
     static constexpr size_t smem = (size_t)STAGES * A_STAGE + bytes;
 };
 
-__device__ __forceinline__ void cp_async4(uint32_t saddr, const void *g, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(g),
-                 "r"(src_bytes));
-}
 
 // The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
 // busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its

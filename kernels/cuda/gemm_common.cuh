@@ -1,0 +1,47 @@
+// Device helpers shared by the grouped GEMMs (moe.cu, fp8_gemm.cu): cp.async copies into shared
+// memory, a pair of fp32 values as BF16, high precision's hi + lo split of them, and the experts'
+// SiLU. The same functions in both files keep the gate and up products' BF16 outputs the same
+// bits whichever kernel computed them.
+#ifndef MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
+#define MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+// 16 bytes (src_bytes of them, the rest zeros) from global memory to shared address saddr, L2 only;
+// and 4 bytes through L1.
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(uint32_t saddr, const void *g, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// all but the newest N groups of this thread's copies complete
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// (lo, hi) rounded to BF16, lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&b);
+}
+
+// The high precision's two parts of a pair of activations (a0, a1): *hi = bf16(a), *lo =
+// bf16(a - hi). a - hi is exact in fp32 (hi is a rounded to fewer bits of the same binade), so
+// hi + lo is a to within 2^-8 |a - hi| <= 2^-16 |a|. __fsub_rn is never fused with whatever
+// computed a, so every kernel and tile shape splits the same a into the same bits.
+__device__ __forceinline__ void split_bf16x2(float a0, float a1, uint32_t *hi, uint32_t *lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a0, a1);
+    const float2 hf = __bfloat1622float2(h);
+    *hi = *reinterpret_cast<const uint32_t *>(&h);
+    *lo = pack_bf16x2(__fsub_rn(a0, hf.x), __fsub_rn(a1, hf.y));
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+#endif
