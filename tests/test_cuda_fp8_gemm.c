@@ -13,8 +13,10 @@
  * and at the grouped shapes' total (8 experts x 4096 tokens as one GEMM); the grouped GEMM at
  * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak.
  *
- *   test_cuda_fp8_gemm   on GPU 0; without CUDA in the build or without a Hopper GPU it prints
- *                        "skipped: <reason>" and "0 passed, 0 failed" */
+ *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
+ *                             prints "skipped: <reason>" and "0 passed, 0 failed"
+ *   test_cuda_fp8_gemm --ws   the same with the warp-specialized form (configuration 4, not yet
+ *                             run on a GPU) beside configuration 0 */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
@@ -34,9 +36,12 @@
 /* kernels/cuda/ops_cuda.cu (its declaration in cuda_ops.h is visible to CUDA C++ only) */
 cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
- * with 4 or 3 stages, 64 columns with 4 or 6); returns the one before */
+ * with 4 or 3 stages, 64 columns with 4 or 6; 4 the warp-specialized form, run only with --ws);
+ * returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
-#define FP8G_CONFIGS 4
+
+/* the configurations this run checks and times: 0 to 3, or (--ws) 0 and 4 */
+static int configs[4] = {0, 1, 2, 3}, n_configs = 4;
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void) { /* [0, 1) */
@@ -158,19 +163,20 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
             }
     const int64_t n = (int64_t)c.M * N;
     const double rms = n ? sqrt(sq / n) : 0.0;
-    float *got[FP8G_CONFIGS];
-    for (int cf = 0; cf < FP8G_CONFIGS; cf++) {
-        got[cf] = gpu_run(&c, cf);
+    float *got[4];
+    for (int ci = 0; ci < n_configs; ci++) {
+        const int cf = configs[ci];
+        got[ci] = gpu_run(&c, cf);
         double worst = 0.0, max_err = 0.0;
         int64_t bad = 0;
         for (int64_t i = 0; i < n; i++) {
-            const double err = fabs((double)got[cf][i] - want[i]);
+            const double err = fabs((double)got[ci][i] - want[i]);
             if (!(err <= 0x1p-10 * S[i] + 1e-30)) {
                 if (bad < 3)
                     fprintf(stderr,
                             "  %s, configuration %d: out[%lld, %lld] = %.9g, want %.9g (S "
                             "%.3g)\n",
-                            name, cf, (long long)(i / N), (long long)(i % N), got[cf][i], want[i],
+                            name, cf, (long long)(i / N), (long long)(i % N), got[ci][i], want[i],
                             S[i]);
                 bad++;
             }
@@ -186,15 +192,20 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
             "  %-24s E=%d M=%-4d N=%-4d K=%-4d configuration %d: worst err / S %.2e, max |err| / "
             "rms %.2e%s\n",
             name, E, c.M, N, K, cf, worst, n ? max_err / rms : 0.0,
-            cf && memcmp(got[cf], got[0], sizeof(float) * (size_t)n) == 0 ? " (bits of 0)" : "");
+            ci && memcmp(got[ci], got[0], sizeof(float) * (size_t)n) == 0 ? " (bits of 0)" : "");
     }
-    /* the pipeline depth changes no sum: the same bits at the same tile width */
-    CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
-          "fp8 grouped GEMM %s: 3 stages give other bits than 4", name);
-    CHECK(memcmp(got[2], got[3], sizeof(float) * (size_t)n) == 0,
-          "fp8 grouped GEMM %s: 6 stages give other bits than 4", name);
-    for (int cf = 0; cf < FP8G_CONFIGS; cf++)
-        free(got[cf]);
+    /* the pipeline depth and the warp roles change no sum: the same bits at the same width */
+    if (n_configs == 2) {
+        CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
+              "fp8 grouped GEMM %s: the warp-specialized form gives other bits", name);
+    } else {
+        CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
+              "fp8 grouped GEMM %s: 3 stages give other bits than 4", name);
+        CHECK(memcmp(got[2], got[3], sizeof(float) * (size_t)n) == 0,
+              "fp8 grouped GEMM %s: 6 stages give other bits than 4", name);
+    }
+    for (int ci = 0; ci < n_configs; ci++)
+        free(got[ci]);
     free(want);
     free(S);
     free(fa);
@@ -336,7 +347,8 @@ static void figures(void) {
             "  %d experts x %d tokens, N %-4d K %-4d: cuBLASLt one GEMM of %d rows %7.1f us %4.0f "
             "TFLOP/s\n",
             E, T, N, K, E * T, cb * 1e6, fl / cb / 1e12);
-        for (int cf = 0; cf < FP8G_CONFIGS; cf++) {
+        for (int ci = 0; ci < n_configs; ci++) {
+            const int cf = configs[ci];
             const double g = time_grouped(E, T, N, K, cf);
             printf("    grouped, configuration %d: %7.1f us %4.0f TFLOP/s, %3.0f%% of the peak\n",
                    cf, g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
@@ -345,8 +357,12 @@ static void figures(void) {
     cudaFree(ws);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc > 1 && strcmp(argv[1], "--ws") == 0) { /* the warp-specialized form against 0 */
+        configs[1] = 4;
+        n_configs = 2;
+    }
     char err[256];
     const ops *gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {

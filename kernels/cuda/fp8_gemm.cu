@@ -127,6 +127,36 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
                  : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// Warp 0's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
+// tiles of FP8G_BM: s_tile = {expert, its first grouped row}, or expert -1 past the last tile. It
+// counts the experts' tiles 32 experts at a time.
+__device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
+    const int lane = threadIdx.x & 31;
+    int found = 0;
+    for (int e0 = 0; e0 < E && !found; e0 += 32) {
+        const int e = e0 + lane;
+        int lo = 0, n = 0;
+        if (e < E) {
+            lo = __ldg(&offsets[e]);
+            n = (__ldg(&offsets[e + 1]) - lo + FP8G_BM - 1) / FP8G_BM;
+        }
+        int incl = n; // tiles of experts e0 .. e
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
+        if (hit) {
+            const int l = __ffs(hit) - 1;
+            if (lane == l) s_tile[0] = e, s_tile[1] = lo + (y - (incl - n)) * FP8G_BM;
+            found = 1;
+        } else {
+            y -= __shfl_sync(0xffffffffu, incl, 31);
+        }
+    }
+    if (!found && lane == 0) s_tile[0] = -1;
+}
+
 // The kernel's arguments. Row m of the grouping (expert e: offsets[e] <= m < offsets[e + 1],
 // offsets [E + 1] on the device) reads a's row a_rows[m] / topk (a_rows NULL: row m) and sa's of
 // the same row; b [E, N, K], sb [E, K / 128, N]; out [rows, N] fp32, or (GATE_UP) h [rows, N / 2]
@@ -164,32 +194,7 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int nkb = K / FP8G_BK;
 
-    // which expert's tile this is: warp 0 counts the experts' tiles 32 at a time
-    if (warp == 0) {
-        int y = blockIdx.y, found = 0;
-        for (int e0 = 0; e0 < E && !found; e0 += 32) {
-            const int e = e0 + lane;
-            int lo = 0, n = 0;
-            if (e < E) {
-                lo = __ldg(&offsets[e]);
-                n = (__ldg(&offsets[e + 1]) - lo + FP8G_BM - 1) / FP8G_BM;
-            }
-            int incl = n; // tiles of experts e0 .. e
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += v;
-            }
-            const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
-            if (hit) {
-                const int l = __ffs(hit) - 1;
-                if (lane == l) s_tile[0] = e, s_tile[1] = lo + (y - (incl - n)) * FP8G_BM;
-                found = 1;
-            } else {
-                y -= __shfl_sync(0xffffffffu, incl, 31);
-            }
-        }
-        if (!found && lane == 0) s_tile[0] = -1;
-    }
+    if (warp == 0) fp8g_find_tile(offsets, E, blockIdx.y, s_tile);
     __syncthreads();
     const int e = s_tile[0];
     if (e < 0) return;
@@ -334,8 +339,174 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     CUDA_CHECK_LAUNCH();
 }
 
+// ---- the warp-specialized form (configuration 4; not yet run on a GPU) ----
+//
+// The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
+// and the products no longer in step: warp 8 only loads, a ring of STAGES stages ahead, and each
+// of the two consumer warpgroups waits for the stage it needs and frees it on its own, through
+// mbarriers instead of the block's barrier. A stage's "full" barrier completes when the
+// producer's 32 lanes' copies into it have landed (cp.async.mbarrier.arrive.noinc, one arrival a
+// lane); its "empty" barrier when all 256 consumer threads have promoted their products of it.
+// So one warpgroup's promotion runs while the other's products do. Untested: written after the
+// session's device time was spent; tests run it only when asked (test_cuda_fp8_gemm --ws).
+
+#define FP8G_WS_THREADS 288 /* two consumer warpgroups, then the producer warp */
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// until the phase of bar with this parity has completed (a fresh barrier: parity 1 at once)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n"
+                 ".reg .pred P1;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\n"
+                 "bra WAIT;\n"
+                 "DONE:\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+template <int STAGES>
+__global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
+    fp8_grouped_gemm_ws_kernel(const fp8g_args p) {
+    constexpr int BN = 128, STAGE_BYTES = fp8g_stage<BN>::bytes;
+    extern __shared__ __align__(16) unsigned char fp8g_smem[];
+    __shared__ int s_tile[2];
+    __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int N = p.N, K = p.K, nkb = K / FP8G_BK;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    auto full = [&](int s) { return bar0 + 8 * s; };
+    auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
+    if (warp == 0) fp8g_find_tile(p.offsets, p.E, blockIdx.y, s_tile);
+    if (tid == 32) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full(s), 32);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int e = s_tile[0];
+    if (e < 0) return;
+    const int m0 = s_tile[1], rows = min(FP8G_BM, __ldg(&p.offsets[e + 1]) - m0);
+    const int n0 = blockIdx.x * BN;
+    const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
+    const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
+    const unsigned char *const smem_gen = fp8g_smem + (smem0 - smem_raw);
+    auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; };
+    auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
+    auto stage_sa = [&](int s) { return stage_b(s) + BN * FP8G_BK; };
+    auto stage_sb = [&](int s) { return stage_sa(s) + FP8G_BM * 4; };
+
+    if (warp == 8) { // the producer
+        const uint8_t *b_e = p.b + (int64_t)e * N * K;
+        const float *sb_e = p.sb + (int64_t)e * nkb * N;
+        // a's row of each tile row (-1 past the tile's rows), once, in shared memory
+        __shared__ int s_arow[FP8G_BM];
+#pragma unroll
+        for (int i = 0; i < FP8G_BM / 32; i++) {
+            const int r = lane + 32 * i;
+            s_arow[r] = r >= rows ? -1 : p.a_rows ? __ldg(&p.a_rows[m0 + r]) / p.topk : m0 + r;
+        }
+        __syncwarp();
+        // lane's chunks: tile row 4 i + lane / 8, 16-byte chunk lane % 8, for i = 0 .. 31
+        const int c = lane & 7;
+        for (int kb = 0; kb < nkb; kb++) {
+            const int s = kb % STAGES, k0 = kb * FP8G_BK;
+            mbar_wait(empty(s), ((kb / STAGES) & 1) ^ 1);
+#pragma unroll
+            for (int i = 0; i < FP8G_BM / 4; i++) {
+                const int r = 4 * i + (lane >> 3), ar = s_arow[r];
+                const uint32_t off = r * 128 + ((c ^ (r & 7)) << 4);
+                cp_async16(stage_a(s) + off, ar >= 0 ? p.a + (int64_t)ar * K + k0 + c * 16 : p.a,
+                           ar >= 0 ? 16 : 0);
+                cp_async16(stage_b(s) + off, b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
+            }
+#pragma unroll
+            for (int i = 0; i < FP8G_BM / 32; i++) {
+                const int ar = s_arow[lane + 32 * i];
+                cp_async4(stage_sa(s) + (lane + 32 * i) * 4,
+                          ar >= 0 ? p.sa + (int64_t)ar * nkb + kb : p.sa, ar >= 0 ? 4 : 0);
+            }
+            cp_async16(stage_sb(s) + lane * 16, sb_e + (int64_t)kb * N + n0 + lane * 4, 16);
+            // the stage's full barrier hears from this lane once its copies have landed
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
+                         : "memory");
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
+    const int wg = warp >> 2;
+    float acc[BN / 2], part[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++)
+        acc[i] = 0.0f;
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
+    const int c0 = 2 * (lane & 3);
+    for (int kb = 0; kb < nkb; kb++) {
+        const int s = kb % STAGES;
+        mbar_wait(full(s), (kb / STAGES) & 1);
+        // the producer's bytes, written through cp.async, are read by wgmma (the async proxy)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
+                                                           FP8G_TILE_BYTES + BN * FP8G_BK);
+        const float *ssb = ssa + FP8G_BM;
+        const uint64_t da = fp8g_desc(stage_a(s) + wg * 64 * 128), db = fp8g_desc(stage_b(s));
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < FP8G_BK / 32; k++)
+            fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        const float a0 = ssa[r0], a1 = ssa[r1];
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
+            acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
+        }
+        mbar_arrive(empty(s)); // this thread is done with the stage, its scales included
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        const int col = n0 + 8 * j + c0;
+        if (r0 < rows)
+            *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r0) * N + col) =
+                make_float2(acc[4 * j], acc[4 * j + 1]);
+        if (r1 < rows)
+            *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r1) * N + col) =
+                make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+}
+
+template <int STAGES> static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES>;
+    const size_t smem = (size_t)STAGES * fp8g_stage<128>::bytes + 1024;
+    static bool attr_set = false; // one device per process
+    if (!attr_set) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr_set = true;
+    }
+    const dim3 grid((unsigned)(p.N / 128), (unsigned)((max_rows + FP8G_BM - 1) / FP8G_BM + p.E));
+    kernel<<<grid, FP8G_WS_THREADS, smem, cuda_stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+}
+
 // The tile configuration: 0 (the default) 128 columns and 4 stages, 1 128 and 3, 2 64 columns
-// and 4 stages (two blocks a multiprocessor), 3 64 and 6.
+// and 4 stages (two blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized
+// form (128 columns, 6 stages; not yet run on a GPU).
 static int g_fp8g_config = 0;
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
@@ -364,6 +535,7 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     case 1: fp8_grouped_gemm_launch<3, 128, false>(p, M); break;
     case 2: fp8_grouped_gemm_launch<4, 64, false>(p, M); break;
     case 3: fp8_grouped_gemm_launch<6, 64, false>(p, M); break;
+    case 4: fp8_grouped_gemm_ws_launch<6>(p, M); break;
     default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break;
     }
 }
