@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of --enable-deterministic-inference (tests/test_determinism.py): one prompt in
 # batches of 1..32, SGLang's input/output logprob match, seeded sampling alone and under load, the
-# prefix cache, 200 requests with random arrivals against their solo runs, and mpirun -np 1, 2, 3
-# against one process; every comparison exact. About 40 s on 2 cores.
+# prefix cache, 200 requests with random arrivals against their solo runs, and mpirun -np 1, 2, 3,
+# 4, 8 against one process; every comparison exact. About 50 s on 2 cores.
 # Arguments go to test_determinism.py (groups). Whatever happens (failure, timeout, Ctrl-C), every
 # server the test started is killed: the Python side keeps the process-group ids of those running
 # in a file, and the trap below kills whatever is still listed there.

@@ -30,10 +30,10 @@ tests/data/tiny-qwen3-moe (8 experts, top-2, 4 layers, context 512; ids < 2048, 
   tight   40 requests of 40..80 outputs at once in a KV pool of 640 tokens: requests are
           preempted and recomputed (/metrics counts the preemptions), and each answer still
           equals its solo run.
-  ranks   mpirun -np 1, 2 and 3 (experts split over the ranks, tokens through the shared-memory
-          all-to-all, one thread a rank): np 1 with prefill chunks of 16 tokens and pages of 8,
-          np 2 with chunks of 48, requests spread over the ranks' ports; np 3 balanced, every
-          request sent to rank 0 and relayed. All at once, then staggered: every answer equals
+  ranks   mpirun -np 1, 2, 3, 4 and 8 (experts split over the ranks, tokens through the
+          shared-memory all-to-all, one thread a rank): np 1 with prefill chunks of 16 tokens and
+          pages of 8, np 2 with chunks of 48, np 4, np 8 with chunks of 32, requests spread over
+          the ranks' ports; np 3 balanced, every request sent to rank 0 and relayed. All at once, then staggered: every answer equals
           the single process's (two threads, chunks of 512). Skipped, with a line saying so,
           when mpirun is not installed.
   quant   the block-FP8 and NVFP4 checkpoints: batches of 1..16 and the input/output match
@@ -598,11 +598,15 @@ def group_ranks():
         return
     reqs = rank_requests()
     # np 1 and 2 cut prompts into small prefill chunks (a 300-id prompt takes 19 steps at 16),
-    # np 1 with pages of 8; np 3 balances: everything is sent to rank 0 and relayed.
+    # np 1 with pages of 8; np 3 balances: everything is sent to rank 0 and relayed. np 4 and 8
+    # (issue 11's rank counts, here on the CPU: the test checkpoint's 8 experts two and one a rank)
+    # take requests on every port, np 8 with chunks of 32.
     setups = {1: ["--no-load-balance", "--chunked-prefill-size", "16", "--page-size", "8"],
               2: ["--no-load-balance", "--chunked-prefill-size", "48"],
-              3: []}
-    for np in (1, 2, 3):
+              3: [],
+              4: ["--no-load-balance"],
+              8: ["--no-load-balance", "--chunked-prefill-size", "32"]}
+    for np in (1, 2, 3, 4, 8):
         s = Server("np %d %s" % (np, " ".join(setups[np]) or "balanced"), np=np, flags=[FLAG] + setups[np],
                    threads=1)
         spread = np if setups[np] else 1  # ports the requests are sent to
