@@ -127,6 +127,52 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
                  : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// A warpgroup's products of one k tile: the four m64nBNk32 of the stage's A rows (da) and B rows
+// (db) into part, a fresh sum, waited for.
+template <int BN>
+__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < FP8G_BK / 32; k++)
+        fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// part into the totals: acc += part sa[row] sb[column], with the stage's scales ssa (the tile's
+// rows) and ssb (its columns); rows r0 and r1 = r0 + 8, columns 8 j + c0 and + 1.
+template <int BN>
+__device__ __forceinline__ void fp8g_promote(float (&acc)[BN / 2], const float (&part)[BN / 2],
+                                             const float *ssa, const float *ssb, int r0, int r1,
+                                             int c0) {
+    const float a0 = ssa[r0], a1 = ssa[r1];
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
+        acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
+    }
+}
+
+// The totals of tile rows r0 and r1 (those below rows) into out [*, N] from row m0, columns n0 +
+// 8 j + c0 and + 1.
+template <int BN>
+__device__ __forceinline__ void fp8g_store(float *out, const float (&acc)[BN / 2], int m0, int rows,
+                                           int N, int n0, int r0, int r1, int c0) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        const int col = n0 + 8 * j + c0;
+        if (r0 < rows)
+            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r0) * N + col) =
+                make_float2(acc[4 * j], acc[4 * j + 1]);
+        if (r1 < rows)
+            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r1) * N + col) =
+                make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+}
+
 // Warp 0's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
 // tiles of FP8G_BM: s_tile = {expert, its first grouped row}, or expert -1 past the last tile. It
 // counts the experts' tiles 32 experts at a time.
@@ -273,26 +319,10 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
         if (kb + STAGES - 1 < nkb) load((kb + STAGES - 1) % STAGES, kb + STAGES - 1);
         cp_async_commit();
 
-        const uint64_t da = fp8g_desc(stage_a(s) + wg * 64 * 128), db = fp8g_desc(stage_b(s));
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < FP8G_BK / 32; k++)
-            fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
+        fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
         const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
                                                            FP8G_TILE_BYTES + BN * FP8G_BK);
-        const float *ssb = ssa + FP8G_BM;
-        const float a0 = ssa[r0], a1 = ssa[r1];
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
-            acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
-        }
+        fp8g_promote<BN>(acc, part, ssa, ssa + FP8G_BM, r0, r1, c0);
     }
     cp_async_wait<0>();
 
@@ -310,16 +340,7 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
                     pack_bf16x2(silu(g[2]) * u[2], silu(g[3]) * u[3]);
         }
     } else {
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const int col = n0 + 8 * j + c0;
-            if (r0 < rows)
-                *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r0) * N + col) =
-                    make_float2(acc[4 * j], acc[4 * j + 1]);
-            if (r1 < rows)
-                *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r1) * N + col) =
-                    make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-        }
+        fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
     }
 }
 
@@ -460,34 +481,11 @@ __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
         const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
                                                            FP8G_TILE_BYTES + BN * FP8G_BK);
         const float *ssb = ssa + FP8G_BM;
-        const uint64_t da = fp8g_desc(stage_a(s) + wg * 64 * 128), db = fp8g_desc(stage_b(s));
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < FP8G_BK / 32; k++)
-            fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        const float a0 = ssa[r0], a1 = ssa[r1];
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const float2 bs = *reinterpret_cast<const float2 *>(ssb + 8 * j + c0);
-            acc[4 * j] = fmaf(part[4 * j], a0 * bs.x, acc[4 * j]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
-        }
+        fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
+        fp8g_promote<BN>(acc, part, ssa, ssb, r0, r1, c0);
         mbar_arrive(empty(s)); // this thread is done with the stage, its scales included
     }
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-        const int col = n0 + 8 * j + c0;
-        if (r0 < rows)
-            *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r0) * N + col) =
-                make_float2(acc[4 * j], acc[4 * j + 1]);
-        if (r1 < rows)
-            *reinterpret_cast<float2 *>(p.out + (int64_t)(m0 + r1) * N + col) =
-                make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-    }
+    fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
 }
 
 template <int STAGES> static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
