@@ -32,6 +32,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/quant.h"
 #include "tests/check.h"
+#include "tests/cublaslt_time.h"
 
 /* kernels/cuda/ops_cuda.cu (its declaration in cuda_ops.h is visible to CUDA C++ only) */
 cudaStream_t cuda_stream(void);
@@ -228,55 +229,8 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
     }
     cudaMemset(w, 0x38, (size_t)N * K); /* 1.0 */
     cudaMemset(x, 0x38, (size_t)M * K);
-    cublasLtHandle_t lt = NULL;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, lc;
-    cublasLtMatmulPreference_t pref;
-    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-    const uint64_t wsb = ws_bytes;
-    cublasLtMatmulHeuristicResult_t res;
-    int n_res = 0;
-    /* column-major: out^T [N, M] = (w as [K, N])^T (x as [K, M]): the "TN" FP8 needs */
-    int ok =
-        cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN) == 0 &&
-        cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K) == 0 &&
-        cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, M, K) == 0 &&
-        cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, N, M, N) == 0 &&
-        cublasLtMatmulPreferenceCreate(&pref) == 0 &&
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
-                                             sizeof wsb) == 0 &&
-        cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &n_res) == 0 &&
-        n_res == 1;
-    double s = NAN;
-    if (ok) {
-        const float alpha = 1.0f, beta = 0.0f;
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        const int warm = 2, reps = 10;
-        int status = 0;
-        for (int r = 0; r < warm + reps; r++) {
-            if (r == warm) cudaEventRecord(e0, cuda_stream());
-            status |= cublasLtMatmul(lt, desc, &alpha, w, la, x, lb, &beta, o, lc, o, lc, &res.algo,
-                                     ws, wsb, cuda_stream());
-        }
-        cudaEventRecord(e1, cuda_stream());
-        cudaEventSynchronize(e1);
-        float ms = 0.0f;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (status == 0) s = ms / 1e3 / reps;
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        cublasLtMatmulPreferenceDestroy(pref);
-        cublasLtMatrixLayoutDestroy(la);
-        cublasLtMatrixLayoutDestroy(lb);
-        cublasLtMatrixLayoutDestroy(lc);
-        cublasLtMatmulDescDestroy(desc);
-    }
-    if (lt) cublasLtDestroy(lt);
+    const double s = cublaslt_seconds(CUDA_R_8F_E4M3, CUDA_R_16BF, M, N, K, w, x, o, ws, ws_bytes,
+                                      cuda_stream(), 2, 10);
     cudaFree(w);
     cudaFree(x);
     cudaFree(o);

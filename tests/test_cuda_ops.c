@@ -33,6 +33,7 @@
 #include "kernels/a2a.h"
 #include "kernels/ops.h"
 #include "tests/check.h"
+#include "tests/cublaslt_time.h"
 
 /* The CUDA backend's stream (kernels/cuda/ops_cuda.cu, C linkage; its declaration in
  * kernels/cuda/cuda_ops.h is visible to CUDA C++ only). The timings record events on it. */
@@ -1640,61 +1641,16 @@ static double time_gemm_bf16(uint16_t *pool) {
     const int n = 8192;
     const int64_t mat = (int64_t)n * n * 2;
     MS_ASSERT(2 * mat <= POOL_BYTES);
-    void *A = pool, *B = (char *)pool + mat, *C = gpu->dev_alloc((size_t)mat);
-    void *ws = gpu->dev_alloc((size_t)32 << 20);
+    void *C = gpu->dev_alloc((size_t)mat), *ws = gpu->dev_alloc((size_t)32 << 20);
     MS_ASSERT(C && ws);
-    cublasLtHandle_t lt;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, lc;
-    cublasLtMatmulPreference_t pref;
-    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-    const uint64_t wsb = (uint64_t)32 << 20;
-    cublasLtMatmulHeuristicResult_t res;
-    int n_res = 0;
-    int ok =
-        cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN) == 0 &&
-        cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, n, n) == 0 &&
-        cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, n, n) == 0 &&
-        cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, n, n) == 0 &&
-        cublasLtMatmulPreferenceCreate(&pref) == 0 &&
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
-                                             sizeof wsb) == 0 &&
-        cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &n_res) == 0 &&
-        n_res == 1;
-    CHECK(ok, "cuBLASLt set-up for the 8192^3 BF16 GEMM");
-    if (!ok) return NAN;
-    const float alpha = 1.0f, beta = 0.0f;
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int warm = 3, reps = 10;
-    int status = 0;
-    for (int r = 0; r < warm + reps; r++) {
-        if (r == warm) cudaEventRecord(e0, cuda_stream());
-        status |= cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &res.algo, ws,
-                                 wsb, cuda_stream());
-    }
-    cudaEventRecord(e1, cuda_stream());
-    cudaEventSynchronize(e1);
-    CHECK(status == 0, "cublasLtMatmul 8192^3: status %d", status);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    const double s = ms / 1e3 / reps;
-    printf("  cuBLASLt BF16 GEMM 8192^3 (BF16 out): %.0f us, %.0f TFLOP/s\n", s * 1e6,
-           2.0 * n * n * (double)n / s / 1e12);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatmulDescDestroy(desc);
-    cublasLtDestroy(lt);
+    const double s = cublaslt_seconds(CUDA_R_16BF, CUDA_R_16BF, n, n, n, pool, (char *)pool + mat,
+                                      C, ws, (uint64_t)32 << 20, cuda_stream(), 3, 10);
     gpu->dev_free(C);
     gpu->dev_free(ws);
+    CHECK(!isnan(s), "cuBLASLt 8192^3 BF16 GEMM: no algorithm, or a call failed");
+    if (isnan(s)) return NAN;
+    printf("  cuBLASLt BF16 GEMM 8192^3 (BF16 out): %.0f us, %.0f TFLOP/s\n", s * 1e6,
+           2.0 * n * n * (double)n / s / 1e12);
     return 2.0 * n * n * (double)n / s / 1e12;
 }
 

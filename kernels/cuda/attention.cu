@@ -1483,16 +1483,6 @@ struct attn_args {
     float scale;
 };
 
-// Raise a kernel's dynamic shared memory limit to bytes once (static + dynamic past 48 KiB needs it);
-// *set is what it was raised to (0 at first).
-template <typename K> static void smem_allow(K kernel, size_t bytes, size_t *set) {
-    if (bytes > *set) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)bytes));
-        *set = bytes;
-    }
-}
-
 static size_t slice_smem(int DH, int G, int NC) {
     const size_t a = (size_t)2 * ATTN_SLICE * DH, b = (size_t)2 * NC * G;
     return (a > b ? a : b) * sizeof(float);
@@ -1503,7 +1493,7 @@ template <int DH, int G> static void launch_slices(const attn_args &a) {
     auto kernel = attn_slice_kernel<DH, G, GW>;
     static size_t smem_set = 0;
     const size_t smem = slice_smem(DH, G, a.NC);
-    smem_allow(kernel, smem, &smem_set);
+    cuda_smem_allow(kernel, smem, &smem_set);
     const attn_batch *b = a.b;
     cuda_launch_pdl(kernel, dim3(a.Ts, a.H / G, a.NC * ATTN_SLICES), dim3(G / GW * 32), smem, a.out,
                     a.slice_o, a.slice_ml, a.part_o, a.part_ml, a.cnt, a.q, (const float *)a.kv.k,
@@ -1524,7 +1514,7 @@ template <int DH, int G> static bool launch_clusters(const attn_args &a) {
     static int max_active = 0; // clusters resident at once on the device
     const size_t kv = (size_t)2 * SPB * ATTN_SLICE * DH, ml = (size_t)2 * a.NC * G;
     const size_t smem = (kv > ml ? kv : ml) * sizeof(float);
-    smem_allow(kernel, smem, &smem_set);
+    cuda_smem_allow(kernel, smem, &smem_set);
     const attn_batch *b = a.b;
     cudaLaunchConfig_t cfg = {};
     const int groups = (a.NC + CPC - 1) / CPC, pairs = a.Ts * (a.H / G);
@@ -1578,7 +1568,7 @@ template <int DH, int G> static void launch_tiles(const attn_args &a) {
     static size_t smem_set = 0;
     const size_t smem = ((size_t)ATTN_TILE_ROWS * DH + (size_t)ATTN_CHUNK * ATTN_TILE_ROWS +
                          (size_t)2 * ATTN_SLICE * DH) * sizeof(float);
-    smem_allow(kernel, smem, &smem_set);
+    cuda_smem_allow(kernel, smem, &smem_set);
     const attn_batch *b = a.b;
     const int zc = a.NC < ATTN_TILE_ZC ? a.NC : ATTN_TILE_ZC;
     kernel<<<dim3(a.Ts / QT, a.H / G, zc), ATTN_TILE_THREADS, smem, cuda_stream()>>>(
@@ -1601,7 +1591,7 @@ template <int DH, int G> static void launch_path(attn_path path, const attn_args
     case ATTN_PATH_CHUNKS: launch_chunks<DH, G>(a, 0); break;
     }
     const size_t combine_smem = ((size_t)a.NC * G + G) * sizeof(float);
-    smem_allow(attn_combine_kernel, combine_smem, &g_combine_smem_set);
+    cuda_smem_allow(attn_combine_kernel, combine_smem, &g_combine_smem_set);
     attn_combine_kernel<<<dim3(a.Ts, a.H / G), ATTN_COMBINE_THREADS, combine_smem, cuda_stream()>>>(
         a.out, a.part_o, a.part_ml, a.b->pos, a.t0, a.H, G, DH, a.NC);
     CUDA_CHECK_LAUNCH();

@@ -148,6 +148,16 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+/* Raises a kernel's dynamic shared memory limit to bytes where *set (what it was raised to, 0 at
+ * first; one device per process) is below that: static + dynamic past 48 KiB needs it. */
+template <typename K> static inline void cuda_smem_allow(K kernel, size_t bytes, size_t *set) {
+    if (bytes > *set) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+        *set = bytes;
+    }
+}
+
 template <typename... KArgs, typename... Args>
 static inline void cuda_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                                    Args... args) {

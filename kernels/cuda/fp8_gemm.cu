@@ -220,6 +220,11 @@ typedef struct {
     int E, N, K;
 } fp8g_args;
 
+// a's row of grouped row m: the token of its pair (a_rows), or m itself
+__device__ __forceinline__ int fp8g_a_row(const fp8g_args &p, int m) {
+    return p.a_rows ? __ldg(&p.a_rows[m]) / p.topk : m;
+}
+
 // Block (n-block x, tile y): tile y of the experts' tiles in expert order (each expert's rows cut
 // into tiles of 128); blocks past the last tile return at once (the grid is an upper bound:
 // ceil(M / 128) + E tiles).
@@ -256,14 +261,14 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     const float *sb_e = p.sb + (int64_t)e * nkb * N;
     // b's row of tile row r: GATE_UP's gate rows, then its up rows (F = N / 2)
     auto b_row = [&](int r) { return GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r; };
-    // a's row of tile row r (r < rows): the token of the grouped row's pair, or the row itself
+    // a's row of each tile row r < rows
     int a_row[FP8G_BM * 8 / FP8G_THREADS];
 #pragma unroll
     for (int i = 0; i < FP8G_BM * 8 / FP8G_THREADS; i++) {
         const int r = (i * FP8G_THREADS + tid) >> 3;
-        a_row[i] = r >= rows ? 0 : p.a_rows ? __ldg(&p.a_rows[m0 + r]) / p.topk : m0 + r;
+        a_row[i] = r >= rows ? 0 : fp8g_a_row(p, m0 + r);
     }
-    const int sa_row = tid >= rows ? 0 : p.a_rows ? __ldg(&p.a_rows[m0 + tid]) / p.topk : m0 + tid;
+    const int sa_row = tid >= rows ? 0 : fp8g_a_row(p, m0 + tid);
     // stage s: A tile, B tile, A's scales [128], B's scales [128]
     auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; };
     auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
@@ -348,12 +353,8 @@ template <int STAGES, int BN, bool GATE_UP>
 static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     auto kernel = fp8_grouped_gemm_kernel<STAGES, BN, GATE_UP>;
     const size_t smem = (size_t)STAGES * fp8g_stage<BN>::bytes + 1024;
-    static bool attr_set = false; // one device per process
-    if (!attr_set) {
-        CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        attr_set = true;
-    }
+    static size_t attr_set = 0;
+    cuda_smem_allow(kernel, smem, &attr_set);
     // GATE_UP: F / 64 blocks of 64 gate and 64 up rows, N / BN as well
     const dim3 grid((unsigned)(p.N / BN), (unsigned)((max_rows + FP8G_BM - 1) / FP8G_BM + p.E));
     kernel<<<grid, FP8G_THREADS, smem, cuda_stream()>>>(p);
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < FP8G_BM / 32; i++) {
             const int r = lane + 32 * i;
-            s_arow[r] = r >= rows ? -1 : p.a_rows ? __ldg(&p.a_rows[m0 + r]) / p.topk : m0 + r;
+            s_arow[r] = r >= rows ? -1 : fp8g_a_row(p, m0 + r);
         }
         __syncwarp();
         // lane's chunks: tile row 4 i + lane / 8, 16-byte chunk lane % 8, for i = 0 .. 31
@@ -491,12 +492,8 @@ __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
 template <int STAGES> static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     auto kernel = fp8_grouped_gemm_ws_kernel<STAGES>;
     const size_t smem = (size_t)STAGES * fp8g_stage<128>::bytes + 1024;
-    static bool attr_set = false; // one device per process
-    if (!attr_set) {
-        CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        attr_set = true;
-    }
+    static size_t attr_set = 0;
+    cuda_smem_allow(kernel, smem, &attr_set);
     const dim3 grid((unsigned)(p.N / 128), (unsigned)((max_rows + FP8G_BM - 1) / FP8G_BM + p.E));
     kernel<<<grid, FP8G_WS_THREADS, smem, cuda_stream()>>>(p);
     CUDA_CHECK_LAUNCH();

@@ -1569,11 +1569,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 template <class C, bool GATE_UP, bool TINY, bool BI, int WF>
 static size_t gemm_allow_smem(size_t smem) {
     static size_t attr_set = 0;
-    if (smem > attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        attr_set = smem;
-    }
+    cuda_smem_allow(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, smem, &attr_set);
     return attr_set;
 }
 
