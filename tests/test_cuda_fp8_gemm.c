@@ -7,16 +7,15 @@
  * each 128-k block is one of them), and the issue's figure beside it: max |got - want| over the
  * rms of want, at most 1e-2. Device outputs are poisoned with NaN first, so a row the kernel never
  * wrote fails. Shapes: uneven experts (empty ones, one row, 128 and 129 rows, a tile cut short),
- * Qwen3-30B-A3B's and DeepSeek-V3's expert shapes; both pipeline depths give the same bits.
+ * Qwen3-30B-A3B's and DeepSeek-V3's expert shapes; every pipeline depth and the warp-specialized
+ * form give the same bits at the same tile width.
  *
  * Figures: cuBLASLt's FP8 GEMM (E4M3 in, BF16 out) at 8192^3, the peak the issue measures against,
  * and at the grouped shapes' total (8 experts x 4096 tokens as one GEMM); the grouped GEMM at
  * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak.
  *
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
- *                             prints "skipped: <reason>" and "0 passed, 0 failed"
- *   test_cuda_fp8_gemm --ws   the same with the warp-specialized form (configuration 4, not yet
- *                             run on a GPU) beside configuration 0 */
+ *                             prints "skipped: <reason>" and "0 passed, 0 failed" */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
@@ -37,12 +36,14 @@
 /* kernels/cuda/ops_cuda.cu (its declaration in cuda_ops.h is visible to CUDA C++ only) */
 cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
- * with 4 or 3 stages, 64 columns with 4 or 6; 4 the warp-specialized form, run only with --ws);
- * returns the one before */
+ * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
+ * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
-/* the configurations this run checks and times: 0 to 3, or (--ws) 0 and 4 */
-static int configs[4] = {0, 1, 2, 3}, n_configs = 4;
+/* the configurations this run checks and times, and their tile widths */
+enum { n_configs = 7 };
+static const int configs[n_configs] = {0, 1, 2, 3, 4, 5, 6},
+                 widths[n_configs] = {128, 128, 64, 64, 128, 128, 128};
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void) { /* [0, 1) */
@@ -164,7 +165,7 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
             }
     const int64_t n = (int64_t)c.M * N;
     const double rms = n ? sqrt(sq / n) : 0.0;
-    float *got[4];
+    float *got[n_configs];
     for (int ci = 0; ci < n_configs; ci++) {
         const int cf = configs[ci];
         got[ci] = gpu_run(&c, cf);
@@ -195,15 +196,16 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
             name, E, c.M, N, K, cf, worst, n ? max_err / rms : 0.0,
             ci && memcmp(got[ci], got[0], sizeof(float) * (size_t)n) == 0 ? " (bits of 0)" : "");
     }
-    /* the pipeline depth and the warp roles change no sum: the same bits at the same width */
-    if (n_configs == 2) {
-        CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
-              "fp8 grouped GEMM %s: the warp-specialized form gives other bits", name);
-    } else {
-        CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
-              "fp8 grouped GEMM %s: 3 stages give other bits than 4", name);
-        CHECK(memcmp(got[2], got[3], sizeof(float) * (size_t)n) == 0,
-              "fp8 grouped GEMM %s: 6 stages give other bits than 4", name);
+    /* the pipeline depth and the warp roles change no sum: the same bits at the same width as
+     * the first configuration of that width */
+    for (int ci = 1; ci < n_configs; ci++) {
+        int first = 0;
+        while (widths[first] != widths[ci])
+            first++;
+        if (first != ci)
+            CHECK(memcmp(got[ci], got[first], sizeof(float) * (size_t)n) == 0,
+                  "fp8 grouped GEMM %s: configuration %d gives other bits than %d", name,
+                  configs[ci], configs[first]);
     }
     for (int ci = 0; ci < n_configs; ci++)
         free(got[ci]);
@@ -291,10 +293,13 @@ static void figures(void) {
     printf("figures: cuBLASLt FP8 GEMM 8192^3 (E4M3 in, BF16 out): %.0f us, %.0f TFLOP/s (the "
            "peak below)\n",
            s_peak * 1e6, peak);
-    static const int NK[][2] = {{1536, 2048}, {4096, 2048}, {1536, 7168}, {4096, 7168}};
-    const int E = 8, T = 4096;
-    for (size_t i = 0; i < sizeof NK / sizeof NK[0]; i++) {
-        const int N = NK[i][0], K = NK[i][1];
+    /* experts, tokens an expert, N, K: 8 large experts, then the experts of a prefill chunk of
+     * 4096 tokens at top-8 in Qwen3-30B-A3B's GEMM 1 (128 experts) and DeepSeek-V3's (256) */
+    static const int shapes[][4] = {{8, 4096, 1536, 2048},  {8, 4096, 4096, 2048},
+                                    {8, 4096, 1536, 7168},  {8, 4096, 4096, 7168},
+                                    {128, 256, 1536, 2048}, {256, 128, 4096, 7168}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int E = shapes[i][0], T = shapes[i][1], N = shapes[i][2], K = shapes[i][3];
         const double fl = 2.0 * E * T * (double)N * K;
         const double cb = time_cublaslt_fp8(E * T, N, K, ws, ws_bytes);
         printf(
@@ -311,12 +316,8 @@ static void figures(void) {
     cudaFree(ws);
 }
 
-int main(int argc, char **argv) {
+int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (argc > 1 && strcmp(argv[1], "--ws") == 0) { /* the warp-specialized form against 0 */
-        configs[1] = 4;
-        n_configs = 2;
-    }
     char err[256];
     const ops *gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {

@@ -72,8 +72,9 @@
  *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
  *   test_cuda_moe --nvfp4                    only the NVFP4 comparisons, and their timings
  *   test_cuda_moe --nvfp4-timing T           the Qwen3 NVFP4 timing at T tokens alone
- *   test_cuda_moe --fp8                      only the FP8 comparisons, and their timings
- *   test_cuda_moe --fp8-timing T             the Qwen3 FP8 timing at T tokens alone
+ *   test_cuda_moe --fp8 [C]                  only the FP8 comparisons, and their timings
+ *   test_cuda_moe --fp8-timing T [C]         the Qwen3 FP8 timing at T tokens alone
+ *                                            (C: the FP8 x FP8 GEMM's tile configuration)
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -230,6 +231,9 @@ static double now_s(void) {
 /* kernels/cuda/fp8_gemm.cu, for tests: whether GEMM 1 of FP8 experts takes the FP8 tensor cores
  * for n_pairs pairs over E experts of shape D, F, at the precision and mode in force */
 int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
+/* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
+ * old one) */
+int cuda_fp8_grouped_gemm_config(int config);
 
 /* ---- a model's experts ---- */
 
@@ -1331,6 +1335,9 @@ int main(int argc, char **argv) {
         print_timings();
         CHECK_SUMMARY();
     }
+    /* --fp8 [C], --fp8-timing T [C]: with the FP8 x FP8 GEMM's tile configuration C */
+    if (argc > 1 && strncmp(argv[1], "--fp8", 5) == 0 && argc > (argv[1][5] ? 3 : 2))
+        cuda_fp8_grouped_gemm_config(atoi(argv[argv[1][5] ? 3 : 2]));
     if (argc > 1 && strcmp(argv[1], "--fp8") == 0) { /* the FP8 checks and their timings */
         copy_gbs = measure_copy_bandwidth();
         test_fp8(true);

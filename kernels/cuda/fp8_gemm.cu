@@ -11,8 +11,9 @@
 // checkpoint's 128 x 128 block scale repeated over its rows). K and N are multiples of 128.
 //
 // Tiles: 128 rows x 128 columns a block, two warpgroups of 64 rows, k tiles of 128 (one 128-byte
-// row of codes per tile row, the 128-byte swizzle's width). Each k tile is one stage of a cp.async
-// ring (codes of both operands and their scales); each warpgroup runs four m64n128k32 wgmma on it
+// row of codes per tile row, the 128-byte swizzle's width). Each k tile is one stage of a ring
+// (codes of both operands and their scales; filled by cp.async in configurations 0 to 3, by TMA in
+// 4 to 6); each warpgroup runs four m64n128k32 wgmma on it
 // into a fresh partial sum, waits for them, and adds the partial into its fp32 total times
 // sa[m] sb[n]. The tensor cores' FP8 sums keep fewer bits than fp32 (DeepSeek-V3's report, and
 // DeepGEMM, promote every 128 k for that reason); promoting at every k tile keeps at most 128
@@ -27,25 +28,34 @@
 // The CPU reference is the test's (tests/test_cuda_fp8_gemm.c): the same sum in fp64 on the
 // decoded codes (kernels/quant.h's fp8_e4m3_to_float) times the scales.
 //
-// Status: checked against that reference, and timed, on the H200 (8 experts x 4096 tokens, N 1536
-// and 4096, K 2048 and 7168: 490 to 580 TFLOP/s, 28 to 33% of cuBLASLt's FP8 GEMM at 8192^3,
-// 1770 TFLOP/s in the same run; the W8A16 tiles give about 150). The experts call it for GEMM 1
-// in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps the W8A16 tiles, since h is not
-// on the FP8 grid). The sums inside the tensor cores keep fewer bits than high precision allows:
-// 2.3e-4 of sum |a b| at worst in the test, against high's 2^-13 of a row's rms. Each warpgroup
-// waits for its own products before it promotes them, and a block keeps both warpgroups in step
-// with a barrier a stage. Neither 64-column tiles with two blocks a multiprocessor nor other depths
-// changed the rate (configurations below, the test's figures); a second partial sum, so that one
-// tile's products run while the one before is promoted, made ptxas serialize the wgmma (C7514). The
-// next steps are DeepGEMM's: a producer warpgroup (TMA, mbarriers instead of the block's barrier)
-// and consumer warpgroups that drift apart.
+// Status: checked against that reference, and timed, on the H200 (the test's figures; cuBLASLt's
+// FP8 GEMM at 8192^3 gives 1764 TFLOP/s in the same run):
+// - configuration 5, the default (below: a TMA producer warp, two consumer warpgroups that drift
+//   apart, a persistent grid): 700 to 874 TFLOP/s on 8 experts x 4096 tokens, N 1536 and 4096, K
+//   2048 and 7168 (40 to 50% of cuBLASLt's); 668 at 128 experts x 256 tokens (Qwen3-30B-A3B's
+//   GEMM 1 over a 4096-token chunk at top-8), 808 at 256 x 128, N 4096, K 7168 (DeepSeek-V3's);
+// - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 489
+//   to 604; 64-column tiles and other depths no better.
+// Our reading of what holds configuration 5 back: each k tile of a block reads 32 KB of A and B
+// from L2 for 4.2 MFLOP, so 874 TFLOP/s is 6.8 TB/s out of L2. Clusters of two blocks that share
+// A's tiles through TMA multicast (configuration 6) should read a quarter less, but ran at 400 to
+// 470 TFLOP/s (why is not known yet). A second partial sum in a warpgroup, so that one tile's
+// products run while the one before is promoted, made ptxas serialize the wgmma (C7514).
+// The experts call it for GEMM 1 in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps
+// the W8A16 tiles, since h is not on the FP8 grid). The sums inside the tensor cores keep fewer
+// bits than high precision allows: 2.3e-4 of sum |a b| at worst in the test, against high's
+// 2^-13 of a row's rms.
 //
 // Every configuration gives the same bits (the test checks it): the tensor cores' sum of an
 // output does not depend on the tile's width.
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -173,13 +183,30 @@ __device__ __forceinline__ void fp8g_store(float *out, const float (&acc)[BN / 2
     }
 }
 
-// Warp 0's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
-// tiles of FP8G_BM: s_tile = {expert, its first grouped row}, or expert -1 past the last tile. It
-// counts the experts' tiles 32 experts at a time.
-__device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
+// GATE_UP's store (moe.cu's GEMM 1 epilogue in medium precision, the same formula): the tile's
+// first 64 columns are gate sums and its last 64 the up sums of h's columns n0 .. n0 + 63, so
+// n8 groups j and j + 8 hold the gate and the up sum of the same element; h [*, F] BF16.
+__device__ __forceinline__ void fp8g_store_h(__nv_bfloat16 *h, const float (&acc)[64], int m0,
+                                             int rows, int F, int n0, int r0, int r1, int c0) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int col = n0 + 8 * j + c0;
+        const float *g = acc + 4 * j, *u = acc + 4 * (j + 8);
+        if (r0 < rows)
+            *reinterpret_cast<uint32_t *>(h + (int64_t)(m0 + r0) * F + col) =
+                pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]);
+        if (r1 < rows)
+            *reinterpret_cast<uint32_t *>(h + (int64_t)(m0 + r1) * F + col) =
+                pack_bf16x2(silu(g[2]) * u[2], silu(g[3]) * u[3]);
+    }
+}
+
+// A warp's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
+// tiles of FP8G_BM: {expert, its first grouped row} in every lane, or expert -1 past the last
+// tile. It counts the experts' tiles 32 experts at a time.
+__device__ __forceinline__ int2 fp8g_tile(const int32_t *offsets, int E, int y) {
     const int lane = threadIdx.x & 31;
-    int found = 0;
-    for (int e0 = 0; e0 < E && !found; e0 += 32) {
+    for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
         int lo = 0, n = 0;
         if (e < E) {
@@ -193,14 +220,18 @@ __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, in
         }
         const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
         if (hit) {
-            const int l = __ffs(hit) - 1;
-            if (lane == l) s_tile[0] = e, s_tile[1] = lo + (y - (incl - n)) * FP8G_BM;
-            found = 1;
-        } else {
-            y -= __shfl_sync(0xffffffffu, incl, 31);
+            const int l = __ffs(hit) - 1, first = lo + (y - (incl - n)) * FP8G_BM;
+            return make_int2(e0 + l, __shfl_sync(0xffffffffu, first, l));
         }
+        y -= __shfl_sync(0xffffffffu, incl, 31);
     }
-    if (!found && lane == 0) s_tile[0] = -1;
+    return make_int2(-1, 0);
+}
+
+// warp 0's fp8g_tile into s_tile {expert, first row}
+__device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
+    const int2 t = fp8g_tile(offsets, E, y);
+    if ((threadIdx.x & 31) == 0) s_tile[0] = t.x, s_tile[1] = t.y;
 }
 
 // The kernel's arguments. Row m of the grouping (expert e: offsets[e] <= m < offsets[e + 1],
@@ -331,22 +362,10 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     }
     cp_async_wait<0>();
 
-    if constexpr (GATE_UP) { // moe.cu's GEMM 1 epilogue in medium precision, the same formula
-        const int F = N / 2;
-#pragma unroll
-        for (int j = 0; j < BN / 16; j++) {
-            const int col = n0 + 8 * j + c0;
-            const float *g = acc + 4 * j, *u = acc + 4 * (j + BN / 16);
-            if (r0 < rows)
-                *reinterpret_cast<uint32_t *>(p.h + (int64_t)(m0 + r0) * F + col) =
-                    pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]);
-            if (r1 < rows)
-                *reinterpret_cast<uint32_t *>(p.h + (int64_t)(m0 + r1) * F + col) =
-                    pack_bf16x2(silu(g[2]) * u[2], silu(g[3]) * u[3]);
-        }
-    } else {
+    if constexpr (GATE_UP)
+        fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
+    else
         fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
-    }
 }
 
 template <int STAGES, int BN, bool GATE_UP>
@@ -361,24 +380,42 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     CUDA_CHECK_LAUNCH();
 }
 
-// ---- the warp-specialized form (configuration 4; not yet run on a GPU) ----
+// ---- the warp-specialized form (configurations 4 and 5, and the experts' GEMM 1) ----
 //
 // The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
-// and the products no longer in step: warp 8 only loads, a ring of STAGES stages ahead, and each
-// of the two consumer warpgroups waits for the stage it needs and frees it on its own, through
-// mbarriers instead of the block's barrier. A stage's "full" barrier completes when the
-// producer's 32 lanes' copies into it have landed (cp.async.mbarrier.arrive.noinc, one arrival a
-// lane); its "empty" barrier when all 256 consumer threads have promoted their products of it.
-// So one warpgroup's promotion runs while the other's products do. Untested: written after the
-// session's device time was spent; tests run it only when asked (test_cuda_fp8_gemm --ws).
-
-#define FP8G_WS_THREADS 288 /* two consumer warpgroups, then the producer warp */
+// and the products no longer in step: producer warps only load, a ring of STAGES stages ahead,
+// and each of the two consumer warpgroups waits for the stage it needs and frees it on its own,
+// through mbarriers instead of the block's barrier, so one warpgroup's promotion runs while the
+// other's products do. The kernel is persistent: a block a multiprocessor takes tiles t =
+// blockIdx.x, + gridDim.x, ... (n-block t % nx, row tile t / nx, so the blocks at work at once
+// share A's row tiles and B's expert), and the ring runs on across its tiles, so the next tile's
+// loads go on while the consumers store the last one.
+// - The tiles: TMA copies (cp.async.bulk.tensor, the 128-byte swizzle of the layout above) by the
+//   producer warp's lane 0, A's 128 rows and B's (GATE_UP: its 64 gate and 64 up rows apart). A's
+//   rows must be the grouping's (a_rows NULL; a TMA cannot gather), so the experts' GEMM 1 copies
+//   its rows into grouped order first. A tile's rows past the expert's are the next expert's
+//   (read, never stored) or, past a's last row, zeros.
+// - The scales: cp.async by the producer warp's lanes.
+// A stage's "full" barrier completes when lane 0 has announced the TMA bytes (arrive.expect_tx),
+// those bytes have landed and every lane's scale copies have (cp.async.mbarrier.arrive.noinc,
+// one arrival each): 33 arrivals; its "empty" barrier when all 256 consumer threads have promoted
+// their products of it.
+// Tried: a producer warp that copied both tiles with cp.async (64 copies a lane a stage) ran at a
+// third of configuration 0's rate; a producer warpgroup that gathered A's rows with cp.async (one
+// row a thread) and a TMA for B took as long as configuration 0 in the experts (550 us for GEMM 1
+// of 4096 tokens of Qwen3-30B-A3B, ncu), where the copy into grouped order and A by TMA take
+// (see fp8_w8a8_gate_up).
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// one arrival that also announces bytes the phase waits for
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
 }
 // until the phase of bar with this parity has completed (a fresh barrier: parity 1 at once)
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
@@ -393,32 +430,83 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
                  "r"(parity)
                  : "memory");
 }
+// one arrival on the barrier at bar's offset in the shared memory of cluster block rank
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, int rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+                 : "memory");
+}
+// every thread of the cluster's blocks
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+// the box of map at (column x, row y) into shared memory at dst, its bytes counted on bar
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y,
+                                            uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+}
+// the same box into dst and bar's offsets in the shared memory of each cluster block in mask
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int x,
+                                                      int y, uint32_t bar, uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+                 : "memory");
+}
 
-template <int STAGES>
+#define FP8G_WS_THREADS 288 /* two consumer warpgroups, then the producer warp */
+
+// ta: a [M, K] in boxes of 128 / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
+// the n-blocks of a row tile (CL 2: even).
+// CL 2 (configuration 6): clusters of two blocks on two neighbouring n-blocks of the same row
+// tile, so they share A's tiles: each block fetches half of a stage's A rows and the TMA writes
+// them into both blocks' stage (multicast), which halves A's reads from L2. A stage is then
+// refilled only when the consumers of both blocks have freed it: each consumer warp arrives on
+// its own block's empty barrier and on the other's (16 arrivals).
+template <int STAGES, bool GATE_UP, int CL>
 __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
-    fp8_grouped_gemm_ws_kernel(const fp8g_args p) {
+    fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
+                               const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
+    static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     constexpr int BN = 128, STAGE_BYTES = fp8g_stage<BN>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
-    __shared__ int s_tile[2];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int N = p.N, K = p.K, nkb = K / FP8G_BK;
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     auto full = [&](int s) { return bar0 + 8 * s; };
     auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
-    if (warp == 0) fp8g_find_tile(p.offsets, p.E, blockIdx.y, s_tile);
-    if (tid == 32) {
+    if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(full(s), 32);
-            mbar_init(empty(s), 256);
+            mbar_init(full(s), 33);
+            mbar_init(empty(s), 8 * CL); // the consumer warps of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-    const int e = s_tile[0];
-    if (e < 0) return;
-    const int m0 = s_tile[1], rows = min(FP8G_BM, __ldg(&p.offsets[e + 1]) - m0);
-    const int n0 = blockIdx.x * BN;
+    if constexpr (CL == 2)
+        cluster_sync_all(); // the other block's barriers are ready for this one's copies
+    else
+        __syncthreads();
+    // the cluster's blocks take the same row tiles: t over pairs of n-blocks, rank r the pair's
+    // n-block 2 (t % (nx / 2)) + r
+    const int rank = CL == 2 ? (int)(blockIdx.x & 1) : 0;
+    const int t0 = blockIdx.x / CL, dt = gridDim.x / CL, nxc = nx / CL;
+    auto n_block = [&](int t) { return CL * (t % nxc) + rank; };
+    // this warp is done with stage s: its lanes have read it (wgmma waited for), then lane 0
+    // tells both blocks' empty barriers
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) {
+            mbar_arrive(empty(s));
+            if constexpr (CL == 2) mbar_arrive_cluster(empty(s), rank ^ 1);
+        }
+    };
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
     const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
     const unsigned char *const smem_gen = fp8g_smem + (smem0 - smem_raw);
@@ -426,83 +514,177 @@ __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
     auto stage_b = [&](int s) { return stage_a(s) + FP8G_TILE_BYTES; };
     auto stage_sa = [&](int s) { return stage_b(s) + BN * FP8G_BK; };
     auto stage_sb = [&](int s) { return stage_sa(s) + FP8G_BM * 4; };
+    // it: the k tiles this thread's role has gone through, over all the block's tiles
+    int it = 0;
 
     if (warp == 8) { // the producer
-        const uint8_t *b_e = p.b + (int64_t)e * N * K;
-        const float *sb_e = p.sb + (int64_t)e * nkb * N;
-        // a's row of each tile row (-1 past the tile's rows), once, in shared memory
-        __shared__ int s_arow[FP8G_BM];
-#pragma unroll
-        for (int i = 0; i < FP8G_BM / 32; i++) {
-            const int r = lane + 32 * i;
-            s_arow[r] = r >= rows ? -1 : fp8g_a_row(p, m0 + r);
-        }
-        __syncwarp();
-        // lane's chunks: tile row 4 i + lane / 8, 16-byte chunk lane % 8, for i = 0 .. 31
-        const int c = lane & 7;
-        for (int kb = 0; kb < nkb; kb++) {
-            const int s = kb % STAGES, k0 = kb * FP8G_BK;
-            mbar_wait(empty(s), ((kb / STAGES) & 1) ^ 1);
-#pragma unroll
-            for (int i = 0; i < FP8G_BM / 4; i++) {
-                const int r = 4 * i + (lane >> 3), ar = s_arow[r];
-                const uint32_t off = r * 128 + ((c ^ (r & 7)) << 4);
-                cp_async16(stage_a(s) + off, ar >= 0 ? p.a + (int64_t)ar * K + k0 + c * 16 : p.a,
-                           ar >= 0 ? 16 : 0);
-                cp_async16(stage_b(s) + off, b_e + (int64_t)(n0 + r) * K + k0 + c * 16, 16);
-            }
-#pragma unroll
-            for (int i = 0; i < FP8G_BM / 32; i++) {
-                const int ar = s_arow[lane + 32 * i];
-                cp_async4(stage_sa(s) + (lane + 32 * i) * 4,
-                          ar >= 0 ? p.sa + (int64_t)ar * nkb + kb : p.sa, ar >= 0 ? 4 : 0);
-            }
-            cp_async16(stage_sb(s) + lane * 16, sb_e + (int64_t)kb * N + n0 + lane * 4, 16);
-            // the stage's full barrier hears from this lane once its copies have landed
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
+        if (lane == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta))
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
                          : "memory");
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        return;
-    }
-
-    // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
-    const int wg = warp >> 2;
-    float acc[BN / 2], part[BN / 2];
+        for (int t = t0;; t += dt) {
+            const int2 tile = fp8g_tile(p.offsets, p.E, t / nxc);
+            const int e = tile.x, m0 = tile.y;
+            if (e < 0) break;
+            const int rows = min(FP8G_BM, __ldg(&p.offsets[e + 1]) - m0);
+            const int n0 = n_block(t) * (GATE_UP ? BN / 2 : BN); // GATE_UP: h's first column
+            const float *sb_e = p.sb + (int64_t)e * nkb * N;
+            const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
+            // the lane's scale columns 4 lane .. 4 lane + 3 of the tile (GATE_UP: up ones from 64)
+            const int sb_col = GATE_UP && lane >= 16 ? N / 2 + n0 + 4 * (lane - 16) : n0 + 4 * lane;
+            for (int kb = 0; kb < nkb; kb++, it++) {
+                const int s = it % STAGES, k0 = kb * FP8G_BK;
+                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
+                if (lane == 0) {
+                    mbar_arrive_tx(full(s), FP8G_TILE_BYTES + BN * FP8G_BK);
+                    if constexpr (CL == 2) // this block's half of A's rows, into both blocks
+                        tma_load_2d_multicast(stage_a(s) + rank * (FP8G_TILE_BYTES / 2), &ta, k0,
+                                              m0 + rank * (FP8G_BM / 2), full(s), 3);
+                    else
+                        tma_load_2d(stage_a(s), &ta, k0, m0, full(s));
+                    if (GATE_UP) {
+                        tma_load_2d(stage_b(s), &tb, k0, b_row, full(s));
+                        tma_load_2d(stage_b(s) + 64 * FP8G_BK, &tb, k0, b_row + N / 2, full(s));
+                    } else {
+                        tma_load_2d(stage_b(s), &tb, k0, b_row, full(s));
+                    }
+                }
 #pragma unroll
-    for (int i = 0; i < BN / 2; i++)
-        acc[i] = 0.0f;
-    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
-    const int c0 = 2 * (lane & 3);
-    for (int kb = 0; kb < nkb; kb++) {
-        const int s = kb % STAGES;
-        mbar_wait(full(s), (kb / STAGES) & 1);
-        // the producer's bytes, written through cp.async, are read by wgmma (the async proxy)
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
-                                                           FP8G_TILE_BYTES + BN * FP8G_BK);
-        const float *ssb = ssa + FP8G_BM;
-        fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
-        fp8g_promote<BN>(acc, part, ssa, ssb, r0, r1, c0);
-        mbar_arrive(empty(s)); // this thread is done with the stage, its scales included
+                for (int i = 0; i < FP8G_BM / 32; i++) {
+                    const int r = lane + 32 * i;
+                    const bool ok = r < rows;
+                    cp_async4(stage_sa(s) + r * 4, ok ? p.sa + (int64_t)(m0 + r) * nkb + kb : p.sa,
+                              ok ? 4 : 0);
+                }
+                cp_async16(stage_sb(s) + lane * 16, sb_e + (int64_t)kb * N + sb_col, 16);
+                // the stage's full barrier hears from this lane once its copies have landed
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
+                             : "memory");
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    } else {
+        // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
+        const int wg = warp >> 2;
+        const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
+        const int c0 = 2 * (lane & 3);
+        for (int t = t0;; t += dt) {
+            const int2 tile = fp8g_tile(p.offsets, p.E, t / nxc);
+            const int e = tile.x, m0 = tile.y;
+            if (e < 0) break;
+            const int rows = min(FP8G_BM, __ldg(&p.offsets[e + 1]) - m0);
+            const int n0 = n_block(t) * (GATE_UP ? BN / 2 : BN);
+            if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
+                for (int kb = 0; kb < nkb; kb++, it++) {
+                    mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                    release(it % STAGES);
+                }
+                continue;
+            }
+            float acc[BN / 2], part[BN / 2];
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++)
+                acc[i] = 0.0f;
+            for (int kb = 0; kb < nkb; kb++, it++) {
+                const int s = it % STAGES;
+                mbar_wait(full(s), (it / STAGES) & 1);
+                const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
+                                                                   FP8G_TILE_BYTES + BN * FP8G_BK);
+                fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
+                                  fp8g_desc(stage_b(s)));
+                fp8g_promote<BN>(acc, part, ssa, ssa + FP8G_BM, r0, r1, c0);
+                release(s); // its scales included
+            }
+            if constexpr (GATE_UP)
+                fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
+            else
+                fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
+        }
     }
-    fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
+    // no block leaves while the other may still write into it or arrive on its barriers
+    if constexpr (CL == 2) cluster_sync_all();
 }
 
-template <int STAGES> static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES>;
+// The tensor map of a K-major byte matrix [rows, K] (K % 128 == 0, 16-byte aligned) in boxes of
+// 128 bytes x box_rows rows with the 128-byte swizzle; rows past the last read as zeros.
+static CUtensorMap fp8g_tensor_map(const uint8_t *base, int64_t rows, int K, int box_rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (!encode) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                                                 12000, cudaEnableDefault, &q);
+        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+            cuda_fail(__FILE__, __LINE__,
+                      "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
+                      err != cudaSuccess ? cudaGetErrorString(err) : "the driver lacks it");
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    CUtensorMap map;
+    const cuuint64_t dim[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+    const cuuint64_t stride[1] = {(cuuint64_t)K};
+    const cuuint32_t box[2] = {FP8G_BK, (cuuint32_t)box_rows}, unit[2] = {1, 1};
+    const CUresult r =
+        encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dim, stride, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "CUresult %d for %lld rows x %d bytes", (int)r, (long long)rows,
+                 K);
+        cuda_fail(__FILE__, __LINE__, "cuTensorMapEncodeTiled", msg);
+    }
+    return map;
+}
+
+// a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
+// CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
+template <int STAGES, bool GATE_UP, int CL>
+static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
+    // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
+    const int nx = p.N / 128;
+    if (CL == 2 && nx % 2) {
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1>(p, max_rows);
+        return;
+    }
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL>;
     const size_t smem = (size_t)STAGES * fp8g_stage<128>::bytes + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
-    const dim3 grid((unsigned)(p.N / 128), (unsigned)((max_rows + FP8G_BM - 1) / FP8G_BM + p.E));
-    kernel<<<grid, FP8G_WS_THREADS, smem, cuda_stream()>>>(p);
-    CUDA_CHECK_LAUNCH();
+    MS_ASSERT(!p.a_rows);
+    const CUtensorMap ta = fp8g_tensor_map(p.a, max_rows, p.K, FP8G_BM / CL);
+    const CUtensorMap tb = fp8g_tensor_map(p.b, (int64_t)p.E * p.N, p.K, GATE_UP ? 64 : 128);
+    const int64_t tiles = (int64_t)nx * ((max_rows + FP8G_BM - 1) / FP8G_BM + p.E);
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(FP8G_WS_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    static int resident = 0; // clusters the device holds at once
+    if (!resident) {
+        cfg.gridDim = dim3((unsigned)CL);
+        CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
+        MS_ASSERT(resident > 0);
+    }
+    cfg.gridDim = dim3((unsigned)(CL * std::min<int64_t>(tiles / CL, resident)));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, p, nx));
 }
 
-// The tile configuration: 0 (the default) 128 columns and 4 stages, 1 128 and 3, 2 64 columns
-// and 4 stages (two blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized
-// form (128 columns, 6 stages; not yet run on a GPU).
-static int g_fp8g_config = 0;
+// The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
+// blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 (the
+// default) with 4, 6 with 4 and clusters of two blocks. The experts' GEMM 1 (128 columns only)
+// takes 4 to 6 as they are (after copying its rows into grouped order), 1 as it is and the
+// others as 0.
+static int g_fp8g_config = 5;
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
     const int old = g_fp8g_config;
@@ -530,8 +712,10 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     case 1: fp8_grouped_gemm_launch<3, 128, false>(p, M); break;
     case 2: fp8_grouped_gemm_launch<4, 64, false>(p, M); break;
     case 3: fp8_grouped_gemm_launch<6, 64, false>(p, M); break;
-    case 4: fp8_grouped_gemm_ws_launch<6>(p, M); break;
-    default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break;
+    case 4: fp8_grouped_gemm_ws_launch<6, false, 1>(p, M); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, M); break;
+    case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, M); break;
+    default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break; // 0
     }
 }
 
@@ -592,8 +776,28 @@ extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
     return fp8_w8a8_takes(n_pairs, E, D, F);
 }
 
-size_t fp8_w8a8_scratch_bytes(int T, int D) {
-    return ((size_t)T * D + 255) / 256 * 256 + (size_t)T * (D / FP8G_BK) * sizeof(float);
+// Grouped row m of q [T, D] and s [T, D / 128] (the token of pair pairs[m]) into qg [m, D] and sg
+// [m, D / 128]: A's rows in the order the TMA reads them. A block a row, 16 bytes a thread.
+__global__ void fp8_rows_group_kernel(uint8_t *qg, float *sg, const uint8_t *q, const float *s,
+                                      const int32_t *pairs, int topk, int D) {
+    const int64_t m = blockIdx.x, t = __ldg(&pairs[m]) / topk;
+    const int G = D / FP8G_BK;
+    const uint4 *src = reinterpret_cast<const uint4 *>(q + t * D);
+    uint4 *dst = reinterpret_cast<uint4 *>(qg + m * D);
+    for (int i = threadIdx.x; i < D / 16; i += blockDim.x)
+        dst[i] = __ldg(&src[i]);
+    for (int i = threadIdx.x; i < G; i += blockDim.x)
+        sg[m * G + i] = __ldg(&s[t * G + i]);
+}
+
+// codes and scales of n rows of D, each part from a 256-byte boundary
+static size_t fp8_rows_bytes(int64_t n, int D) {
+    return ((size_t)n * D + 255) / 256 * 256 +
+           ((size_t)n * (D / FP8G_BK) * sizeof(float) + 255) / 256 * 256;
+}
+
+size_t fp8_w8a8_scratch_bytes(int T, int64_t n_pairs, int D) {
+    return fp8_rows_bytes(T, D) + fp8_rows_bytes(n_pairs, D);
 }
 
 void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, const int32_t *pairs,
@@ -602,8 +806,11 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     MS_ASSERT(D % FP8G_BK == 0 && F % 64 == 0 && ((uintptr_t)w & 15) == 0 &&
               ((uintptr_t)wsc & 15) == 0 && ((uintptr_t)scratch & 255) == 0);
     if (T <= 0 || n_pairs <= 0) return;
+    // the tokens' codes and scales, then (the warp-specialized form) the grouped rows' copies
     uint8_t *q = scratch;
     float *s = reinterpret_cast<float *>(scratch + ((size_t)T * D + 255) / 256 * 256);
+    uint8_t *qg = scratch + fp8_rows_bytes(T, D);
+    float *sg = reinterpret_cast<float *>(qg + ((size_t)n_pairs * D + 255) / 256 * 256);
     fp8_act_codes_kernel<<<T, 256, 0, cuda_stream()>>>(q, s, x, D);
     CUDA_CHECK_LAUNCH();
     fp8g_args p = {};
@@ -618,5 +825,19 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     p.E = E;
     p.N = 2 * F;
     p.K = D;
-    fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs);
+    if (g_fp8g_config >= 4) {
+        fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, pairs, K,
+                                                                            D);
+        CUDA_CHECK_LAUNCH();
+        p.a = qg;
+        p.sa = sg;
+        p.a_rows = NULL;
+    }
+    switch (g_fp8g_config) {
+    case 1: fp8_grouped_gemm_launch<3, 128, true>(p, n_pairs); break;
+    case 4: fp8_grouped_gemm_ws_launch<6, true, 1>(p, n_pairs); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, n_pairs); break;
+    case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, n_pairs); break;
+    default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
+    }
 }

@@ -14,8 +14,9 @@
 // MOESERVE_W8A8=0.
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F);
 
-// The scratch fp8_w8a8_gate_up needs for x [T, D]: its codes and scales.
-size_t fp8_w8a8_scratch_bytes(int T, int D);
+// The scratch fp8_w8a8_gate_up needs for x [T, D] and n_pairs grouped rows: x's codes and scales,
+// and their copies in grouped order.
+size_t fp8_w8a8_scratch_bytes(int T, int64_t n_pairs, int D);
 
 // GEMM 1 of the experts on FP8 tensor cores: x [T, D] quantized per token per 128 channels (the
 // FP8 payload's formula), then for grouped row m (pair pairs[m] of token pairs[m] / K, expert e by

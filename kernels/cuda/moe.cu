@@ -1724,7 +1724,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     const size_t o_h = l.end;
     const bool w8a8 = WF == WF_FP8 && !C::SPLIT && fp8_w8a8_takes(n_pairs, E, D, F);
     const size_t o_q = align256(o_h + AP * n_pairs * F * 2);
-    const size_t total = w8a8 ? align256(o_q + fp8_w8a8_scratch_bytes(T, D)) : o_q;
+    const size_t total = w8a8 ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D)) : o_q;
     unsigned char *ws = moe_workspace(total);
     const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, topk_ids, T, K, D, E, BM, n_rows);
 
