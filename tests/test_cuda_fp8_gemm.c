@@ -15,7 +15,9 @@
  * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak.
  *
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
- *                             prints "skipped: <reason>" and "0 passed, 0 failed" */
+ *                             prints "skipped: <reason>" and "0 passed, 0 failed"
+ *   test_cuda_fp8_gemm --profile C   only configuration C's timing at 8 x 4096, N 4096, K 7168
+ *                             (12 calls; for a profiler) */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
@@ -316,7 +318,7 @@ static void figures(void) {
     cudaFree(ws);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     char err[256];
     const ops *gpu = ops_cuda(0, err, sizeof err);
@@ -329,6 +331,12 @@ int main(void) {
     if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9) {
         printf("skipped: the wgmma kernel is built for sm_90a (Hopper)\n");
         printf("0 passed, 0 failed\n");
+        return 0;
+    }
+    if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
+        const double g = time_grouped(8, 4096, 4096, 7168, atoi(argv[2]));
+        printf("configuration %s: 8 experts x 4096 tokens, N 4096 K 7168: %.1f us\n", argv[2],
+               g * 1e6);
         return 0;
     }
     printf("FP8 grouped GEMM (wgmma) against the CPU\n");

@@ -36,11 +36,15 @@
 //   GEMM 1 over a 4096-token chunk at top-8), 808 at 256 x 128, N 4096, K 7168 (DeepSeek-V3's);
 // - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 489
 //   to 604; 64-column tiles and other depths no better.
-// Our reading of what holds configuration 5 back: each k tile of a block reads 32 KB of A and B
-// from L2 for 4.2 MFLOP, so 874 TFLOP/s is 6.8 TB/s out of L2. Clusters of two blocks that share
-// A's tiles through TMA multicast (configuration 6) should read a quarter less, but ran at 400 to
-// 470 TFLOP/s (why is not known yet). A second partial sum in a warpgroup, so that one tile's
-// products run while the one before is promoted, made ptxas serialize the wgmma (C7514).
+// What holds configuration 5 back is not settled. ncu on one call at 8 x 4096, N 4096, K 7168
+// (test_cuda_fp8_gemm --profile 5): the tensor pipe busy 44.6% of the time, L2 at 65% of its
+// peak (8.7 TB/s), issue slots 41%, no eligible warp in 58% of the cycles; so neither the
+// tensor cores nor L2 is full, and each warpgroup waits (its products, then the next stage)
+// more than it computes. 6 stages instead of 4 did not help (configuration 4). Clusters of two
+// blocks that share A's tiles through TMA multicast (configuration 6) read half the L2 bytes but
+// ran at half the rate (ncu: tensor pipe 24%), not understood yet. A second partial sum in a
+// warpgroup, so that one tile's products run while the one before is promoted, made ptxas
+// serialize the wgmma (C7514).
 // The experts call it for GEMM 1 in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps
 // the W8A16 tiles, since h is not on the FP8 grid). The sums inside the tensor cores keep fewer
 // bits than high precision allows: 2.3e-4 of sum |a b| at worst in the test, against high's
