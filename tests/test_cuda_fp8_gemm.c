@@ -109,7 +109,13 @@ static float *gpu_run(const fp8_case *c, int config) {
     const int nkb = c->K / 128;
     void *da = dev_copy(c->a, (size_t)c->M * c->K),
          *db = dev_copy(c->b, (size_t)c->E * c->N * c->K);
-    void *dsa = dev_copy(c->sa, sizeof(float) * (size_t)c->M * nkb);
+    /* the C API takes sa by k block: [nkb, M] */
+    float *sa_t = malloc(sizeof(float) * ((size_t)c->M * nkb + 1));
+    for (int m = 0; m < c->M; m++)
+        for (int kb = 0; kb < nkb; kb++)
+            sa_t[(size_t)kb * c->M + m] = c->sa[(size_t)m * nkb + kb];
+    void *dsa = dev_copy(sa_t, sizeof(float) * (size_t)c->M * nkb);
+    free(sa_t);
     void *dsb = dev_copy(c->sb, sizeof(float) * (size_t)c->E * nkb * c->N);
     void *doff = dev_copy(c->off, sizeof(int32_t) * (c->E + 1));
     const size_t ob = sizeof(float) * (size_t)c->M * c->N;

@@ -2,11 +2,12 @@
 // sizes (issue 8's W8A8 path): both operands E4M3 codes with fp32 block scales, as DeepSeek-V3's
 // FP8 recipe has them.
 //
-//   out[m, n] = sum over 128-k blocks kb of sa[m, kb] sb[e, kb, n] sum_{k in kb} a[m, k] b[e, n, k]
+//   out[m, n] = sum over 128-k blocks kb of sa[kb, m] sb[e, kb, n] sum_{k in kb} a[m, k] b[e, n, k]
 //
 // a [M, K]: the tokens' codes, rows grouped by expert (expert e owns rows offsets[e] ..
-// offsets[e + 1] - 1; offsets on the device, so no count goes to the host), sa [M, K / 128] a
-// scale per token per 128 channels; b [E, N, K] the experts' weight rows (K-major, as stored), sb
+// offsets[e + 1] - 1; offsets on the device, so no count goes to the host), sa [K / 128, M] a
+// scale per token per 128 channels (row-major by k block, so a tile's 128 scales of a k block
+// are one line); b [E, N, K] the experts' weight rows (K-major, as stored), sb
 // [E, K / 128, N] a scale per weight row and 128-k block (the layout of moe.cu's FP8 experts; a
 // checkpoint's 128 x 128 block scale repeated over its rows). K and N are multiples of 128.
 //
@@ -240,13 +241,14 @@ __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, in
 
 // The kernel's arguments. Row m of the grouping (expert e: offsets[e] <= m < offsets[e + 1],
 // offsets [E + 1] on the device) reads a's row a_rows[m] / topk (a_rows NULL: row m) and sa's of
-// the same row; b [E, N, K], sb [E, K / 128, N]; out [rows, N] fp32, or (GATE_UP) h [rows, N / 2]
-// BF16.
+// the same row (sa [K / 128, sa_rows]); b [E, N, K], sb [E, K / 128, N]; out [rows, N] fp32, or
+// (GATE_UP) h [rows, N / 2] BF16.
 typedef struct {
     float *out;
     __nv_bfloat16 *h;
     const uint8_t *a;
     const float *sa;
+    int64_t sa_rows;
     const int32_t *a_rows;
     int topk;
     const uint8_t *b;
@@ -327,7 +329,7 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
         }
         if (tid < FP8G_BM) {
             const bool ok = tid < rows;
-            cp_async4(stage_sa(s) + tid * 4, ok ? sa + (int64_t)sa_row * nkb + kb : sa, ok ? 4 : 0);
+            cp_async4(stage_sa(s) + tid * 4, ok ? sa + kb * p.sa_rows + sa_row : sa, ok ? 4 : 0);
         } else if (tid < FP8G_BM + BN / 4) {
             const int c = tid - FP8G_BM; // 4 columns' scales (the 4 rows never straddle gate / up)
             cp_async16(stage_sb(s) + c * 16, sb_e + (int64_t)kb * N + b_row(4 * c), 16);
@@ -559,7 +561,7 @@ __global__ void __launch_bounds__(FP8G_WS_THREADS, 1)
                 for (int i = 0; i < FP8G_BM / 32; i++) {
                     const int r = lane + 32 * i;
                     const bool ok = r < rows;
-                    cp_async4(stage_sa(s) + r * 4, ok ? p.sa + (int64_t)(m0 + r) * nkb + kb : p.sa,
+                    cp_async4(stage_sa(s) + r * 4, ok ? p.sa + kb * p.sa_rows + m0 + r : p.sa,
                               ok ? 4 : 0);
                 }
                 cp_async16(stage_sb(s) + lane * 16, sb_e + (int64_t)kb * N + sb_col, 16);
@@ -706,6 +708,7 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     p.out = out;
     p.a = a;
     p.sa = sa;
+    p.sa_rows = M;
     p.b = b;
     p.sb = sb;
     p.offsets = offsets;
@@ -726,7 +729,7 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
 // ---- the experts' GEMM 1 (fp8_gemm.h) ----
 
 // x [T, D] (D % 128 == 0) to E4M3 codes q [T, D], packed per 64 k as the W8A16 weights are
-// (fp8_w8_pack64), and scales s [T, D / 128]: the FP8 payload's formula (elementwise.cu's
+// (fp8_w8_pack64), and scales s [D / 128, T]: the FP8 payload's formula (elementwise.cu's
 // moe_input_fp8_kernel, kernels/cpu/quant.c): s = max(amax, 1e-10) / 448, q = e4m3(x / s). A block
 // per token, a warp per 128 channels.
 __global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const float *x, int D) {
@@ -756,7 +759,7 @@ __global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const float *x, int D
         const uint32_t w = (uint32_t)src[0] | (uint32_t)src[8] << 8 | (uint32_t)src[1] << 16 |
                            (uint32_t)src[9] << 24;
         reinterpret_cast<uint32_t *>(q + t * D + g * FP8G_BK)[lane] = w;
-        if (lane == 0) s[t * G + g] = sc;
+        if (lane == 0) s[g * (int64_t)gridDim.x + t] = sc; // gridDim.x = T
         __syncwarp();
     }
 }
@@ -780,18 +783,19 @@ extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
     return fp8_w8a8_takes(n_pairs, E, D, F);
 }
 
-// Grouped row m of q [T, D] and s [T, D / 128] (the token of pair pairs[m]) into qg [m, D] and sg
-// [m, D / 128]: A's rows in the order the TMA reads them. A block a row, 16 bytes a thread.
+// Grouped row m of q [T, D] and s [D / 128, T] (the token of pair pairs[m]) into qg [m, D] and
+// sg [D / 128, n] (n grouped rows, the grid): A's rows in the order the TMA reads them. A block a
+// row, 16 bytes a thread.
 __global__ void fp8_rows_group_kernel(uint8_t *qg, float *sg, const uint8_t *q, const float *s,
-                                      const int32_t *pairs, int topk, int D) {
-    const int64_t m = blockIdx.x, t = __ldg(&pairs[m]) / topk;
+                                      int T, const int32_t *pairs, int topk, int D) {
+    const int64_t m = blockIdx.x, n = gridDim.x, t = __ldg(&pairs[m]) / topk;
     const int G = D / FP8G_BK;
     const uint4 *src = reinterpret_cast<const uint4 *>(q + t * D);
     uint4 *dst = reinterpret_cast<uint4 *>(qg + m * D);
     for (int i = threadIdx.x; i < D / 16; i += blockDim.x)
         dst[i] = __ldg(&src[i]);
     for (int i = threadIdx.x; i < G; i += blockDim.x)
-        sg[m * G + i] = __ldg(&s[t * G + i]);
+        sg[i * n + m] = __ldg(&s[i * (int64_t)T + t]);
 }
 
 // codes and scales of n rows of D, each part from a 256-byte boundary
@@ -821,6 +825,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     p.h = h;
     p.a = q;
     p.sa = s;
+    p.sa_rows = T;
     p.a_rows = pairs;
     p.topk = K;
     p.b = w;
@@ -830,11 +835,12 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     p.N = 2 * F;
     p.K = D;
     if (g_fp8g_config >= 4) {
-        fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, pairs, K,
-                                                                            D);
+        fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, T, pairs,
+                                                                            K, D);
         CUDA_CHECK_LAUNCH();
         p.a = qg;
         p.sa = sg;
+        p.sa_rows = n_pairs;
         p.a_rows = NULL;
     }
     switch (g_fp8g_config) {
