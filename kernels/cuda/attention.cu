@@ -1523,10 +1523,7 @@ template <int DH, int G> static bool launch_clusters(const attn_args &a) {
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = CS;
+    attr[0] = cuda_cluster_attr(1, 1, CS);
     attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;

@@ -158,6 +158,16 @@ template <typename K> static inline void cuda_smem_allow(K kernel, size_t bytes,
     }
 }
 
+/* The launch attribute of thread-block clusters of x * y * z blocks. */
+static inline cudaLaunchAttribute cuda_cluster_attr(unsigned x, unsigned y, unsigned z) {
+    cudaLaunchAttribute a = {};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = x;
+    a.val.clusterDim.y = y;
+    a.val.clusterDim.z = z;
+    return a;
+}
+
 template <typename... KArgs, typename... Args>
 static inline void cuda_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                                    Args... args) {

@@ -668,11 +668,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     cfg.blockDim = dim3(FP8G_WS_THREADS);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)CL;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     static int resident = 0; // clusters the device holds at once
@@ -704,17 +700,16 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0);
     MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
               ((uintptr_t)out & 7) == 0);
-    fp8g_args p = {};
-    p.out = out;
-    p.a = a;
-    p.sa = sa;
-    p.sa_rows = M;
-    p.b = b;
-    p.sb = sb;
-    p.offsets = offsets;
-    p.E = E;
-    p.N = N;
-    p.K = K;
+    const fp8g_args p = {.out = out,
+                         .a = a,
+                         .sa = sa,
+                         .sa_rows = M,
+                         .b = b,
+                         .sb = sb,
+                         .offsets = offsets,
+                         .E = E,
+                         .N = N,
+                         .K = K};
     switch (g_fp8g_config) {
     case 1: fp8_grouped_gemm_launch<3, 128, false>(p, M); break;
     case 2: fp8_grouped_gemm_launch<4, 64, false>(p, M); break;
@@ -821,19 +816,18 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     float *sg = reinterpret_cast<float *>(qg + ((size_t)n_pairs * D + 255) / 256 * 256);
     fp8_act_codes_kernel<<<T, 256, 0, cuda_stream()>>>(q, s, x, D);
     CUDA_CHECK_LAUNCH();
-    fp8g_args p = {};
-    p.h = h;
-    p.a = q;
-    p.sa = s;
-    p.sa_rows = T;
-    p.a_rows = pairs;
-    p.topk = K;
-    p.b = w;
-    p.sb = wsc;
-    p.offsets = offsets;
-    p.E = E;
-    p.N = 2 * F;
-    p.K = D;
+    fp8g_args p = {.h = h,
+                   .a = q,
+                   .sa = s,
+                   .sa_rows = T,
+                   .a_rows = pairs,
+                   .topk = K,
+                   .b = w,
+                   .sb = wsc,
+                   .offsets = offsets,
+                   .E = E,
+                   .N = 2 * F,
+                   .K = D};
     if (g_fp8g_config >= 4) {
         fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, T, pairs,
                                                                             K, D);

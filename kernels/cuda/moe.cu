@@ -1603,10 +1603,7 @@ template <class C, int WF> static bool launch_bi_cluster(moe_gemm_args a, int S,
     cfg.dynamicSmemBytes = checked; // one answer per S, for the most shared memory asked
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)S;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
+    attr[0] = cuda_cluster_attr((unsigned)S, 1, 1);
     attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
