@@ -386,10 +386,10 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     CUDA_CHECK_LAUNCH();
 }
 
-// ---- the warp-specialized form (configurations 4 and 5, and the experts' GEMM 1) ----
+// ---- the warp-specialized form (configurations 4 to 6, and the experts' GEMM 1) ----
 //
 // The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
-// and the products no longer in step: producer warps only load, a ring of STAGES stages ahead,
+// and the products no longer in step: a producer warp only loads, a ring of STAGES stages ahead,
 // and each of the two consumer warpgroups waits for the stage it needs and frees it on its own,
 // through mbarriers instead of the block's barrier, so one warpgroup's promotion runs while the
 // other's products do. The kernel is persistent: a block a multiprocessor takes tiles t =
@@ -404,8 +404,8 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // - The scales: cp.async by the producer warp's lanes.
 // A stage's "full" barrier completes when lane 0 has announced the TMA bytes (arrive.expect_tx),
 // those bytes have landed and every lane's scale copies have (cp.async.mbarrier.arrive.noinc,
-// one arrival each): 33 arrivals; its "empty" barrier when all 256 consumer threads have promoted
-// their products of it.
+// one arrival each): 33 arrivals; its "empty" barrier when the 8 consumer warps have promoted
+// their products of it (each warp's lane 0 arrives once its lanes are done).
 // Tried: a producer warp that copied both tiles with cp.async (64 copies a lane a stage) ran at a
 // third of configuration 0's rate; a producer warpgroup that gathered A's rows with cp.async (one
 // row a thread) and a TMA for B took as long as configuration 0 in the experts (550 us for GEMM 1
