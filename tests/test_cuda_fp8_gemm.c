@@ -39,13 +39,14 @@
 cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
  * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
- * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two); returns the one before */
+ * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows; -1,
+ * the default, 7 or 5 by the rows an expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
 /* the configurations this run checks and times, and their tile widths */
-enum { n_configs = 7 };
-static const int configs[n_configs] = {0, 1, 2, 3, 4, 5, 6},
-                 widths[n_configs] = {128, 128, 64, 64, 128, 128, 128};
+enum { n_configs = 8 };
+static const int configs[n_configs] = {0, 1, 2, 3, 4, 5, 6, 7},
+                 widths[n_configs] = {128, 128, 64, 64, 128, 128, 128, 128};
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void) { /* [0, 1) */
