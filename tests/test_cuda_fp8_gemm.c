@@ -17,7 +17,10 @@
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
  *                             prints "skipped: <reason>" and "0 passed, 0 failed"
  *   test_cuda_fp8_gemm --profile C   only configuration C's timing at 8 x 4096, N 4096, K 7168
- *                             (12 calls; for a profiler) */
+ *                             (12 calls; for a profiler)
+ *   test_cuda_fp8_gemm --configs 0,8,9   the checks and figures of those configurations (the
+ *                             first of each width is the others' reference); 8 and 9 are run
+ *                             only this way until they have been run on a GPU */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
@@ -39,14 +42,16 @@
 cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
  * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
- * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows; -1,
- * the default, 7 or 5 by the rows an expert); returns the one before */
+ * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows; 8
+ * and 9 with two partial sums a warpgroup, 4 or 6 stages; -1, the default, 7 or 5 by the rows an
+ * expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
-/* the configurations this run checks and times, and their tile widths */
-enum { n_configs = 8 };
-static const int configs[n_configs] = {0, 1, 2, 3, 4, 5, 6, 7},
-                 widths[n_configs] = {128, 128, 64, 64, 128, 128, 128, 128};
+/* the configurations this run checks and times */
+enum { MAX_CONFIGS = 10 };
+static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7}, n_configs = 8;
+/* a configuration's tile width: 64 columns for 2 and 3 */
+static int width(int config) { return config == 2 || config == 3 ? 64 : 128; }
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void) { /* [0, 1) */
@@ -174,7 +179,7 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
             }
     const int64_t n = (int64_t)c.M * N;
     const double rms = n ? sqrt(sq / n) : 0.0;
-    float *got[n_configs];
+    float *got[MAX_CONFIGS];
     for (int ci = 0; ci < n_configs; ci++) {
         const int cf = configs[ci];
         got[ci] = gpu_run(&c, cf);
@@ -209,7 +214,7 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
      * the first configuration of that width */
     for (int ci = 1; ci < n_configs; ci++) {
         int first = 0;
-        while (widths[first] != widths[ci])
+        while (width(configs[first]) != width(configs[ci]))
             first++;
         if (first != ci)
             CHECK(memcmp(got[ci], got[first], sizeof(float) * (size_t)n) == 0,
@@ -339,6 +344,12 @@ int main(int argc, char **argv) {
         printf("skipped: the wgmma kernel is built for sm_90a (Hopper)\n");
         printf("0 passed, 0 failed\n");
         return 0;
+    }
+    if (argc > 2 && strcmp(argv[1], "--configs") == 0) {
+        n_configs = 0;
+        for (const char *c = argv[2]; *c && n_configs < MAX_CONFIGS;
+             c += strcspn(c, ",") + (c[strcspn(c, ",")] != 0))
+            configs[n_configs++] = atoi(c);
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
         const double g = time_grouped(8, 4096, 4096, 7168, atoi(argv[2]));

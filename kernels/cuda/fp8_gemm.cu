@@ -14,7 +14,7 @@
 // Tiles: 128 rows x 128 columns a block, two warpgroups of 64 rows, k tiles of 128 (one 128-byte
 // row of codes per tile row, the 128-byte swizzle's width). Each k tile is one stage of a ring
 // (codes of both operands and their scales; filled by cp.async in configurations 0 to 3, by TMA in
-// 4 to 7); each warpgroup runs four m64n128k32 wgmma on it
+// 4 to 9); each warpgroup runs four m64n128k32 wgmma on it
 // into a fresh partial sum, waits for them, and adds the partial into its fp32 total times
 // sa[m] sb[n]. The tensor cores' FP8 sums keep fewer bits than fp32 (DeepSeek-V3's report, and
 // DeepGEMM, promote every 128 k for that reason); promoting at every k tile keeps at most 128
@@ -50,7 +50,10 @@
 // blocks that share A's tiles through TMA multicast (configuration 6) read half the L2 bytes but
 // ran at half the rate (ncu: tensor pipe 24%), not understood yet. A second partial sum in a
 // warpgroup, so that one tile's products run while the one before is promoted, made ptxas
-// serialize the wgmma (C7514).
+// serialize the wgmma (C7514) whenever a group was left running from one loop iteration to the
+// next; configurations 8 and 9 start a pair of k tiles at a time and leave none running between
+// pairs, which ptxas compiles without serializing. They are written but not yet run on a GPU
+// (test_cuda_fp8_gemm --configs 0,8,9 runs them; nothing else does).
 // The experts call it for GEMM 1 in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps
 // the W8A16 tiles, since h is not on the FP8 grid). The sums inside the tensor cores keep fewer
 // bits than high precision allows: 2.3e-4 of sum |a b| at worst in the test, against high's
@@ -148,15 +151,24 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
 }
 
 // A warpgroup's products of one k tile: the four m64nBNk32 of the stage's A rows (da) and B rows
-// (db) into part, a fresh sum, waited for.
+// (db) into part, a fresh sum, committed as one group and left running.
 template <int BN>
-__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void fp8g_issue(float (&part)[BN / 2], uint64_t da, uint64_t db) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int k = 0; k < FP8G_BK / 32; k++)
         fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// until at most N of this warpgroup's groups are still running
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// fp8g_issue, waited for
+template <int BN>
+__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+    fp8g_issue<BN>(part, da, db);
+    wgmma_wait<0>();
 }
 
 // part into the totals: acc += part sa[row] sb[column], with the stage's scales ssa (the tile's
@@ -391,7 +403,7 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     CUDA_CHECK_LAUNCH();
 }
 
-// ---- the warp-specialized form (configurations 4 to 7, and the experts' GEMM 1) ----
+// ---- the warp-specialized form (configurations 4 to 9, and the experts' GEMM 1) ----
 //
 // The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
 // and the products no longer in step: a producer warp only loads, a ring of STAGES stages ahead,
@@ -471,10 +483,22 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
                  : "memory");
 }
 
-// WG consumer warpgroups, then the producer: one warp where two consumer warpgroups leave it
-// registers enough; with three (configuration 7) a warpgroup, so that it can give its registers
-// to the consumers (setmaxnreg works a warpgroup at a time)
-template <int WG> struct fp8g_ws { static constexpr int threads = WG == 2 ? 288 : 128 * WG + 128; };
+// WG consumer warpgroups, then the producer: one warp where two consumer warpgroups of one
+// partial sum leave it registers enough; else (configurations 7 to 9) a warpgroup, so that it
+// can give its registers to the consumers (setmaxnreg works a warpgroup at a time): 32 of them
+// to three consumer warpgroups of 160, or 40 to two of 232 with two partial sums.
+template <int WG, bool PAIRS> struct fp8g_ws {
+    static constexpr bool lend = WG == 3 || PAIRS;
+    static constexpr int threads = lend ? 128 * WG + 128 : 288;
+    static constexpr int producer_regs = WG == 3 ? 32 : 40, consumer_regs = WG == 3 ? 160 : 232;
+};
+// setmaxnreg's count is an immediate
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
+}
 
 // ta: a [M, K] in boxes of 128 / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
 // the n-blocks of a row tile (CL 2: even).
@@ -483,14 +507,18 @@ template <int WG> struct fp8g_ws { static constexpr int threads = WG == 2 ? 288 
 // them into both blocks' stage (multicast), which halves A's reads from L2. A stage is then
 // refilled only when the consumers of both blocks have freed it: each consumer warp arrives on
 // its own block's empty barrier and on the other's (16 arrivals).
-// WG 3 (configuration 7): tiles of 192 rows, three consumer warpgroups on the tensor cores, each
-// with 160 registers (the producer warpgroup keeps 32).
-template <int STAGES, bool GATE_UP, int CL, int WG = 2>
-__global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
+// WG 3 (configuration 7): tiles of 192 rows, three consumer warpgroups on the tensor cores.
+// PAIRS (configurations 8 and 9): each consumer warpgroup starts two k tiles' products, into two
+// partial sums, before it waits, and promotes the first while the second runs; no group is left
+// running from one pair to the next (with one left running, ptxas serializes the wgmma, C7514).
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
+__global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || (WG == 3 && CL == 1), "two consumer warpgroups, or three alone");
+    static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
+    typedef fp8g_ws<WG, PAIRS> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -535,8 +563,8 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
     int it = 0;
 
     if (warp >= 4 * WG) { // the producer
-        if constexpr (WG == 3) {
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        if constexpr (W::lend) {
+            setmaxnreg_dec<W::producer_regs>();
             if (warp > 4 * WG) return; // its first warp alone loads
         }
         if (lane == 0) {
@@ -587,7 +615,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
     } else {
-        if constexpr (WG == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        if constexpr (W::lend) setmaxnreg_inc<W::consumer_regs>();
         // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
         const int wg = warp >> 2;
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
@@ -609,15 +637,50 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; i++)
                 acc[i] = 0.0f;
-            for (int kb = 0; kb < nkb; kb++, it++) {
-                const int s = it % STAGES;
-                mbar_wait(full(s), (it / STAGES) & 1);
-                const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
-                                                                   BM * FP8G_BK + BN * FP8G_BK);
-                fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
-                                  fp8g_desc(stage_b(s)));
-                fp8g_promote<BN>(acc, part, ssa, ssa + BM, r0, r1, c0);
-                release(s); // its scales included
+            // the scales of stage s: the tile's rows', then its columns'
+            auto scales = [&](int s) {
+                return reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES + BM * FP8G_BK +
+                                                       BN * FP8G_BK);
+            };
+            if constexpr (PAIRS) {
+                float part2[BN / 2];
+                // k tile `it`'s stage: waited for, its products started into q
+                auto start = [&](float(&q)[BN / 2], int j) {
+                    const int s = (it + j) % STAGES;
+                    mbar_wait(full(s), ((it + j) / STAGES) & 1);
+                    fp8g_issue<BN>(q, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
+                };
+                // q (k tile it + j's products, waited for) into the totals; its stage freed
+                auto finish = [&](float(&q)[BN / 2], int j) {
+                    const int s = (it + j) % STAGES;
+                    fp8g_promote<BN>(acc, q, scales(s), scales(s) + BM, r0, r1, c0);
+                    release(s);
+                };
+                int kb = 0;
+                if (nkb & 1) { // an odd tile first, alone
+                    start(part, 0);
+                    wgmma_wait<0>();
+                    finish(part, 0);
+                    kb = 1;
+                }
+                for (; kb < nkb; kb += 2) {
+                    start(part, kb);
+                    start(part2, kb + 1);
+                    wgmma_wait<1>();
+                    finish(part, kb);
+                    wgmma_wait<0>();
+                    finish(part2, kb + 1);
+                }
+                it += nkb;
+            } else {
+                for (int kb = 0; kb < nkb; kb++, it++) {
+                    const int s = it % STAGES;
+                    mbar_wait(full(s), (it / STAGES) & 1);
+                    fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
+                                      fp8g_desc(stage_b(s)));
+                    fp8g_promote<BN>(acc, part, scales(s), scales(s) + BM, r0, r1, c0);
+                    release(s); // its scales included
+                }
             }
             if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
@@ -663,7 +726,7 @@ static CUtensorMap fp8g_tensor_map(const uint8_t *base, int64_t rows, int K, int
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
@@ -672,7 +735,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
         fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS>;
     const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
@@ -682,7 +745,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(fp8g_ws<WG>::threads);
+    cfg.blockDim = dim3(fp8g_ws<WG, PAIRS>::threads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
@@ -700,10 +763,11 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
-// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows; -1 (the default) 7 from 384
+// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 and 9 with two partial
+// sums a warpgroup and 4 or 6 stages (not yet run on a GPU); -1 (the default) 7 from 384
 // rows an expert on average, else 5 (the test's figures: 192-row tiles gain 6 to 10% on large
 // experts and lose 3 to 6% at 128 and 256 rows an expert). The experts' GEMM 1 (128 columns only)
-// takes 4 to 7 as they are (after copying its rows into grouped order), 1 as it is and the
+// takes 4 to 9 as they are (after copying its rows into grouped order), 1 as it is and the
 // others as 0.
 static int g_fp8g_config = -1;
 
@@ -742,6 +806,8 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, M); break;
     case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, M); break;
     case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, M); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, false, 1, 2, true>(p, M); break;
+    case 9: fp8_grouped_gemm_ws_launch<6, false, 1, 2, true>(p, M); break;
     default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break; // 0
     }
 }
@@ -869,6 +935,8 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, n_pairs); break;
     case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, n_pairs); break;
     case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, n_pairs); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 2, true>(p, n_pairs); break;
+    case 9: fp8_grouped_gemm_ws_launch<6, true, 1, 2, true>(p, n_pairs); break;
     default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
     }
 }
