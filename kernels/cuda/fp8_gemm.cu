@@ -407,21 +407,21 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 //
 // The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
 // and the products no longer in step: a producer warp only loads, a ring of STAGES stages ahead,
-// and each of the two consumer warpgroups waits for the stage it needs and frees it on its own,
-// through mbarriers instead of the block's barrier, so one warpgroup's promotion runs while the
-// other's products do. The kernel is persistent: a block a multiprocessor takes tiles t =
-// blockIdx.x, + gridDim.x, ... (n-block t % nx, row tile t / nx, so the blocks at work at once
-// share A's row tiles and B's expert), and the ring runs on across its tiles, so the next tile's
-// loads go on while the consumers store the last one.
+// and each consumer warpgroup (two, or three in configuration 7) waits for the stage it needs
+// and frees it on its own, through mbarriers instead of the block's barrier, so one warpgroup's
+// promotion runs while another's products do. The kernel is persistent: a block a
+// multiprocessor takes tiles t = blockIdx.x, + gridDim.x, ... (n-block t % nx, row tile t / nx,
+// so the blocks at work at once share A's row tiles and B's expert), and the ring runs on across
+// its tiles, so the next tile's loads go on while the consumers store the last one.
 // - The tiles: TMA copies (cp.async.bulk.tensor, the 128-byte swizzle of the layout above) by the
-//   producer warp's lane 0, A's 128 rows and B's (GATE_UP: its 64 gate and 64 up rows apart). A's
-//   rows must be the grouping's (a_rows NULL; a TMA cannot gather), so the experts' GEMM 1 copies
-//   its rows into grouped order first. A tile's rows past the expert's are the next expert's
-//   (read, never stored) or, past a's last row, zeros.
+//   producer warp's lane 0, A's 128 (or 192) rows and B's 128 (GATE_UP: its 64 gate and 64 up
+//   rows apart). A's rows must be the grouping's (a_rows NULL; a TMA cannot gather), so the
+//   experts' GEMM 1 copies its rows into grouped order first. A tile's rows past the expert's
+//   are the next expert's (read, never stored) or, past a's last row, zeros.
 // - The scales: cp.async by the producer warp's lanes.
 // A stage's "full" barrier completes when lane 0 has announced the TMA bytes (arrive.expect_tx),
 // those bytes have landed and every lane's scale copies have (cp.async.mbarrier.arrive.noinc,
-// one arrival each): 33 arrivals; its "empty" barrier when the 8 consumer warps have promoted
+// one arrival each): 33 arrivals; its "empty" barrier when the consumer warps have promoted
 // their products of it (each warp's lane 0 arrives once its lanes are done).
 // Tried: a producer warp that copied both tiles with cp.async (64 copies a lane a stage) ran at a
 // third of configuration 0's rate; a producer warpgroup that gathered A's rows with cp.async (one
