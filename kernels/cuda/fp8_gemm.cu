@@ -500,7 +500,7 @@ template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
 }
 
-// ta: a [M, K] in boxes of 128 / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
+// ta: a [M, K] in boxes of BM / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
 // the n-blocks of a row tile (CL 2: even).
 // CL 2 (configuration 6): clusters of two blocks on two neighbouring n-blocks of the same row
 // tile, so they share A's tiles: each block fetches half of a stage's A rows and the TMA writes
@@ -644,7 +644,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
             };
             if constexpr (PAIRS) {
                 float part2[BN / 2];
-                // k tile `it`'s stage: waited for, its products started into q
+                // k tile it + j's stage: waited for, its products started into q
                 auto start = [&](float(&q)[BN / 2], int j) {
                     const int s = (it + j) % STAGES;
                     mbar_wait(full(s), ((it + j) / STAGES) & 1);
