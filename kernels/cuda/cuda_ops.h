@@ -110,7 +110,8 @@ const float *cuda_linear_fp8_scales(const tensor *w);
 /* FP8 x FP8 grouped GEMM (kernels/cuda/fp8_gemm.cu, wgmma): out [M, N] fp32, row m of expert e
  * (offsets[e] <= m < offsets[e + 1], offsets on the device) = sum over 128-k blocks kb of
  * sa[kb, m] sb[e, kb, n] sum_k a[m, k] b[e, n, k]; a [M, K] and b [E, N, K] E4M3 codes, sa
- * [K / 128, M], sb [E, K / 128, N]; K and N multiples of 128. */
+ * [K / 128, M], sb [E, K / 128, N] equal over each aligned group of 64 rows n (a 128 x 128 block
+ * scale repeated over its rows, as checkpoints have them); K and N multiples of 128. */
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K);
 

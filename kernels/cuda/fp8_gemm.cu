@@ -9,12 +9,14 @@
 // scale per token per 128 channels (row-major by k block, so a tile's 128 scales of a k block
 // are one line); b [E, N, K] the experts' weight rows (K-major, as stored), sb
 // [E, K / 128, N] a scale per weight row and 128-k block (the layout of moe.cu's FP8 experts; a
-// checkpoint's 128 x 128 block scale repeated over its rows). K and N are multiples of 128.
+// checkpoint's 128 x 128 block scale repeated over its rows), equal over each aligned group of 64
+// rows: the warp-specialized configurations read one a 64-column half of a tile. K and N are
+// multiples of 128.
 //
 // Tiles: 128 rows x 128 columns a block, two warpgroups of 64 rows, k tiles of 128 (one 128-byte
 // row of codes per tile row, the 128-byte swizzle's width). Each k tile is one stage of a ring
 // (codes of both operands and their scales; filled by cp.async in configurations 0 to 3, by TMA in
-// 4 to 9); each warpgroup runs four m64n128k32 wgmma on it
+// 4 to 7); each warpgroup runs four m64n128k32 wgmma on it
 // into a fresh partial sum, waits for them, and adds the partial into its fp32 total times
 // sa[m] sb[n]. The tensor cores' FP8 sums keep fewer bits than fp32 (DeepSeek-V3's report, and
 // DeepGEMM, promote every 128 k for that reason); promoting at every k tile keeps at most 128
@@ -30,30 +32,27 @@
 // decoded codes (kernels/quant.h's fp8_e4m3_to_float) times the scales.
 //
 // Status: checked against that reference, and timed, on the H200 (the test's figures; cuBLASLt's
-// FP8 GEMM at 8192^3 gives 1757 TFLOP/s in the same run):
+// FP8 GEMM at 8192^3 gives 1763 TFLOP/s in the same run):
 // - configuration 7 (below: a TMA producer, three consumer warpgroups on tiles of 192 rows that
-//   drift apart, a persistent grid): 799 to 958 TFLOP/s on 8 experts x 4096 tokens, N 1536 and
-//   4096, K 2048 and 7168 (45 to 55% of cuBLASLt's);
-// - configuration 5 (two consumer warpgroups, tiles of 128 rows): 738 to 896 there; 692 at 128
-//   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 813 at 256
-//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 651 and 788; the default takes 7 from 384
+//   drift apart, a persistent grid): 911, 963, 1107 and 1115 TFLOP/s on 8 experts x 4096 tokens,
+//   N 1536 / 4096 at K 2048, N 1536 / 4096 at K 7168 (52, 55, 63 and 63% of cuBLASLt's);
+// - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
+//   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
+//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
 //   rows an expert on average, else 5;
-// - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 492
-//   to 588; 64-column tiles and other depths no better.
-// What holds configuration 5 back is not settled. ncu on one call at 8 x 4096, N 4096, K 7168
-// (test_cuda_fp8_gemm --profile 5): the tensor pipe busy 44.6% of the time, L2 at 65% of its
-// peak (8.7 TB/s), issue slots 41%, no eligible warp in 58% of the cycles; so neither the
-// tensor cores nor L2 is full, and each warpgroup waits (its products, then the next stage)
-// more than it computes: a quarter of the warps' stall samples fall on the consumers' wait for
-// their own products (WARPGROUP.DEPBAR), which is why a third consumer warpgroup (configuration
-// 7) helps. 6 stages instead of 4 did not help (configuration 4). Clusters of two
-// blocks that share A's tiles through TMA multicast (configuration 6) read half the L2 bytes but
-// ran at half the rate (ncu: tensor pipe 24%), not understood yet. A second partial sum in a
-// warpgroup, so that one tile's products run while the one before is promoted, made ptxas
-// serialize the wgmma (C7514) whenever a group was left running from one loop iteration to the
-// next; configurations 8 and 9 start a pair of k tiles at a time and leave none running between
-// pairs, which ptxas compiles without serializing. They are written but not yet run on a GPU
-// (test_cuda_fp8_gemm --configs 0,8,9 runs them; nothing else does).
+// - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 487
+//   to 594; 64-column tiles and other depths no better.
+// The promotion was the largest cost: with a scale per column (16 shared loads and 64 products
+// of scales a k tile a thread, beside the 64 fma) configuration 7 gave 793 to 947 TFLOP/s in the
+// same runs; with one B scale a half tile, read before the stage is freed, it is 64 fma. Skipping
+// the promotion altogether (the wrong sums, as a bound) gave 1030 to 1275 with L2 at 82% of its
+// peak (ncu), so what is left is mostly L2's and the tensor cores' own. Tried and not kept
+// (figures in docs/benchmarks.md): 6 stages (configuration 4); clusters of two blocks sharing A's
+// tiles through TMA multicast (configuration 6: L2 at 58% instead of 65%, no faster; its remote
+// arrivals on the empty barriers once had release.cluster semantics, which halved its rate), and
+// the same with three consumer warpgroups (43 to 51%: registers spill); two partial sums a
+// warpgroup, a pair of k tiles started before the wait (no faster than 7, with the per-column
+// promotion).
 // The experts call it for GEMM 1 in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps
 // the W8A16 tiles, since h is not on the FP8 grid). The sums inside the tensor cores keep fewer
 // bits than high precision allows: 2.3e-4 of sum |a b| at worst in the test, against high's
@@ -185,6 +184,23 @@ __device__ __forceinline__ void fp8g_promote(float (&acc)[BN / 2], const float (
         acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * bs.y, acc[4 * j + 1]);
         acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * bs.x, acc[4 * j + 2]);
         acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * bs.y, acc[4 * j + 3]);
+    }
+}
+
+// The same with one B scale a 64-column half of the tile: x0 = sa[r0] sb[first half], x1 =
+// sa[r1] sb[first half], y0 and y1 the same with the second half's (the same products as
+// fp8g_promote's where sb is equal over each half, so the same bits).
+template <int BN>
+__device__ __forceinline__ void fp8g_promote_halves(float (&acc)[BN / 2],
+                                                    const float (&part)[BN / 2], float x0, float x1,
+                                                    float y0, float y1) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        const float s0 = j < BN / 16 ? x0 : y0, s1 = j < BN / 16 ? x1 : y1;
+        acc[4 * j] = fmaf(part[4 * j], s0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
     }
 }
 
@@ -403,7 +419,7 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
     CUDA_CHECK_LAUNCH();
 }
 
-// ---- the warp-specialized form (configurations 4 to 9, and the experts' GEMM 1) ----
+// ---- the warp-specialized form (configurations 4 to 7, and the experts' GEMM 1) ----
 //
 // The same tiles and the same sums (four m64n128k32 a k tile, promoted as above), with the loads
 // and the products no longer in step: a producer warp only loads, a ring of STAGES stages ahead,
@@ -421,8 +437,9 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // - The scales: cp.async by the producer warp's lanes.
 // A stage's "full" barrier completes when lane 0 has announced the TMA bytes (arrive.expect_tx),
 // those bytes have landed and every lane's scale copies have (cp.async.mbarrier.arrive.noinc,
-// one arrival each): 33 arrivals; its "empty" barrier when the consumer warps have promoted
-// their products of it (each warp's lane 0 arrives once its lanes are done).
+// one arrival each): 33 arrivals; its "empty" barrier when the consumer warps have taken their
+// products of it and read its scales (each warp's lane 0 arrives once its lanes are done; the
+// promotion itself runs after).
 // Tried: a producer warp that copied both tiles with cp.async (64 copies a lane a stage) ran at a
 // third of configuration 0's rate; a producer warpgroup that gathered A's rows with cp.async (one
 // row a thread) and a TMA for B took as long as configuration 0 in the experts (550 us for GEMM 1
@@ -457,8 +474,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, int rank) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
-                 : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 // every thread of the cluster's blocks
 __device__ __forceinline__ void cluster_sync_all() {
@@ -483,14 +499,13 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
                  : "memory");
 }
 
-// WG consumer warpgroups, then the producer: one warp where two consumer warpgroups of one
-// partial sum leave it registers enough; else (configurations 7 to 9) a warpgroup, so that it
-// can give its registers to the consumers (setmaxnreg works a warpgroup at a time): 32 of them
-// to three consumer warpgroups of 160, or 40 to two of 232 with two partial sums.
-template <int WG, bool PAIRS> struct fp8g_ws {
-    static constexpr bool lend = WG == 3 || PAIRS;
+// WG consumer warpgroups, then the producer: one warp beside two consumer warpgroups; beside
+// three (configuration 7) a warpgroup, so that it can give its registers to the consumers
+// (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer.
+template <int WG> struct fp8g_ws {
+    static constexpr bool lend = WG == 3;
     static constexpr int threads = lend ? 128 * WG + 128 : 288;
-    static constexpr int producer_regs = WG == 3 ? 32 : 40, consumer_regs = WG == 3 ? 160 : 232;
+    static constexpr int producer_regs = 32, consumer_regs = 160;
 };
 // setmaxnreg's count is an immediate
 template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
@@ -506,19 +521,17 @@ template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
 // tile, so they share A's tiles: each block fetches half of a stage's A rows and the TMA writes
 // them into both blocks' stage (multicast), which halves A's reads from L2. A stage is then
 // refilled only when the consumers of both blocks have freed it: each consumer warp arrives on
-// its own block's empty barrier and on the other's (16 arrivals).
+// its own block's empty barrier and on the other's (4 WG CL arrivals).
 // WG 3 (configuration 7): tiles of 192 rows, three consumer warpgroups on the tensor cores.
-// PAIRS (configurations 8 and 9): each consumer warpgroup starts two k tiles' products, into two
-// partial sums, before it waits, and promotes the first while the second runs; no group is left
-// running from one pair to the next (with one left running, ptxas serializes the wgmma, C7514).
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
-__global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
+// B's scales: one a 64-column half of the tile and k block, its first column's (sb is equal over
+// aligned groups of 64 rows), so that a promotion is one fma an accumulator.
+template <int STAGES, bool GATE_UP, int CL, int WG = 2>
+__global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || (WG == 3 && CL == 1), "two consumer warpgroups, or three alone");
-    static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
-    typedef fp8g_ws<WG, PAIRS> W;
+    typedef fp8g_ws<WG> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -581,8 +594,9 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
             const int n0 = n_block(t) * (GATE_UP ? BN / 2 : BN); // GATE_UP: h's first column
             const float *sb_e = p.sb + (int64_t)e * nkb * N;
             const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
-            // the lane's scale columns 4 lane .. 4 lane + 3 of the tile (GATE_UP: up ones from 64)
-            const int sb_col = GATE_UP && lane >= 16 ? N / 2 + n0 + 4 * (lane - 16) : n0 + 4 * lane;
+            // lanes 0 and 1: the scale column of the tile's first and second half (GATE_UP: of
+            // its gate and up rows)
+            const int sb_col = lane == 0 ? n0 : GATE_UP ? N / 2 + n0 : n0 + 64;
             for (int kb = 0; kb < nkb; kb++, it++) {
                 const int s = it % STAGES, k0 = kb * FP8G_BK;
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
@@ -607,7 +621,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
                     cp_async4(stage_sa(s) + r * 4, ok ? p.sa + kb * p.sa_rows + m0 + r : p.sa,
                               ok ? 4 : 0);
                 }
-                cp_async16(stage_sb(s) + lane * 16, sb_e + (int64_t)kb * N + sb_col, 16);
+                if (lane < 2) cp_async4(stage_sb(s) + lane * 4, sb_e + (int64_t)kb * N + sb_col, 4);
                 // the stage's full barrier hears from this lane once its copies have landed
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
                              : "memory");
@@ -642,45 +656,17 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, 1)
                 return reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES + BM * FP8G_BK +
                                                        BN * FP8G_BK);
             };
-            if constexpr (PAIRS) {
-                float part2[BN / 2];
-                // k tile it + j's stage: waited for, its products started into q
-                auto start = [&](float(&q)[BN / 2], int j) {
-                    const int s = (it + j) % STAGES;
-                    mbar_wait(full(s), ((it + j) / STAGES) & 1);
-                    fp8g_issue<BN>(q, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
-                };
-                // q (k tile it + j's products, waited for) into the totals; its stage freed
-                auto finish = [&](float(&q)[BN / 2], int j) {
-                    const int s = (it + j) % STAGES;
-                    fp8g_promote<BN>(acc, q, scales(s), scales(s) + BM, r0, r1, c0);
-                    release(s);
-                };
-                int kb = 0;
-                if (nkb & 1) { // an odd tile first, alone
-                    start(part, 0);
-                    wgmma_wait<0>();
-                    finish(part, 0);
-                    kb = 1;
-                }
-                for (; kb < nkb; kb += 2) {
-                    start(part, kb);
-                    start(part2, kb + 1);
-                    wgmma_wait<1>();
-                    finish(part, kb);
-                    wgmma_wait<0>();
-                    finish(part2, kb + 1);
-                }
-                it += nkb;
-            } else {
-                for (int kb = 0; kb < nkb; kb++, it++) {
-                    const int s = it % STAGES;
-                    mbar_wait(full(s), (it / STAGES) & 1);
-                    fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
-                                      fp8g_desc(stage_b(s)));
-                    fp8g_promote<BN>(acc, part, scales(s), scales(s) + BM, r0, r1, c0);
-                    release(s); // its scales included
-                }
+            for (int kb = 0; kb < nkb; kb++, it++) {
+                const int s = it % STAGES;
+                mbar_wait(full(s), (it / STAGES) & 1);
+                fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
+                                  fp8g_desc(stage_b(s)));
+                // the scales of rows r0 and r1 times each half's; then the stage is free
+                const float *ss = scales(s);
+                const float a0 = ss[r0], a1 = ss[r1], b0 = ss[BM], b1 = ss[BM + 1];
+                const float g0 = a0 * b0, g1 = a1 * b0, u0 = a0 * b1, u1 = a1 * b1;
+                release(s);
+                fp8g_promote_halves<BN>(acc, part, g0, g1, u0, u1);
             }
             if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
@@ -726,16 +712,16 @@ static CUtensorMap fp8g_tensor_map(const uint8_t *base, int64_t rows, int K, int
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
     if (CL == 2 && nx % 2) {
-        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1>(p, max_rows);
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG>;
     const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
@@ -745,7 +731,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(fp8g_ws<WG, PAIRS>::threads);
+    cfg.blockDim = dim3(fp8g_ws<WG>::threads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
@@ -763,11 +749,10 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
-// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 and 9 with two partial
-// sums a warpgroup and 4 or 6 stages (not yet run on a GPU); -1 (the default) 7 from 384
-// rows an expert on average, else 5 (the test's figures: 192-row tiles gain 6 to 10% on large
-// experts and lose 3 to 6% at 128 and 256 rows an expert). The experts' GEMM 1 (128 columns only)
-// takes 4 to 9 as they are (after copying its rows into grouped order), 1 as it is and the
+// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows; -1 (the default) 7 from 384
+// rows an expert on average, else 5 (the test's figures: 192-row tiles gain 4 to 6% on large
+// experts and lose 3 to 8% at 128 and 256 rows an expert). The experts' GEMM 1 (128 columns only)
+// takes 4 to 7 as they are (after copying its rows into grouped order), 1 as it is and the
 // others as 0.
 static int g_fp8g_config = -1;
 
@@ -806,8 +791,6 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, M); break;
     case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, M); break;
     case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, M); break;
-    case 8: fp8_grouped_gemm_ws_launch<4, false, 1, 2, true>(p, M); break;
-    case 9: fp8_grouped_gemm_ws_launch<6, false, 1, 2, true>(p, M); break;
     default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break; // 0
     }
 }
@@ -935,8 +918,6 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, n_pairs); break;
     case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, n_pairs); break;
     case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, n_pairs); break;
-    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 2, true>(p, n_pairs); break;
-    case 9: fp8_grouped_gemm_ws_launch<6, true, 1, 2, true>(p, n_pairs); break;
     default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
     }
 }

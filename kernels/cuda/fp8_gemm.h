@@ -22,7 +22,9 @@ size_t fp8_w8a8_scratch_bytes(int T, int64_t n_pairs, int D);
 // FP8 payload's formula), then for grouped row m (pair pairs[m] of token pairs[m] / K, expert e by
 // offsets [E + 1]) h[m, F] = silu(x gate_e^T) * (x up_e^T) in BF16, with w the experts' gate_up
 // codes [E, 2F, D] in the W8A16 layout (fp8_w8_pack64 per 64 k; x's codes are packed the same
-// way, so every product pairs the same k) and wsc their scales [E, D / 128, 2F].
+// way, so every product pairs the same k) and wsc their scales [E, D / 128, 2F] (equal over each
+// aligned group of 64 gate rows and of 64 up rows: 128 x 128 block scales repeated over their
+// rows).
 void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, const int32_t *pairs,
                       int K, const uint8_t *w, const float *wsc, const int32_t *offsets, int E,
                       int64_t n_pairs, unsigned char *scratch);
