@@ -73,7 +73,11 @@
 // so a lane's two columns of an n8 tile take two scales, one float2 load). The same boundaries at
 // every tile shape and batch: a token's rows are the same bits at any batch here too. The scales
 // are stored per weight row and 128-k block, [E, ceil(Kd / 128), rows], so gate and up rows keep
-// their own whatever F is.
+// their own whatever F is, and travel in the stages beside the codes (a float a row a k tile,
+// cp.async like them), so they are in shared memory when a 128-k block ends. Loaded from global
+// memory at that point instead, each k tile waited a round trip for them: H200, Qwen3-30B-A3B's
+// experts, medium (tests/test_cuda_moe --fp8, one call, % of the copy rate), T = 64 195.0 us
+// (74.2%) against 256.0 (56.9%), T = 16 131.2 us (72.1%), T = 1 23.9 us against 25.3.
 // One exception (fp8_gemm.h, fp8_w8a8_takes): in medium precision outside deterministic mode, at
 // 48 pairs an expert and more, GEMM 1 quantizes x per token per 128 channels and runs on the FP8
 // tensor cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h; those rows are other sums than
@@ -869,12 +873,14 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
 enum { WF_BF16 = 0, WF_NVFP4 = 1, WF_FP8 = 2 };
 
 // WF_NVFP4: a stage holds a B tile's codes [BN, BK / 2] and group scales [BN, BK / 16] (9/32 of
-// the BF16 bytes); WF_FP8: its codes [BN, BK] (half). Either way each lane decodes its own
-// fragments from them (the header).
+// the BF16 bytes); WF_FP8: its codes [BN, BK] (half) and the block scale of each row, [BN] fp32
+// (a k tile lies in one 128-k block). Either way each lane decodes its own fragments from them
+// (the header).
 template <class C, int WF> struct moe_b_layout {
     static constexpr bool WQ = WF != WF_BF16;
     static constexpr int QROW = WF == WF_FP8 ? C::BK : C::BK / 2; // code bytes a B row per k tile
-    static constexpr int SROW = WF == WF_NVFP4 ? C::BK / 16 : 0;  // scale bytes a row per k tile
+    // scale bytes a row per k tile
+    static constexpr int SROW = WF == WF_NVFP4 ? C::BK / 16 : WF == WF_FP8 ? 4 : 0;
     static constexpr int QC = QROW / 16;                           // 16-byte code chunks a row
     static constexpr int QSTAGE = C::BN * (QROW + SROW);
     static constexpr size_t A_STAGE = (size_t)C::A_PARTS * C::BM * C::BK * 2;
@@ -1159,6 +1165,22 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             ws_k[it] = c * 64;
         }
     }
+    // W8: this thread's scale rows (r8_off: offset in the stage, -1 for none; r8_src: the row's
+    // scale at 128-k block 0, the next block w_rows floats on; NULL past the last column: zeros)
+    constexpr int S8I = W8 ? (BN + C::threads - 1) / C::threads : 1;
+    const float *r8_src[S8I];
+    int r8_off[S8I];
+    if constexpr (W8) {
+        const int64_t nkb = (a.Kd + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+        const float *s_e = reinterpret_cast<const float *>(a.wsf) + (int64_t)e * nkb * w_rows;
+#pragma unroll
+        for (int it = 0; it < S8I; it++) {
+            const int r = tid + it * C::threads;
+            const int wrow = r < BN ? b_row(r) : -1;
+            r8_src[it] = wrow >= 0 ? s_e + wrow : nullptr;
+            r8_off[it] = r < BN ? BN * BL::QROW + r * 4 : -1;
+        }
+    }
     auto load_b = [&](int slot, int kt) {
         if constexpr (WQ) {
             const int kb = (kt0 + kt) * BK;
@@ -1174,6 +1196,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 if (ws_off[it] < 0) continue;
                 const bool ok = ws_src[it] && kb + ws_k[it] < a.Kd;
                 cp_async4(q0 + ws_off[it], ok ? ws_src[it] + kt * (BK / 16) : a.wsf, ok ? 4 : 0);
+            }
+#pragma unroll
+            for (int it = 0; it < (W8 ? S8I : 0); it++) {
+                if (r8_off[it] < 0) continue;
+                const bool ok = r8_src[it] && kb < a.Kd;
+                cp_async4(q0 + r8_off[it],
+                          ok ? r8_src[it] + (int64_t)(kb / QUANT_FP8_BLOCK) * w_rows
+                             : reinterpret_cast<const float *>(a.wsf),
+                          ok ? 4 : 0);
             }
             return;
         }
@@ -1198,19 +1229,6 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
             for (int q = 0; q < 4; q++)
                 acc[mi][ni][q] = tot[mi][ni][q] = 0.0f;
-    // W8: the scales of this lane's two columns (weight rows) of n8 tile ni at 128-k block 0,
-    // the next block w_rows floats on (NULL past the last column)
-    const float *w8_s[W8 ? NI : 1];
-    if constexpr (W8) {
-        const int64_t nkb = (a.Kd + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
-        const float *s_e = reinterpret_cast<const float *>(a.wsf) + (int64_t)e * nkb * w_rows;
-#pragma unroll
-        for (int ni = 0; ni < NI; ni++) {
-            const int wrow = b_row(wn * C::WN + ni * 8 + 2 * (lane & 3));
-            w8_s[ni] = wrow >= 0 ? s_e + wrow : nullptr;
-        }
-    }
-
     // Prologue: STAGES - 1 k tiles in flight. GEMM 2 issues its weights before waiting for h
     // (one more commit group: [B 0..S-2], [A 0], ..., [A S-2]); either way k tile kt is complete
     // once all but the newest STAGES - 2 groups are.
@@ -1302,7 +1320,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             cp_async_commit();
 
             const int slot = kt % STAGES;
-            // W8: does this k tile end a 128-k block (or Kd)? Then its scales, requested now and
+            // W8: does this k tile end a 128-k block (or Kd)? Then the scales of this lane's two
+            // columns (weight rows) of each n8 tile, from the stage (zeros past the last column),
             // used after the tile's products.
             const int k_end = (kt0 + kt + 1) * BK;
             const bool w8_end = W8 && (k_end % QUANT_FP8_BLOCK == 0 || kt + 1 == nk);
@@ -1310,12 +1329,14 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             (void)w8_end;
             (void)w8_sc;
             if constexpr (W8) {
-                const int64_t at = (int64_t)((k_end - 1) / QUANT_FP8_BLOCK) * w_rows;
+                if (w8_end) {
+                    const uint32_t sc0 = sB + slot * BL::QSTAGE + BN * BL::QROW;
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++)
-                    w8_sc[ni] = w8_end && w8_s[ni]
-                                    ? __ldg(reinterpret_cast<const float2 *>(w8_s[ni] + at))
-                                    : make_float2(0.0f, 0.0f);
+                    for (int ni = 0; ni < NI; ni++)
+                        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                                     : "=f"(w8_sc[ni].x), "=f"(w8_sc[ni].y)
+                                     : "r"(sc0 + (wn * C::WN + ni * 8 + 2 * (lane & 3)) * 4));
+                }
             }
             const uint32_t a_base = sA + slot * AP * BM * BK * 2;
             const uint32_t b_base = sB + slot * BN * BK * 2; // (not WQ)
