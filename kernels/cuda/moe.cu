@@ -885,7 +885,7 @@ template <class C, int WF> struct moe_b_layout {
     static constexpr int QSTAGE = C::BN * (QROW + SROW);
     static constexpr size_t A_STAGE = (size_t)C::A_PARTS * C::BM * C::BK * 2;
     // WQ: as many stages as the BF16 shape's shared memory holds, up to twice its count: a stage
-    // carries a third of the bytes or less, and at decode sizes the bytes in flight set the rate
+    // carries about half of the bytes or less, and at decode sizes the bytes in flight set the rate
     static constexpr int STAGES =
         WQ ? (int)(C::smem / (A_STAGE + QSTAGE) < 2 * C::STAGES ? C::smem / (A_STAGE + QSTAGE)
                                                                   : 2 * C::STAGES)
