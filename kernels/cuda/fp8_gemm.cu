@@ -150,24 +150,15 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
 }
 
 // A warpgroup's products of one k tile: the four m64nBNk32 of the stage's A rows (da) and B rows
-// (db) into part, a fresh sum, committed as one group and left running.
+// (db) into part, a fresh sum, waited for.
 template <int BN>
-__device__ __forceinline__ void fp8g_issue(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int k = 0; k < FP8G_BK / 32; k++)
         fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// until at most N of this warpgroup's groups are still running
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// fp8g_issue, waited for
-template <int BN>
-__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
-    fp8g_issue<BN>(part, da, db);
-    wgmma_wait<0>();
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
 // part into the totals: acc += part sa[row] sb[column], with the stage's scales ssa (the tile's
