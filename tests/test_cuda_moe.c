@@ -231,6 +231,7 @@ static double now_s(void) {
 /* kernels/cuda/fp8_gemm.cu, for tests: whether GEMM 1 of FP8 experts takes the FP8 tensor cores
  * for n_pairs pairs over E experts of shape D, F, at the precision and mode in force */
 int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
+int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -543,13 +544,18 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
 
         /* batch invariance: the last token alone gives the same bits as its rows in the batch.
          * Where the batch's GEMM 1 ran on the FP8 tensor cores (medium precision at prefill sizes,
-         * outside deterministic mode: other sums than the token alone's W8A16 tiles), it stays
-         * within the tolerance of them instead. */
+         * outside deterministic mode: other sums than the token alone's W8A16 tiles), or its GEMMs
+         * on wgmma in high precision (two chains, hi and lo, added at the end), it stays within
+         * the tolerance of them instead. Medium's wgmma sums are the mma.sync tiles' bit for bit.
+         */
         if (T > 1) {
             float *one = xmalloc((size_t)K * D * sizeof(float));
             gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
             const float *row = out + (size_t)(T - 1) * K * D;
-            if (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) {
+            const bool other_sums = (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
+                                    (!m->quantized && p == MATMUL_PRECISION_HIGH &&
+                                     cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1));
+            if (other_sums) {
                 double r2 = 0.0, mx = 0.0;
                 for (size_t i = 0; i < (size_t)K * D; i++) {
                     const double d = fabs((double)one[i] - row[i]);
@@ -558,8 +564,8 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                 }
                 const double rms = sqrt(r2 / ((double)K * D));
                 CHECK(mx <= tol * rms,
-                      "%s %s T=%d %s: token T-1 alone %.3g * rms from its rows in the batch (FP8 "
-                      "GEMM 1 there; tolerance %.3g)",
+                      "%s %s T=%d %s: token T-1 alone %.3g * rms from its rows in the batch "
+                      "(other sums there; tolerance %.3g)",
                       m->name, pn, T, route_name[mode], rms > 0 ? mx / rms : mx, tol);
             } else {
                 CHECK(memcmp(one, row, (size_t)K * D * sizeof(float)) == 0,
@@ -956,6 +962,25 @@ static void test_small(void) {
     }
 }
 
+/* Batches the wgmma kernel takes (bf16_gemm.cu: more than 96 pairs an expert) on a model of a few
+ * experts: several row tiles an expert and a short last one, skipped slots, every pair on one
+ * expert (the others empty), an expert's rows straddling the tiles of 128; against the CPU, and
+ * in medium bit for bit against the token alone (mma.sync tiles). */
+static void test_wgmma(void) {
+    model m;
+    model_init(&m, "wgmma-6x512x256", 6, 512, 256, 2, DTYPE_BF16);
+    if (model_prepare(&m) == 0) {
+        const int64_t n = 400 * 2;
+        CHECK(cuda_moe_bf16_wgmma(n, 6, 512, 256, 0) && cuda_moe_bf16_wgmma(n, 6, 512, 256, 1),
+              "the wgmma kernel takes %lld pairs over 6 experts", (long long)n);
+        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, true, NULL);
+        run_case(&m, 1000, ROUTE_RANDOM, 0.2, 64, false, NULL);
+        run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+        run_case(&m, 1500, ROUTE_BALANCED, 0.1, 32, false, NULL);
+    }
+    model_free(&m);
+}
+
 /* moe_experts_n: rows 0..n-1 of a batch bounded by T, n on the device (the all-to-all's received
  * count), in both precisions: the rows below n are moe_experts' of those n rows bit for bit, the
  * rows from n on keep the sentinel (their ids are never read: they hold out-of-range garbage). */
@@ -1021,7 +1046,7 @@ static void time_model(const model *m, int max_T) {
     int Tt[16], n = 0;
     for (int T = 1; T < m->E / m->K; T *= 2)
         Tt[n++] = T;
-    for (int i = 0; i <= 6; i++)
+    for (int i = 0; i <= 7; i++) /* up to 128 pairs an expert (the wgmma kernel's sizes) */
         Tt[n++] = m->E / m->K << i;
     for (int i = 0; i < n; i++)
         if (!max_T || Tt[i] <= max_T)
@@ -1363,6 +1388,7 @@ int main(int argc, char **argv) {
         test_prepare_errors();
         test_small();
         test_tiny();
+        test_wgmma();
         if (!timing_deepseek) test_nvfp4(false);
         if (!timing_deepseek) test_fp8(false);
     }

@@ -23,10 +23,10 @@
 // products in one tensor-core sum. The blocks of a row of tiles run side by side (n fastest), so
 // a tile of A is read from L2 by all its column blocks.
 //
-// Smem layout of a tile (A or B, 128 rows of 128 bytes): row r at 128 r, its 16-byte chunk c at
-// chunk c ^ (r % 8): the 128-byte swizzle the wgmma descriptors name (layout type 1), with the
-// tile 1024-byte aligned. A descriptor starts at the warpgroup's first row; stepping k by 32
-// (one instruction) adds 32 bytes to the start address, inside the swizzled row.
+// Smem layout of a tile (A or B, 128 rows of 128 bytes; hopper.cuh): row r at 128 r, its 16-byte
+// chunk c at chunk c ^ (r % 8): the 128-byte swizzle the wgmma descriptors name (layout type 1),
+// with the tile 1024-byte aligned. A descriptor starts at the warpgroup's first row; stepping k by
+// 32 (one instruction) adds 32 bytes to the start address, inside the swizzled row.
 //
 // The CPU reference is the test's (tests/test_cuda_fp8_gemm.c): the same sum in fp64 on the
 // decoded codes (kernels/quant.h's fp8_e4m3_to_float) times the scales.
@@ -75,6 +75,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm_common.cuh"
+#include "kernels/cuda/hopper.cuh"
 #include "kernels/quant.h"
 
 #define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
@@ -88,14 +89,6 @@
 template <int BN, int BM = FP8G_BM> struct fp8g_stage {
     static constexpr int bytes = BM * FP8G_BK + BN * FP8G_BK + ((BM + BN) * 4 + 1023) / 1024 * 1024;
 };
-
-// The wgmma descriptor of a K-major tile with the 128-byte swizzle at shared address addr: start
-// address >> 4 (bits 0-13), leading byte offset 1 (unused by this layout), stride byte offset
-// 1024 >> 4 between groups of eight rows (bits 32-45), layout type 1 (bits 62-63).
-__device__ __forceinline__ uint64_t fp8g_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
-           (uint64_t)1 << 62;
-}
 
 // d (+)= A[64 x 32] B[BN x 32]^T, fp32 accumulators in the m64nBN fragment layout; accumulate 0
 // starts the sum afresh.
@@ -230,36 +223,9 @@ __device__ __forceinline__ void fp8g_store_h(__nv_bfloat16 *h, const float (&acc
     }
 }
 
-// A warp's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
-// tiles of bm: {expert, its first grouped row} in every lane, or expert -1 past the last tile.
-// It counts the experts' tiles 32 experts at a time.
-__device__ __forceinline__ int2 fp8g_tile(const int32_t *offsets, int E, int y, int bm = FP8G_BM) {
-    const int lane = threadIdx.x & 31;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-        const int e = e0 + lane;
-        int lo = 0, n = 0;
-        if (e < E) {
-            lo = __ldg(&offsets[e]);
-            n = (__ldg(&offsets[e + 1]) - lo + bm - 1) / bm;
-        }
-        int incl = n; // tiles of experts e0 .. e
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
-        if (hit) {
-            const int l = __ffs(hit) - 1, first = lo + (y - (incl - n)) * bm;
-            return make_int2(e0 + l, __shfl_sync(0xffffffffu, first, l));
-        }
-        y -= __shfl_sync(0xffffffffu, incl, 31);
-    }
-    return make_int2(-1, 0);
-}
-
 // warp 0's fp8g_tile into s_tile {expert, first row}
 __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
-    const int2 t = fp8g_tile(offsets, E, y);
+    const int2 t = group_tile(offsets, E, y, FP8G_BM);
     if ((threadIdx.x & 31) == 0) s_tile[0] = t.x, s_tile[1] = t.y;
 }
 
@@ -385,7 +351,8 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
         if (kb + STAGES - 1 < nkb) load((kb + STAGES - 1) % STAGES, kb + STAGES - 1);
         cp_async_commit();
 
-        fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128), fp8g_desc(stage_b(s)));
+        fp8g_products<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                          wgmma_desc_sw128(stage_b(s)));
         const float *ssa = reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES +
                                                            FP8G_TILE_BYTES + BN * FP8G_BK);
         fp8g_promote<BN>(acc, part, ssa, ssa + FP8G_BM, r0, r1, c0);
@@ -437,59 +404,6 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // of 4096 tokens of Qwen3-30B-A3B, ncu), where the copy into grouped order and A by TMA take
 // (see fp8_w8a8_gate_up).
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// one arrival that also announces bytes the phase waits for
-__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-// until the phase of bar with this parity has completed (a fresh barrier: parity 1 at once)
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-    asm volatile("{\n"
-                 ".reg .pred P1;\n"
-                 "WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-                 "@P1 bra DONE;\n"
-                 "bra WAIT;\n"
-                 "DONE:\n"
-                 "}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-// one arrival on the barrier at bar's offset in the shared memory of cluster block rank
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, int rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-// every thread of the cluster's blocks
-__device__ __forceinline__ void cluster_sync_all() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
-}
-// the box of map at (column x, row y) into shared memory at dst, its bytes counted on bar
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y,
-                                            uint32_t bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-                 : "memory");
-}
-// the same box into dst and bar's offsets in the shared memory of each cluster block in mask
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int x,
-                                                      int y, uint32_t bar, uint16_t mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
-                 : "memory");
-}
-
 // WG consumer warpgroups, then the producer: one warp beside two consumer warpgroups; beside
 // three (configuration 7) a warpgroup, so that it can give its registers to the consumers
 // (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer.
@@ -498,14 +412,6 @@ template <int WG> struct fp8g_ws {
     static constexpr int threads = lend ? 128 * WG + 128 : 288;
     static constexpr int producer_regs = 32, consumer_regs = 160;
 };
-// setmaxnreg's count is an immediate
-template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
-}
-template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
-}
-
 // ta: a [M, K] in boxes of BM / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
 // the n-blocks of a row tile (CL 2: even).
 // CL 2 (configuration 6): clusters of two blocks on two neighbouring n-blocks of the same row
@@ -578,7 +484,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
                          : "memory");
         }
         for (int t = t0;; t += dt) {
-            const int2 tile = fp8g_tile(p.offsets, p.E, t / nxc, BM);
+            const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
             const int e = tile.x, m0 = tile.y;
             if (e < 0) break;
             const int rows = min(BM, __ldg(&p.offsets[e + 1]) - m0);
@@ -626,7 +532,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
         const int c0 = 2 * (lane & 3);
         for (int t = t0;; t += dt) {
-            const int2 tile = fp8g_tile(p.offsets, p.E, t / nxc, BM);
+            const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
             const int e = tile.x, m0 = tile.y;
             if (e < 0) break;
             const int rows = min(BM, __ldg(&p.offsets[e + 1]) - m0);
@@ -650,8 +556,8 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
             for (int kb = 0; kb < nkb; kb++, it++) {
                 const int s = it % STAGES;
                 mbar_wait(full(s), (it / STAGES) & 1);
-                fp8g_products<BN>(part, fp8g_desc(stage_a(s) + wg * 64 * 128),
-                                  fp8g_desc(stage_b(s)));
+                fp8g_products<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                                  wgmma_desc_sw128(stage_b(s)));
                 // the scales of rows r0 and r1 times each half's; then the stage is free
                 const float *ss = scales(s);
                 const float a0 = ss[r0], a1 = ss[r1], b0 = ss[BM], b1 = ss[BM + 1];
@@ -667,38 +573,6 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
     }
     // no block leaves while the other may still write into it or arrive on its barriers
     if constexpr (CL == 2) cluster_sync_all();
-}
-
-// The tensor map of a K-major byte matrix [rows, K] (K % 128 == 0, 16-byte aligned) in boxes of
-// 128 bytes x box_rows rows with the 128-byte swizzle; rows past the last read as zeros.
-static CUtensorMap fp8g_tensor_map(const uint8_t *base, int64_t rows, int K, int box_rows) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-    if (!encode) {
-        void *fn = NULL;
-        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
-                                                                 12000, cudaEnableDefault, &q);
-        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
-            cuda_fail(__FILE__, __LINE__,
-                      "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
-                      err != cudaSuccess ? cudaGetErrorString(err) : "the driver lacks it");
-        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
-    CUtensorMap map;
-    const cuuint64_t dim[2] = {(cuuint64_t)K, (cuuint64_t)rows};
-    const cuuint64_t stride[1] = {(cuuint64_t)K};
-    const cuuint32_t box[2] = {FP8G_BK, (cuuint32_t)box_rows}, unit[2] = {1, 1};
-    const CUresult r =
-        encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dim, stride, box, unit,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        char msg[96];
-        snprintf(msg, sizeof msg, "CUresult %d for %lld rows x %d bytes", (int)r, (long long)rows,
-                 K);
-        cuda_fail(__FILE__, __LINE__, "cuTensorMapEncodeTiled", msg);
-    }
-    return map;
 }
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
@@ -717,8 +591,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
     MS_ASSERT(!p.a_rows);
-    const CUtensorMap ta = fp8g_tensor_map(p.a, max_rows, p.K, BM / CL);
-    const CUtensorMap tb = fp8g_tensor_map(p.b, (int64_t)p.E * p.N, p.K, GATE_UP ? 64 : 128);
+    const CUtensorMap ta = tma_map_rows(p.a, max_rows, p.K, BM / CL);
+    const CUtensorMap tb = tma_map_rows(p.b, (int64_t)p.E * p.N, p.K, GATE_UP ? 64 : 128);
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};

@@ -184,9 +184,10 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "kernels/cuda/gemm_common.cuh"
+#include "kernels/cuda/bf16_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/gemm_common.cuh"
 #include "kernels/quant.h"
 
 namespace cg = cooperative_groups;
@@ -1736,15 +1737,25 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (BM - 1)) / BM);
 
     // after the prepare kernel's outputs, h [AP, n_pairs, F]: the hi parts, then (high) the lo;
-    // then, where GEMM 1 runs on the FP8 tensor cores, x's codes and scales
+    // then, where GEMM 1 runs on the FP8 tensor cores, x's codes and scales, or where both GEMMs
+    // run on wgmma, x's BF16 rows in grouped order
     const size_t AP = C::A_PARTS;
     const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, AP, T, D);
     const size_t o_h = l.end;
     const bool w8a8 = WF == WF_FP8 && !C::SPLIT && fp8_w8a8_takes(n_pairs, E, D, F);
+    const bool wgmma = WF == WF_BF16 && bf16_wgmma_takes(n_pairs, E, D, F, C::SPLIT);
     const size_t o_q = align256(o_h + AP * n_pairs * F * 2);
-    const size_t total = w8a8 ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D)) : o_q;
+    const size_t total = w8a8    ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D))
+                         : wgmma ? align256(o_q + bf16_wgmma_scratch_bytes(n_pairs, D, C::SPLIT))
+                                 : o_q;
     unsigned char *ws = moe_workspace(total);
     const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, topk_ids, T, K, D, E, BM, n_rows);
+    if (wgmma) { // both GEMMs on wgmma (bf16_gemm.cu), from the same prepared inputs
+        bf16_wgmma_experts(out, p.xb, T, p.pairs, p.offsets, K, (const bf16 *)w->gate_up,
+                           (const bf16 *)w->down_all, E, D, F, n_pairs, C::SPLIT,
+                           (bf16 *)(ws + o_h), ws + o_q);
+        return;
+    }
 
     moe_gemm_args g = {};
     g.tiles = p.tiles;

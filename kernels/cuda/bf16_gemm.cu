@@ -1,0 +1,397 @@
+// BF16 grouped GEMM on Hopper's tensor cores (wgmma, sm_90a): the routed experts' two GEMMs at
+// prefill sizes, in place of moe.cu's mma.sync tiles there (bf16_gemm.h says when).
+//
+// The same inputs as moe.cu's grouped path: x in BF16 (high: and its lo part), the pairs grouped
+// by expert (offsets [E + 1] on the device), the experts' BF16 weights gate_up [E, 2F, D] and down
+// [E, D, F]. GEMM 1 writes h = silu(x gate^T) * (x up^T) in BF16 in grouped row order (high: h's
+// lo part after it), GEMM 2 writes each grouped row's D sums in fp32 to out's row of its pair.
+//
+// The sums. Medium precision: each output sums its k16 products in increasing k into one fp32
+// accumulator from zero, one wgmma m64nNk16 a k16 step. A wgmma k16 step gives the same bits as
+// an mma.sync m16n8k16 on the same operands and accumulator (checked on the H200 over chains of
+// 64 and 2048 k with wide exponent ranges and cancellations, 140 cases, every output equal; the
+// test checks it through the experts), so these are moe.cu's sums bit for bit and a token's rows
+// stay the same at any batch size, deterministic mode included. High precision: two chains, the
+// hi parts' products into one accumulator and the lo parts' into another, added once at the end
+// (moe.cu adds each k16 step's lo product into the one accumulator in fp32, which a wgmma
+// pipeline cannot do without waiting on every step). The error is of the same order (the lo
+// chain's own truncations are 2^-8 smaller), but the bits differ from the mma.sync tiles', so in
+// high this kernel is used outside deterministic mode only.
+//
+// Shape: a block is a persistent producer warp (TMA) and two consumer warpgroups of 64 rows each
+// on tiles of 128 rows x BN columns (medium BN 256, high 128: the accumulators of both chains must
+// fit), a ring of stages of 64 k (one 128-byte swizzled row per tile row, hopper.cuh's layout),
+// each stage's A tile (high: its hi and lo tiles) and B tile copied by TMA. A consumer issues a
+// stage's four wgmma k16 steps, commits, and frees the stage before it once those have
+// completed (wait_group 1), so the tensor cores always hold a stage's work. GATE_UP: the B tile's
+// first BN / 2 rows are gate rows and its last BN / 2 the matching up rows, so a thread holds the
+// gate and the up sum of the same h element (n8 groups j and j + BN / 16).
+// A's rows must be in grouped order for the TMA (it cannot gather): GEMM 1 first copies x's BF16
+// rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/log.h"
+#include "kernels/cuda/bf16_gemm.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm_common.cuh"
+#include "kernels/cuda/hopper.cuh"
+
+#define BWG_BM      128 /* rows of a tile: two consumer warpgroups of 64 */
+#define BWG_BK      64  /* k of a stage: 128 bytes of BF16 */
+#define BWG_THREADS 288 /* two consumer warpgroups and the producer warp */
+
+// The tile configuration of a precision: columns, stages (each A tile 16 KiB, high two, and a B
+// tile of BN rows of 128 bytes; 192 KiB of stages either way).
+template <bool SPLIT> struct bwg_cfg {
+    static constexpr int BN = SPLIT ? 128 : 256;
+    static constexpr int A_PARTS = SPLIT ? 2 : 1;
+    static constexpr int A_BYTES = BWG_BM * 128, B_BYTES = BN * 128;
+    static constexpr int STAGE_BYTES = A_PARTS * A_BYTES + B_BYTES;
+    static constexpr int STAGES = 4;
+    static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
+    static_assert(smem <= 227 * 1024, "shared memory of one block");
+};
+
+// d += A[64 x 16] B[N x 16]^T, fp32 accumulators in the m64nN fragment layout (scale-d 1: the
+// accumulators start at zero in registers, so the first step adds to +0 as mma.sync's does).
+template <int N>
+__device__ __forceinline__ void bwg_wgmma(float (&d)[N / 2], uint64_t da, uint64_t db);
+template <>
+__device__ __forceinline__ void bwg_wgmma<128>(float (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db));
+}
+
+template <>
+__device__ __forceinline__ void bwg_wgmma<256>(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "
+        "%111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
+        "%127"
+        "}, %128, %129, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+          "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+          "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+          "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+          "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+          "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+          "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db));
+}
+
+// The kernel's arguments. Grouped row m (expert e: offsets[e] <= m < offsets[e + 1]) reads A's row
+// m (high: and row a_lo + m, its lo part) and expert e's B rows (b [E, N, K]: GATE_UP's N = 2F,
+// F gate rows then F up rows). GATE_UP writes h [*, N / 2] BF16 in grouped order (high: the lo
+// parts from h + h_lo); otherwise out's row pairs[m] gets the N sums in fp32.
+typedef struct {
+    float *out;
+    __nv_bfloat16 *h;
+    int64_t h_lo;
+    const int32_t *pairs;
+    const int32_t *offsets;
+    int a_lo;
+    int E, N, K;
+} bwg_args;
+
+// Block b takes tiles t = b, b + gridDim.x, ...: n-block t % nx of row tile t / nx (the blocks at
+// work at once share A's row tiles and B's expert); the ring runs on across its tiles.
+// ta: A [rows, K] BF16 in boxes of 128 rows; tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows.
+template <bool SPLIT, bool GATE_UP>
+__global__ void __launch_bounds__(BWG_THREADS, 1)
+    bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
+                             const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
+    typedef bwg_cfg<SPLIT> C;
+    constexpr int BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
+    extern __shared__ __align__(16) unsigned char bwg_smem[];
+    __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int N = p.N, nkb = p.K / BWG_BK;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    auto full = [&](int s) { return bar0 + 8 * s; };
+    auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full(s), 1);  // the producer's arrival with the bytes
+            mbar_init(empty(s), 8); // the consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(bwg_smem);
+    const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
+    auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; }; // then the lo tile (high)
+    auto stage_b = [&](int s) { return stage_a(s) + C::A_PARTS * C::A_BYTES; };
+    const int n_cols = GATE_UP ? BN / 2 : BN; // output columns of a tile (GATE_UP: h's)
+    int it = 0; // the k tiles this thread's role has gone through, over all the block's tiles
+
+    if (warp == 8) { // the producer: lane 0 copies, the warp searches the tiles (group_tile)
+        if (lane == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta))
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
+                         : "memory");
+        }
+        for (int t = blockIdx.x;; t += gridDim.x) {
+            const int2 tile = group_tile(p.offsets, p.E, t / nx, BWG_BM);
+            if (tile.x < 0) break;
+            const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
+            const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
+            for (int kb = 0; kb < nkb && lane == 0; kb++, it++) {
+                const int s = it % STAGES, kx = kb * 128; // k in bytes
+                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
+                mbar_arrive_tx(full(s), STAGE_BYTES);
+                tma_load_2d(stage_a(s), &ta, kx, m0, full(s));
+                if (SPLIT) tma_load_2d(stage_a(s) + C::A_BYTES, &ta, kx, p.a_lo + m0, full(s));
+                if (GATE_UP) {
+                    tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
+                    tma_load_2d(stage_b(s) + BN / 2 * 128, &tb, kx, b_row + N / 2, full(s));
+                } else {
+                    tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
+                }
+            }
+            __syncwarp();
+        }
+        return;
+    }
+    // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
+    const int wg = warp >> 2;
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+    // this warp is done with stage s (its wgmma have completed): lane 0 tells the producer
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    };
+    for (int t = blockIdx.x;; t += gridDim.x) {
+        const int2 tile = group_tile(p.offsets, p.E, t / nx, BWG_BM);
+        if (tile.x < 0) break;
+        const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
+        const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
+        if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
+            for (int kb = 0; kb < nkb; kb++, it++) {
+                mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                release(it % STAGES);
+            }
+            continue;
+        }
+        float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            acc[i] = 0.0f;
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++)
+                acl[i] = 0.0f;
+        }
+        for (int kb = 0; kb < nkb; kb++, it++) {
+            const int s = it % STAGES;
+            mbar_wait(full(s), (it / STAGES) & 1);
+            const uint64_t da = wgmma_desc_sw128(stage_a(s) + wg * 64 * 128);
+            const uint64_t db = wgmma_desc_sw128(stage_b(s));
+            const uint64_t dl = wgmma_desc_sw128(stage_a(s) + C::A_BYTES + wg * 64 * 128);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int k = 0; k < BWG_BK / 16; k++) { // + 32 bytes a k16 step: 2 in the address
+                bwg_wgmma<BN>(acc, da + 2 * k, db + 2 * k);
+                if constexpr (SPLIT) bwg_wgmma<BN>(acl, dl + 2 * k, db + 2 * k);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // the k tile before this one has completed: its stage is free
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            if (kb > 0) release((it - 1) % STAGES);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        release((it - 1) % STAGES);
+
+        // the sums of rows r0 and r1 (those below rows), columns n0 + 8 j + c0 and + 1
+        auto sum = [&](int i) {
+            if constexpr (SPLIT)
+                return __fadd_rn(acc[i], acl[i]);
+            else
+                return acc[i];
+        };
+        if constexpr (GATE_UP) {
+            const int F = N / 2;
+#pragma unroll
+            for (int j = 0; j < BN / 16; j++) {
+                const int col = n0 + 8 * j + c0, u = 4 * (j + BN / 16);
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) {
+                    const int r = hr ? r1 : r0;
+                    if (r >= rows) continue;
+                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
+                    const float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
+                    const float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
+                    if constexpr (SPLIT) {
+                        uint32_t hi, lo;
+                        split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
+                        *reinterpret_cast<uint32_t *>(dst) = hi;
+                        *reinterpret_cast<uint32_t *>(dst + p.h_lo) = lo;
+                    } else {
+                        *reinterpret_cast<uint32_t *>(dst) =
+                            pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int r = hr ? r1 : r0;
+                if (r >= rows) continue;
+                float *dst = p.out + (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++)
+                    *reinterpret_cast<float2 *>(dst + 8 * j) =
+                        make_float2(sum(4 * j + 2 * hr), sum(4 * j + 2 * hr + 1));
+            }
+        }
+    }
+}
+
+// Grouped row m < offsets[E] of xg [AP, n, D] = the row of its pair's token in xb [AP, T, D] (high:
+// the lo parts after the hi ones in both). A block a row, 16 bytes a thread.
+__global__ void bwg_gather_kernel(__nv_bfloat16 *xg, const __nv_bfloat16 *xb, int T, int D,
+                                  const int32_t *pairs, const int32_t *offsets, int E, int topk,
+                                  int parts) {
+    const int64_t m = blockIdx.x, n = gridDim.x;
+    if (m >= __ldg(&offsets[E])) return;
+    const int64_t t = __ldg(&pairs[m]) / topk;
+    for (int part = 0; part < parts; part++) {
+        const uint4 *src = reinterpret_cast<const uint4 *>(xb + (part * (int64_t)T + t) * D);
+        uint4 *dst = reinterpret_cast<uint4 *>(xg + (part * n + m) * D);
+        for (int i = threadIdx.x; i < D / 8; i += blockDim.x)
+            dst[i] = __ldg(&src[i]);
+    }
+}
+
+static int wgmma_env() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MOESERVE_WGMMA");
+        on = !(e && strcmp(e, "0") == 0);
+    }
+    return on;
+}
+
+// Pairs an expert from which the wgmma kernel takes the experts (moe.cu's prefill tiles from 96).
+#define BWG_MIN_PAIRS_PER_EXPERT 96
+
+bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+    const int BN = split ? bwg_cfg<true>::BN : bwg_cfg<false>::BN;
+    return n_pairs > BWG_MIN_PAIRS_PER_EXPERT * (int64_t)E && E > 0 && D > 0 && F > 0 &&
+           D % BN == 0 && F % (BN / 2) == 0 && F % BWG_BK == 0 && D % BWG_BK == 0 &&
+           (!split || !ops_cuda_deterministic()) && wgmma_env();
+}
+
+extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
+    return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
+}
+
+size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
+    return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
+}
+
+template <bool SPLIT, bool GATE_UP>
+static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
+                       int64_t max_rows) {
+    typedef bwg_cfg<SPLIT> C;
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP>;
+    static size_t attr_set = 0;
+    cuda_smem_allow(kernel, C::smem, &attr_set);
+    static int sms = 0;
+    if (!sms) CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
+    const int64_t tiles = (int64_t)nx * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
+    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    kernel<<<grid, BWG_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
+    CUDA_CHECK_LAUNCH();
+}
+
+template <bool SPLIT>
+static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                        const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
+                        const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs,
+                        __nv_bfloat16 *h, __nv_bfloat16 *xg) {
+    typedef bwg_cfg<SPLIT> C;
+    const int parts = C::A_PARTS;
+    bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
+                                                                    K, parts);
+    CUDA_CHECK_LAUNCH();
+    bwg_args p = {};
+    p.h = h;
+    p.h_lo = SPLIT ? n_pairs * F : 0;
+    p.pairs = pairs;
+    p.offsets = offsets;
+    p.a_lo = (int)n_pairs;
+    p.E = E;
+    // GEMM 1: A = xg [parts n, D], B = gate_up [E 2F, D] in boxes of BN / 2 rows
+    p.N = 2 * F;
+    p.K = D;
+    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
+    const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+    bwg_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
+    // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
+    p.out = out;
+    p.N = D;
+    p.K = F;
+    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
+    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
+    bwg_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
+}
+
+void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                        const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
+                        const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
+                        __nv_bfloat16 *h, unsigned char *scratch) {
+    MS_ASSERT(((uintptr_t)xb & 15) == 0 && ((uintptr_t)h & 15) == 0 &&
+              ((uintptr_t)scratch & 255) == 0 && ((uintptr_t)gate_up & 15) == 0 &&
+              ((uintptr_t)down & 15) == 0 && ((uintptr_t)out & 7) == 0);
+    if (n_pairs <= 0) return;
+    __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
+    if (split)
+        bwg_experts<true>(out, xb, T, pairs, offsets, K, gate_up, down, E, D, F, n_pairs, h, xg);
+    else
+        bwg_experts<false>(out, xb, T, pairs, offsets, K, gate_up, down, E, D, F, n_pairs, h, xg);
+}

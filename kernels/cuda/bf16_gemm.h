@@ -1,0 +1,26 @@
+// The BF16 wgmma grouped GEMM's way into the routed experts (kernels/cuda/bf16_gemm.cu), for
+// moe.cu: CUDA C++ only. Tests ask cuda_moe_bf16_wgmma (cuda_ops.h) whether it runs a call.
+#ifndef MOESERVE_KERNELS_CUDA_BF16_GEMM_H
+#define MOESERVE_KERNELS_CUDA_BF16_GEMM_H
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+// Whether the experts' two GEMMs of n_pairs (token, expert) pairs over E local experts of BF16
+// weights (D hidden, F expert width) take the wgmma kernel: more than 96 pairs an expert on
+// average, D and F multiples of the tiles (medium: D % 256, F % 128; high: D % 128, F % 64), in
+// high precision (split) outside deterministic mode only, unless MOESERVE_WGMMA=0.
+bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
+// The scratch bf16_wgmma_experts needs: x's BF16 rows (high: and their lo parts) in grouped order.
+size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split);
+// Both GEMMs from moe.cu's prepared inputs: xb [AP, T, D] (x in BF16, split: then its lo parts),
+// pairs [n_pairs] grouped by expert by offsets [E + 1]; h [AP, n_pairs, F] the hidden rows in
+// grouped order (written); out [T K, D] fp32, row p for pair p (skipped pairs untouched).
+void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                        const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
+                        const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
+                        __nv_bfloat16 *h, unsigned char *scratch);
+
+#endif

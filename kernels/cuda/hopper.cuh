@@ -1,0 +1,149 @@
+// Hopper pieces shared by the wgmma GEMMs (fp8_gemm.cu, bf16_gemm.cu): the shared-memory
+// descriptor of a 128-byte-swizzled K-major tile, mbarriers, TMA tile copies and their tensor
+// maps, register reallocation between warpgroups, and the search for a grouped GEMM's row tile.
+// sm_90a; CUDA C++ only.
+#ifndef MOESERVE_KERNELS_CUDA_HOPPER_CUH
+#define MOESERVE_KERNELS_CUDA_HOPPER_CUH
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "kernels/cuda/cuda_ops.h"
+
+// Smem layout of a tile (128-byte rows): row r at 128 r, its 16-byte chunk c at chunk c ^ (r % 8),
+// the tile 1024-byte aligned: the 128-byte swizzle that TMA writes and the descriptors name.
+// The wgmma descriptor of a K-major tile with the 128-byte swizzle at shared address addr: start
+// address >> 4 (bits 0-13), leading byte offset 1 (unused by this layout), stride byte offset
+// 1024 >> 4 between groups of eight rows (bits 32-45), layout type 1 (bits 62-63).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+// A warp's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
+// tiles of bm: {expert, its first grouped row} in every lane, or expert -1 past the last tile.
+// It counts the experts' tiles 32 experts at a time.
+__device__ __forceinline__ int2 group_tile(const int32_t *offsets, int E, int y, int bm) {
+    const int lane = threadIdx.x & 31;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        int lo = 0, n = 0;
+        if (e < E) {
+            lo = __ldg(&offsets[e]);
+            n = (__ldg(&offsets[e + 1]) - lo + bm - 1) / bm;
+        }
+        int incl = n; // tiles of experts e0 .. e
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, y < incl && y >= incl - n && n > 0);
+        if (hit) {
+            const int l = __ffs(hit) - 1, first = lo + (y - (incl - n)) * bm;
+            return make_int2(e0 + l, __shfl_sync(0xffffffffu, first, l));
+        }
+        y -= __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return make_int2(-1, 0);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// one arrival that also announces bytes the phase waits for
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// until the phase of bar with this parity has completed (a fresh barrier: parity 1 at once)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n"
+                 ".reg .pred P1;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\n"
+                 "bra WAIT;\n"
+                 "DONE:\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+// one arrival on the barrier at bar's offset in the shared memory of cluster block rank
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, int rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// every thread of the cluster's blocks
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+// the box of map at (column x, row y) into shared memory at dst, its bytes counted on bar
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y,
+                                            uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+}
+// the same box into dst and bar's offsets in the shared memory of each cluster block in mask
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int x,
+                                                      int y, uint32_t bar, uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+                 : "memory");
+}
+
+// setmaxnreg's count is an immediate
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
+}
+
+// The tensor map of a row-major byte matrix [rows, row_bytes] (row_bytes % 128 == 0, 16-byte
+// aligned) in boxes of 128 bytes x box_rows rows with the 128-byte swizzle; rows past the last
+// read as zeros. (A BF16 matrix is a byte matrix of twice its width: a box holds 64 of its k.)
+static inline CUtensorMap tma_map_rows(const void *base, int64_t rows, int64_t row_bytes,
+                                       int box_rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (!encode) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                                                 12000, cudaEnableDefault, &q);
+        if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+            cuda_fail(__FILE__, __LINE__,
+                      "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
+                      err != cudaSuccess ? cudaGetErrorString(err) : "the driver lacks it");
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    CUtensorMap map;
+    const cuuint64_t dim[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows};
+    const cuuint64_t stride[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {128, (cuuint32_t)box_rows}, unit[2] = {1, 1};
+    const CUresult r =
+        encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dim, stride, box,
+               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "CUresult %d for %lld rows x %lld bytes", (int)r, (long long)rows,
+                 (long long)row_bytes);
+        cuda_fail(__FILE__, __LINE__, "cuTensorMapEncodeTiled", msg);
+    }
+    return map;
+}
+
+#endif
