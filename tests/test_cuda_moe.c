@@ -971,8 +971,10 @@ static void test_wgmma(void) {
     model_init(&m, "wgmma-6x512x256", 6, 512, 256, 2, DTYPE_BF16);
     if (model_prepare(&m) == 0) {
         const int64_t n = 400 * 2;
-        CHECK(cuda_moe_bf16_wgmma(n, 6, 512, 256, 0) && cuda_moe_bf16_wgmma(n, 6, 512, 256, 1),
-              "the wgmma kernel takes %lld pairs over 6 experts", (long long)n);
+        const char *off = getenv("MOESERVE_WGMMA");
+        if (!(off && strcmp(off, "0") == 0))
+            CHECK(cuda_moe_bf16_wgmma(n, 6, 512, 256, 0) && cuda_moe_bf16_wgmma(n, 6, 512, 256, 1),
+                  "the wgmma kernel takes %lld pairs over 6 experts", (long long)n);
         run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, true, NULL);
         run_case(&m, 1000, ROUTE_RANDOM, 0.2, 64, false, NULL);
         run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);

@@ -27,7 +27,11 @@
 // first BN / 2 rows are gate rows and its last BN / 2 the matching up rows, so a thread holds the
 // gate and the up sum of the same h element (n8 groups j and j + BN / 16).
 // A's rows must be in grouped order for the TMA (it cannot gather): GEMM 1 first copies x's BF16
-// rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already.
+// rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already. The copy costs
+// what its bytes do (H200, Qwen3-30B-A3B at T = 2048, high: 48 us at 3.2 TB/s, beside 459 us for
+// GEMM 1, ncu). Gathering the rows in GEMM 1 instead, one TMA a row (a box of one 128-byte row
+// at its place in the swizzled tile: correct, the swizzle follows the shared address), made
+// GEMM 1 ten times slower (4.2 ms): TMA wants few large boxes.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -192,7 +196,7 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
                     tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
                 }
             }
-            __syncwarp();
+            __syncwarp(); // the other lanes wait for lane 0's copies of the tile to be issued
         }
         return;
     }
@@ -356,24 +360,26 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         __nv_bfloat16 *h, __nv_bfloat16 *xg) {
     typedef bwg_cfg<SPLIT> C;
     const int parts = C::A_PARTS;
-    bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
-                                                                    K, parts);
-    CUDA_CHECK_LAUNCH();
     bwg_args p = {};
     p.h = h;
     p.h_lo = SPLIT ? n_pairs * F : 0;
     p.pairs = pairs;
     p.offsets = offsets;
-    p.a_lo = (int)n_pairs;
     p.E = E;
-    // GEMM 1: A = xg [parts n, D], B = gate_up [E 2F, D] in boxes of BN / 2 rows
+    // GEMM 1: A = xg [parts n, D], x's rows in grouped order; B = gate_up [E 2F, D] in boxes of
+    // BN / 2 rows
     p.N = 2 * F;
     p.K = D;
-    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
     const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+    bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
+                                                                    K, parts);
+    CUDA_CHECK_LAUNCH();
+    p.a_lo = (int)n_pairs;
+    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
     bwg_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
+    p.a_lo = (int)n_pairs;
     p.N = D;
     p.K = F;
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
