@@ -552,9 +552,10 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
             float *one = xmalloc((size_t)K * D * sizeof(float));
             gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
             const float *row = out + (size_t)(T - 1) * K * D;
-            const bool other_sums = (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
-                                    (!m->quantized && p == MATMUL_PRECISION_HIGH &&
-                                     cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1));
+            const bool other_sums =
+                (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
+                (!m->quantized && p == MATMUL_PRECISION_HIGH && !ops_cuda_deterministic() &&
+                 cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1));
             if (other_sums) {
                 double r2 = 0.0, mx = 0.0;
                 for (size_t i = 0; i < (size_t)K * D; i++) {
@@ -983,6 +984,29 @@ static void test_wgmma(void) {
     model_free(&m);
 }
 
+/* Deterministic mode: a token's rows are the same bits at every batch size in both precisions,
+ * the wgmma kernel's sizes included (in high every size then sums in two chains): T from the
+ * tiny path through the decode and middle tiles to the wgmma kernel. */
+static void test_deterministic_sizes(const char *name, int E, int D, int F, int K, const int *Ts,
+                                     int nT) {
+    model m;
+    model_init(&m, name, E, D, F, K, DTYPE_BF16);
+    ops_cuda_set_deterministic(true);
+    if (model_prepare(&m) == 0)
+        for (int i = 0; i < nT; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, Ts[i] % 3 ? 0.0 : 0.1, 64, false, NULL);
+    ops_cuda_set_deterministic(false);
+    model_free(&m);
+}
+
+static void test_deterministic(bool large) {
+    const int small_T[] = {1, 2, 7, 20, 40, 100, 250, 400, 1000};
+    test_deterministic_sizes("wgmma-6x512x256 det", 6, 512, 256, 2, small_T, 9);
+    if (!large) return;
+    const int qwen_T[] = {1, 2, 3, 8, 64, 256, 1024, 2048};
+    test_deterministic_sizes("qwen3-30b-a3b det", 128, 2048, 768, 8, qwen_T, 8);
+}
+
 /* moe_experts_n: rows 0..n-1 of a batch bounded by T, n on the device (the all-to-all's received
  * count), in both precisions: the rows below n are moe_experts' of those n rows bit for bit, the
  * rows from n on keep the sentinel (their ids are never read: they hold out-of-range garbage). */
@@ -1380,6 +1404,11 @@ int main(int argc, char **argv) {
         print_timings();
         CHECK_SUMMARY();
     }
+    if (argc > 1 && strcmp(argv[1], "--det") == 0) { /* deterministic mode's sizes alone */
+        test_deterministic(true);
+        print_worst();
+        CHECK_SUMMARY();
+    }
     if (decode_only) {
         test_qwen3(true, true, 0);
         print_worst();
@@ -1391,6 +1420,7 @@ int main(int argc, char **argv) {
         test_small();
         test_tiny();
         test_wgmma();
+        test_deterministic(!small_only);
         if (!timing_deepseek) test_nvfp4(false);
         if (!timing_deepseek) test_fp8(false);
     }

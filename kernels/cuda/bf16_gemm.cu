@@ -13,10 +13,11 @@
 // test checks it through the experts), so these are moe.cu's sums bit for bit and a token's rows
 // stay the same at any batch size, deterministic mode included. High precision: two chains, the
 // hi parts' products into one accumulator and the lo parts' into another, added once at the end
-// (moe.cu adds each k16 step's lo product into the one accumulator in fp32, which a wgmma
+// (moe.cu's tiles add each k16 step's lo product into the one accumulator in fp32, which a wgmma
 // pipeline cannot do without waiting on every step). The error is of the same order (the lo
-// chain's own truncations are 2^-8 smaller), but the bits differ from the mma.sync tiles', so in
-// high this kernel is used outside deterministic mode only.
+// chain's own truncations are 2^-8 smaller), but the bits differ from those tiles': outside
+// deterministic mode a token's rows then depend on the batch's size; in deterministic mode moe.cu's
+// tiles sum in two chains too (moe_tile_cfg's TWO), so they do not.
 //
 // Shape: a block is a persistent producer warp (TMA) and two consumer warpgroups of 64 rows each
 // on tiles of 128 rows x BN columns (medium BN 256, high 128: the accumulators of both chains must
@@ -322,13 +323,20 @@ static int wgmma_env() {
 // Pairs an expert from which the wgmma kernel takes the experts (moe.cu's prefill tiles from 96).
 #define BWG_MIN_PAIRS_PER_EXPERT 96
 
-bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+// The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
+static bool bwg_shape_ok(int D, int F, bool split) {
     const int BN = split ? bwg_cfg<true>::BN : bwg_cfg<false>::BN;
-    return n_pairs > BWG_MIN_PAIRS_PER_EXPERT * (int64_t)E && E > 0 && D > 0 && F > 0 &&
-           D % BN == 0 && F % (BN / 2) == 0 && F % BWG_BK == 0 && D % BWG_BK == 0 &&
-           (!split || !ops_cuda_deterministic()) && wgmma_env();
+    return D > 0 && F > 0 && D % BN == 0 && F % (BN / 2) == 0 && F % BWG_BK == 0 && D % BWG_BK == 0;
 }
 
+bool bf16_wgmma_two_chains(int D, int F) {
+    return ops_cuda_deterministic() && bwg_shape_ok(D, F, true) && wgmma_env();
+}
+
+bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+    return n_pairs > BWG_MIN_PAIRS_PER_EXPERT * (int64_t)E && E > 0 && bwg_shape_ok(D, F, split) &&
+           wgmma_env();
+}
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
 }

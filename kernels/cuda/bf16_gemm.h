@@ -10,9 +10,13 @@
 
 // Whether the experts' two GEMMs of n_pairs (token, expert) pairs over E local experts of BF16
 // weights (D hidden, F expert width) take the wgmma kernel: more than 96 pairs an expert on
-// average, D and F multiples of the tiles (medium: D % 256, F % 128; high: D % 128, F % 64), in
-// high precision (split) outside deterministic mode only, unless MOESERVE_WGMMA=0.
+// average, D and F multiples of the tiles (medium: D % 256, F % 128; high (split): D % 128,
+// F % 64), unless MOESERVE_WGMMA=0.
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
+// Whether deterministic mode's high-precision experts of this shape sum in two chains at every
+// size (the wgmma kernel's sums, moe.cu's TWO tiles below its sizes): in deterministic mode, for
+// the shapes the kernel takes in high, unless MOESERVE_WGMMA=0.
+bool bf16_wgmma_two_chains(int D, int F);
 // The scratch bf16_wgmma_experts needs: x's BF16 rows (high: and their lo parts) in grouped order.
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split);
 // Both GEMMs from moe.cu's prepared inputs: xb [AP, T, D] (x in BF16, split: then its lo parts),

@@ -717,12 +717,15 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
 // block takes the copy for its own count, so the loop is straight-line code without the per-tile
 // branches, and in medium the mma.sync asm is not volatile (the compiler may move products past
 // the next fragment loads). Neither changes an instruction's operands or the order of any sum.
+// TWO: high precision's hi and lo products in two chains (two sets of accumulators, added at the
+// end), the sums of the wgmma kernel (bf16_gemm.cu); deterministic mode's BF16 experts, so that
+// their rows are the same bits at every size (see moe_experts_path).
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SPLIT_,
-          bool BUSY_STATIC_ = false>
+          bool BUSY_STATIC_ = false, bool TWO_ = false>
 struct moe_tile_cfg {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
                          STAGES = STAGES_;
-    static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_;
+    static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_, TWO = TWO_;
     static constexpr int A_PARTS = SPLIT ? 2 : 1; // activation tiles per stage
     // high with few output tiles per warp (decode): fragments double-buffered across k16 steps
     static constexpr bool PIPE_FRAGS = SPLIT && (BM_ / WARPS_M_ / 16) * (BN_ / WARPS_N_ / 8) <= 4;
@@ -737,6 +740,7 @@ struct moe_tile_cfg {
     static_assert(BK % 16 == 0 && CPR >= 8 && threads % CPR == 0, "k tile");
     static_assert(BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0, "load passes");
     static_assert(STAGES >= 2, "pipeline");
+    static_assert(!TWO || SPLIT, "two chains: high precision");
     static_assert(smem <= 227 * 1024, "shared memory of one block");
 };
 
@@ -1227,7 +1231,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
     };
 
-    // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones
+    // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. TWO:
+    // acc the hi products' chain, tot the lo products'.
+    static_assert(!C::TWO || (!W8 && !W4 && !BI), "two chains: BF16 experts");
     float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -1449,6 +1455,11 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                         if (mi < mb)
 #pragma unroll
                             for (int ni = 0; ni < NI; ni++) {
+                                if constexpr (C::TWO) {
+                                    mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
+                                    mma_acc<NV>(tot[mi][ni], fa[1][mi], fb[ni]);
+                                    continue;
+                                }
                                 float t[4];
                                 mma_zero<NV>(t, fa[1][mi], fb[ni]);
                                 mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
@@ -1486,6 +1497,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                 for (int ni = 0; ni < NI; ni++) {
                                     if (part == 0) {
                                         mma_acc<NV>(acc[mi][ni], af[mi], bfr[ni]);
+                                    } else if constexpr (C::TWO) {
+                                        mma_acc<NV>(tot[mi][ni], af[mi], bfr[ni]);
                                     } else {
                                         float t[4];
                                         mma_zero<NV>(t, af[mi], bfr[ni]);
@@ -1529,6 +1542,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
                     acc[mi][ni][q] = tot[mi][ni][q];
+    }
+    if constexpr (C::TWO) { // the two chains' sums
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], tot[mi][ni][q]);
     }
     if constexpr (BI) {
         if (in_cluster) { // its sums after x's rows (bi_run_small's shared memory)
@@ -1822,6 +1844,10 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
 // GEMM 1 reads x itself, so its stages hold only weights: the same four in both precisions.
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
+// Deterministic mode's high BF16 experts: the same shapes in two chains
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true, false, true> moe_cfg_tiny1_two;
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_two;
+typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_two;
 
 // The blocks of GEMM kernel `kernel` (dynamic shared memory smem) resident on the device at once.
 template <typename K> static int64_t resident_blocks(K kernel, int threads, size_t smem) {
@@ -1888,7 +1914,9 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.tile_rows = C2::BM;
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
     const int tiles2 = std::min(n, (n + busy * (C2::BM - 1)) / C2::BM);
-    typedef moe_tile_cfg<C2::BM, C2::BN, C2::BK, C2::WARPS_M, C2::WARPS_N, 2, C2::SPLIT> C2_2;
+    typedef moe_tile_cfg<C2::BM, C2::BN, C2::BK, C2::WARPS_M, C2::WARPS_N, 2, C2::SPLIT,
+                         C2::BUSY_STATIC, C2::TWO>
+        C2_2;
     if constexpr (WF == WF_BF16) {
         if (tiny_two_stages<C2, C2_2>((int64_t)tiles2 * g.n_col_blocks)) {
             launch_gemm<C2_2, false, true, false, WF>(g, tiles2);
@@ -1906,6 +1934,20 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    // Deterministic mode, high, BF16 weights of a shape the wgmma kernel takes: every size sums
+    // in two chains, the wgmma kernel's way, so that it can take the prefill sizes there too
+    // (the choice depends on the mode and the shapes alone, never on T).
+    if constexpr (WF == WF_BF16) {
+        if (!medium && bf16_wgmma_two_chains(D, F)) {
+            if ((int64_t)T * K <= MOE_TINY_PAIRS)
+                moe_run_tiny<moe_cfg_tiny1_two, moe_cfg_decode_two, WF>(out, x, topk_ids, w, T, K,
+                                                                        D, F, n_rows);
+            else // prefill sizes: the wgmma kernel (moe_run)
+                moe_dispatch<moe_cfg_decode_two, moe_cfg_mid_two, moe_cfg_mid_two,
+                             moe_cfg_prefill_high, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+            return;
+        }
+    }
     if ((int64_t)T * K <= MOE_TINY_PAIRS) {
         if (medium)
             moe_run_tiny<moe_cfg_tiny1, moe_cfg_decode, WF>(out, x, topk_ids, w, T, K, D, F,
