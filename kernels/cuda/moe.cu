@@ -18,7 +18,9 @@
 //           error, this way it stays as in medium and the lo products cost an unbiased rounding.
 //           Decode reads the same weight bytes (H200, Qwen3-30B-A3B's experts: 1.0 to 1.17 times
 //           medium's time for T = 1 to 256); prefill does twice the tensor work (1.8 times at
-//           T = 4096).
+//           T = 4096). Two exceptions sum the hi and the lo products in two chains, added at
+//           the end: the wgmma kernel at prefill sizes (bf16_gemm.cu), and in deterministic mode
+//           every BF16 tile of a shape that kernel takes (moe_tile_cfg's TWO).
 //
 // moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream:
 //   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D], in
