@@ -139,10 +139,16 @@ typedef struct {
     const int32_t *offsets;
     int a_lo;
     int E, N, K;
+    // K cut into S ranges of nks k tiles, each summed from zero into part + s * part_stride (rows
+    // as out's); S 1: all of K into out (cuda_linear_bi's ranges, moe.cu)
+    int S, nks;
+    float *part;
+    int64_t part_stride;
 } bwg_args;
 
-// Block b takes tiles t = b, b + gridDim.x, ...: n-block t % nx of row tile t / nx (the blocks at
-// work at once share A's row tiles and B's expert); the ring runs on across its tiles.
+// Block b takes tiles t = b, b + gridDim.x, ...: n-block t % nx of row tile t / (nx S), range
+// t / nx % S (the blocks at work at once share A's row tiles and B's expert); the ring runs on
+// across its tiles.
 // ta: A [rows, K] BF16 in boxes of 128 rows; tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows.
 template <bool SPLIT, bool GATE_UP>
 __global__ void __launch_bounds__(BWG_THREADS, 1)
@@ -153,7 +159,10 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int N = p.N, nkb = p.K / BWG_BK;
+    const int N = p.N, nkb = p.K / BWG_BK, S = p.S;
+    // the k tiles of tile t's range
+    auto k_first = [&](int t) { return t / nx % S * p.nks; };
+    auto k_end = [&](int t) { return min(nkb, k_first(t) + p.nks); };
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     auto full = [&](int s) { return bar0 + 8 * s; };
     auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
@@ -180,11 +189,11 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
                          : "memory");
         }
         for (int t = blockIdx.x;; t += gridDim.x) {
-            const int2 tile = group_tile(p.offsets, p.E, t / nx, BWG_BM);
+            const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
             if (tile.x < 0) break;
             const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
             const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
-            for (int kb = 0; kb < nkb && lane == 0; kb++, it++) {
+            for (int kb = k_first(t); kb < k_end(t) && lane == 0; kb++, it++) {
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
                 mbar_arrive_tx(full(s), STAGE_BYTES);
@@ -210,12 +219,13 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
         if (lane == 0) mbar_arrive(empty(s));
     };
     for (int t = blockIdx.x;; t += gridDim.x) {
-        const int2 tile = group_tile(p.offsets, p.E, t / nx, BWG_BM);
+        const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
         if (tile.x < 0) break;
         const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
         const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
+        const int kb0 = k_first(t), kb1 = k_end(t);
         if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
-            for (int kb = 0; kb < nkb; kb++, it++) {
+            for (int kb = kb0; kb < kb1; kb++, it++) {
                 mbar_wait(full(it % STAGES), (it / STAGES) & 1);
                 release(it % STAGES);
             }
@@ -230,7 +240,7 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
             for (int i = 0; i < BN / 2; i++)
                 acl[i] = 0.0f;
         }
-        for (int kb = 0; kb < nkb; kb++, it++) {
+        for (int kb = kb0; kb < kb1; kb++, it++) {
             const int s = it % STAGES;
             mbar_wait(full(s), (it / STAGES) & 1);
             const uint64_t da = wgmma_desc_sw128(stage_a(s) + wg * 64 * 128);
@@ -245,7 +255,7 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // the k tile before this one has completed: its stage is free
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            if (kb > 0) release((it - 1) % STAGES);
+            if (kb > kb0) release((it - 1) % STAGES);
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         release((it - 1) % STAGES);
@@ -285,7 +295,8 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
             for (int hr = 0; hr < 2; hr++) {
                 const int r = hr ? r1 : r0;
                 if (r >= rows) continue;
-                float *dst = p.out + (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
+                float *dst = (S > 1 ? p.part + t / nx % S * p.part_stride : p.out) +
+                             (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
 #pragma unroll
                 for (int j = 0; j < BN / 8; j++)
                     *reinterpret_cast<float2 *>(dst + 8 * j) =
@@ -355,7 +366,7 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     static int sms = 0;
     if (!sms) CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
-    const int64_t tiles = (int64_t)nx * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
+    const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
     kernel<<<grid, BWG_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
@@ -369,6 +380,8 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     typedef bwg_cfg<SPLIT> C;
     const int parts = C::A_PARTS;
     bwg_args p = {};
+    p.S = 1;
+    p.nks = (D > F ? D : F) / BWG_BK; // every k tile: one range
     p.h = h;
     p.h_lo = SPLIT ? n_pairs * F : 0;
     p.pairs = pairs;
@@ -393,6 +406,40 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
     const CUtensorMap tb2 = tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
     bwg_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
+}
+
+bool bf16_wgmma_linear_takes(int N, int Kd, bool split) {
+    const int BN = split ? bwg_cfg<true>::BN : bwg_cfg<false>::BN;
+    return N > 0 && Kd > 0 && N % BN == 0 && Kd % BWG_BK == 0 && wgmma_env();
+}
+
+void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const int32_t *rows,
+                       const int32_t *offsets, const __nv_bfloat16 *w, int T, int N, int Kd, int L,
+                       bool split) {
+    MS_ASSERT(bf16_wgmma_linear_takes(N, Kd, split) && L % BWG_BK == 0 &&
+              ((uintptr_t)xb & 15) == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)out & 7) == 0);
+    if (T <= 0) return;
+    bwg_args p = {};
+    p.out = out;
+    p.pairs = rows;
+    p.offsets = offsets;
+    p.a_lo = T;
+    p.E = 1;
+    p.N = N;
+    p.K = Kd;
+    p.S = (Kd + L - 1) / L;
+    p.nks = L / BWG_BK;
+    p.part = part;
+    p.part_stride = (int64_t)T * N;
+    const int parts = split ? 2 : 1;
+    const CUtensorMap ta = tma_map_rows(xb, parts * (int64_t)T, (int64_t)Kd * 2, BWG_BM);
+    if (split) {
+        const CUtensorMap tb = tma_map_rows(w, N, (int64_t)Kd * 2, bwg_cfg<true>::BN);
+        bwg_launch<true, false>(ta, tb, p, T);
+    } else {
+        const CUtensorMap tb = tma_map_rows(w, N, (int64_t)Kd * 2, bwg_cfg<false>::BN);
+        bwg_launch<false, false>(ta, tb, p, T);
+    }
 }
 
 void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,

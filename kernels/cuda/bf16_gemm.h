@@ -27,4 +27,16 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
                         __nv_bfloat16 *h, unsigned char *scratch);
 
+// Whether bf16_wgmma_linear takes a weight [N, Kd] (medium: N % 256, high (split): N % 128;
+// Kd % 64), unless MOESERVE_WGMMA=0.
+bool bf16_wgmma_linear_takes(int N, int Kd, bool split);
+// moe.cu's cuda_linear_bi at prefill sizes: out[T, N] = x w^T with Kd in ranges of L (a multiple
+// of 64), from the prepare kernel's xb [AP, T, Kd] (x in BF16, split: then its lo parts), rows
+// (row m's output row, m itself) and offsets {0, T}; with more than one range each range's sums
+// go to part [S, T, N] (the caller adds them in order), else to out. Medium: the mma.sync tiles'
+// sums; high: each range in two chains, the hi and the lo products, added at its end.
+void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const int32_t *rows,
+                       const int32_t *offsets, const __nv_bfloat16 *w, int T, int N, int Kd, int L,
+                       bool split);
+
 #endif

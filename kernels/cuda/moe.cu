@@ -1235,7 +1235,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 
     // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. TWO:
     // acc the hi products' chain, tot the lo products'.
-    static_assert(!C::TWO || (!W8 && !W4 && !BI), "two chains: BF16 experts");
+    static_assert(!C::TWO || (!W8 && !W4), "two chains: BF16 weights");
     float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -2021,6 +2021,10 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
 // block cluster and add their sums through each other's shared memory in split order, the
 // reduction kernel's adds (bi_cluster_epilogue), with no fp32 scratch and no second launch; where
 // such clusters cannot run (or MOESERVE_BI_CLUSTER=0) the reduction kernel follows with PDL.
+// Prefill sizes (T > 96) of weights the wgmma kernel takes (bf16_gemm.cu; N % 256 in medium,
+// N % 128 in high) run there, range by range: in medium the tiles' sums; in high each range in
+// two chains (hi, lo), and the tiles below those sizes too (moe_cfg_decode_two, _mid_two), so
+// a weight's rows are the same bits at every T either way.
 // H200, Qwen3-30B-A3B dummy weights, a batch-1 decode step in deterministic mode (graphs, high):
 // 4.46 ms with the prepare kernel, 3.71 without, 3.50 with the cluster (3.17 to 3.21 with the
 // mode off). Tried and dropped: the
@@ -2170,20 +2174,50 @@ static void bi_run(float *out, const float *x, const void *w, const float *wsf, 
     if (S > 1) bi_reduce(out, g.part, T, N, S);
 }
 
+// Prefill sizes on the wgmma kernel (bf16_gemm.cu): the prepare kernel (x in BF16, split: and its
+// lo parts; every row to expert 0 in row order), the ranges of L into part, then their sums in
+// order (bi_reduce). The same ranges and adds as bi_run's; within a range the wgmma kernel's sums
+// (medium: the mma.sync tiles'; high: two chains, as the TWO tiles').
+static void bi_run_wgmma(float *out, const float *x, const void *w, int T, int N, int Kd, int L,
+                         bool split) {
+    const int S = (Kd + L - 1) / L, max_tiles = (T + 127) / 128;
+    const size_t AP = split ? 2 : 1;
+    const moe_prep_layout l = prep_layout(1, T, max_tiles, AP, T, Kd);
+    const size_t o_part = l.end;
+    unsigned char *ws = moe_workspace(align256(o_part + (S > 1 ? (size_t)S * T * N * 4 : 0)));
+    const moe_prep_args p = prep_launch(ws, l, split, x, nullptr, T, 1, Kd, 1, 128, nullptr);
+    float *part = (float *)(ws + o_part);
+    bf16_wgmma_linear(out, part, p.xb, p.pairs, p.offsets, (const bf16 *)w, T, N, Kd, L, split);
+    if (S > 1) bi_reduce(out, part, T, N, S);
+}
+
 // The tile shape follows T as moe_dispatch's does with one expert; the bits do not depend on it.
+// High precision with weights the wgmma kernel takes (bf16_wgmma_linear_takes: a matter of the
+// shape alone) sums in two chains at every T, so that the kernel can take the prefill sizes.
 void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd) {
     if (T <= 0 || N <= 0) return;
     MS_ASSERT(Kd % 8 == 0 && N % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0);
     const int L = bi_split_len(N, Kd);
-    if (ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM) {
+    const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    const bool wg = bf16_wgmma_linear_takes(N, Kd, !medium);
+    if (medium) {
         if (T <= 12)
             bi_run<moe_cfg_decode>(out, x, w, nullptr, T, N, Kd, L);
         else if (T <= 48)
             bi_run<moe_cfg_mid>(out, x, w, nullptr, T, N, Kd, L);
         else if (T <= 96)
             bi_run<moe_cfg_mid_wide>(out, x, w, nullptr, T, N, Kd, L);
+        else if (wg)
+            bi_run_wgmma(out, x, w, T, N, Kd, L, false);
         else
             bi_run<moe_cfg_prefill>(out, x, w, nullptr, T, N, Kd, L);
+    } else if (wg) {
+        if (T <= 12)
+            bi_run<moe_cfg_decode_two>(out, x, w, nullptr, T, N, Kd, L);
+        else if (T <= 96)
+            bi_run<moe_cfg_mid_two>(out, x, w, nullptr, T, N, Kd, L);
+        else
+            bi_run_wgmma(out, x, w, T, N, Kd, L, true);
     } else {
         if (T <= 12)
             bi_run<moe_cfg_decode_high>(out, x, w, nullptr, T, N, Kd, L);
