@@ -94,7 +94,8 @@
 //   cuda_linear_bi (two runs of the same command, one build): batch 1 3.71 ms, 8 -11%, 64 +1%,
 //   256 +3%, prefill 9% slower (our tiles' mma.sync against cuBLASLt's kernels); serving at
 //   concurrency 1 / 64 / 256: -8% / -8% / -13% output tokens/s against the mode off, where the
-//   pinned algorithm gave -36% / -2% / -2% (docs/benchmarks.md).
+//   pinned algorithm gave -36% / -2% / -2% (docs/benchmarks.md). Since its prefill sizes run on
+//   wgmma (bf16_gemm.cu): -3.0% / -4.7% / -5.6%.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
