@@ -5,6 +5,9 @@
 // by expert (offsets [E + 1] on the device), the experts' BF16 weights gate_up [E, 2F, D] and down
 // [E, D, F]. GEMM 1 writes h = silu(x gate^T) * (x up^T) in BF16 in grouped row order (high: h's
 // lo part after it), GEMM 2 writes each grouped row's D sums in fp32 to out's row of its pair.
+// GEMM 2's form also runs deterministic mode's dense linears at prefill sizes (moe.cu's
+// cuda_linear_bi, bf16_wgmma_linear): one expert, K cut into the weight's fixed ranges, each
+// range's sums from zero into a scratch that moe.cu then adds in range order.
 //
 // The sums. Medium precision: each output sums its k16 products in increasing k into one fp32
 // accumulator from zero, one wgmma m64nNk16 a k16 step. A wgmma k16 step gives the same bits as
