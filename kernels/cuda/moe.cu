@@ -90,8 +90,9 @@
 // BF16 experts at prefill sizes (more than 96 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
 // bits as the tiles here (a wgmma k16 step is an mma.sync k16 step bit for bit), in high two
-// chains (hi, lo) added at the end, outside deterministic mode only. H200, Qwen3-30B-A3B's
-// experts at T = 4096 (balanced): 701 / 1162 us against 1163 / 2016 on the tiles here.
+// chains (hi, lo) added at the end (deterministic mode: with the tiles below its sizes in two
+// chains too, moe_experts_path). H200, Qwen3-30B-A3B's experts at T = 4096 (balanced): 701 /
+// 1162 us against 1163 / 2016 on the tiles here.
 //
 // The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
 // groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
