@@ -323,8 +323,12 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP>;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, C::smem, &attr_set);
-    static int sms = 0;
-    if (!sms) CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    static int sms = 0; // one device a process
+    if (!sms) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
     const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
     const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
