@@ -944,6 +944,11 @@ static void test_add(void) {
  * the stacked GEMM, in high precision; each returns the value in force before. */
 int cuda_linear_decode_max_t(int max_t);
 int cuda_linear_stack_max_t(int max_t);
+/* From T = min_t on (0: every T; -1: linear.cu's choice again), BF16 weights outside deterministic
+ * mode take moe.cu's tiles (cuda_linear_tiles) in either precision; returns the value before. */
+int cuda_linear_tiles_min_t(int min_t);
+/* The blocks cuda_linear_tiles cuts k ranges for (<= 0: its default); returns the value before. */
+int cuda_linear_tiles_blocks(int blocks);
 
 static const char *prec_name(matmul_precision p) {
     return p == MATMUL_PRECISION_HIGH ? "high" : "medium";
@@ -1020,18 +1025,32 @@ static void linear_token_alone(const linear_weight *lw, const float *gx, const f
     gpu->dev_free(gone);
 }
 
-/* The ways linear can run for 16-bit weights: high precision through each of its three paths
+/* The ways linear can run for 16-bit weights: high precision through each of its four paths
  * (forced with the hooks of kernels/cuda/linear.cu, so each is checked at every T whatever the
- * thresholds say), and medium. */
-typedef enum { LINEAR_DECODE, LINEAR_STACKED, LINEAR_TWO_GEMMS, LINEAR_MEDIUM } linear_path;
+ * thresholds say), and medium through cuBLASLt and through the tiles (BF16 weights of aligned
+ * shapes; other weights and unaligned x take cuBLASLt on those paths). */
+typedef enum {
+    LINEAR_DECODE,
+    LINEAR_STACKED,
+    LINEAR_TWO_GEMMS,
+    LINEAR_TILES,
+    LINEAR_MEDIUM,
+    LINEAR_MEDIUM_TILES,
+    LINEAR_PATHS
+} linear_path;
 static const char *const linear_path_names[] = {"high decode", "high stacked", "high 2 GEMMs",
-                                                "medium"};
+                                                "high tiles",  "medium",       "medium tiles"};
+
+static bool path_medium(linear_path path) {
+    return path == LINEAR_MEDIUM || path == LINEAR_MEDIUM_TILES;
+}
 
 /* Puts the precision and the hooks so that T tokens take `path`; linear_path_reset undoes it. */
 static void linear_path_set(linear_path path) {
-    set_precision(path == LINEAR_MEDIUM ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH);
+    set_precision(path_medium(path) ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH);
     cuda_linear_decode_max_t(path == LINEAR_DECODE ? 32 : 0);
     cuda_linear_stack_max_t(path == LINEAR_STACKED ? 1 << 30 : 0);
+    cuda_linear_tiles_min_t(path == LINEAR_TILES || path == LINEAR_MEDIUM_TILES ? 0 : 1 << 30);
 }
 
 /* Back to the default: high precision, each path where kernels/cuda/linear.cu puts it. */
@@ -1039,6 +1058,7 @@ static void linear_path_reset(void) {
     set_precision(MATMUL_PRECISION_HIGH);
     cuda_linear_decode_max_t(-1);
     cuda_linear_stack_max_t(-1);
+    cuda_linear_tiles_min_t(-1);
 }
 
 /* linear's got[n] against the CPU's want within rel S (S = sum_k |x_k||w_nk| per output); one
@@ -1080,13 +1100,13 @@ static void linear_case(const linear_weight *lw, int T, int off) {
     gpu->to_device(gx + off, x, sizeof(float) * nx);
     float *gout = galloc_poisoned(sizeof(float) * (n + 1));
 
-    for (int pi = 0; pi <= LINEAR_MEDIUM; pi++) {
+    for (int pi = 0; pi < LINEAR_PATHS; pi++) {
         const linear_path path = (linear_path)pi;
         if (dt == DTYPE_F32 && path != LINEAR_STACKED && path != LINEAR_MEDIUM) continue;
         if (path == LINEAR_DECODE && T > 32) continue; /* the decode kernel's largest tile */
         linear_path_set(path);
         const matmul_precision p =
-            path == LINEAR_MEDIUM ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH;
+            path_medium(path) ? MATMUL_PRECISION_MEDIUM : MATMUL_PRECISION_HIGH;
         const double rel = linear_u(dt, p) + 2.0 * Kin * 0x1p-24;
         gpoison(gout, sizeof(float) * (n + 1));
         gpu->linear(gout + off, gx + off, &lw->gw, T, N, Kin);
@@ -1907,6 +1927,8 @@ static void figures(void) {
             }
             linear_path_set(LINEAR_STACKED);
             const double stk = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_TILES);
+            const double til = time_linear(NULL, pool, T, N, Kin).graph;
             linear_path_set(LINEAR_MEDIUM);
             const double med = time_linear(NULL, pool, T, N, Kin).graph;
             const double bytes = 2.0 * N * Kin + 4.0 * T * Kin + 4.0 * T * N;
@@ -1914,14 +1936,15 @@ static void figures(void) {
             if (!isnan(dec))
                 snprintf(d, sizeof d, "%7.1f us (%3.0f%%)", dec * 1e6,
                          100.0 * bytes / dec / 1e9 / ceiling_copy_gbs);
-            printf("  %-9s T=%-3d N=%-6d Kin=%-5d  decode %s  stacked %7.1f us  medium %7.1f "
-                   "us%s\n",
-                   shapes[s].name, T, N, Kin, d, stk * 1e6, med * 1e6,
+            printf("  %-9s T=%-3d N=%-6d Kin=%-5d  decode %s  stacked %7.1f us  tiles %7.1f us  "
+                   "medium %7.1f us%s\n",
+                   shapes[s].name, T, N, Kin, d, stk * 1e6, til * 1e6, med * 1e6,
                    !isnan(dec) && dec < stk ? "  (decode faster)" : "");
         }
-    printf("high precision, large T: stacked hi + lo GEMM vs two GEMMs; medium for scale (graph "
-           "time per call)\n");
-    static const int Tlarge[] = {64, 128, 256, 512, 1024, 2048, 8192};
+    printf("high precision, large T: stacked hi + lo GEMM vs two GEMMs vs the tiles (k ranges for "
+           "256 blocks, then one range); medium through cuBLASLt and the tiles (graph time per "
+           "call)\n");
+    static const int Tlarge[] = {16, 32, 64, 128, 256, 512, 1024, 2048, 8192};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (size_t t = 0; t < sizeof Tlarge / sizeof Tlarge[0]; t++) {
             const int T = Tlarge[t], N = shapes[s].N, Kin = shapes[s].Kin;
@@ -1930,12 +1953,22 @@ static void figures(void) {
             const double stk = time_linear(NULL, pool, T, N, Kin).graph;
             linear_path_set(LINEAR_TWO_GEMMS);
             const double two = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_TILES);
+            const double til = time_linear(NULL, pool, T, N, Kin).graph;
+            const int old_b = cuda_linear_tiles_blocks(1);
+            const double til1 = time_linear(NULL, pool, T, N, Kin).graph;
+            linear_path_set(LINEAR_MEDIUM_TILES);
+            const double mtil1 = time_linear(NULL, pool, T, N, Kin).graph;
+            cuda_linear_tiles_blocks(old_b);
+            const double mtil = time_linear(NULL, pool, T, N, Kin).graph;
             linear_path_set(LINEAR_MEDIUM);
             const double med = time_linear(NULL, pool, T, N, Kin).graph;
-            printf("  %-9s T=%-5d N=%-6d Kin=%-5d  stacked %8.1f us  2 GEMMs %8.1f us  medium "
-                   "%8.1f us  (high / medium %.2f)%s\n",
-                   shapes[s].name, T, N, Kin, stk * 1e6, two * 1e6, med * 1e6,
-                   (stk < two ? stk : two) / med, stk < two ? "  (stacked faster)" : "");
+            const double cub = stk < two ? stk : two;
+            printf("  %-9s T=%-5d N=%-6d Kin=%-5d  stacked %8.1f us  2 GEMMs %8.1f us  tiles %8.1f "
+                   "/ %8.1f us (%.2fx)  medium %8.1f us  tiles %8.1f / %8.1f us (%.2fx)\n",
+                   shapes[s].name, T, N, Kin, stk * 1e6, two * 1e6, til * 1e6, til1 * 1e6,
+                   cub / (til < til1 ? til : til1), med * 1e6, mtil * 1e6, mtil1 * 1e6,
+                   med / (mtil < mtil1 ? mtil : mtil1));
         }
     linear_path_reset();
     figures_det_small(pool, shapes, sizeof shapes / sizeof shapes[0]);

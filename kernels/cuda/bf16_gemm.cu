@@ -301,7 +301,13 @@ static bool bwg_shape_ok(int D, int F, bool split) {
 }
 
 bool bf16_wgmma_two_chains(int D, int F) {
-    return ops_cuda_deterministic() && bwg_shape_ok(D, F, true) && wgmma_env();
+    // MOESERVE_TWO_CHAINS=1: outside the mode too (opt-in until timed against the one-chain tiles)
+    static int off_mode = -1;
+    if (off_mode < 0) {
+        const char *e = getenv("MOESERVE_TWO_CHAINS");
+        off_mode = e && strcmp(e, "1") == 0;
+    }
+    return (ops_cuda_deterministic() || off_mode) && bwg_shape_ok(D, F, true) && wgmma_env();
 }
 
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {

@@ -15,7 +15,8 @@
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
 // Whether deterministic mode's high-precision experts of this shape sum in two chains at every
 // size (the wgmma kernel's sums, moe.cu's TWO tiles below its sizes): in deterministic mode, for
-// the shapes the kernel takes in high, unless MOESERVE_WGMMA=0.
+// the shapes the kernel takes in high, unless MOESERVE_WGMMA=0 (and with MOESERVE_TWO_CHAINS=1
+// outside the mode too).
 bool bf16_wgmma_two_chains(int D, int F);
 // The scratch bf16_wgmma_experts needs: x's BF16 rows (high: and their lo parts) in grouped order.
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split);

@@ -92,6 +92,9 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
  * (the grouped GEMM with one expert, Kd cut into ranges fixed by (N, Kd); Kd and N multiples of 8,
  * x and w 16-byte aligned). In the matmul precision in force. */
 void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd);
+/* The same kernels outside deterministic mode (linear.cu's choice by T and shape): Kd in ranges
+ * that follow T as well, none once the tiles fill the GPU. */
+void cuda_linear_tiles(float *out, const float *x, const void *w, int T, int N, int Kd);
 /* A dense weight [N, K] in block FP8 on the device as cuda_linear_fp8 reads it: t becomes a
  * DTYPE_F8_E4M3 tensor holding the codes (rearranged for the W8A16 kernels) and the scales a row
  * per 128-k block (row_scales [ceil(K / 128), N]: quant_fp8_row_scales). N a multiple of 8, K of

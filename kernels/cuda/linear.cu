@@ -31,6 +31,10 @@
 //   shapes). For F16, lo is scaled by 2^11 before the rounding (and back after the GEMM, exactly)
 //   so it does not fall into F16's subnormals; x beyond F16's range (65504) overflows here as it
 //   does in medium.
+// - Either precision, BF16 weights, opt-in until timed (tiles_min_t, MOESERVE_LINEAR_TILES):
+// moe.cu's
+//   tiles (cuda_linear_tiles), the deterministic mode's kernels with k ranges chosen by T: in high
+//   the hi and lo products in two chains, within the same 2^-16 S.
 // - F32 weights, either precision: an fp32 GEMM with CUBLAS_COMPUTE_32F, which excludes TF32.
 // - Block FP8 weights (DTYPE_F8_E4M3, cuda_prepare_linear_fp8): at a few rows outside
 //   deterministic mode (fp8_decode_max_t) the decode kernel below, fp32 x times each weight
@@ -101,9 +105,10 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -195,6 +200,26 @@ int cuda_linear_fp8_decode_t(int N, int Kin) { return fp8_decode_max_t(N, Kin); 
 // 1024; lm_head 315 against 388 us at 128, 603 against 558 at 256.
 static int stack_max_t(int Kin) { return g_stack_override >= 0 ? g_stack_override : Kin / 8; }
 
+// Outside deterministic mode, BF16 weights above the decode kernel's sizes: from this T on,
+// moe.cu's tiles (cuda_linear_tiles: the wgmma kernel from 97 rows where the shape allows, the
+// grouped GEMM's tiles below, k ranges by T) instead of cuBLASLt, in either precision. Off by
+// default (INT_MAX) until timed against cuBLASLt on the GPU: test_cuda_ops' figures time both. The
+// deterministic mode's batch-256 step on the same kernels (21.2 ms against 27.1 with the mode off,
+// docs/benchmarks.md) is why they are a candidate. MOESERVE_LINEAR_TILES=T takes them from T on
+// (0: never); the test hook g_tiles_override does the same.
+static int g_tiles_override = -2;
+static int tiles_min_t() {
+    if (g_tiles_override == -2) {
+        const char *e = getenv("MOESERVE_LINEAR_TILES");
+        g_tiles_override = !e ? -1 : atoi(e) > 0 ? atoi(e) : INT_MAX;
+    }
+    return g_tiles_override >= 0 ? g_tiles_override : INT_MAX;
+}
+static bool tiles_take(const tensor *w, const float *x, int T, int N, int Kin) {
+    return w->dtype == DTYPE_BF16 && T >= tiles_min_t() && Kin % 8 == 0 && N % 8 == 0 &&
+           ((uintptr_t)w->data & 15) == 0 && ((uintptr_t)x & 15) == 0;
+}
+
 int ops_cuda_set_matmul_precision(const char *name, char *err, size_t errlen) {
     if (name && strcmp(name, "high") == 0)
         g_precision = MATMUL_PRECISION_HIGH;
@@ -242,6 +267,12 @@ int cuda_linear_decode_max_t(int max_t) {
 int cuda_linear_stack_max_t(int max_t) {
     const int old = g_stack_override;
     g_stack_override = max_t < 0 ? -1 : max_t;
+    return old;
+}
+extern "C" int cuda_linear_tiles_min_t(int min_t);
+int cuda_linear_tiles_min_t(int min_t) {
+    const int old = g_tiles_override;
+    g_tiles_override = min_t < 0 ? -1 : min_t;
     return old;
 }
 
@@ -957,6 +988,8 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
                 decode_launch<__nv_bfloat16>(out, x, w->data, T, N, Kin);
             else
                 decode_launch<__half>(out, x, w->data, T, N, Kin);
+        } else if (tiles_take(w, x, T, N, Kin)) {
+            cuda_linear_tiles(out, x, w->data, T, N, Kin);
         } else if (T <= stack_max_t(Kin)) {
             if (bf16)
                 linear_stacked<__nv_bfloat16>(out, x, w, T, N, Kin);
@@ -976,6 +1009,10 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
             decode_launch<__nv_bfloat16>(out, x, w->data, T, N, Kin);
         else
             decode_launch<__half>(out, x, w->data, T, N, Kin);
+        return;
+    }
+    if (!g_deterministic && tiles_take(w, x, T, N, Kin)) {
+        cuda_linear_tiles(out, x, w->data, T, N, Kin);
         return;
     }
     const void *xin = x; // F32 weights: x as it is

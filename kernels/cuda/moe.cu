@@ -2192,41 +2192,74 @@ static void bi_run_wgmma(float *out, const float *x, const void *w, int T, int N
     if (S > 1) bi_reduce(out, part, T, N, S);
 }
 
-// The tile shape follows T as moe_dispatch's does with one expert; the bits do not depend on it.
-// High precision with weights the wgmma kernel takes (bf16_wgmma_linear_takes: a matter of the
-// shape alone) sums in two chains at every T, so that the kernel can take the prefill sizes.
-void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd) {
+// Outside deterministic mode the ranges follow T too: none (one range, no partial sums to store
+// and add) once the tiles alone make g_free_blocks blocks, else about that many blocks.
+static int g_free_blocks = BI_TARGET_BLOCKS;
+extern "C" int cuda_linear_tiles_blocks(int blocks) { // tests/test_cuda_ops.c: returns the old
+    const int old = g_free_blocks;
+    g_free_blocks = blocks > 0 ? blocks : BI_TARGET_BLOCKS;
+    return old;
+}
+static int free_split_len(int64_t tiles, int Kd) {
+    const int units = (Kd + BI_SPLIT_UNIT - 1) / BI_SPLIT_UNIT;
+    const int64_t want =
+        std::max<int64_t>(1, std::min<int64_t>(units, (g_free_blocks + tiles - 1) / tiles));
+    return (int)((units + want - 1) / want) * BI_SPLIT_UNIT;
+}
+
+// One tile shape C below the wgmma kernel's sizes: the ranges fixed by the shape (deterministic
+// mode), or by T and the shape.
+template <class C>
+static void bi_run_by(float *out, const float *x, const void *w, int T, int N, int Kd, bool fixed) {
+    const int64_t tiles = (int64_t)((T + C::BM - 1) / C::BM) * ((N + C::BN - 1) / C::BN);
+    bi_run<C>(out, x, w, nullptr, T, N, Kd,
+              fixed ? bi_split_len(N, Kd) : free_split_len(tiles, Kd));
+}
+
+// The tile shape follows T as moe_dispatch's does with one expert; with fixed ranges the bits do
+// not depend on it. High precision with weights the wgmma kernel takes (bf16_wgmma_linear_takes:
+// a matter of the shape alone) sums in two chains at every T, so that the kernel can take the
+// prefill sizes.
+static void linear_tiles(float *out, const float *x, const void *w, int T, int N, int Kd,
+                         bool fixed) {
     if (T <= 0 || N <= 0) return;
     MS_ASSERT(Kd % 8 == 0 && N % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0);
-    const int L = bi_split_len(N, Kd);
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     const bool wg = bf16_wgmma_linear_takes(N, Kd, !medium);
-    if (medium) {
+    if (wg && T > 96) {
+        const int64_t tiles = (int64_t)((T + 127) / 128) * (N / (medium ? 256 : 128));
+        bi_run_wgmma(out, x, w, T, N, Kd, fixed ? bi_split_len(N, Kd) : free_split_len(tiles, Kd),
+                     !medium);
+    } else if (medium) {
         if (T <= 12)
-            bi_run<moe_cfg_decode>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_decode>(out, x, w, T, N, Kd, fixed);
         else if (T <= 48)
-            bi_run<moe_cfg_mid>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_mid>(out, x, w, T, N, Kd, fixed);
         else if (T <= 96)
-            bi_run<moe_cfg_mid_wide>(out, x, w, nullptr, T, N, Kd, L);
-        else if (wg)
-            bi_run_wgmma(out, x, w, T, N, Kd, L, false);
+            bi_run_by<moe_cfg_mid_wide>(out, x, w, T, N, Kd, fixed);
         else
-            bi_run<moe_cfg_prefill>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_prefill>(out, x, w, T, N, Kd, fixed);
     } else if (wg) {
         if (T <= 12)
-            bi_run<moe_cfg_decode_two>(out, x, w, nullptr, T, N, Kd, L);
-        else if (T <= 96)
-            bi_run<moe_cfg_mid_two>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_decode_two>(out, x, w, T, N, Kd, fixed);
         else
-            bi_run_wgmma(out, x, w, T, N, Kd, L, true);
+            bi_run_by<moe_cfg_mid_two>(out, x, w, T, N, Kd, fixed);
     } else {
         if (T <= 12)
-            bi_run<moe_cfg_decode_high>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_decode_high>(out, x, w, T, N, Kd, fixed);
         else if (T <= 96)
-            bi_run<moe_cfg_mid_high>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_mid_high>(out, x, w, T, N, Kd, fixed);
         else
-            bi_run<moe_cfg_prefill_high>(out, x, w, nullptr, T, N, Kd, L);
+            bi_run_by<moe_cfg_prefill_high>(out, x, w, T, N, Kd, fixed);
     }
+}
+
+void cuda_linear_bi(float *out, const float *x, const void *w, int T, int N, int Kd) {
+    linear_tiles(out, x, w, T, N, Kd, true);
+}
+
+void cuda_linear_tiles(float *out, const float *x, const void *w, int T, int N, int Kd) {
+    linear_tiles(out, x, w, T, N, Kd, false);
 }
 
 // ---------------------------------------------------------------------------------------------
