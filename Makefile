@@ -87,6 +87,10 @@ $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c -o $@ $<
 
+# Blackwell's kernels (kernels/cuda/*_sm100.cu) are built for sm_100a alone; the host takes them
+# only on a device of compute capability 10.0.
+$(BUILD)/kernels/cuda/%_sm100.o: NVCCFLAGS := $(subst sm_90a,sm_100a,$(subst compute_90a,compute_100a,$(NVCCFLAGS)))
+
 # Debian packages the build and the tests need; installed only when one is missing.
 DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl strace \
             libcurl4-openssl-dev libopenmpi-dev openmpi-bin python3 python3-pip

@@ -12,6 +12,7 @@
 #define MOESERVE_QUANT_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __CUDACC__
@@ -144,6 +145,13 @@ void quant_fp8_row_scales(float *dst, int64_t ld, const float *s, int N, int K);
  * s2 (<= 0: computed from x's amax and returned); and back. */
 float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s2);
 void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int R, int C);
+/* NVFP4 group scales sf [R, C / 16] (E4M3 codes, C % 64 == 0) in the layout Blackwell's
+ * block-scaled MMA reads (kernels/cuda/nvfp4_sm100.cu): atoms of 512 bytes, one per 128 rows and
+ * 64 columns, in [ceil(R / 128), C / 64] order; in an atom, row r's four scales (16 columns each)
+ * at byte (r % 32) 16 + (r / 32 % 4) 4 + g. Rows past R are zero. dst holds
+ * quant_nvfp4_sf_atoms_bytes(R, C). */
+size_t quant_nvfp4_sf_atoms_bytes(int64_t R, int C);
+void quant_nvfp4_sf_atoms(uint8_t *dst, const uint8_t *sf, int64_t R, int C);
 
 /* The FP8 GEMM of DeepSeek-V3's scheme, the reference of the quantized kernels: out[T, N] =
  * x[T, K] w[N, K]^T with x quantized per token per 128 channels (quant_fp8_rows) and w in 128 x 128

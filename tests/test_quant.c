@@ -359,6 +359,37 @@ static void test_nvfp4_linear(void) {
     free(x), free(xb), free(w), free(wd), free(out), free(outb), free(q), free(sf);
 }
 
+/* The scale atoms of Blackwell's block-scaled MMA (quant_nvfp4_sf_atoms), read back as the
+ * hardware does: tcgen05.cp .32x128b puts 32-bit word 4 L + c of an atom in TMEM lane L, column c,
+ * and the MMA takes row m's group j from lane m % 32, column m / 32, byte j (little-endian). */
+static void test_nvfp4_sf_atoms(void) {
+    const int64_t R = 200; /* one whole block of 128 rows, one cut short */
+    const int C = 192, G = C / 16, A = C / 64;
+    uint8_t *sf = malloc((size_t)R * G);
+    for (int64_t i = 0; i < R * G; i++)
+        sf[i] = (uint8_t)(1 + (i * 37 + i / G) % 254);
+    const size_t bytes = quant_nvfp4_sf_atoms_bytes(R, C);
+    CHECK(bytes == (size_t)2 * A * 512, "nvfp4 atoms: %zu bytes for 2 x %d atoms", bytes, A);
+    uint8_t *at = malloc(bytes);
+    memset(at, 0xee, bytes);
+    quant_nvfp4_sf_atoms(at, sf, R, C);
+    int bad = 0;
+    for (int64_t m = 0; m < 256; m++)
+        for (int g = 0; g < G; g++) {
+            const uint8_t *atom = at + ((m / 128) * A + g / 4) * 512;
+            uint32_t word;
+            memcpy(&word, atom + 4 * (4 * (m % 32) + (m % 128) / 32), 4);
+            const uint8_t got = (uint8_t)(word >> (8 * (g % 4)));
+            const uint8_t want = m < R ? sf[m * G + g] : 0;
+            if (got != want && bad++ < 5)
+                fprintf(stderr, "  atoms: row %lld group %d: %#x, want %#x\n", (long long)m, g, got,
+                        want);
+        }
+    CHECK(bad == 0, "nvfp4 atoms: %d scales misplaced (padding rows must read zero)", bad);
+    free(sf);
+    free(at);
+}
+
 int main(void) {
     test_fp8_linear();
     test_nvfp4_linear();
@@ -367,5 +398,6 @@ int main(void) {
     test_fp8_blocks();
     test_fp8_w8_layout();
     test_nvfp4();
+    test_nvfp4_sf_atoms();
     CHECK_SUMMARY();
 }

@@ -3,6 +3,8 @@
  * division), so the results do not depend on any order of evaluation. Also the quantized GEMMs'
  * references: FP8 W8A8 (DeepSeek-V3's recipe) and NVFP4 W4A16 (how Hopper runs NVFP4); each
  * output is one fixed-order fp32 sum, so threads do not change a bit. */
+#include <string.h>
+
 #include "kernels/quant.h"
 
 #include "kernels/cpu/cpu_ops.h"
@@ -116,6 +118,20 @@ void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int 
             x[i] = fp4_e2m1_to_float(c % 2 ? byte >> 4 : byte & 15) *
                    fp8_e4m3_to_float(sf[(int64_t)r * G + c / QUANT_FP4_GROUP]) * s2;
         }
+}
+
+size_t quant_nvfp4_sf_atoms_bytes(int64_t R, int C) {
+    return (size_t)((R + 127) / 128) * (size_t)(C / 64) * 512;
+}
+
+void quant_nvfp4_sf_atoms(uint8_t *dst, const uint8_t *sf, int64_t R, int C) {
+    MS_ASSERT(C % 64 == 0);
+    const int G = C / QUANT_FP4_GROUP, A = C / 64; /* groups and atoms a row */
+    memset(dst, 0, quant_nvfp4_sf_atoms_bytes(R, C));
+    for (int64_t r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            dst[((r / 128) * A + g / 4) * 512 + (r % 32) * 16 + (r / 32 % 4) * 4 + g % 4] =
+                sf[r * G + g];
 }
 
 void quant_linear_fp8(float *out, const float *x, const uint8_t *w_q, const float *w_s, int T,

@@ -118,6 +118,20 @@ const float *cuda_linear_fp8_scales(const tensor *w);
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K);
 
+/* NVFP4 x NVFP4 grouped GEMM on Blackwell's block-scaled tensor cores (kernels/cuda/nvfp4_sm100.cu,
+ * sm_100a). Rows come in n_blk blocks of 128, block i expert blk_e[i]'s (< 0: none) with its first
+ * blk_rows[i] rows valid; for a valid row r of expert e, out[r, n] = sa[r] sb[e] sum_k
+ * (a[r, k] sfa(r, k / 16)) (b[e, n, k] sfb(e n, k / 16)): a [n_blk 128, K / 2] and b [E, N, K / 2]
+ * E2M1 codes (two a byte, the even k in the low nibble), their group scales E4M3 in the 128 x 4
+ * atoms of quant_nvfp4_sf_atoms (a over n_blk 128 rows, b over E N), sa [n_blk 128] and sb [E]
+ * fp32; out [n_blk 128, N] fp32, other rows untouched. N % 128 == 0, K % 256 == 0. Only where
+ * cuda_nvfp4_sm100_available: a compute capability 10.0 device and the kernel in the build. */
+int cuda_nvfp4_sm100_available(void);
+void cuda_nvfp4_sm100_gemm(float *out, const uint8_t *a, const uint8_t *sfa, const float *sa,
+                           const uint8_t *b, const uint8_t *sfb, const float *sb,
+                           const int32_t *blk_e, const int32_t *blk_rows, int n_blk, int N, int K,
+                           int E);
+
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
                     int Dh, float scale);
 
