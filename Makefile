@@ -31,7 +31,11 @@ A2A_CU_SRCS := $(wildcard kernels/cuda/a2a_*.cu)
 ifneq ($(NVCC),)
   ifneq ($(CU_SRCS),)
     CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-    NVCCFLAGS ?= -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -I.
+    # Hopper (sm_90a) and Blackwell (sm_100a, B200 and GB200) in every CUDA object: the wgmma
+    # kernels are Hopper's alone (kernels/cuda/hopper.cuh), the tcgen05 ones (*_sm100.cu)
+    # Blackwell's alone. `make NVCC_ARCHS=...` builds for fewer.
+    NVCC_ARCHS ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a
+    NVCCFLAGS ?= -O3 -std=c++20 $(NVCC_ARCHS) -I.
     CFLAGS    += -DMOESERVE_CUDA=1 -I$(CUDA_HOME)/include
     LDLIBS    += -L$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++
     CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
@@ -89,7 +93,7 @@ $(BUILD)/%.o: %.cu
 
 # Blackwell's kernels (kernels/cuda/*_sm100.cu) are built for sm_100a alone; the host takes them
 # only on a device of compute capability 10.0.
-$(BUILD)/kernels/cuda/%_sm100.o: NVCCFLAGS := $(subst sm_90a,sm_100a,$(subst compute_90a,compute_100a,$(NVCCFLAGS)))
+$(BUILD)/kernels/cuda/%_sm100.o: NVCCFLAGS := $(filter-out -gencode=arch=compute_90a%,$(NVCCFLAGS))
 
 # Debian packages the build and the tests need; installed only when one is missing.
 DEB_PKGS := gcc make pkg-config libcjson-dev libpcre2-dev libutf8proc-dev libmicrohttpd-dev curl strace \

@@ -114,6 +114,7 @@ template <bool SPLIT, bool GATE_UP>
 __global__ void __launch_bounds__(BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
+#if MOESERVE_WGMMA_DEVICE
     typedef bwg_cfg<SPLIT> C;
     constexpr int BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
@@ -264,6 +265,9 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
             }
         }
     }
+#else
+    __trap(); // not built for this device (hopper.cuh)
+#endif
 }
 
 // Grouped row m < offsets[E] of xg [AP, n, D] = the row of its pair's token in xb [AP, T, D] (high:
@@ -286,7 +290,7 @@ static int wgmma_env() {
     static int on = -1;
     if (on < 0) {
         const char *e = getenv("MOESERVE_WGMMA");
-        on = !(e && strcmp(e, "0") == 0);
+        on = !(e && strcmp(e, "0") == 0) && cuda_wgmma_device();
     }
     return on;
 }

@@ -241,6 +241,7 @@ __device__ __forceinline__ int fp8g_a_row(const fp8g_args &p, int m) {
 template <int STAGES, int BN, bool GATE_UP>
 __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     fp8_grouped_gemm_kernel(const fp8g_args p) {
+#if MOESERVE_WGMMA_DEVICE
     static_assert(!GATE_UP || BN == 128, "GATE_UP: 64 gate and 64 up columns a tile");
     const uint8_t *__restrict__ a = p.a;
     const float *__restrict__ sa = p.sa;
@@ -342,6 +343,9 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
         fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
     else
         fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
+#else
+    __trap(); // not built for this device (hopper.cuh)
+#endif
 }
 
 template <int STAGES, int BN, bool GATE_UP>
@@ -405,6 +409,7 @@ template <int STAGES, bool GATE_UP, int CL, int WG = 2>
 __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
+#if MOESERVE_WGMMA_DEVICE
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || (WG == 3 && CL == 1), "two consumer warpgroups, or three alone");
     typedef fp8g_ws<WG> W;
@@ -552,6 +557,9 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
     }
     // no block leaves while the other may still write into it or arrive on its barriers
     if constexpr (CL == 2) cluster_sync_all();
+#else
+    __trap(); // not built for this device (hopper.cuh)
+#endif
 }
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
@@ -614,7 +622,7 @@ extern "C" int cuda_fp8_grouped_gemm_config(int config) {
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K) {
     if (M <= 0 || N <= 0 || E <= 0) return;
-    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0);
+    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0 && cuda_wgmma_device());
     MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
               ((uintptr_t)out & 7) == 0);
     const fp8g_args p = {.out = out,
@@ -689,7 +697,7 @@ static int w8a8_env() {
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
     return n_pairs > 48 * (int64_t)E && D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
            ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
-           w8a8_env();
+           w8a8_env() && cuda_wgmma_device();
 }
 
 extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {

@@ -1,7 +1,7 @@
 // Hopper pieces shared by the wgmma GEMMs (fp8_gemm.cu, bf16_gemm.cu): the shared-memory
 // descriptor of a 128-byte-swizzled K-major tile, mbarriers, TMA tile copies and their tensor
 // maps, register reallocation between warpgroups, and the search for a grouped GEMM's row tile.
-// sm_90a; CUDA C++ only.
+// sm_90a (the mbarrier, TMA and descriptor pieces serve sm_100a too); CUDA C++ only.
 #ifndef MOESERVE_KERNELS_CUDA_HOPPER_CUH
 #define MOESERVE_KERNELS_CUDA_HOPPER_CUH
 
@@ -13,6 +13,27 @@
 #include <cstdio>
 
 #include "kernels/cuda/cuda_ops.h"
+
+// The wgmma kernels (fp8_gemm.cu, bf16_gemm.cu) exist for Hopper alone: the same files are built
+// for Blackwell too (sm_100a, which has no wgmma), where their bodies are a trap behind
+// MOESERVE_WGMMA_DEVICE 0, and the host takes them only on a device of compute capability 9.x
+// (cuda_wgmma_device), the others falling back to the mma.sync tiles and cuBLASLt.
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOESERVE_WGMMA_DEVICE 1
+#else
+#define MOESERVE_WGMMA_DEVICE 0
+#endif
+static inline bool cuda_wgmma_device() {
+    static int hopper = -1; // one device a process
+    if (hopper < 0) {
+        int dev = 0, major = 0;
+        hopper =
+            cudaGetDevice(&dev) == cudaSuccess &&
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+            major == 9;
+    }
+    return hopper;
+}
 
 // Smem layout of a tile (128-byte rows): row r at 128 r, its 16-byte chunk c at chunk c ^ (r % 8),
 // the tile 1024-byte aligned: the 128-byte swizzle that TMA writes and the descriptors name.
