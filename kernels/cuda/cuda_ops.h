@@ -120,17 +120,54 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
 
 /* NVFP4 x NVFP4 grouped GEMM on Blackwell's block-scaled tensor cores (kernels/cuda/nvfp4_sm100.cu,
  * sm_100a). Rows come in n_blk blocks of 128, block i expert blk_e[i]'s (< 0: none) with its first
- * blk_rows[i] rows valid; for a valid row r of expert e, out[r, n] = sa[r] sb[e] sum_k
+ * blk_rows[i] rows valid; for a valid row r of expert e, out[r, n] = sa[r] sb[e, n / 128] sum_k
  * (a[r, k] sfa(r, k / 16)) (b[e, n, k] sfb(e n, k / 16)): a [n_blk 128, K / 2] and b [E, N, K / 2]
  * E2M1 codes (two a byte, the even k in the low nibble), their group scales E4M3 in the 128 x 4
- * atoms of quant_nvfp4_sf_atoms (a over n_blk 128 rows, b over E N), sa [n_blk 128] and sb [E]
- * fp32; out [n_blk 128, N] fp32, other rows untouched. N % 128 == 0, K % 256 == 0. Only where
+ * atoms of quant_nvfp4_sf_atoms (a over n_blk 128 rows, b over E N), sa [n_blk 128] and sb
+ * [E, N / 128] fp32 (a tensor scale a 128 rows of b: gate and up keep their own); out [n_blk 128,
+ * N] fp32, other rows untouched. N % 128 == 0, K % 256 == 0. Only where
  * cuda_nvfp4_sm100_available: a compute capability 10.0 device and the kernel in the build. */
 int cuda_nvfp4_sm100_available(void);
 void cuda_nvfp4_sm100_gemm(float *out, const uint8_t *a, const uint8_t *sfa, const float *sa,
                            const uint8_t *b, const uint8_t *sfb, const float *sb,
                            const int32_t *blk_e, const int32_t *blk_rows, int n_blk, int N, int K,
                            int E);
+/* The activations of those experts in the GEMM's blocks (kernels/cuda/nvfp4_act.cu, any device):
+ * rows quantized as quant_nvfp4 quantizes one row with its own tensor scale, codes [n_blk 128,
+ * C / 2], scales in atoms, s2 in sa [n_blk 128]; padding rows zero.
+ * - cuda_nvfp4_blocks_max: blocks enough for n_pairs rows over E experts.
+ * - cuda_nvfp4_blocks: from the experts' grouped offsets [E + 1], pblk [E + 1] (expert e's rows
+ *   from block pblk[e] on), blk_e and blk_rows [n_blk] (blocks past the rows: -1 and 0).
+ * - cuda_nvfp4_quant_pairs: grouped row m (expert e by offsets) from x's row pairs[m] / topk into
+ *   row pblk[e] 128 + m - offsets[e]; row_pair [n_blk 128] the pair of each row, -1 for padding.
+ * - cuda_nvfp4_silu_quant: the valid rows of g1 [n_blk 128, 2F] (GEMM 1: gate, then up) as
+ *   h = silu(gate) up, C = F.
+ * - cuda_nvfp4_scatter: out[row_pair[r]] = rows[r] ([n_blk 128, D] fp32) for every row with a pair.
+ */
+int cuda_nvfp4_blocks_max(int64_t n_pairs, int E);
+void cuda_nvfp4_blocks(int32_t *blk_e, int32_t *blk_rows, int32_t *pblk, const int32_t *offsets,
+                       int E, int n_blk);
+void cuda_nvfp4_quant_pairs(uint8_t *q, uint8_t *atoms, float *sa, int32_t *row_pair,
+                            const float *x, int D, const int32_t *pairs, int topk,
+                            const int32_t *offsets, const int32_t *pblk, int E, int64_t n_pairs,
+                            int n_blk);
+void cuda_nvfp4_silu_quant(uint8_t *q, uint8_t *atoms, float *sa, const float *g1,
+                           const int32_t *blk_rows, int n_blk, int F);
+void cuda_nvfp4_scatter(float *out, const float *rows, const int32_t *row_pair, int n_blk, int D);
+/* The experts' two GEMMs as NVFP4 x NVFP4 on Blackwell (nvfp4_sm100.cu): for grouped row m (pair
+ * pairs[m] of token pairs[m] / topk, expert e by offsets [E + 1]), out[pairs[m]] = down_e
+ * q(silu(gate_e q(x)) up_e q(x)) with q() a row's NVFP4 quantization (cuda_nvfp4_quant_pairs) and
+ * the GEMMs cuda_nvfp4_sm100_gemm's: gate_up codes [E, 2F, D / 2] (F gate rows, then F up rows),
+ * down [E, D, F / 2], their atoms, and tensor scales a 128 rows (gate_up_s2 [E, 2F / 128], down_s2
+ * [E, D / 128]). D and F multiples of 256; scratch of cuda_nvfp4_sm100_experts_scratch bytes,
+ * 256-byte aligned. Slot rows of no pair are untouched. */
+size_t cuda_nvfp4_sm100_experts_scratch(int64_t n_pairs, int E, int D, int F);
+void cuda_nvfp4_sm100_experts(float *out, const float *x, int D, int F, int topk,
+                              const int32_t *pairs, const int32_t *offsets, int E, int64_t n_pairs,
+                              const uint8_t *gate_up, const uint8_t *gate_up_atoms,
+                              const float *gate_up_s2, const uint8_t *down,
+                              const uint8_t *down_atoms, const float *down_s2,
+                              unsigned char *scratch);
 
 void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b, int H, int Hkv,
                     int Dh, float scale);

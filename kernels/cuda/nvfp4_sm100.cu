@@ -6,7 +6,7 @@
 // such a GPU (elsewhere it says "skipped"); nothing calls it on the serving path yet.
 //
 // What it computes (cuda_ops.h, cuda_nvfp4_sm100_gemm): rows in blocks of 128, each block one
-// expert's (blk_e) with its first blk_rows rows valid; out[r, n] = sa[r] sb[e] sum_k
+// expert's (blk_e) with its first blk_rows rows valid; out[r, n] = sa[r] sb[e, n / 128] sum_k
 // (a[r, k] sfa[r, k / 16]) (b_e[n, k] sfb_e[n, k / 16]), a and b E2M1 codes, sfa and sfb E4M3 group
 // scales (NVFP4's record: kernels/quant.h), summed in the tensor core in fp32.
 //
@@ -31,8 +31,8 @@
 //   lane 0 issues the scale copies and the MMAs, then tcgen05.commit to the stage's empty barrier,
 //   and after a tile's last stage to the accumulator's full barrier.
 // - warps 2 to 5: the epilogue. Warp w reads the lanes of quarter w % 4 (tcgen05.ld 32x32b, a row
-//   a thread), multiplies by sa[r] sb[e] and stores fp32; then arrives on the accumulator's empty
-//   barrier so that the next tile's MMAs may start.
+//   a thread), multiplies by sa[r] sb[e, n / 128] and stores fp32; then arrives on the
+//   accumulator's empty barrier so that the next tile's MMAs may start.
 // One accumulator: a tile's MMAs wait for the epilogue of the tile before (two buffers, the design
 // paper's next step, would overlap them).
 #include <cuda.h>
@@ -65,7 +65,7 @@ static_assert(NV4_SF_COL + NV4_STAGES * 32 <= NV4_TMEM_COLS, "scale columns fit"
 
 typedef struct {
     float *out;               // [n_blk 128, N]
-    const float *sa, *sb;     // [n_blk 128], [E]
+    const float *sa, *sb;     // [n_blk 128], [E N / 128]
     const uint8_t *sfa, *sfb; // atoms [n_blk][K / 64], [E N / 128][K / 64]
     const int32_t *blk_e, *blk_rows;
     int n_blk, N, K;
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(NV4_THREADS, 1)
             tc_fence_after();
             const bool valid = r_in < __ldg(&p.blk_rows[blk]);
             const int64_t r = (int64_t)blk * NV4_BM + r_in;
-            const float scale = valid ? __ldg(&p.sa[r]) * __ldg(&p.sb[e]) : 0.0f;
+            const float scale = valid ? __ldg(&p.sa[r]) * __ldg(&p.sb[e * nb + t % nb]) : 0.0f;
             float *o = p.out + r * p.N + n0;
 #pragma unroll 1
             for (int c = 0; c < NV4_BN; c += 16) {
@@ -339,4 +339,65 @@ void cuda_nvfp4_sm100_gemm(float *out, const uint8_t *a, const uint8_t *sfa, con
     const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
     nv4_gemm_kernel<<<grid, NV4_THREADS, NV4_SMEM, cuda_stream()>>>(ta, tb, p);
     CUDA_CHECK_LAUNCH();
+}
+
+// ---- the experts' two GEMMs (cuda_ops.h, cuda_nvfp4_sm100_experts) ----
+
+// The scratch's pieces, each 256-byte aligned: the blocks' tables, x's (then h's) codes, atoms and
+// tensor scales, GEMM 1's fp32 rows, GEMM 2's.
+typedef struct {
+    size_t blk_e, blk_rows, pblk, row_pair, q, atoms, sa, g1, g2, end;
+} nv4_scratch;
+
+static nv4_scratch nv4_scratch_layout(int64_t n_pairs, int E, int D, int F) {
+    const int64_t n_blk = cuda_nvfp4_blocks_max(n_pairs, E), R = n_blk * NV4_BM;
+    const int64_t C = D > F ? D : F;
+    nv4_scratch l;
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+        const size_t here = at;
+        at += (bytes + 255) / 256 * 256;
+        return here;
+    };
+    l.blk_e = take(sizeof(int32_t) * (size_t)n_blk);
+    l.blk_rows = take(sizeof(int32_t) * (size_t)n_blk);
+    l.pblk = take(sizeof(int32_t) * (size_t)(E + 1));
+    l.row_pair = take(sizeof(int32_t) * (size_t)R);
+    l.q = take((size_t)(R * C / 2));
+    l.atoms = take((size_t)n_blk * (size_t)(C / 64) * NV4_ATOM_BYTES);
+    l.sa = take(sizeof(float) * (size_t)R);
+    l.g1 = take(sizeof(float) * (size_t)(R * 2 * F));
+    l.g2 = take(sizeof(float) * (size_t)(R * D));
+    l.end = at;
+    return l;
+}
+
+size_t cuda_nvfp4_sm100_experts_scratch(int64_t n_pairs, int E, int D, int F) {
+    return nv4_scratch_layout(n_pairs, E, D, F).end;
+}
+
+void cuda_nvfp4_sm100_experts(float *out, const float *x, int D, int F, int topk,
+                              const int32_t *pairs, const int32_t *offsets, int E, int64_t n_pairs,
+                              const uint8_t *gate_up, const uint8_t *gate_up_atoms,
+                              const float *gate_up_s2, const uint8_t *down,
+                              const uint8_t *down_atoms, const float *down_s2,
+                              unsigned char *scratch) {
+    MS_ASSERT(D % NV4_BK == 0 && F % NV4_BK == 0 && ((uintptr_t)scratch & 255) == 0);
+    if (n_pairs <= 0) return;
+    const nv4_scratch l = nv4_scratch_layout(n_pairs, E, D, F);
+    const int n_blk = cuda_nvfp4_blocks_max(n_pairs, E);
+    int32_t *blk_e = (int32_t *)(scratch + l.blk_e), *blk_rows = (int32_t *)(scratch + l.blk_rows),
+            *pblk = (int32_t *)(scratch + l.pblk), *row_pair = (int32_t *)(scratch + l.row_pair);
+    uint8_t *q = scratch + l.q, *atoms = scratch + l.atoms;
+    float *sa = (float *)(scratch + l.sa), *g1 = (float *)(scratch + l.g1),
+          *g2 = (float *)(scratch + l.g2);
+    cuda_nvfp4_blocks(blk_e, blk_rows, pblk, offsets, E, n_blk);
+    cuda_nvfp4_quant_pairs(q, atoms, sa, row_pair, x, D, pairs, topk, offsets, pblk, E, n_pairs,
+                           n_blk);
+    cuda_nvfp4_sm100_gemm(g1, q, atoms, sa, gate_up, gate_up_atoms, gate_up_s2, blk_e, blk_rows,
+                          n_blk, 2 * F, D, E);
+    cuda_nvfp4_silu_quant(q, atoms, sa, g1, blk_rows, n_blk, F);
+    cuda_nvfp4_sm100_gemm(g2, q, atoms, sa, down, down_atoms, down_s2, blk_e, blk_rows, n_blk, D, F,
+                          E);
+    cuda_nvfp4_scatter(out, g2, row_pair, n_blk, D);
 }
