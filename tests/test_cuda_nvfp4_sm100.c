@@ -33,6 +33,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/quant.h"
 #include "tests/check.h"
+#include "tests/cublaslt_time.h"
 
 cudaStream_t cuda_stream(void); /* kernels/cuda/ops_cuda.cu */
 
@@ -616,67 +617,15 @@ static double time_case(const nv4_case *c, const nv4_dev *d, int reps) {
     return ms / 1e3 / reps;
 }
 
-/* cuBLASLt's NVFP4 GEMM (E2M1 in with UE4M3 scales a 16-vector, fp32 out) of M rows, the peer at
- * prefill sizes: the same codes and atoms as one matrix. NAN when cuBLASLt offers nothing. */
+/* cuBLASLt's NVFP4 GEMM (E2M1 in with UE4M3 scales a 16-vector, the same atoms; fp32 out) of M
+ * rows against expert 0's weights, the peer at prefill sizes. NAN when cuBLASLt offers nothing. */
 static double cublaslt_nvfp4_seconds(const nv4_dev *d, int M, int N, int K, int reps) {
-    cublasLtHandle_t lt = NULL;
-    cublasLtMatmulDesc_t desc = NULL;
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-    const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
-    uint64_t ws_bytes = 32u << 20;
+    const uint64_t ws_bytes = 32u << 20;
     void *ws = NULL;
-    cublasLtMatmulHeuristicResult_t res;
-    int n_res = 0;
-    /* out^T [N, M] = (b as [K, N])^T (a as [K, M]): A is the weights, B the rows */
-    const int ok =
-        cudaMalloc(&ws, ws_bytes) == cudaSuccess && cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode,
-                                       sizeof mode) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
-                                       sizeof mode) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &d->sfb,
-                                       sizeof d->sfb) == 0 &&
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &d->sfa,
-                                       sizeof d->sfa) == 0 &&
-        cublasLtMatrixLayoutCreate(&la, CUDA_R_4F_E2M1, K, N, K) == 0 &&
-        cublasLtMatrixLayoutCreate(&lb, CUDA_R_4F_E2M1, K, M, K) == 0 &&
-        cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, M, N) == 0 &&
-        cublasLtMatmulPreferenceCreate(&pref) == 0 &&
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &ws_bytes, sizeof ws_bytes) == 0 &&
-        cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &res, &n_res) == 0 &&
-        n_res == 1;
-    double s = NAN;
-    if (ok) {
-        const float alpha = 1.0f, beta = 0.0f;
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        int status = 0;
-        for (int r = 0; r < 3 + reps; r++) {
-            if (r == 3) cudaEventRecord(e0, cuda_stream());
-            status |= cublasLtMatmul(lt, desc, &alpha, d->b, la, d->a, lb, &beta, d->out, lc,
-                                     d->out, lc, &res.algo, ws, ws_bytes, cuda_stream());
-        }
-        cudaEventRecord(e1, cuda_stream());
-        cudaEventSynchronize(e1);
-        float ms = 0.0f;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (status == 0) s = ms / 1e3 / reps;
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-    }
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (desc) cublasLtMatmulDescDestroy(desc);
-    if (lt) cublasLtDestroy(lt);
+    if (cudaMalloc(&ws, ws_bytes) != cudaSuccess) return NAN;
+    const double s = cublaslt_seconds_scaled(
+        CUDA_R_4F_E2M1, CUDA_R_32F, M, N, K, d->b, d->a, d->out, ws, ws_bytes, cuda_stream(), 3,
+        reps, CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3, d->sfb, d->sfa);
     cudaFree(ws);
     return s;
 }
