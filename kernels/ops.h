@@ -60,13 +60,18 @@ typedef struct moe_experts { /* the tag: C++ sees the member moe_experts below i
      * MOE_W_FP8 (CUDA, cuda_prepare_experts_fp8): E4M3 codes (gate_up [E, 2F, D], down_all
      * [E, D, F], wdtype U8, reordered within each 64 values of a row: moe.cu's fp8_pack_kernel)
      * and fp32 block scales a weight row each (gate_up_sf [E, ceil(D / 128), 2F], down_sf
-     * [E, ceil(F / 128), D]: kernels/quant.h's quant_fp8_row_scales); s2 NULL. */
-    int wformat;        /* MOE_W_PLAIN (0), MOE_W_NVFP4 or MOE_W_FP8 */
+     * [E, ceil(F / 128), D]: kernels/quant.h's quant_fp8_row_scales); s2 NULL.
+     * MOE_W_NVFP4_SM100 (CUDA on compute capability 10.0 with MOESERVE_NVFP4_SM100=1, opt-in
+     * until checked on such a GPU): the NVFP4 codes as the checkpoint stores them, the group
+     * scales in the atoms of quant_nvfp4_sf_atoms (gate_up_sf over E 2F rows, down_sf over E D),
+     * and s2 a tensor scale a 128 rows (gate_up's [E, 2F / 128], then down's [E, D / 128]), for
+     * the NVFP4 x NVFP4 GEMMs of kernels/cuda/nvfp4_sm100.cu. */
+    int wformat; /* MOE_W_PLAIN (0), MOE_W_NVFP4, MOE_W_FP8 or MOE_W_NVFP4_SM100 */
     void *gate_up_sf;
     void *down_sf;
     float *s2;
 } moe_experts;
-enum { MOE_W_PLAIN = 0, MOE_W_NVFP4 = 1, MOE_W_FP8 = 2 };
+enum { MOE_W_PLAIN = 0, MOE_W_NVFP4 = 1, MOE_W_FP8 = 2, MOE_W_NVFP4_SM100 = 3 };
 
 /* One logit row of ops->sample: what to do with it. The draw follows runner/sampler.c (its
  * header says the order: penalties -> temperature -> top-k -> top-p -> min-p -> draw). */

@@ -138,8 +138,9 @@ void cuda_nvfp4_sm100_gemm(float *out, const uint8_t *a, const uint8_t *sfa, con
  * - cuda_nvfp4_blocks_max: blocks enough for n_pairs rows over E experts.
  * - cuda_nvfp4_blocks: from the experts' grouped offsets [E + 1], pblk [E + 1] (expert e's rows
  *   from block pblk[e] on), blk_e and blk_rows [n_blk] (blocks past the rows: -1 and 0).
- * - cuda_nvfp4_quant_pairs: grouped row m (expert e by offsets) from x's row pairs[m] / topk into
- *   row pblk[e] 128 + m - offsets[e]; row_pair [n_blk 128] the pair of each row, -1 for padding.
+ * - cuda_nvfp4_quant_pairs: grouped row m < offsets[E] (expert e by offsets) from x's row
+ *   pairs[m] / topk into row pblk[e] 128 + m - offsets[e]; row_pair [n_blk 128] the pair of each
+ *   row, -1 for padding. n_pairs may be an upper bound of offsets[E].
  * - cuda_nvfp4_silu_quant: the valid rows of g1 [n_blk 128, 2F] (GEMM 1: gate, then up) as
  *   h = silu(gate) up, C = F.
  * - cuda_nvfp4_scatter: out[row_pair[r]] = rows[r] ([n_blk 128, D] fp32) for every row with a pair.

@@ -423,6 +423,79 @@ static cudaError_t upload_packed(int n, const void *const *src, const size_t *si
     return ce;
 }
 
+// MOESERVE_NVFP4_SM100=1 on a compute capability 10.0 device, shapes of multiples of 256: the
+// experts in MOE_W_NVFP4_SM100's layout for Blackwell's NVFP4 x NVFP4 path (nvfp4_sm100.cu),
+// opt-in until a Blackwell GPU has run tests/test_cuda_nvfp4_sm100.
+static bool nvfp4_sm100_wanted(int D, int F) {
+    const char *e = getenv("MOESERVE_NVFP4_SM100");
+    return e && strcmp(e, "1") == 0 && D % 256 == 0 && F % 256 == 0 && cuda_nvfp4_sm100_available();
+}
+
+// The checkpoint's codes as they are, the group scales in atoms (a negative zero made +0; a
+// negative or NaN scale refused), and s2 as a tensor scale a 128 rows: gate_up's [E, 2F / 128],
+// then down's [E, D / 128].
+static int prepare_nvfp4_sm100(moe_experts *w, const uint8_t *gate_up_q, const uint8_t *gate_up_sf,
+                               const uint8_t *down_q, const uint8_t *down_sf, const float *s2,
+                               int D, int F, char *err, size_t errlen) {
+    const int E = w->E;
+    const int64_t gu_rows = (int64_t)E * 2 * F, dn_rows = (int64_t)E * D;
+    const size_t n_s2 = (size_t)(gu_rows + dn_rows) / 128;
+    const size_t sizes[5] = {(size_t)gu_rows * D / 2, quant_nvfp4_sf_atoms_bytes(gu_rows, D),
+                             (size_t)dn_rows * F / 2, quant_nvfp4_sf_atoms_bytes(dn_rows, F),
+                             n_s2 * sizeof(float)};
+    uint8_t *sf = (uint8_t *)malloc(std::max(gu_rows * D, dn_rows * F) / 16);
+    uint8_t *gu_at = (uint8_t *)malloc(sizes[1]), *dn_at = (uint8_t *)malloc(sizes[3]);
+    float *s2b = (float *)malloc(sizes[4]);
+    const char *bad = nullptr;
+    if (!sf || !gu_at || !dn_at || !s2b) bad = "out of host memory";
+    for (int m = 0; m < 2 && !bad; m++) { // gate_up, then down
+        const int64_t n = m ? dn_rows * F / 16 : gu_rows * D / 16;
+        const uint8_t *src = m ? down_sf : gate_up_sf;
+        for (int64_t i = 0; i < n && !bad; i++) {
+            sf[i] = src[i] == 0x80 ? 0 : src[i];
+            if (sf[i] & 0x80 || (sf[i] & 0x7f) == 0x7f)
+                bad = "a group scale (weight_scale) is negative or NaN";
+        }
+        if (!bad) quant_nvfp4_sf_atoms(m ? dn_at : gu_at, sf, m ? dn_rows : gu_rows, m ? F : D);
+    }
+    for (int e = 0; e < E && !bad; e++) {
+        for (int b = 0; b < 2 * F / 128; b++) // the gate's rows, then the up's
+            s2b[(size_t)e * (2 * F / 128) + b] = s2[3 * e + (b < F / 128 ? 0 : 1)];
+        for (int b = 0; b < D / 128; b++)
+            s2b[(size_t)gu_rows / 128 + (size_t)e * (D / 128) + b] = s2[3 * e + 2];
+        for (int k = 0; k < 3; k++)
+            if (!(fabsf(s2[3 * e + k]) < INFINITY)) bad = "a weight_scale_2 is not finite";
+    }
+    free(sf);
+    void *dst[5] = {};
+    cudaError_t ce = cudaSuccess;
+    const void *src[5] = {gate_up_q, gu_at, down_q, dn_at, s2b};
+    for (int i = 0; i < 5 && !bad && ce == cudaSuccess; i++) {
+        ce = cudaMalloc(&dst[i], sizes[i]);
+        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
+    }
+    free(gu_at);
+    free(dn_at);
+    free(s2b);
+    if (bad || ce != cudaSuccess) {
+        cudaGetLastError();
+        for (int i = 0; i < 5; i++)
+            if (dst[i]) cudaFree(dst[i]);
+        return set_err(err, errlen, "CUDA: NVFP4 experts of D=%d F=%d for Blackwell: %s", D, F,
+                       bad ? bad : cudaGetErrorString(ce));
+    }
+    w->gate_up = dst[0];
+    w->gate_up_sf = dst[1];
+    w->down_all = dst[2];
+    w->down_sf = dst[3];
+    w->s2 = (float *)dst[4];
+    w->wdtype = DTYPE_U8;
+    w->wformat = MOE_W_NVFP4_SM100;
+    LOG_WARN("cuda", "NVFP4 experts on Blackwell's tcgen05 path (MOESERVE_NVFP4_SM100=1): not yet "
+                     "checked on a Blackwell GPU");
+    return 0;
+}
+
 int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
                                const uint8_t *gate_up_sf, const uint8_t *down_q,
                                const uint8_t *down_sf, const float *s2, int D, int F, char *err,
@@ -431,6 +504,9 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
     if (E <= 0 || D <= 0 || F <= 0 || D % 64 || F % 64)
         return set_err(err, errlen, "CUDA: NVFP4 experts need E > 0 and D=%d, F=%d multiples of 64",
                        D, F);
+    if (nvfp4_sm100_wanted(D, F))
+        return prepare_nvfp4_sm100(w, gate_up_q, gate_up_sf, down_q, down_sf, s2, D, F, err,
+                                   errlen);
     const size_t mat = (size_t)F * D; // elements of one [F, D] matrix
     const size_t sizes[5] = {(size_t)E * mat, (size_t)E * mat / 8, (size_t)E * mat / 2,
                              (size_t)E * mat / 16, (size_t)E * 3 * sizeof(float)};
@@ -1974,13 +2050,36 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     }
 }
 
+// MOE_W_NVFP4_SM100: the prepare kernel's grouping (its BF16 rows unused), then
+// cuda_nvfp4_sm100_experts on the same workspace.
+static void moe_run_nvfp4_sm100(float *out, const float *x, const int32_t *topk_ids,
+                                const moe_experts *w, int T, int K, int D, int F,
+                                const int32_t *n_rows) {
+    const int E = w->E;
+    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 127) / 128);
+    const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, 1, T, D);
+    const size_t o_s = l.end;
+    unsigned char *ws =
+        moe_workspace(align256(o_s + cuda_nvfp4_sm100_experts_scratch(n_pairs, E, D, F)));
+    const moe_prep_args p = prep_launch(ws, l, false, x, topk_ids, T, K, D, E, 128, n_rows);
+    const float *s2 = w->s2;
+    cuda_nvfp4_sm100_experts(out, x, D, F, K, p.pairs, p.offsets, E, n_pairs,
+                             (const uint8_t *)w->gate_up, (const uint8_t *)w->gate_up_sf, s2,
+                             (const uint8_t *)w->down_all, (const uint8_t *)w->down_sf,
+                             s2 + (size_t)E * 2 * F / 128, ws + o_s);
+}
+
 // moe_experts and moe_experts_n (n_rows: NULL, or the device count of rows to take, <= T).
 static void moe_experts_any(float *out, const float *x, const int32_t *topk_ids,
                             const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                             int F) {
     if (T <= 0 || K <= 0) return;
     MS_ASSERT(D % 8 == 0 && F % 8 == 0 && w->E > 0);
-    if (w->wformat == MOE_W_NVFP4) {
+    if (w->wformat == MOE_W_NVFP4_SM100) {
+        MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf && w->s2);
+        moe_run_nvfp4_sm100(out, x, topk_ids, w, T, K, D, F, n_rows);
+    } else if (w->wformat == MOE_W_NVFP4) {
         MS_ASSERT(w->gate_up && w->down_all && w->gate_up_sf && w->down_sf && w->s2);
         MS_ASSERT(D % 64 == 0 && F % 64 == 0);
         moe_experts_path<WF_NVFP4>(out, x, topk_ids, n_rows, w, T, K, D, F);

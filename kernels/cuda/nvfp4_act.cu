@@ -102,11 +102,13 @@ __device__ void nv4a_quant_row(uint8_t *q, uint8_t *atoms, float *sa, int64_t R,
     if (threadIdx.x == 0) sa[R] = s2;
 }
 
-// Block m: grouped row m (expert e by offsets), the pair pairs[m] of token pairs[m] / topk.
+// Block m: grouped row m (expert e by offsets), the pair pairs[m] of token pairs[m] / topk; blocks
+// past offsets[E] have no row.
 __global__ void nv4_quant_pairs_kernel(uint8_t *q, uint8_t *atoms, float *sa, int32_t *row_pair,
                                        const float *x, int D, const int32_t *pairs, int topk,
                                        const int32_t *offsets, const int32_t *pblk, int E) {
     const int m = blockIdx.x;
+    if (m >= __ldg(&offsets[E])) return; // n_pairs may bound the rows from above
     int lo = 0, hi = E; // offsets[lo] <= m < offsets[lo + 1]
     while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;

@@ -443,10 +443,13 @@ static int qwen3_moe_load(model *m, char *err, size_t errlen) {
         const moe_experts *x = &w->layers[i].experts;
         if (!w->layers[i].is_moe || x->E <= 0) continue;
         if (x->wformat != MOE_W_PLAIN)
-            LOG_INFO("model", "routed experts: %s codes on the %s, decoded in the GEMMs (%s); "
+            LOG_INFO("model",
+                     "routed experts: %s codes on the %s, decoded in the GEMMs (%s); "
                      "their input as %s",
                      x->wformat == MOE_W_FP8 ? "FP8" : "NVFP4", m->ops->name,
-                     x->wformat == MOE_W_FP8 ? "W8A16" : "W4A16",
+                     x->wformat == MOE_W_FP8           ? "W8A16"
+                     : x->wformat == MOE_W_NVFP4_SM100 ? "W4A4, Blackwell's block-scaled MMA"
+                                                       : "W4A16",
                      a2a_payload_name((a2a_payload)m->expert_payload));
         break;
     }
