@@ -1208,10 +1208,23 @@ static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
  * (the tiny path against the grouped one, every tile shape), a bad shape refused; with full (the
  * --nvfp4 run) also Qwen3-30B-A3B's shape, checked and timed at decode sizes, the weight bytes
  * read being codes and scales. */
+/* kernels/cuda/bf16_gemm.cu: the NVFP4 experts on the wgmma kernel from now on (1 on, 0 off, -1
+ * as MOESERVE_W4A16_WGMMA says; opt-in); returns the setting before */
+int cuda_moe_w4_wgmma(int on);
+
 static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
     model m;
-    if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) quant_small_cases(&m);
+    if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) {
+        quant_small_cases(&m);
+        /* the wgmma kernel at prefill sizes (more than 96 pairs an expert), B tiles decoded in
+         * shared memory (opt-in, so forced on here) */
+        const int old = cuda_moe_w4_wgmma(1);
+        printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
+        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
+        run_case(&m, 1000, ROUTE_RANDOM, 0.25, 64, false, NULL);
+        cuda_moe_w4_wgmma(old);
+    }
     model_free(&m);
     {
         moe_experts w = {.E = 2};
@@ -1236,6 +1249,20 @@ static void test_nvfp4(bool full) {
     if (!full) return;
     if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
+        /* prefill sizes on the wgmma kernel against the tiles, side by side (the timing rows
+         * named after each) */
+        const int old = cuda_moe_w4_wgmma(1);
+        printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
+        run_case(&m, 2048, ROUTE_RANDOM, 0.0, 16, false, NULL);
+        model mw = m, mt = m;
+        mw.name = "qwen3 nvfp4 wgmma";
+        mt.name = "qwen3 nvfp4 tiles";
+        time_moe(&mw, 2048, ROUTE_RANDOM, 2, 5);
+        time_moe(&mw, 4096, ROUTE_BALANCED, 1, 5);
+        cuda_moe_w4_wgmma(0);
+        time_moe(&mt, 2048, ROUTE_RANDOM, 2, 5);
+        time_moe(&mt, 4096, ROUTE_BALANCED, 1, 5);
+        cuda_moe_w4_wgmma(old);
     }
     model_free(&m);
 }

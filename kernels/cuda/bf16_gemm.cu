@@ -36,6 +36,14 @@
 // GEMM 1, ncu). Gathering the rows in GEMM 1 instead, one TMA a row (a box of one 128-byte row
 // at its place in the swizzled tile: correct, the swizzle follows the shared address), made
 // GEMM 1 ten times slower (4.2 ms): TMA wants few large boxes.
+//
+// NVFP4 experts (W4A16; opt-in, bf16_gemm.h's bf16_wgmma_w4_takes): the same kernel with two more
+// warps that write each stage's B tile themselves, decoding the weights' codes and group scales
+// (moe.cu's nvfp4_pack_kernel layout, cp.async two k tiles ahead into their own staging) into
+// BF16 with moe.cu's own decode (exact: e2m1 x e4m3 fits BF16), so the tensor cores see the W4A16
+// tiles' weights; the epilogues multiply by the tensor scales as the tiles' do. Written in a
+// session without a GPU: not yet run (test_cuda_moe --nvfp4 checks it against the CPU and times it
+// beside the tiles).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -54,6 +62,8 @@
 #define BWG_BM      128 /* rows of a tile: two consumer warpgroups of 64 */
 #define BWG_BK      64  /* k of a stage: 128 bytes of BF16 */
 #define BWG_THREADS 288 /* two consumer warpgroups and the producer warp */
+#define BWG_THREADS_W4 352 /* W4: and two converter warps */
+#define BWG_CS         3 /* W4: the converters' staging slots (codes requested two k tiles ahead) */
 
 // The tile configuration of a precision: columns, stages (each A tile 16 KiB, high two, and a B
 // tile of BN rows of 128 bytes; 192 KiB of stages either way).
@@ -64,7 +74,11 @@ template <bool SPLIT> struct bwg_cfg {
     static constexpr int STAGE_BYTES = A_PARTS * A_BYTES + B_BYTES;
     static constexpr int STAGES = 4;
     static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
-    static_assert(smem <= 227 * 1024, "shared memory of one block");
+    // W4: the converters' staging, after the stages: codes [BWG_CS][BN][32], scales [BWG_CS][BN][4]
+    static constexpr size_t W4_CODES = (size_t)BWG_CS * BN * 32,
+                            W4_SCALES = (size_t)BWG_CS * BN * 4;
+    static constexpr size_t smem_w4 = smem + W4_CODES + W4_SCALES;
+    static_assert(smem_w4 <= 227 * 1024, "shared memory of one block");
 };
 
 // d += A[64 x 16] B[N x 16]^T, fp32 accumulators in the m64nN fragment layout (scale-d 1: the
@@ -104,14 +118,132 @@ typedef struct {
     int S, nks;
     float *part;
     int64_t part_stride;
+    // W4: B as NVFP4 in moe.cu's W4A16 layout (nvfp4_pack_kernel): codes wq [E N, K / 2], scales
+    // wsf [E N, K / 16], and the experts' tensor scales ws2 [E, 3] (gate, up, down; times 2^7)
+    const uint8_t *wq, *wsf;
+    const float *ws2;
 } bwg_args;
+
+#define WQ_SF_BIAS                                                                                 \
+    0x7600u /* moe.cu's: (c << 4) + WQ_SF_BIAS are the BF16 bits of a group scale                  \
+             */
+
+// moe.cu's wq_decode: fragment register j (0..3) of a packed code word as two BF16 values.
+__device__ __forceinline__ uint32_t bwg_wq_decode(uint32_t q, int j) {
+    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
+    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
+}
+__device__ __forceinline__ uint32_t bwg_bf16x2_mul(uint32_t x, uint32_t y) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
+    return d;
+}
+__device__ __forceinline__ void bwg_cp_async(uint32_t dst, const void *src, int bytes) {
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// W4's converters (the kernel's warps 9 and 10): ct = the thread among them, rows ct + 64 i of
+// each B tile. The tiles and k tiles in the kernel's order (it: the k tiles so far, as the other
+// roles count them). Staging slot it % BWG_CS holds k tile it's codes and scales of the thread's
+// rows; the requests run two k tiles ahead within a tile. A row's 64 k of a k tile, as
+// nvfp4_pack_kernel stores them: code word 2t + w holds quad lane t's fragments of k16 steps
+// 2w and 2w + 1, so the 16-byte chunk c of the BF16 row (k 8c .. 8c + 7) is, for t = 0..3, word
+// 2t + c / 4's fragment register c % 4 times group c / 2's scale.
+template <class C, bool GATE_UP>
+__device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_t b0,
+                            int stage_bytes, uint32_t full0, uint32_t empty0) {
+    constexpr int BN = C::BN, RPT = BN / 64, STAGES = C::STAGES;
+    const int ct = threadIdx.x - 9 * 32, lane = threadIdx.x & 31;
+    const int N = p.N, nkb = p.K / BWG_BK, S = p.S, n_cols = GATE_UP ? BN / 2 : BN;
+    const uint32_t st_codes = staging, st_scales = staging + (uint32_t)C::W4_CODES;
+    const int64_t qrow = p.K / 2, srow = p.K / 16; // bytes of a weight row's codes, scales
+    int it = 0;
+    for (int t = blockIdx.x;; t += gridDim.x) {
+        const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
+        if (tile.x < 0) break;
+        const int e = tile.x, n0 = (t % nx) * n_cols;
+        const int k0 = t / nx % S * p.nks, nk = min(nkb, k0 + p.nks) - k0;
+        int64_t grow[RPT]; // the global weight row of each of the thread's tile rows
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            const int r = ct + 64 * i;
+            grow[i] = (int64_t)e * N + (GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r);
+        }
+        auto request = [&](int j) { // k tile k0 + j into slot (it + j) % BWG_CS, one group
+            if (j < nk) {
+                const int slot = (it + j) % BWG_CS;
+#pragma unroll
+                for (int i = 0; i < RPT; i++) {
+                    const int r = ct + 64 * i;
+                    const uint8_t *q = p.wq + grow[i] * qrow + (int64_t)(k0 + j) * 32;
+                    const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
+                    bwg_cp_async(dq, q, 16);
+                    bwg_cp_async(dq + 16, q + 16, 16);
+                    bwg_cp_async(st_scales + (uint32_t)(slot * BN + r) * 4,
+                                 p.wsf + grow[i] * srow + (int64_t)(k0 + j) * 4, 4);
+                }
+            }
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+        };
+        request(0);
+        request(1);
+        for (int j = 0; j < nk; j++, it++) {
+            request(j + 2);
+            asm volatile("cp.async.wait_group 2;\n" ::: "memory"); // k tile j's requests are in
+            const int s = it % STAGES, slot = it % BWG_CS;
+            mbar_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1); // the consumers are done with s
+            const uint32_t bt = b0 + s * stage_bytes;
+#pragma unroll
+            for (int i = 0; i < RPT; i++) {
+                const int r = ct + 64 * i;
+                uint32_t w[8], sc;
+                const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                             : "r"(dq));
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
+                             : "r"(dq + 16));
+                asm volatile("ld.shared.u32 %0, [%1];\n"
+                             : "=r"(sc)
+                             : "r"(st_scales + (uint32_t)(slot * BN + r) * 4));
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                    const uint32_t sf2 = __byte_perm(sc, 0, 0x4040 + (c >> 1) * 0x0101) * 16u +
+                                         (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+                    uint32_t v[4];
+#pragma unroll
+                    for (int tq = 0; tq < 4; tq++)
+                        v[tq] = bwg_bf16x2_mul(bwg_wq_decode(w[2 * tq + (c >> 2)], c & 3), sf2);
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                                     bt + r * 128 + ((c ^ (r & 7)) << 4)),
+                                 "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                                 : "memory");
+                }
+            }
+            // the B tile written through the generic proxy, read by wgmma through the async one
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncwarp();
+            if (lane == 0) mbar_arrive(full0 + 8 * s);
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
 
 // Block b takes tiles t = b, b + gridDim.x, ...: n-block t % nx of row tile t / (nx S), range
 // t / nx % S (the blocks at work at once share A's row tiles and B's expert); the ring runs on
 // across its tiles.
 // ta: A [rows, K] BF16 in boxes of 128 rows; tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows.
-template <bool SPLIT, bool GATE_UP>
-__global__ void __launch_bounds__(BWG_THREADS, 1)
+// W4 (NVFP4 weights, W4A16): no tb; two more warps (the converters, 64 threads, BN / 64 rows of
+// each B tile a thread) request their rows' codes and scales of a k tile two k tiles ahead
+// (cp.async into their own staging), decode them into the stage's BF16 B tile as moe.cu's W4A16
+// fragments decode them (wq_decode times the group scale: the same BF16 values), and each arrives
+// on the stage's full barrier with the producer's A tile; the epilogue applies the tensor scales.
+template <bool SPLIT, bool GATE_UP, bool W4>
+__global__ void __launch_bounds__(W4 ? BWG_THREADS_W4 : BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
@@ -129,7 +261,8 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
     auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(full(s), 1);  // the producer's arrival with the bytes
+            mbar_init(full(s),
+                      W4 ? 3 : 1);  // the producer's arrival with the bytes (W4: and 2 warps)
             mbar_init(empty(s), 8); // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -142,12 +275,20 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
     const int n_cols = GATE_UP ? BN / 2 : BN; // output columns of a tile (GATE_UP: h's)
     int it = 0; // the k tiles this thread's role has gone through, over all the block's tiles
 
+    if constexpr (W4) {
+        if (warp >= 9) { // the converters
+            bwg_convert<C, GATE_UP>(p, nx, smem0 + STAGES * STAGE_BYTES, stage_b(0), STAGE_BYTES,
+                                    full(0), empty(0));
+            return;
+        }
+    }
     if (warp == 8) { // the producer: lane 0 copies, the warp searches the tiles (group_tile)
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta))
                          : "memory");
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
-                         : "memory");
+            if (!W4)
+                asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
+                             : "memory");
         }
         for (int t = blockIdx.x;; t += gridDim.x) {
             const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
@@ -157,10 +298,11 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
             for (int kb = k_first(t); kb < k_end(t) && lane == 0; kb++, it++) {
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
-                mbar_arrive_tx(full(s), STAGE_BYTES);
+                mbar_arrive_tx(full(s), W4 ? C::A_PARTS * C::A_BYTES : STAGE_BYTES);
                 tma_load_2d(stage_a(s), &ta, kx, m0, full(s));
                 if (SPLIT) tma_load_2d(stage_a(s) + C::A_BYTES, &ta, kx, p.a_lo + m0, full(s));
-                if (GATE_UP) {
+                if (W4) { // the converters write the B tile
+                } else if (GATE_UP) {
                     tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
                     tma_load_2d(stage_b(s) + BN / 2 * 128, &tb, kx, b_row + N / 2, full(s));
                 } else {
@@ -238,8 +380,15 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
                     const int r = hr ? r1 : r0;
                     if (r >= rows) continue;
                     __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
-                    const float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
-                    const float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
+                    float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
+                    float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
+                    if constexpr (W4) { // the gate's and the up projection's tensor scales
+                        const float sg = __ldg(&p.ws2[3 * e]), su = __ldg(&p.ws2[3 * e + 1]);
+                        g0 = __fmul_rn(g0, sg);
+                        g1 = __fmul_rn(g1, sg);
+                        u0 = __fmul_rn(u0, su);
+                        u1 = __fmul_rn(u1, su);
+                    }
                     if constexpr (SPLIT) {
                         uint32_t hi, lo;
                         split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
@@ -258,10 +407,16 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
                 if (r >= rows) continue;
                 float *dst = (S > 1 ? p.part + t / nx % S * p.part_stride : p.out) +
                              (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
+                const float sd = W4 ? __ldg(&p.ws2[3 * e + 2]) : 1.0f; // down's tensor scale
 #pragma unroll
-                for (int j = 0; j < BN / 8; j++)
-                    *reinterpret_cast<float2 *>(dst + 8 * j) =
-                        make_float2(sum(4 * j + 2 * hr), sum(4 * j + 2 * hr + 1));
+                for (int j = 0; j < BN / 8; j++) {
+                    float y0 = sum(4 * j + 2 * hr), y1 = sum(4 * j + 2 * hr + 1);
+                    if constexpr (W4) {
+                        y0 = __fmul_rn(y0, sd);
+                        y1 = __fmul_rn(y1, sd);
+                    }
+                    *reinterpret_cast<float2 *>(dst + 8 * j) = make_float2(y0, y1);
+                }
             }
         }
     }
@@ -326,13 +481,14 @@ size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
 }
 
-template <bool SPLIT, bool GATE_UP>
+template <bool SPLIT, bool GATE_UP, bool W4 = false>
 static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t max_rows) {
     typedef bwg_cfg<SPLIT> C;
-    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP>;
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, W4>;
+    const size_t smem = W4 ? C::smem_w4 : C::smem;
     static size_t attr_set = 0;
-    cuda_smem_allow(kernel, C::smem, &attr_set);
+    cuda_smem_allow(kernel, smem, &attr_set);
     static int sms = 0; // one device a process
     if (!sms) {
         int dev = 0;
@@ -342,15 +498,17 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
     const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, BWG_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
+    kernel<<<grid, W4 ? BWG_THREADS_W4 : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
 }
 
-template <bool SPLIT>
+// W4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor scales
+// s2 (moe.cu's W4A16 layout); otherwise BF16 (the other three NULL).
+template <bool SPLIT, bool W4>
 static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
-                        const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
-                        const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs,
-                        __nv_bfloat16 *h, __nv_bfloat16 *xg) {
+                        const int32_t *offsets, int K, const void *gate_up, const void *down,
+                        const uint8_t *gate_up_sf, const uint8_t *down_sf, const float *s2, int E,
+                        int D, int F, int64_t n_pairs, __nv_bfloat16 *h, __nv_bfloat16 *xg) {
     typedef bwg_cfg<SPLIT> C;
     const int parts = C::A_PARTS;
     bwg_args p = {};
@@ -361,25 +519,31 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.pairs = pairs;
     p.offsets = offsets;
     p.E = E;
+    p.ws2 = s2;
     // GEMM 1: A = xg [parts n, D], x's rows in grouped order; B = gate_up [E 2F, D] in boxes of
-    // BN / 2 rows
+    // BN / 2 rows (W4: the converters read it)
     p.N = 2 * F;
     p.K = D;
-    const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+    p.wq = (const uint8_t *)gate_up;
+    p.wsf = gate_up_sf;
     bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
                                                                     K, parts);
     CUDA_CHECK_LAUNCH();
     p.a_lo = (int)n_pairs;
     const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
-    bwg_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
+    const CUtensorMap tb1 =
+        W4 ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+    bwg_launch<SPLIT, true, W4>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
     p.a_lo = (int)n_pairs;
     p.N = D;
     p.K = F;
+    p.wq = (const uint8_t *)down;
+    p.wsf = down_sf;
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
-    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
-    bwg_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
+    const CUtensorMap tb2 = W4 ? ta2 : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
+    bwg_launch<SPLIT, false, W4>(ta2, tb2, p, n_pairs);
 }
 
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split) {
@@ -426,7 +590,42 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     if (n_pairs <= 0) return;
     __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
     if (split)
-        bwg_experts<true>(out, xb, T, pairs, offsets, K, gate_up, down, E, D, F, n_pairs, h, xg);
+        bwg_experts<true, false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
+                                 nullptr, E, D, F, n_pairs, h, xg);
     else
-        bwg_experts<false>(out, xb, T, pairs, offsets, K, gate_up, down, E, D, F, n_pairs, h, xg);
+        bwg_experts<false, false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
+                                  nullptr, E, D, F, n_pairs, h, xg);
+}
+
+static int g_w4_wgmma = -1;                // MOESERVE_W4A16_WGMMA, or the test hook's setting
+extern "C" int cuda_moe_w4_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
+    const int old = g_w4_wgmma;
+    g_w4_wgmma = on;
+    return old;
+}
+bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+    if (g_w4_wgmma < 0) {
+        const char *e = getenv("MOESERVE_W4A16_WGMMA");
+        g_w4_wgmma = e && strcmp(e, "1") == 0;
+    }
+    return g_w4_wgmma && !ops_cuda_deterministic() && bf16_wgmma_takes(n_pairs, E, D, F, split);
+}
+
+void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                           const int32_t *offsets, int K, const uint8_t *gate_up,
+                           const uint8_t *gate_up_sf, const uint8_t *down, const uint8_t *down_sf,
+                           const float *s2, int E, int D, int F, int64_t n_pairs, bool split,
+                           __nv_bfloat16 *h, unsigned char *scratch) {
+    MS_ASSERT(((uintptr_t)xb & 15) == 0 && ((uintptr_t)h & 15) == 0 &&
+              ((uintptr_t)scratch & 255) == 0 && ((uintptr_t)gate_up & 15) == 0 &&
+              ((uintptr_t)down & 15) == 0 && ((uintptr_t)gate_up_sf & 3) == 0 &&
+              ((uintptr_t)down_sf & 3) == 0 && ((uintptr_t)out & 7) == 0);
+    if (n_pairs <= 0) return;
+    __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
+    if (split)
+        bwg_experts<true, true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
+                                s2, E, D, F, n_pairs, h, xg);
+    else
+        bwg_experts<false, true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
+                                 s2, E, D, F, n_pairs, h, xg);
 }

@@ -28,6 +28,18 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
                         __nv_bfloat16 *h, unsigned char *scratch);
 
+// NVFP4 experts (W4A16) on the same kernel, opt-in until timed and checked on the GPU
+// (MOESERVE_W4A16_WGMMA=1), outside deterministic mode, where bf16_wgmma_takes would take BF16
+// ones: the weights as moe.cu's W4A16 tiles read them (codes, scales and tensor scales s2 [E, 3]
+// of cuda_prepare_experts_nvfp4), decoded into BF16 tiles in shared memory by two more warps with
+// the tiles' own decode, the tensor scales applied in the epilogues.
+bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split);
+void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                           const int32_t *offsets, int K, const uint8_t *gate_up,
+                           const uint8_t *gate_up_sf, const uint8_t *down, const uint8_t *down_sf,
+                           const float *s2, int E, int D, int F, int64_t n_pairs, bool split,
+                           __nv_bfloat16 *h, unsigned char *scratch);
+
 // Whether bf16_wgmma_linear takes a weight [N, Kd] (medium: N % 256, high (split): N % 128;
 // Kd % 64), unless MOESERVE_WGMMA=0.
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split);

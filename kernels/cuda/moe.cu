@@ -1850,7 +1850,8 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, AP, T, D);
     const size_t o_h = l.end;
     const bool w8a8 = WF == WF_FP8 && !C::SPLIT && fp8_w8a8_takes(n_pairs, E, D, F);
-    const bool wgmma = WF == WF_BF16 && bf16_wgmma_takes(n_pairs, E, D, F, C::SPLIT);
+    const bool wgmma = (WF == WF_BF16 && bf16_wgmma_takes(n_pairs, E, D, F, C::SPLIT)) ||
+                       (WF == WF_NVFP4 && bf16_wgmma_w4_takes(n_pairs, E, D, F, C::SPLIT));
     const size_t o_q = align256(o_h + AP * n_pairs * F * 2);
     const size_t total = w8a8    ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D))
                          : wgmma ? align256(o_q + bf16_wgmma_scratch_bytes(n_pairs, D, C::SPLIT))
@@ -1858,9 +1859,15 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     unsigned char *ws = moe_workspace(total);
     const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, topk_ids, T, K, D, E, BM, n_rows);
     if (wgmma) { // both GEMMs on wgmma (bf16_gemm.cu), from the same prepared inputs
-        bf16_wgmma_experts(out, p.xb, T, p.pairs, p.offsets, K, (const bf16 *)w->gate_up,
-                           (const bf16 *)w->down_all, E, D, F, n_pairs, C::SPLIT,
-                           (bf16 *)(ws + o_h), ws + o_q);
+        if constexpr (WF == WF_NVFP4)
+            bf16_wgmma_experts_w4(out, p.xb, T, p.pairs, p.offsets, K, (const uint8_t *)w->gate_up,
+                                  (const uint8_t *)w->gate_up_sf, (const uint8_t *)w->down_all,
+                                  (const uint8_t *)w->down_sf, w->s2, E, D, F, n_pairs, C::SPLIT,
+                                  (bf16 *)(ws + o_h), ws + o_q);
+        else
+            bf16_wgmma_experts(out, p.xb, T, p.pairs, p.offsets, K, (const bf16 *)w->gate_up,
+                               (const bf16 *)w->down_all, E, D, F, n_pairs, C::SPLIT,
+                               (bf16 *)(ws + o_h), ws + o_q);
         return;
     }
 
