@@ -124,27 +124,6 @@ typedef struct {
     const float *ws2;
 } bwg_args;
 
-#define WQ_SF_BIAS                                                                                 \
-    0x7600u /* moe.cu's: (c << 4) + WQ_SF_BIAS are the BF16 bits of a group scale                  \
-             */
-
-// moe.cu's wq_decode: fragment register j (0..3) of a packed code word as two BF16 values.
-__device__ __forceinline__ uint32_t bwg_wq_decode(uint32_t q, int j) {
-    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
-    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
-}
-__device__ __forceinline__ uint32_t bwg_bf16x2_mul(uint32_t x, uint32_t y) {
-    uint32_t d;
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
-    return d;
-}
-__device__ __forceinline__ void bwg_cp_async(uint32_t dst, const void *src, int bytes) {
-    if (bytes == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
 // W4's converters (the kernel's warps 9 and 10): ct = the thread among them, rows ct + 64 i of
 // each B tile. The tiles and k tiles in the kernel's order (it: the k tiles so far, as the other
 // roles count them). Staging slot it % BWG_CS holds k tile it's codes and scales of the thread's
@@ -180,19 +159,19 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
                     const int r = ct + 64 * i;
                     const uint8_t *q = p.wq + grow[i] * qrow + (int64_t)(k0 + j) * 32;
                     const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
-                    bwg_cp_async(dq, q, 16);
-                    bwg_cp_async(dq + 16, q + 16, 16);
-                    bwg_cp_async(st_scales + (uint32_t)(slot * BN + r) * 4,
-                                 p.wsf + grow[i] * srow + (int64_t)(k0 + j) * 4, 4);
+                    cp_async16(dq, q, 16);
+                    cp_async16(dq + 16, q + 16, 16);
+                    cp_async4(st_scales + (uint32_t)(slot * BN + r) * 4,
+                              p.wsf + grow[i] * srow + (int64_t)(k0 + j) * 4, 4);
                 }
             }
-            asm volatile("cp.async.commit_group;\n" ::: "memory");
+            cp_async_commit();
         };
         request(0);
         request(1);
         for (int j = 0; j < nk; j++, it++) {
             request(j + 2);
-            asm volatile("cp.async.wait_group 2;\n" ::: "memory"); // k tile j's requests are in
+            cp_async_wait<2>(); // k tile j's requests are in
             const int s = it % STAGES, slot = it % BWG_CS;
             mbar_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1); // the consumers are done with s
             const uint32_t bt = b0 + s * stage_bytes;
@@ -212,12 +191,11 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
                              : "r"(st_scales + (uint32_t)(slot * BN + r) * 4));
 #pragma unroll
                 for (int c = 0; c < 8; c++) {
-                    const uint32_t sf2 = __byte_perm(sc, 0, 0x4040 + (c >> 1) * 0x0101) * 16u +
-                                         (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+                    const uint32_t sf2 = wq_scale2(sc, c >> 1);
                     uint32_t v[4];
 #pragma unroll
                     for (int tq = 0; tq < 4; tq++)
-                        v[tq] = bwg_bf16x2_mul(bwg_wq_decode(w[2 * tq + (c >> 2)], c & 3), sf2);
+                        v[tq] = bf16x2_mul(wq_decode(w[2 * tq + (c >> 2)], c & 3), sf2);
                     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
                                      bt + r * 128 + ((c ^ (r & 7)) << 4)),
                                  "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])

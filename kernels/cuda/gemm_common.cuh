@@ -1,7 +1,7 @@
-// Device helpers shared by the grouped GEMMs (moe.cu, fp8_gemm.cu): cp.async copies into shared
-// memory, a pair of fp32 values as BF16, high precision's hi + lo split of them, and the experts'
-// SiLU. The same functions in both files keep the gate and up products' BF16 outputs the same
-// bits whichever kernel computed them.
+// Device helpers shared by the grouped GEMMs (moe.cu, fp8_gemm.cu, bf16_gemm.cu): cp.async copies
+// into shared memory, a pair of fp32 values as BF16, high precision's hi + lo split of them, the
+// experts' SiLU, and the decode of NVFP4 weights. The same functions in both files keep the gate
+// and up products' BF16 outputs the same bits whichever kernel computed them.
 #ifndef MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
 #define MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
 
@@ -43,5 +43,27 @@ __device__ __forceinline__ void split_bf16x2(float a0, float a1, uint32_t *hi, u
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// NVFP4 weights in the W4A16 layout (moe.cu's nvfp4_pack_kernel), decoded as both moe.cu's tiles
+// and bf16_gemm.cu's converters decode them, so both see the same BF16 weights.
+// A group scale byte c stands for the BF16 bits (c << 4) + WQ_SF_BIAS: the scale times 2^119.
+#define WQ_SF_BIAS 0x7600u /* 236 << 7: c = 8 is 2^-9 2^119 */
+#define WQ_SF_EXP  119     /* the decoded weights carry 2^-126 2^119: the tensor scale 2^7 */
+// Fragment register j (0..3) of a packed code word as two BF16 values: the E2M1 nibble s e1 e0 m
+// at bits 12 - 4j (and 28 - 4j) becomes s at bit 15, e1 e0 m at bits 8..6: BF16 bits whose value
+// is e2m1 2^-126 (0.5 a subnormal), exactly.
+__device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
+    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
+    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
+    return d;
+}
+// group g's (0..3) scale of a word of four scale bytes, in both halves as BF16 bits
+__device__ __forceinline__ uint32_t wq_scale2(uint32_t scales, int g) {
+    return __byte_perm(scales, 0, 0x4040 + g * 0x0101) * 16u + (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+}
 
 #endif

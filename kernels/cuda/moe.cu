@@ -357,8 +357,6 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen) {
 //    (exact: 3 mantissa bits; subnormal s made normal). A zero scale becomes c = 0 and its
 //    group's codes +0, so the products are 0 as e2m1(q) 0 is (up to the sign of a zero).
 // A negative or NaN scale sets *bad.
-#define WQ_SF_BIAS 0x7600u /* 236 << 7: c = 8 is 2^-9 2^119 */
-#define WQ_SF_EXP  119     /* the decoded weights carry 2^-126 2^119: the tensor scale 2^7 */
 
 __global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int *bad) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -946,18 +944,7 @@ template <int BK> __device__ __forceinline__ int swz(int r, int ch) {
     return r * BK + ((ch ^ (r & 7)) << 3);
 }
 
-// WQ: fragment register j (0..3) of a packed code word (nvfp4_pack_kernel) as two BF16 values:
-// the E2M1 nibble s e1 e0 m at bits 12 - 4j (and 28 - 4j) becomes s at bit 15, e1 e0 m at bits
-// 8..6: BF16 bits whose value is e2m1 2^-126 (0.5 a subnormal), exactly.
-__device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
-    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
-    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
-}
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
-    uint32_t d;
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
-    return d;
-}
+// WQ: gemm_common.cuh's wq_decode, bf16x2_mul and wq_scale2 decode the NVFP4 fragments.
 
 // The weights' formats (template argument WF): BF16, NVFP4 (W4A16), FP8 (W8A16).
 enum { WF_BF16 = 0, WF_NVFP4 = 1, WF_FP8 = 2 };
@@ -1451,9 +1438,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                  : "r"(s0 + r * BL::SROW + (kk >> 2) * 4));
                 }
                 const uint32_t q = wq_q[ni][(kk >> 1) & 1];
-                // group kk's scale byte c in both halves, then (c << 4) + WQ_SF_BIAS in each
-                const uint32_t sf2 = __byte_perm(wq_s[ni], 0, 0x4040 + (kk & 3) * 0x0101) * 16u +
-                                     (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+                const uint32_t sf2 = wq_scale2(wq_s[ni], kk & 3); // group kk's scale
                 const int j = (kk & 1) * 2;
                 b[0] = bf16x2_mul(wq_decode(q, j), sf2);
                 b[1] = bf16x2_mul(wq_decode(q, j + 1), sf2);
