@@ -1211,6 +1211,8 @@ static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
 /* kernels/cuda/bf16_gemm.cu: the NVFP4 experts on the wgmma kernel from now on (1 on, 0 off, -1
  * as MOESERVE_W4A16_WGMMA says; opt-in); returns the setting before */
 int cuda_moe_w4_wgmma(int on);
+/* the same: from how many pairs an expert on average (< 0: MOESERVE_W4A16_WGMMA_MIN, default 96) */
+int cuda_moe_w4_wgmma_min(int pairs);
 
 static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
@@ -1257,11 +1259,19 @@ static void test_nvfp4(bool full) {
         model mw = m, mt = m;
         mw.name = "qwen3 nvfp4 wgmma";
         mt.name = "qwen3 nvfp4 tiles";
-        time_moe(&mw, 2048, ROUTE_RANDOM, 2, 5);
+        /* and from 8 pairs an expert (T 256, 1024: issue 8's decode sizes, where the tiles'
+         * decode bounds them) */
+        const int old_min = cuda_moe_w4_wgmma_min(8);
+        run_case(&m, 256, ROUTE_RANDOM, 0.0, 16, false, NULL);
+        static const int Tw[] = {256, 1024, 2048};
+        for (int i = 0; i < 3; i++)
+            time_moe(&mw, Tw[i], ROUTE_RANDOM, 2, Tw[i] <= 1024 ? 10 : 5);
         time_moe(&mw, 4096, ROUTE_BALANCED, 1, 5);
         cuda_moe_w4_wgmma(0);
-        time_moe(&mt, 2048, ROUTE_RANDOM, 2, 5);
+        for (int i = 0; i < 3; i++)
+            time_moe(&mt, Tw[i], ROUTE_RANDOM, 2, Tw[i] <= 1024 ? 10 : 5);
         time_moe(&mt, 4096, ROUTE_BALANCED, 1, 5);
+        cuda_moe_w4_wgmma_min(old_min);
         cuda_moe_w4_wgmma(old);
     }
     model_free(&m);

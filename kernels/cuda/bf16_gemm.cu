@@ -575,10 +575,18 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                                   nullptr, E, D, F, n_pairs, h, xg);
 }
 
-static int g_w4_wgmma = -1;                // MOESERVE_W4A16_WGMMA, or the test hook's setting
+// MOESERVE_W4A16_WGMMA=1, or the test hook's setting; and from how many pairs an expert on
+// average (MOESERVE_W4A16_WGMMA_MIN, default BF16's 96: the NVFP4 tiles' decode costs more than
+// BF16's loads, so the crossing may lie lower; to be timed)
+static int g_w4_wgmma = -1, g_w4_min = -1;
 extern "C" int cuda_moe_w4_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
     const int old = g_w4_wgmma;
     g_w4_wgmma = on;
+    return old;
+}
+extern "C" int cuda_moe_w4_wgmma_min(int pairs) { // tests: < 0 the variable; the old one
+    const int old = g_w4_min;
+    g_w4_min = pairs;
     return old;
 }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
@@ -586,7 +594,12 @@ bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
         const char *e = getenv("MOESERVE_W4A16_WGMMA");
         g_w4_wgmma = e && strcmp(e, "1") == 0;
     }
-    return g_w4_wgmma && !ops_cuda_deterministic() && bf16_wgmma_takes(n_pairs, E, D, F, split);
+    if (g_w4_min < 0) {
+        const char *e = getenv("MOESERVE_W4A16_WGMMA_MIN");
+        g_w4_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
+    }
+    return g_w4_wgmma && !ops_cuda_deterministic() && n_pairs > (int64_t)g_w4_min * E && E > 0 &&
+           bwg_shape_ok(D, F, split) && wgmma_env();
 }
 
 void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
