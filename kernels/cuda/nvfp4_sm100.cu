@@ -3,7 +3,8 @@
 // alone (the Makefile's rule for *_sm100.cu); the host runs it only where the device reports
 // compute capability 10.0 (cuda_nvfp4_sm100_available). No Blackwell GPU has been lent to this
 // project: the kernel compiles, and tests/test_cuda_nvfp4_sm100.c checks it against the CPU on
-// such a GPU (elsewhere it says "skipped"); nothing calls it on the serving path yet.
+// such a GPU (elsewhere it says "skipped"); the serving path takes it only when asked
+// (MOESERVE_NVFP4_SM100=1, moe.cu's cuda_prepare_experts_nvfp4).
 //
 // What it computes (cuda_ops.h, cuda_nvfp4_sm100_gemm): rows in blocks of 128, each block one
 // expert's (blk_e) with its first blk_rows rows valid; out[r, n] = sa[r] sb[e, n / 128] sum_k
