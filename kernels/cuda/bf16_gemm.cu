@@ -447,9 +447,13 @@ bool bf16_wgmma_two_chains(int D, int F) {
     return (ops_cuda_deterministic() || off_mode) && bwg_shape_ok(D, F, true) && wgmma_env();
 }
 
+// More than min_pairs pairs an expert on average, a shape the tiles take, the kernel allowed.
+static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_pairs) {
+    return n_pairs > (int64_t)min_pairs * E && E > 0 && bwg_shape_ok(D, F, split) && wgmma_env();
+}
+
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    return n_pairs > BWG_MIN_PAIRS_PER_EXPERT * (int64_t)E && E > 0 && bwg_shape_ok(D, F, split) &&
-           wgmma_env();
+    return bwg_takes(n_pairs, E, D, F, split, BWG_MIN_PAIRS_PER_EXPERT);
 }
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
@@ -558,21 +562,33 @@ void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const i
     }
 }
 
+// Both entry points: the checks, then the kernel of the precision (W4: NVFP4 weights).
+template <bool W4>
+static void bwg_experts_entry(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                              const int32_t *offsets, int K, const void *gate_up, const void *down,
+                              const uint8_t *gate_up_sf, const uint8_t *down_sf, const float *s2,
+                              int E, int D, int F, int64_t n_pairs, bool split, __nv_bfloat16 *h,
+                              unsigned char *scratch) {
+    MS_ASSERT(((uintptr_t)xb & 15) == 0 && ((uintptr_t)h & 15) == 0 &&
+              ((uintptr_t)scratch & 255) == 0 && ((uintptr_t)gate_up & 15) == 0 &&
+              ((uintptr_t)down & 15) == 0 && ((uintptr_t)gate_up_sf & 3) == 0 &&
+              ((uintptr_t)down_sf & 3) == 0 && ((uintptr_t)out & 7) == 0);
+    if (n_pairs <= 0) return;
+    __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
+    if (split)
+        bwg_experts<true, W4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2,
+                              E, D, F, n_pairs, h, xg);
+    else
+        bwg_experts<false, W4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
+                               s2, E, D, F, n_pairs, h, xg);
+}
+
 void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
                         const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
                         const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
                         __nv_bfloat16 *h, unsigned char *scratch) {
-    MS_ASSERT(((uintptr_t)xb & 15) == 0 && ((uintptr_t)h & 15) == 0 &&
-              ((uintptr_t)scratch & 255) == 0 && ((uintptr_t)gate_up & 15) == 0 &&
-              ((uintptr_t)down & 15) == 0 && ((uintptr_t)out & 7) == 0);
-    if (n_pairs <= 0) return;
-    __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
-    if (split)
-        bwg_experts<true, false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
-                                 nullptr, E, D, F, n_pairs, h, xg);
-    else
-        bwg_experts<false, false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
-                                  nullptr, E, D, F, n_pairs, h, xg);
+    bwg_experts_entry<false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
+                             nullptr, E, D, F, n_pairs, split, h, scratch);
 }
 
 // MOESERVE_W4A16_WGMMA=1, or the test hook's setting; and from how many pairs an expert on
@@ -598,8 +614,7 @@ bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
         const char *e = getenv("MOESERVE_W4A16_WGMMA_MIN");
         g_w4_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
     }
-    return g_w4_wgmma && !ops_cuda_deterministic() && n_pairs > (int64_t)g_w4_min * E && E > 0 &&
-           bwg_shape_ok(D, F, split) && wgmma_env();
+    return g_w4_wgmma && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, g_w4_min);
 }
 
 void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
@@ -607,16 +622,6 @@ void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int
                            const uint8_t *gate_up_sf, const uint8_t *down, const uint8_t *down_sf,
                            const float *s2, int E, int D, int F, int64_t n_pairs, bool split,
                            __nv_bfloat16 *h, unsigned char *scratch) {
-    MS_ASSERT(((uintptr_t)xb & 15) == 0 && ((uintptr_t)h & 15) == 0 &&
-              ((uintptr_t)scratch & 255) == 0 && ((uintptr_t)gate_up & 15) == 0 &&
-              ((uintptr_t)down & 15) == 0 && ((uintptr_t)gate_up_sf & 3) == 0 &&
-              ((uintptr_t)down_sf & 3) == 0 && ((uintptr_t)out & 7) == 0);
-    if (n_pairs <= 0) return;
-    __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
-    if (split)
-        bwg_experts<true, true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
-                                s2, E, D, F, n_pairs, h, xg);
-    else
-        bwg_experts<false, true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
-                                 s2, E, D, F, n_pairs, h, xg);
+    bwg_experts_entry<true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2,
+                            E, D, F, n_pairs, split, h, scratch);
 }

@@ -421,6 +421,18 @@ static cudaError_t upload_packed(int n, const void *const *src, const size_t *si
     return ce;
 }
 
+// The five device buffers of NVFP4 experts (codes and scales of gate_up, then of down, then s2)
+// into w, in the given layout.
+static void set_nvfp4_buffers(moe_experts *w, void *const dst[5], int wformat) {
+    w->gate_up = dst[0];
+    w->gate_up_sf = dst[1];
+    w->down_all = dst[2];
+    w->down_sf = dst[3];
+    w->s2 = (float *)dst[4];
+    w->wdtype = DTYPE_U8;
+    w->wformat = wformat;
+}
+
 // MOESERVE_NVFP4_SM100=1 on a compute capability 10.0 device, shapes of multiples of 256: the
 // experts in MOE_W_NVFP4_SM100's layout for Blackwell's NVFP4 x NVFP4 path (nvfp4_sm100.cu),
 // opt-in until a Blackwell GPU has run tests/test_cuda_nvfp4_sm100.
@@ -468,27 +480,17 @@ static int prepare_nvfp4_sm100(moe_experts *w, const uint8_t *gate_up_q, const u
     void *dst[5] = {};
     cudaError_t ce = cudaSuccess;
     const void *src[5] = {gate_up_q, gu_at, down_q, dn_at, s2b};
-    for (int i = 0; i < 5 && !bad && ce == cudaSuccess; i++) {
-        ce = cudaMalloc(&dst[i], sizes[i]);
-        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
-    }
+    int bad_h = 0;
+    if (!bad)
+        ce = upload_packed(
+            5, src, sizes, dst, [](int *) {}, &bad_h); // as they are
     free(gu_at);
     free(dn_at);
     free(s2b);
-    if (bad || ce != cudaSuccess) {
-        cudaGetLastError();
-        for (int i = 0; i < 5; i++)
-            if (dst[i]) cudaFree(dst[i]);
+    if (bad || ce != cudaSuccess)
         return set_err(err, errlen, "CUDA: NVFP4 experts of D=%d F=%d for Blackwell: %s", D, F,
                        bad ? bad : cudaGetErrorString(ce));
-    }
-    w->gate_up = dst[0];
-    w->gate_up_sf = dst[1];
-    w->down_all = dst[2];
-    w->down_sf = dst[3];
-    w->s2 = (float *)dst[4];
-    w->wdtype = DTYPE_U8;
-    w->wformat = MOE_W_NVFP4_SM100;
+    set_nvfp4_buffers(w, dst, MOE_W_NVFP4_SM100);
     LOG_WARN("cuda", "NVFP4 experts on Blackwell's tcgen05 path (MOESERVE_NVFP4_SM100=1): not yet "
                      "checked on a Blackwell GPU");
     return 0;
@@ -537,13 +539,7 @@ int cuda_prepare_experts_nvfp4(moe_experts *w, const uint8_t *gate_up_q,
         return set_err(err, errlen, "CUDA: copying %d NVFP4 experts of D=%d F=%d: %s", E, D, F,
                        cudaGetErrorString(ce));
     }
-    w->gate_up = dst[0];
-    w->gate_up_sf = dst[1];
-    w->down_all = dst[2];
-    w->down_sf = dst[3];
-    w->s2 = (float *)dst[4];
-    w->wdtype = DTYPE_U8;
-    w->wformat = MOE_W_NVFP4;
+    set_nvfp4_buffers(w, dst, MOE_W_NVFP4);
     return 0;
 }
 
