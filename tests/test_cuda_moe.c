@@ -232,6 +232,8 @@ static double now_s(void) {
  * for n_pairs pairs over E experts of shape D, F, at the precision and mode in force */
 int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
 int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
+int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
+int cuda_moe_bf16_two_chains(int D, int F);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -552,10 +554,12 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
             float *one = xmalloc((size_t)K * D * sizeof(float));
             gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
             const float *row = out + (size_t)(T - 1) * K * D;
-            const bool other_sums =
-                (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
-                (!m->quantized && p == MATMUL_PRECISION_HIGH && !ops_cuda_deterministic() &&
-                 cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1));
+            const bool other_sums = (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
+                                    (!m->quantized && p == MATMUL_PRECISION_HIGH &&
+                                     !cuda_moe_bf16_two_chains(D, m->F) &&
+                                     cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
+                                    (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
+                                     cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (other_sums) {
                 double r2 = 0.0, mx = 0.0;
                 for (size_t i = 0; i < (size_t)K * D; i++) {
@@ -1209,7 +1213,7 @@ static int model_nvfp4(model *m, const char *name, int E, int D, int F, int K) {
  * --nvfp4 run) also Qwen3-30B-A3B's shape, checked and timed at decode sizes, the weight bytes
  * read being codes and scales. */
 /* kernels/cuda/bf16_gemm.cu: the NVFP4 experts on the wgmma kernel from now on (1 on, 0 off, -1
- * as MOESERVE_W4A16_WGMMA says; opt-in); returns the setting before */
+ * as MOESERVE_W4A16_WGMMA says: on unless 0); returns the setting before */
 int cuda_moe_w4_wgmma(int on);
 /* the same: from how many pairs an expert on average (< 0: MOESERVE_W4A16_WGMMA_MIN, default 96) */
 int cuda_moe_w4_wgmma_min(int pairs);
@@ -1218,10 +1222,11 @@ static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
     model m;
     if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) {
+        /* the W4A16 tiles at every size, then the wgmma kernel at prefill sizes (more than 96
+         * pairs an expert), B tiles decoded in shared memory */
+        const int old = cuda_moe_w4_wgmma(0);
         quant_small_cases(&m);
-        /* the wgmma kernel at prefill sizes (more than 96 pairs an expert), B tiles decoded in
-         * shared memory (opt-in, so forced on here) */
-        const int old = cuda_moe_w4_wgmma(1);
+        cuda_moe_w4_wgmma(1);
         printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
         run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
         run_case(&m, 1000, ROUTE_RANDOM, 0.25, 64, false, NULL);

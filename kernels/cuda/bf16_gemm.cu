@@ -18,9 +18,10 @@
 // hi parts' products into one accumulator and the lo parts' into another, added once at the end
 // (moe.cu's tiles add each k16 step's lo product into the one accumulator in fp32, which a wgmma
 // pipeline cannot do without waiting on every step). The error is of the same order (the lo
-// chain's own truncations are 2^-8 smaller), but the bits differ from those tiles': outside
-// deterministic mode a token's rows then depend on the batch's size; in deterministic mode moe.cu's
-// tiles sum in two chains too (moe_tile_cfg's TWO), so they do not.
+// chain's own truncations are 2^-8 smaller), but the bits differ from those tiles', so moe.cu's
+// tiles sum in two chains too below this kernel's sizes (moe_tile_cfg's TWO; bf16_wgmma_two_chains:
+// always in deterministic mode, and outside it unless MOESERVE_TWO_CHAINS=0), and a token's rows
+// do not depend on the batch's size.
 //
 // Shape: a block is a persistent producer warp (TMA) and two consumer warpgroups of 64 rows each
 // on tiles of 128 rows x BN columns (medium BN 256, high 128: the accumulators of both chains must
@@ -37,13 +38,16 @@
 // at its place in the swizzled tile: correct, the swizzle follows the shared address), made
 // GEMM 1 ten times slower (4.2 ms): TMA wants few large boxes.
 //
-// NVFP4 experts (W4A16; opt-in, bf16_gemm.h's bf16_wgmma_w4_takes): the same kernel with two more
+// NVFP4 experts (W4A16; bf16_gemm.h's bf16_wgmma_w4_takes): the same kernel with two more
 // warps that write each stage's B tile themselves, decoding the weights' codes and group scales
 // (moe.cu's nvfp4_pack_kernel layout, cp.async two k tiles ahead into their own staging) into
 // BF16 with moe.cu's own decode (exact: e2m1 x e4m3 fits BF16), so the tensor cores see the W4A16
-// tiles' weights; the epilogues multiply by the tensor scales as the tiles' do. Written in a
-// session without a GPU: not yet run (test_cuda_moe --nvfp4 checks it against the CPU and times it
-// beside the tiles).
+// tiles' weights; the epilogues multiply by the tensor scales as the tiles' do. Medium's sums are
+// the tiles' bit for bit, high's two chains (the tiles' NVFP4 sums are one chain). H200, Qwen3-
+// 30B-A3B's experts (test_cuda_moe --nvfp4, medium / high): T = 2048 769 / 979 us against the
+// tiles' 963 / 1556, T = 4096 1101 / 1474 against 1375 / 2321, but T = 1024 (64 pairs an expert)
+// 503 / 642 against 410 / 722; BF16's experts on this kernel take 701 / 1162 us at T = 4096, so
+// the two converter warps are what bounds it.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -151,9 +155,10 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
             const int r = ct + 64 * i;
             grow[i] = (int64_t)e * N + (GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r);
         }
-        auto request = [&](int j) { // k tile k0 + j into slot (it + j) % BWG_CS, one group
+        const int it0 = it;         // it at the tile's first k tile (the loop below moves it on)
+        auto request = [&](int j) { // k tile k0 + j into slot (it0 + j) % BWG_CS, one group
             if (j < nk) {
-                const int slot = (it + j) % BWG_CS;
+                const int slot = (it0 + j) % BWG_CS;
 #pragma unroll
                 for (int i = 0; i < RPT; i++) {
                     const int r = ct + 64 * i;
@@ -438,11 +443,13 @@ static bool bwg_shape_ok(int D, int F, bool split) {
 }
 
 bool bf16_wgmma_two_chains(int D, int F) {
-    // MOESERVE_TWO_CHAINS=1: outside the mode too (opt-in until timed against the one-chain tiles)
+    // outside the mode too unless MOESERVE_TWO_CHAINS=0 (docs/benchmarks.md: the decode steps
+    // 0.7 to 2.3% faster than with the one-chain tiles, and a token's rows the same bits at any
+    // batch size in high precision as well)
     static int off_mode = -1;
     if (off_mode < 0) {
         const char *e = getenv("MOESERVE_TWO_CHAINS");
-        off_mode = e && strcmp(e, "1") == 0;
+        off_mode = !(e && strcmp(e, "0") == 0);
     }
     return (ops_cuda_deterministic() || off_mode) && bwg_shape_ok(D, F, true) && wgmma_env();
 }
@@ -458,6 +465,7 @@ bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
 }
+extern "C" int cuda_moe_bf16_two_chains(int D, int F) { return bf16_wgmma_two_chains(D, F); }
 
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
@@ -591,9 +599,9 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                              nullptr, E, D, F, n_pairs, split, h, scratch);
 }
 
-// MOESERVE_W4A16_WGMMA=1, or the test hook's setting; and from how many pairs an expert on
-// average (MOESERVE_W4A16_WGMMA_MIN, default BF16's 96: the NVFP4 tiles' decode costs more than
-// BF16's loads, so the crossing may lie lower; to be timed)
+// On unless MOESERVE_W4A16_WGMMA=0 (or the test hook's setting); from how many pairs an expert
+// on average (MOESERVE_W4A16_WGMMA_MIN, default BF16's 96: on the H200 the NVFP4 tiles were
+// faster at 64 pairs an expert in medium, the wgmma kernel from 128 in both precisions)
 static int g_w4_wgmma = -1, g_w4_min = -1;
 extern "C" int cuda_moe_w4_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
     const int old = g_w4_wgmma;
@@ -608,13 +616,16 @@ extern "C" int cuda_moe_w4_wgmma_min(int pairs) { // tests: < 0 the variable; th
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     if (g_w4_wgmma < 0) {
         const char *e = getenv("MOESERVE_W4A16_WGMMA");
-        g_w4_wgmma = e && strcmp(e, "1") == 0;
+        g_w4_wgmma = !(e && strcmp(e, "0") == 0);
     }
     if (g_w4_min < 0) {
         const char *e = getenv("MOESERVE_W4A16_WGMMA_MIN");
         g_w4_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
     }
     return g_w4_wgmma && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, g_w4_min);
+}
+extern "C" int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high) {
+    return bf16_wgmma_w4_takes(n_pairs, E, D, F, high != 0);
 }
 
 void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,

@@ -13,10 +13,10 @@
 // average, D and F multiples of the tiles (medium: D % 256, F % 128; high (split): D % 128,
 // F % 64), unless MOESERVE_WGMMA=0.
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
-// Whether deterministic mode's high-precision experts of this shape sum in two chains at every
-// size (the wgmma kernel's sums, moe.cu's TWO tiles below its sizes): in deterministic mode, for
-// the shapes the kernel takes in high, unless MOESERVE_WGMMA=0 (and with MOESERVE_TWO_CHAINS=1
-// outside the mode too).
+// Whether high-precision experts of this shape sum in two chains at every size (the wgmma
+// kernel's sums, moe.cu's TWO tiles below its sizes), so a token's rows are the same bits at any
+// batch size: for the shapes the kernel takes in high, unless MOESERVE_WGMMA=0; outside
+// deterministic mode also unless MOESERVE_TWO_CHAINS=0.
 bool bf16_wgmma_two_chains(int D, int F);
 // The scratch bf16_wgmma_experts needs: x's BF16 rows (high: and their lo parts) in grouped order.
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split);
@@ -28,8 +28,8 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
                         __nv_bfloat16 *h, unsigned char *scratch);
 
-// NVFP4 experts (W4A16) on the same kernel, opt-in until timed and checked on the GPU
-// (MOESERVE_W4A16_WGMMA=1), outside deterministic mode, for the shapes bf16_wgmma_takes takes and
+// NVFP4 experts (W4A16) on the same kernel unless MOESERVE_W4A16_WGMMA=0, outside deterministic
+// mode, for the shapes bf16_wgmma_takes takes and
 // more than MOESERVE_W4A16_WGMMA_MIN pairs an expert (default 96, as BF16): the weights as moe.cu's
 // W4A16 tiles read them (codes, scales and tensor scales s2 [E, 3] of cuda_prepare_experts_nvfp4),
 // decoded into BF16 tiles in shared memory by two more warps with the tiles' own decode, the tensor

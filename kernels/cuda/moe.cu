@@ -18,9 +18,11 @@
 //           error, this way it stays as in medium and the lo products cost an unbiased rounding.
 //           Decode reads the same weight bytes (H200, Qwen3-30B-A3B's experts: 1.0 to 1.17 times
 //           medium's time for T = 1 to 256); prefill does twice the tensor work (1.8 times at
-//           T = 4096). Two exceptions sum the hi and the lo products in two chains, added at
-//           the end: the wgmma kernel at prefill sizes (bf16_gemm.cu), and in deterministic mode
-//           every BF16 tile of a shape that kernel takes (moe_tile_cfg's TWO).
+//           T = 4096). BF16 weights of a shape the wgmma kernel takes sum the hi and the lo
+//           products in two chains instead, added at the end: that kernel at prefill sizes
+//           (bf16_gemm.cu), and every BF16 tile below them (moe_tile_cfg's TWO), so a token's
+//           rows are the same bits at any batch (MOESERVE_TWO_CHAINS=0: one chain outside
+//           deterministic mode, as before 2026-12-01).
 //
 // moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream:
 //   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D], in
@@ -90,8 +92,8 @@
 // BF16 experts at prefill sizes (more than 96 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
 // bits as the tiles here (a wgmma k16 step is an mma.sync k16 step bit for bit), in high two
-// chains (hi, lo) added at the end (deterministic mode: with the tiles below its sizes in two
-// chains too, moe_experts_path). H200, Qwen3-30B-A3B's experts at T = 4096 (balanced): 701 /
+// chains (hi, lo) added at the end (with the tiles below its sizes in two chains too,
+// moe_experts_path). H200, Qwen3-30B-A3B's experts at T = 4096 (balanced): 701 /
 // 1162 us against 1163 / 2016 on the tiles here.
 //
 // The tiny path (T*K <= 16: T = 1 and 2 at K = 8) is two launches, the GEMMs alone: each block
@@ -2001,9 +2003,9 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
-    // Deterministic mode, high, BF16 weights of a shape the wgmma kernel takes: every size sums
-    // in two chains, the wgmma kernel's way, so that it can take the prefill sizes there too
-    // (the choice depends on the mode and the shapes alone, never on T).
+    // High, BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_two_chains): every size
+    // sums in two chains, the wgmma kernel's way, so that it can take the prefill sizes with the
+    // same bits (the choice depends on the mode and the shapes alone, never on T).
     if constexpr (WF == WF_BF16) {
         if (!medium && bf16_wgmma_two_chains(D, F)) {
             if ((int64_t)T * K <= MOE_TINY_PAIRS)
