@@ -38,16 +38,17 @@
 // at its place in the swizzled tile: correct, the swizzle follows the shared address), made
 // GEMM 1 ten times slower (4.2 ms): TMA wants few large boxes.
 //
-// NVFP4 experts (W4A16; bf16_gemm.h's bf16_wgmma_w4_takes): the same kernel with two more
-// warps that write each stage's B tile themselves, decoding the weights' codes and group scales
-// (moe.cu's nvfp4_pack_kernel layout, cp.async two k tiles ahead into their own staging) into
-// BF16 with moe.cu's own decode (exact: e2m1 x e4m3 fits BF16), so the tensor cores see the W4A16
-// tiles' weights; the epilogues multiply by the tensor scales as the tiles' do. Medium's sums are
-// the tiles' bit for bit, high's two chains (the tiles' NVFP4 sums are one chain). H200, Qwen3-
-// 30B-A3B's experts (test_cuda_moe --nvfp4, medium / high): T = 2048 769 / 979 us against the
-// tiles' 963 / 1556, T = 4096 1101 / 1474 against 1375 / 2321, but T = 1024 (64 pairs an expert)
-// 503 / 642 against 410 / 722; BF16's experts on this kernel take 701 / 1162 us at T = 4096, so
-// the two converter warps are what bounds it.
+// NVFP4 experts (W4A16; bf16_gemm.h's bf16_wgmma_w4_takes): the same kernel with two or three
+// more warps (BWG_CW) that write each stage's B tile themselves, decoding the weights' codes and
+// group scales (moe.cu's nvfp4_pack_kernel layout, cp.async two k tiles ahead into their own
+// staging) into BF16 with moe.cu's own decode (exact: e2m1 x e4m3 fits BF16), so the tensor cores
+// see the W4A16 tiles' weights; the epilogues multiply by the tensor scales as the tiles' do.
+// Medium's sums are the tiles' bit for bit, high's two chains (the tiles' NVFP4 sums are one
+// chain). H200, Qwen3- 30B-A3B's experts (test_cuda_moe --nvfp4, medium / high): T = 2048 681 / 976
+// us against the tiles' 963 / 1556, T = 4096 980 / 1478 against 1375 / 2321, but T = 1024 (64 pairs
+// an expert) 445 / 641 against 410 / 722; BF16's experts on this kernel take 701 / 1162 us at T =
+// 4096, so the converter warps are what bounds it (three of them in medium were 1.1 to 1.2 times as
+// fast as two; a fourth does not fit the registers without setmaxnreg).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -66,7 +67,12 @@
 #define BWG_BM      128 /* rows of a tile: two consumer warpgroups of 64 */
 #define BWG_BK      64  /* k of a stage: 128 bytes of BF16 */
 #define BWG_THREADS 288 /* two consumer warpgroups and the producer warp */
-#define BWG_THREADS_W4 352 /* W4: and two converter warps */
+#define BWG_THREADS_W4(CW) (BWG_THREADS + 32 * (CW)) /* W4: and CW converter warps */
+// W4's converter warps by precision: medium's B tiles have 256 rows, three warps write them 1.1 to
+// 1.2 times as fast as two (H200, Qwen3-30B-A3B's experts, test_cuda_moe --nvfp4: T = 2048 681 us
+// against 764, T = 4096 980 against 1104); high's have 128, which three warps share unevenly (T =
+// 2048 1018 us against 976). Four would need more registers than 416 threads leave a consumer.
+#define BWG_CW(SPLIT)  ((SPLIT) ? 2 : 3)
 #define BWG_CS         3 /* W4: the converters' staging slots (codes requested two k tiles ahead) */
 
 // The tile configuration of a precision: columns, stages (each A tile 16 KiB, high two, and a B
@@ -128,17 +134,17 @@ typedef struct {
     const float *ws2;
 } bwg_args;
 
-// W4's converters (the kernel's warps 9 and 10): ct = the thread among them, rows ct + 64 i of
-// each B tile. The tiles and k tiles in the kernel's order (it: the k tiles so far, as the other
-// roles count them). Staging slot it % BWG_CS holds k tile it's codes and scales of the thread's
-// rows; the requests run two k tiles ahead within a tile. A row's 64 k of a k tile, as
-// nvfp4_pack_kernel stores them: code word 2t + w holds quad lane t's fragments of k16 steps
-// 2w and 2w + 1, so the 16-byte chunk c of the BF16 row (k 8c .. 8c + 7) is, for t = 0..3, word
-// 2t + c / 4's fragment register c % 4 times group c / 2's scale.
-template <class C, bool GATE_UP>
+// W4's CW converter warps (the kernel's warps 9 on): ct = the thread among them, rows ct + 32 CW i
+// of each B tile (the last ones fewer where 32 CW does not divide BN). The tiles and k tiles in the
+// kernel's order (it: the k tiles so far, as the other roles count them). Staging slot it % BWG_CS
+// holds k tile it's codes and scales of the thread's rows; the requests run two k tiles ahead
+// within a tile. A row's 64 k of a k tile, as nvfp4_pack_kernel stores them: code word 2t + w holds
+// quad lane t's fragments of k16 steps 2w and 2w + 1, so the 16-byte chunk c of the BF16 row (k 8c
+// .. 8c + 7) is, for t = 0..3, word 2t + c / 4's fragment register c % 4 times group c / 2's scale.
+template <class C, bool GATE_UP, int CW>
 __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_t b0,
                             int stage_bytes, uint32_t full0, uint32_t empty0) {
-    constexpr int BN = C::BN, RPT = BN / 64, STAGES = C::STAGES;
+    constexpr int CT = 32 * CW, BN = C::BN, RPT = (BN + CT - 1) / CT, STAGES = C::STAGES;
     const int ct = threadIdx.x - 9 * 32, lane = threadIdx.x & 31;
     const int N = p.N, nkb = p.K / BWG_BK, S = p.S, n_cols = GATE_UP ? BN / 2 : BN;
     const uint32_t st_codes = staging, st_scales = staging + (uint32_t)C::W4_CODES;
@@ -152,7 +158,7 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
         int64_t grow[RPT]; // the global weight row of each of the thread's tile rows
 #pragma unroll
         for (int i = 0; i < RPT; i++) {
-            const int r = ct + 64 * i;
+            const int r = ct + CT * i; // (past BN: no row, grow unused)
             grow[i] = (int64_t)e * N + (GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r);
         }
         const int it0 = it;         // it at the tile's first k tile (the loop below moves it on)
@@ -161,7 +167,8 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
                 const int slot = (it0 + j) % BWG_CS;
 #pragma unroll
                 for (int i = 0; i < RPT; i++) {
-                    const int r = ct + 64 * i;
+                    const int r = ct + CT * i;
+                    if (BN % CT && r >= BN) break;
                     const uint8_t *q = p.wq + grow[i] * qrow + (int64_t)(k0 + j) * 32;
                     const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
                     cp_async16(dq, q, 16);
@@ -182,7 +189,8 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
             const uint32_t bt = b0 + s * stage_bytes;
 #pragma unroll
             for (int i = 0; i < RPT; i++) {
-                const int r = ct + 64 * i;
+                const int r = ct + CT * i;
+                if (BN % CT && r >= BN) break;
                 uint32_t w[8], sc;
                 const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -220,13 +228,13 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
 // t / nx % S (the blocks at work at once share A's row tiles and B's expert); the ring runs on
 // across its tiles.
 // ta: A [rows, K] BF16 in boxes of 128 rows; tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows.
-// W4 (NVFP4 weights, W4A16): no tb; two more warps (the converters, 64 threads, BN / 64 rows of
-// each B tile a thread) request their rows' codes and scales of a k tile two k tiles ahead
+// W4 (NVFP4 weights, W4A16): no tb; CW more warps (the converters, BN / (32 CW) rows of each B
+// tile a thread, rounded up) request their rows' codes and scales of a k tile two k tiles ahead
 // (cp.async into their own staging), decode them into the stage's BF16 B tile as moe.cu's W4A16
 // fragments decode them (wq_decode times the group scale: the same BF16 values), and each arrives
 // on the stage's full barrier with the producer's A tile; the epilogue applies the tensor scales.
-template <bool SPLIT, bool GATE_UP, bool W4>
-__global__ void __launch_bounds__(W4 ? BWG_THREADS_W4 : BWG_THREADS, 1)
+template <bool SPLIT, bool GATE_UP, bool W4, int CW = 2>
+__global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
@@ -245,7 +253,8 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4 : BWG_THREADS, 1)
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full(s),
-                      W4 ? 3 : 1);  // the producer's arrival with the bytes (W4: and 2 warps)
+                      W4 ? 1 + CW : 1); // the producer's arrival with the bytes (W4: and
+                                        // the converter warps')
             mbar_init(empty(s), 8); // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -260,8 +269,8 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4 : BWG_THREADS, 1)
 
     if constexpr (W4) {
         if (warp >= 9) { // the converters
-            bwg_convert<C, GATE_UP>(p, nx, smem0 + STAGES * STAGE_BYTES, stage_b(0), STAGE_BYTES,
-                                    full(0), empty(0));
+            bwg_convert<C, GATE_UP, CW>(p, nx, smem0 + STAGES * STAGE_BYTES, stage_b(0),
+                                        STAGE_BYTES, full(0), empty(0));
             return;
         }
     }
@@ -471,11 +480,11 @@ size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
 }
 
-template <bool SPLIT, bool GATE_UP, bool W4 = false>
+template <bool SPLIT, bool GATE_UP, bool W4 = false, int CW = 2>
 static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t max_rows) {
     typedef bwg_cfg<SPLIT> C;
-    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, W4>;
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, W4, CW>;
     const size_t smem = W4 ? C::smem_w4 : C::smem;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
@@ -488,7 +497,7 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
     const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, W4 ? BWG_THREADS_W4 : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
+    kernel<<<grid, W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -523,7 +532,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
     const CUtensorMap tb1 =
         W4 ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
-    bwg_launch<SPLIT, true, W4>(ta1, tb1, p, n_pairs);
+    bwg_launch<SPLIT, true, W4, W4 ? BWG_CW(SPLIT) : 2>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
     p.a_lo = (int)n_pairs;
@@ -533,7 +542,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.wsf = down_sf;
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
     const CUtensorMap tb2 = W4 ? ta2 : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
-    bwg_launch<SPLIT, false, W4>(ta2, tb2, p, n_pairs);
+    bwg_launch<SPLIT, false, W4, W4 ? BWG_CW(SPLIT) : 2>(ta2, tb2, p, n_pairs);
 }
 
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split) {
