@@ -44,11 +44,11 @@
 // staging) into BF16 with moe.cu's own decode (exact: e2m1 x e4m3 fits BF16), so the tensor cores
 // see the W4A16 tiles' weights; the epilogues multiply by the tensor scales as the tiles' do.
 // Medium's sums are the tiles' bit for bit, high's two chains (the tiles' NVFP4 sums are one
-// chain). H200, Qwen3- 30B-A3B's experts (test_cuda_moe --nvfp4, medium / high): T = 2048 681 / 976
-// us against the tiles' 963 / 1556, T = 4096 980 / 1478 against 1375 / 2321, but T = 1024 (64 pairs
-// an expert) 445 / 641 against 410 / 722; BF16's experts on this kernel take 701 / 1162 us at T =
-// 4096, so the converter warps are what bounds it (three of them in medium were 1.1 to 1.2 times as
-// fast as two; a fourth does not fit the registers without setmaxnreg).
+// chain). H200, Qwen3-30B-A3B's experts (test_cuda_moe --nvfp4, medium / high): T = 2048 681 /
+// 976 us against the tiles' 963 / 1556, T = 4096 980 / 1478 against 1375 / 2321, but T = 1024
+// (64 pairs an expert) 445 / 641 against 410 / 722; BF16's experts on this kernel take 701 / 1162
+// us at T = 4096, so the converter warps are what bounds it (three of them in medium were 1.1 to
+// 1.2 times as fast as two; a fourth does not fit the registers without setmaxnreg).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
