@@ -233,6 +233,10 @@ static double now_s(void) {
 int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
 int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
+int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
+/* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
+ * (1 on, 0 off, -1 as MOESERVE_W8A16_WGMMA says: off unless 1); returns the setting before */
+int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_two_chains(int D, int F);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
@@ -559,7 +563,9 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                                      !cuda_moe_bf16_two_chains(D, m->F) &&
                                      cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
                                     (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
-                                     cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1));
+                                     cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
+                                    (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
+                                     cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (other_sums) {
                 double r2 = 0.0, mx = 0.0;
                 for (size_t i = 0; i < (size_t)K * D; i++) {
@@ -1354,7 +1360,24 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
 static void test_fp8(bool full) {
     printf("FP8 experts (W8A16)\n");
     model m;
-    if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) quant_small_cases(&m);
+    if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
+        quant_small_cases(&m);
+        /* high precision at prefill sizes on the wgmma kernel (opt-in, so forced on here): B tiles
+         * decoded in shared memory, each 128-k block's sums folded into the totals times its
+         * scale */
+        const int old = cuda_moe_w8_wgmma(1);
+        printf("  on the wgmma kernel in high (MOESERVE_W8A16_WGMMA=1)\n");
+        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
+        run_case(&m, 1000, ROUTE_RANDOM, 0.25, 64, false, NULL);
+        cuda_moe_w8_wgmma(old);
+    }
+    model_free(&m);
+    /* the same with a partial 128-k block in GEMM 2 (F = 192) */
+    if (model_fp8(&m, "fp8-wgmma-partial", 4, 256, 192, 2) == 0) {
+        const int old = cuda_moe_w8_wgmma(1);
+        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
+        cuda_moe_w8_wgmma(old);
+    }
     model_free(&m);
     /* the test checkpoint's shape: one partial 128-k block both ways */
     if (model_fp8(&m, "fp8-64", 8, 64, 64, 2) == 0) quant_small_cases(&m);
@@ -1395,6 +1418,20 @@ static void test_fp8(bool full) {
     if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
         if (full) time_moe(&m, 4096, ROUTE_RANDOM, 8, 5); /* a prefill chunk (medium: W8A8 GEMM 1) */
+        /* high at prefill sizes on the wgmma kernel against the tiles, side by side (the timing
+         * rows named after each; medium's rows are the same path in both) */
+        const int old = cuda_moe_w8_wgmma(1);
+        printf("  on the wgmma kernel in high (MOESERVE_W8A16_WGMMA=1)\n");
+        run_case(&m, 2048, ROUTE_RANDOM, 0.0, 16, false, NULL);
+        model mw = m, mt = m;
+        mw.name = "qwen3 fp8 wgmma";
+        mt.name = "qwen3 fp8 tiles";
+        time_moe(&mw, 2048, ROUTE_RANDOM, 2, 5);
+        time_moe(&mw, 4096, ROUTE_BALANCED, 1, 5);
+        cuda_moe_w8_wgmma(0);
+        time_moe(&mt, 2048, ROUTE_RANDOM, 2, 5);
+        time_moe(&mt, 4096, ROUTE_BALANCED, 1, 5);
+        cuda_moe_w8_wgmma(old);
     }
     model_free(&m);
 }

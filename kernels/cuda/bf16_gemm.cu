@@ -49,6 +49,17 @@
 // (64 pairs an expert) 445 / 641 against 410 / 722; BF16's experts on this kernel take 701 / 1162
 // us at T = 4096, so the converter warps are what bounds it (three of them in medium were 1.1 to
 // 1.2 times as fast as two; a fourth does not fit the registers without setmaxnreg).
+//
+// FP8 experts (W8A16, high precision only; opt-in, bf16_gemm.h's bf16_wgmma_w8_takes): the same
+// converters on moe.cu's W8A16 codes (fp8_pack_kernel's layout, fp8_w8_decode times 2^120:
+// e4m3 exactly in BF16), two warps. A weight row's block scale (one a 128-k block) cannot go into
+// its BF16 weights exactly, so it goes on the sums, as the W8A16 tiles do it: each 128-k block's
+// hi and lo products run into one accumulator from zero (acc; a block is 16 k16 steps, so the
+// tensor cores' truncation stays near 2^-19 of its sum), and at the block's end, after the wait,
+// acl (the totals) += scale x acc, with one scale a 64-row half of the tile (the halves lie in one
+// 128 x 128 block: bwg_convert copies its pair into the stage). Written in a session whose GPU
+// time had run out: not yet run (test_cuda_moe checks it against the CPU, --fp8 times it beside
+// the tiles).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -63,6 +74,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/gemm_common.cuh"
 #include "kernels/cuda/hopper.cuh"
+#include "kernels/quant.h"
 
 #define BWG_BM      128 /* rows of a tile: two consumer warpgroups of 64 */
 #define BWG_BK      64  /* k of a stage: 128 bytes of BF16 */
@@ -88,7 +100,13 @@ template <bool SPLIT> struct bwg_cfg {
     static constexpr size_t W4_CODES = (size_t)BWG_CS * BN * 32,
                             W4_SCALES = (size_t)BWG_CS * BN * 4;
     static constexpr size_t smem_w4 = smem + W4_CODES + W4_SCALES;
-    static_assert(smem_w4 <= 227 * 1024, "shared memory of one block");
+    // W8 (high only): codes [BWG_CS][BN][64], the two 64-row halves' block scales [BWG_CS][2] as
+    // requested, then as a stage carries them [STAGES][2]
+    static constexpr size_t W8_CODES = (size_t)BWG_CS * BN * 64, W8_SCALES = BWG_CS * 8;
+    static constexpr size_t smem_w8 = smem + W8_CODES + W8_SCALES + STAGES * 8;
+    static constexpr size_t smem_wq(int wq) { return wq == 8 ? smem_w8 : wq == 4 ? smem_w4 : smem; }
+    static_assert(smem_w4 <= 227 * 1024 && (!SPLIT || smem_w8 <= 227 * 1024),
+                  "shared memory of one block");
 };
 
 // d += A[64 x 16] B[N x 16]^T, fp32 accumulators in the m64nN fragment layout (scale-d 1: the
@@ -129,26 +147,38 @@ typedef struct {
     float *part;
     int64_t part_stride;
     // W4: B as NVFP4 in moe.cu's W4A16 layout (nvfp4_pack_kernel): codes wq [E N, K / 2], scales
-    // wsf [E N, K / 16], and the experts' tensor scales ws2 [E, 3] (gate, up, down; times 2^7)
+    // wsf [E N, K / 16], and the experts' tensor scales ws2 [E, 3] (gate, up, down; times 2^7).
+    // W8: B as FP8 in moe.cu's W8A16 layout (fp8_pack_kernel): codes wq [E N, K], fp32 block
+    // scales wsf [E, ceil(K / 128), N] a weight row each (equal over aligned groups of 64 rows)
     const uint8_t *wq, *wsf;
     const float *ws2;
 } bwg_args;
 
-// W4's CW converter warps (the kernel's warps 9 on): ct = the thread among them, rows ct + 32 CW i
-// of each B tile (the last ones fewer where 32 CW does not divide BN). The tiles and k tiles in the
-// kernel's order (it: the k tiles so far, as the other roles count them). Staging slot it % BWG_CS
-// holds k tile it's codes and scales of the thread's rows; the requests run two k tiles ahead
-// within a tile. A row's 64 k of a k tile, as nvfp4_pack_kernel stores them: code word 2t + w holds
-// quad lane t's fragments of k16 steps 2w and 2w + 1, so the 16-byte chunk c of the BF16 row (k 8c
-// .. 8c + 7) is, for t = 0..3, word 2t + c / 4's fragment register c % 4 times group c / 2's scale.
-template <class C, bool GATE_UP, int CW>
+// The CW converter warps (W4 and W8; the kernel's warps 9 on): ct = the thread among them, rows
+// ct + 32 CW i of each B tile (the last ones fewer where 32 CW does not divide BN). The tiles and k
+// tiles in the kernel's order (it: the k tiles so far, as the other roles count them). Staging
+// slot it % BWG_CS holds k tile it's codes (and W4: group scales) of the thread's rows; the
+// requests run two k tiles ahead within a tile.
+// W4: a row's 64 k of a k tile, as nvfp4_pack_kernel stores them: code word 2t + w holds quad
+// lane t's fragments of k16 steps 2w and 2w + 1, so the 16-byte chunk c of the BF16 row (k 8c ..
+// 8c + 7) is, for t = 0..3, word 2t + c / 4's fragment register c % 4 times group c / 2's scale.
+// W8: as fp8_pack_kernel stores them (kernels/quant.h), word 4t + s holds quad lane t's codes of
+// k16 step s, so chunk c is, for t = 0..3, fp8_w8_decode of word 4t + c / 2, register c % 2, times
+// 2^120 (exact). Thread 0 also requests the two 64-row halves' scales of the k tile's 128-k block
+// and, once the tile is written, copies them into the stage's pair (the consumers' fold reads it).
+template <class C, bool GATE_UP, int CW, int WQ>
 __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_t b0,
                             int stage_bytes, uint32_t full0, uint32_t empty0) {
+    constexpr bool W8 = WQ == 8;
     constexpr int CT = 32 * CW, BN = C::BN, RPT = (BN + CT - 1) / CT, STAGES = C::STAGES;
+    constexpr int QB = W8 ? 64 : 32; // code bytes of a row's k tile
     const int ct = threadIdx.x - 9 * 32, lane = threadIdx.x & 31;
     const int N = p.N, nkb = p.K / BWG_BK, S = p.S, n_cols = GATE_UP ? BN / 2 : BN;
-    const uint32_t st_codes = staging, st_scales = staging + (uint32_t)C::W4_CODES;
-    const int64_t qrow = p.K / 2, srow = p.K / 16; // bytes of a weight row's codes, scales
+    const uint32_t st_codes = staging,
+                   st_scales = staging + (uint32_t)(W8 ? C::W8_CODES : C::W4_CODES);
+    const uint32_t stage_sc = staging + (uint32_t)(C::W8_CODES + C::W8_SCALES); // W8: [STAGES][2]
+    const int64_t qrow = W8 ? p.K : p.K / 2, srow = p.K / 16; // a weight row's code, scale bytes
+    const int n128 = (p.K + 127) / 128;                       // W8: 128-k blocks of a row
     int it = 0;
     for (int t = blockIdx.x;; t += gridDim.x) {
         const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
@@ -161,6 +191,9 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
             const int r = ct + CT * i; // (past BN: no row, grow unused)
             grow[i] = (int64_t)e * N + (GATE_UP && r >= BN / 2 ? N / 2 + n0 + r - BN / 2 : n0 + r);
         }
+        // W8: the first rows of the tile's two halves within the expert (GATE_UP: gate, up)
+        const int half_row[2] = {n0, GATE_UP ? N / 2 + n0 : n0 + BN / 2};
+        const float *sf_e = reinterpret_cast<const float *>(p.wsf) + (int64_t)e * n128 * N;
         const int it0 = it;         // it at the tile's first k tile (the loop below moves it on)
         auto request = [&](int j) { // k tile k0 + j into slot (it0 + j) % BWG_CS, one group
             if (j < nk) {
@@ -169,12 +202,21 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
                 for (int i = 0; i < RPT; i++) {
                     const int r = ct + CT * i;
                     if (BN % CT && r >= BN) break;
-                    const uint8_t *q = p.wq + grow[i] * qrow + (int64_t)(k0 + j) * 32;
-                    const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
-                    cp_async16(dq, q, 16);
-                    cp_async16(dq + 16, q + 16, 16);
-                    cp_async4(st_scales + (uint32_t)(slot * BN + r) * 4,
-                              p.wsf + grow[i] * srow + (int64_t)(k0 + j) * 4, 4);
+                    const uint8_t *q = p.wq + grow[i] * qrow + (int64_t)(k0 + j) * QB;
+                    const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * QB;
+#pragma unroll
+                    for (int c = 0; c < QB / 16; c++)
+                        cp_async16(dq + 16 * c, q + 16 * c, 16);
+                    if constexpr (!W8)
+                        cp_async4(st_scales + (uint32_t)(slot * BN + r) * 4,
+                                  p.wsf + grow[i] * srow + (int64_t)(k0 + j) * 4, 4);
+                }
+                if (W8 && ct == 0) {
+                    const int kb = (k0 + j) / 2; // its 128-k block
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        cp_async4(st_scales + (uint32_t)(slot * 2 + h) * 4,
+                                  sf_e + (int64_t)kb * N + half_row[h], 4);
                 }
             }
             cp_async_commit();
@@ -191,29 +233,46 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
             for (int i = 0; i < RPT; i++) {
                 const int r = ct + CT * i;
                 if (BN % CT && r >= BN) break;
-                uint32_t w[8], sc;
-                const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * 32;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                             : "r"(dq));
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
-                             : "r"(dq + 16));
-                asm volatile("ld.shared.u32 %0, [%1];\n"
-                             : "=r"(sc)
-                             : "r"(st_scales + (uint32_t)(slot * BN + r) * 4));
+                uint32_t w[QB / 4], sc = 0;
+                const uint32_t dq = st_codes + (uint32_t)(slot * BN + r) * QB;
+#pragma unroll
+                for (int c = 0; c < QB / 16; c++)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(w[4 * c]), "=r"(w[4 * c + 1]), "=r"(w[4 * c + 2]),
+                                   "=r"(w[4 * c + 3])
+                                 : "r"(dq + 16 * c));
+                if constexpr (!W8)
+                    asm volatile("ld.shared.u32 %0, [%1];\n"
+                                 : "=r"(sc)
+                                 : "r"(st_scales + (uint32_t)(slot * BN + r) * 4));
 #pragma unroll
                 for (int c = 0; c < 8; c++) {
-                    const uint32_t sf2 = wq_scale2(sc, c >> 1);
                     uint32_t v[4];
+                    if constexpr (W8) {
+                        constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
 #pragma unroll
-                    for (int tq = 0; tq < 4; tq++)
-                        v[tq] = bf16x2_mul(wq_decode(w[2 * tq + (c >> 2)], c & 3), sf2);
+                        for (int tq = 0; tq < 4; tq++)
+                            v[tq] = bf16x2_mul(fp8_w8_decode(w[4 * tq + (c >> 1)], c & 1), p120);
+                    } else {
+                        const uint32_t sf2 = wq_scale2(sc, c >> 1);
+#pragma unroll
+                        for (int tq = 0; tq < 4; tq++)
+                            v[tq] = bf16x2_mul(wq_decode(w[2 * tq + (c >> 2)], c & 3), sf2);
+                    }
                     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
                                      bt + r * 128 + ((c ^ (r & 7)) << 4)),
                                  "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                                  : "memory");
                 }
+            }
+            if (W8 && ct == 0) { // the block scales of the stage, for the consumers' fold
+                uint32_t a, b;
+                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                             : "=r"(a), "=r"(b)
+                             : "r"(st_scales + (uint32_t)slot * 8));
+                asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(stage_sc + s * 8), "r"(a),
+                             "r"(b)
+                             : "memory");
             }
             // the B tile written through the generic proxy, read by wgmma through the async one
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -233,12 +292,15 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
 // (cp.async into their own staging), decode them into the stage's BF16 B tile as moe.cu's W4A16
 // fragments decode them (wq_decode times the group scale: the same BF16 values), and each arrives
 // on the stage's full barrier with the producer's A tile; the epilogue applies the tensor scales.
-template <bool SPLIT, bool GATE_UP, bool W4, int CW = 2>
-__global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
+template <bool SPLIT, bool GATE_UP, int WQ, int CW = 2>
+__global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
     typedef bwg_cfg<SPLIT> C;
+    // WQ: B's weights as codes the converter warps decode (4: NVFP4, 8: FP8), 0: BF16 by TMA
+    constexpr bool W4 = WQ == 4, W8 = WQ == 8, CONV = WQ != 0;
+    static_assert(!W8 || SPLIT, "W8: high precision (the fold's totals in acl)");
     constexpr int BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -253,8 +315,8 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full(s),
-                      W4 ? 1 + CW : 1); // the producer's arrival with the bytes (W4: and
-                                        // the converter warps')
+                      CONV ? 1 + CW : 1); // the producer's arrival with the bytes (and the
+                                          // converter warps')
             mbar_init(empty(s), 8); // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -266,11 +328,15 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     auto stage_b = [&](int s) { return stage_a(s) + C::A_PARTS * C::A_BYTES; };
     const int n_cols = GATE_UP ? BN / 2 : BN; // output columns of a tile (GATE_UP: h's)
     int it = 0; // the k tiles this thread's role has gone through, over all the block's tiles
+    // W8: each stage's pair of block scales (bwg_convert writes it with the B tile)
+    const uint32_t w8_stage_sc =
+        smem0 + STAGES * STAGE_BYTES + (uint32_t)(C::W8_CODES + C::W8_SCALES);
+    (void)w8_stage_sc;
 
-    if constexpr (W4) {
+    if constexpr (CONV) {
         if (warp >= 9) { // the converters
-            bwg_convert<C, GATE_UP, CW>(p, nx, smem0 + STAGES * STAGE_BYTES, stage_b(0),
-                                        STAGE_BYTES, full(0), empty(0));
+            bwg_convert<C, GATE_UP, CW, WQ>(p, nx, smem0 + STAGES * STAGE_BYTES, stage_b(0),
+                                            STAGE_BYTES, full(0), empty(0));
             return;
         }
     }
@@ -278,7 +344,7 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta))
                          : "memory");
-            if (!W4)
+            if (!CONV)
                 asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
                              : "memory");
         }
@@ -290,10 +356,10 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             for (int kb = k_first(t); kb < k_end(t) && lane == 0; kb++, it++) {
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
-                mbar_arrive_tx(full(s), W4 ? C::A_PARTS * C::A_BYTES : STAGE_BYTES);
+                mbar_arrive_tx(full(s), CONV ? C::A_PARTS * C::A_BYTES : STAGE_BYTES);
                 tma_load_2d(stage_a(s), &ta, kx, m0, full(s));
                 if (SPLIT) tma_load_2d(stage_a(s) + C::A_BYTES, &ta, kx, p.a_lo + m0, full(s));
-                if (W4) { // the converters write the B tile
+                if (CONV) { // the converters write the B tile
                 } else if (GATE_UP) {
                     tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
                     tma_load_2d(stage_b(s) + BN / 2 * 128, &tb, kx, b_row + N / 2, full(s));
@@ -345,19 +411,40 @@ __global__ void __launch_bounds__(W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 #pragma unroll
             for (int k = 0; k < BWG_BK / 16; k++) { // + 32 bytes a k16 step: 2 in the address
                 bwg_wgmma<BN>(acc, da + 2 * k, db + 2 * k);
-                if constexpr (SPLIT) bwg_wgmma<BN>(acl, dl + 2 * k, db + 2 * k);
+                // (W8: the lo products into the same sum, the 128-k block's; acl the totals)
+                if constexpr (SPLIT) bwg_wgmma<BN>(W8 ? acc : acl, dl + 2 * k, db + 2 * k);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // the k tile before this one has completed: its stage is free
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             if (kb > 0) release((it - 1) % STAGES);
+            if constexpr (W8) { // a 128-k block ends here: its sums into the totals, times its
+                                // weight rows' block scale (one a 64-row half of the tile)
+                if (((k_first(t) + kb) & 1) || kb == nk - 1) {
+                    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+                    for (int i = 0; i < BN / 2; i++) // the sums are read after the wait
+                        asm volatile("" : "+f"(acc[i])::"memory");
+                    float s0, s1;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                                 : "=f"(s0), "=f"(s1)
+                                 : "r"(w8_stage_sc + s * 8));
+#pragma unroll
+                    for (int i = 0; i < BN / 2; i++) {
+                        acl[i] = __fmaf_rn(i / 4 < BN / 16 ? s0 : s1, acc[i], acl[i]);
+                        acc[i] = 0.0f;
+                    }
+                }
+            }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         release((it - 1) % STAGES);
 
         // the sums of rows r0 and r1 (those below rows), columns n0 + 8 j + c0 and + 1
         auto sum = [&](int i) {
-            if constexpr (SPLIT)
+            if constexpr (W8)
+                return acl[i]; // the totals
+            else if constexpr (SPLIT)
                 return __fadd_rn(acc[i], acl[i]);
             else
                 return acc[i];
@@ -480,12 +567,12 @@ size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
 }
 
-template <bool SPLIT, bool GATE_UP, bool W4 = false, int CW = 2>
+template <bool SPLIT, bool GATE_UP, int WQ = 0, int CW = 2>
 static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t max_rows) {
     typedef bwg_cfg<SPLIT> C;
-    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, W4, CW>;
-    const size_t smem = W4 ? C::smem_w4 : C::smem;
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW>;
+    const size_t smem = C::smem_wq(WQ);
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
     static int sms = 0; // one device a process
@@ -497,13 +584,14 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
     const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, W4 ? BWG_THREADS_W4(CW) : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
+    kernel<<<grid, WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
 }
 
-// W4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor scales
-// s2 (moe.cu's W4A16 layout); otherwise BF16 (the other three NULL).
-template <bool SPLIT, bool W4>
+// WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor
+// scales s2 (moe.cu's W4A16 layout); WQ 8: FP8 codes with their block scales (fp32, moe.cu's
+// W8A16 layout; s2 NULL); 0: BF16 (the other three NULL).
+template <bool SPLIT, int WQ>
 static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
                         const int32_t *offsets, int K, const void *gate_up, const void *down,
                         const uint8_t *gate_up_sf, const uint8_t *down_sf, const float *s2, int E,
@@ -520,7 +608,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.E = E;
     p.ws2 = s2;
     // GEMM 1: A = xg [parts n, D], x's rows in grouped order; B = gate_up [E 2F, D] in boxes of
-    // BN / 2 rows (W4: the converters read it)
+    // BN / 2 rows (WQ: the converters read it)
     p.N = 2 * F;
     p.K = D;
     p.wq = (const uint8_t *)gate_up;
@@ -531,8 +619,8 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.a_lo = (int)n_pairs;
     const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
     const CUtensorMap tb1 =
-        W4 ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
-    bwg_launch<SPLIT, true, W4, W4 ? BWG_CW(SPLIT) : 2>(ta1, tb1, p, n_pairs);
+        WQ ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+    bwg_launch<SPLIT, true, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
     p.a_lo = (int)n_pairs;
@@ -541,8 +629,8 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.wq = (const uint8_t *)down;
     p.wsf = down_sf;
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
-    const CUtensorMap tb2 = W4 ? ta2 : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
-    bwg_launch<SPLIT, false, W4, W4 ? BWG_CW(SPLIT) : 2>(ta2, tb2, p, n_pairs);
+    const CUtensorMap tb2 = WQ ? ta2 : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
+    bwg_launch<SPLIT, false, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta2, tb2, p, n_pairs);
 }
 
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split) {
@@ -579,8 +667,9 @@ void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const i
     }
 }
 
-// Both entry points: the checks, then the kernel of the precision (W4: NVFP4 weights).
-template <bool W4>
+// The entry points: the checks, then the kernel of the precision (WQ: as bwg_experts; W8 in high
+// precision only).
+template <int WQ>
 static void bwg_experts_entry(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
                               const int32_t *offsets, int K, const void *gate_up, const void *down,
                               const uint8_t *gate_up_sf, const uint8_t *down_sf, const float *s2,
@@ -592,11 +681,12 @@ static void bwg_experts_entry(float *out, const __nv_bfloat16 *xb, int T, const 
               ((uintptr_t)down_sf & 3) == 0 && ((uintptr_t)out & 7) == 0);
     if (n_pairs <= 0) return;
     __nv_bfloat16 *xg = reinterpret_cast<__nv_bfloat16 *>(scratch);
+    MS_ASSERT(WQ != 8 || split);
     if (split)
-        bwg_experts<true, W4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2,
+        bwg_experts<true, WQ>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2,
                               E, D, F, n_pairs, h, xg);
-    else
-        bwg_experts<false, W4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
+    else if constexpr (WQ != 8)
+        bwg_experts<false, WQ>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf,
                                s2, E, D, F, n_pairs, h, xg);
 }
 
@@ -604,8 +694,8 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         const int32_t *offsets, int K, const __nv_bfloat16 *gate_up,
                         const __nv_bfloat16 *down, int E, int D, int F, int64_t n_pairs, bool split,
                         __nv_bfloat16 *h, unsigned char *scratch) {
-    bwg_experts_entry<false>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr,
-                             nullptr, E, D, F, n_pairs, split, h, scratch);
+    bwg_experts_entry<0>(out, xb, T, pairs, offsets, K, gate_up, down, nullptr, nullptr, nullptr, E,
+                         D, F, n_pairs, split, h, scratch);
 }
 
 // On unless MOESERVE_W4A16_WGMMA=0 (or the test hook's setting); from how many pairs an expert
@@ -642,6 +732,41 @@ void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int
                            const uint8_t *gate_up_sf, const uint8_t *down, const uint8_t *down_sf,
                            const float *s2, int E, int D, int F, int64_t n_pairs, bool split,
                            __nv_bfloat16 *h, unsigned char *scratch) {
-    bwg_experts_entry<true>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2,
-                            E, D, F, n_pairs, split, h, scratch);
+    bwg_experts_entry<4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2, E,
+                         D, F, n_pairs, split, h, scratch);
+}
+
+// FP8 experts (W8A16) on the same kernel in high precision, outside deterministic mode: opt-in
+// (MOESERVE_W8A16_WGMMA=1, or the test hook's setting) until run on a GPU; from more than
+// MOESERVE_W8A16_WGMMA_MIN pairs an expert (default 96, as BF16).
+static int g_w8_wgmma = -1, g_w8_min = -1;
+extern "C" int cuda_moe_w8_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
+    const int old = g_w8_wgmma;
+    g_w8_wgmma = on;
+    return old;
+}
+bool bf16_wgmma_w8_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+    if (g_w8_wgmma < 0) {
+        const char *e = getenv("MOESERVE_W8A16_WGMMA");
+        g_w8_wgmma = e && strcmp(e, "1") == 0;
+    }
+    if (g_w8_min < 0) {
+        const char *e = getenv("MOESERVE_W8A16_WGMMA_MIN");
+        g_w8_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
+    }
+    return g_w8_wgmma && split && !ops_cuda_deterministic() &&
+           bwg_takes(n_pairs, E, D, F, true, g_w8_min);
+}
+extern "C" int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high) {
+    return bf16_wgmma_w8_takes(n_pairs, E, D, F, high != 0);
+}
+
+void bf16_wgmma_experts_w8(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                           const int32_t *offsets, int K, const uint8_t *gate_up,
+                           const float *gate_up_s, const uint8_t *down, const float *down_s, int E,
+                           int D, int F, int64_t n_pairs, __nv_bfloat16 *h,
+                           unsigned char *scratch) {
+    bwg_experts_entry<8>(
+        out, xb, T, pairs, offsets, K, gate_up, down, reinterpret_cast<const uint8_t *>(gate_up_s),
+        reinterpret_cast<const uint8_t *>(down_s), nullptr, E, D, F, n_pairs, true, h, scratch);
 }

@@ -41,6 +41,18 @@ void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int
                            const float *s2, int E, int D, int F, int64_t n_pairs, bool split,
                            __nv_bfloat16 *h, unsigned char *scratch);
 
+// FP8 experts (W8A16) on the same kernel, high precision only, outside deterministic mode;
+// opt-in (MOESERVE_W8A16_WGMMA=1) until run on a GPU; more than MOESERVE_W8A16_WGMMA_MIN pairs an
+// expert (default 96). The codes and fp32 block scales of cuda_prepare_experts_fp8 (scales equal
+// over aligned groups of 64 weight rows, as 128 x 128 blocks give), decoded into BF16 tiles (e4m3
+// exactly) by two more warps; the hi and the lo products of each 128-k block summed in one fp32
+// accumulator, then added into the totals times the block's scale (the W8A16 tiles' fold).
+bool bf16_wgmma_w8_takes(int64_t n_pairs, int E, int D, int F, bool split);
+void bf16_wgmma_experts_w8(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
+                           const int32_t *offsets, int K, const uint8_t *gate_up,
+                           const float *gate_up_s, const uint8_t *down, const float *down_s, int E,
+                           int D, int F, int64_t n_pairs, __nv_bfloat16 *h, unsigned char *scratch);
+
 // Whether bf16_wgmma_linear takes a weight [N, Kd] (medium: N % 256, high (split): N % 128;
 // Kd % 64), unless MOESERVE_WGMMA=0.
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split);

@@ -88,6 +88,11 @@
 // the W8A16 tiles' (within medium's tolerance), so there a token's rows depend on the batch's size.
 // H200, Qwen3-30B-A3B's experts, medium: 433.7 us at T = 1024 against 513.8 with W8A16; a model's
 // prefill of 8 x 2048 tokens 13703 tokens/s against 12993 (`MOESERVE_W8A8=0`).
+// In high precision at prefill sizes both GEMMs may run on the wgmma kernel instead (opt-in,
+// MOESERVE_W8A16_WGMMA=1, until run on a GPU; bf16_gemm.h's bf16_wgmma_w8_takes): the codes
+// decoded into BF16 tiles by converter warps, each 128-k block's hi and lo products in one fp32
+// sum, folded into the totals times the block's scale; other sums than these tiles' (a token's
+// rows then depend on the batch's size, as with W8A8), never in deterministic mode.
 //
 // BF16 experts at prefill sizes (more than 96 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
@@ -1834,7 +1839,8 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     const size_t o_h = l.end;
     const bool w8a8 = WF == WF_FP8 && !C::SPLIT && fp8_w8a8_takes(n_pairs, E, D, F);
     const bool wgmma = (WF == WF_BF16 && bf16_wgmma_takes(n_pairs, E, D, F, C::SPLIT)) ||
-                       (WF == WF_NVFP4 && bf16_wgmma_w4_takes(n_pairs, E, D, F, C::SPLIT));
+                       (WF == WF_NVFP4 && bf16_wgmma_w4_takes(n_pairs, E, D, F, C::SPLIT)) ||
+                       (WF == WF_FP8 && bf16_wgmma_w8_takes(n_pairs, E, D, F, C::SPLIT));
     const size_t o_q = align256(o_h + AP * n_pairs * F * 2);
     const size_t total = w8a8    ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D))
                          : wgmma ? align256(o_q + bf16_wgmma_scratch_bytes(n_pairs, D, C::SPLIT))
@@ -1847,6 +1853,11 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
                                   (const uint8_t *)w->gate_up_sf, (const uint8_t *)w->down_all,
                                   (const uint8_t *)w->down_sf, w->s2, E, D, F, n_pairs, C::SPLIT,
                                   (bf16 *)(ws + o_h), ws + o_q);
+        else if constexpr (WF == WF_FP8)
+            bf16_wgmma_experts_w8(out, p.xb, T, p.pairs, p.offsets, K, (const uint8_t *)w->gate_up,
+                                  (const float *)w->gate_up_sf, (const uint8_t *)w->down_all,
+                                  (const float *)w->down_sf, E, D, F, n_pairs, (bf16 *)(ws + o_h),
+                                  ws + o_q);
         else
             bf16_wgmma_experts(out, p.xb, T, p.pairs, p.offsets, K, (const bf16 *)w->gate_up,
                                (const bf16 *)w->down_all, E, D, F, n_pairs, C::SPLIT,
