@@ -86,6 +86,7 @@
 
 #include "common/log.h"
 #include "common/tensor.h"
+#include "kernels/a2a.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
 #include "tests/check.h"
@@ -1146,6 +1147,55 @@ static void test_deepseek(bool compare, int max_T) {
 
 /* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
  * busy expert, empty calls. */
+/* kernels/cuda/moe.cu: GEMM 1 applies the experts' input format at the tiny path's sizes from now
+ * on (1 on, 0 off, -1 as MOESERVE_FUSED_EXPERT_INPUT says: off unless 1); the setting before */
+int cuda_moe_fused_input(int on);
+
+/* moe_experts_q with the format applied inside GEMM 1 (forced on) against moe_input_quant then
+ * moe_experts, the model's way before it: the same bits at T = 1 to 3 (the tiny path's sizes; at
+ * K = 8, T = 3 is past them: the unfused way inside moe_experts_q), in both precisions. */
+static void check_fused_input(const model *m, int payload) {
+    const int D = m->D, K = m->K;
+    for (int T = 1; T <= 3; T++) {
+        const size_t nx = (size_t)T * D, no = (size_t)T * K * D;
+        float *x_h = xmalloc(nx * 4), *a_h = xmalloc(no * 4), *b_h = xmalloc(no * 4);
+        int32_t *ids_h = xmalloc((size_t)T * K * 4);
+        for (size_t i = 0; i < nx; i++)
+            x_h[i] = rng_uniform();
+        for (int t = 0; t < T; t++) /* K distinct experts a token */
+            for (int k = 0; k < K; k++)
+                ids_h[t * K + k] = (t * 3 + k * (m->E / K)) % m->E;
+        float *x = dev_alloc_checked(nx * 4), *xq = dev_alloc_checked(nx * 4);
+        float *out = dev_alloc_checked(no * 4);
+        int32_t *ids = dev_alloc_checked((size_t)T * K * 4);
+        gpu->to_device(x, x_h, nx * 4);
+        gpu->to_device(ids, ids_h, (size_t)T * K * 4);
+        for (int p = 0; p < N_PRECISIONS; p++) {
+            set_precision((matmul_precision)p);
+            gpu->moe_input_quant(xq, x, T, D, payload);
+            gpu->moe_experts(out, xq, ids, &m->w, T, K, D, m->F);
+            gpu->to_host(a_h, out, no * 4);
+            const int old = cuda_moe_fused_input(1);
+            gpu->moe_experts_q(out, xq, x, ids, &m->w, T, K, D, m->F, payload);
+            cuda_moe_fused_input(old);
+            gpu->to_host(b_h, out, no * 4);
+            CHECK(memcmp(a_h, b_h, no * 4) == 0,
+                  "%s %s T=%d: moe_experts_q with the input format inside GEMM 1 differs from "
+                  "moe_input_quant then moe_experts",
+                  m->name, precision_name[p], T);
+        }
+        set_precision(MATMUL_PRECISION_HIGH);
+        gpu->dev_free(x);
+        gpu->dev_free(xq);
+        gpu->dev_free(out);
+        gpu->dev_free(ids);
+        free(x_h);
+        free(a_h);
+        free(b_h);
+        free(ids_h);
+    }
+}
+
 static void quant_small_cases(const model *m) {
     const int Ts[] = {1, 2, 3, 8, 9, 64, 300, 400};
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
@@ -1232,6 +1282,7 @@ static void test_nvfp4(bool full) {
          * pairs an expert), B tiles decoded in shared memory */
         const int old = cuda_moe_w4_wgmma(0);
         quant_small_cases(&m);
+        check_fused_input(&m, A2A_PAYLOAD_NVFP4);
         cuda_moe_w4_wgmma(1);
         printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
         run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
@@ -1262,6 +1313,7 @@ static void test_nvfp4(bool full) {
     if (!full) return;
     if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
+        check_fused_input(&m, A2A_PAYLOAD_NVFP4);
         /* prefill sizes on the wgmma kernel against the tiles, side by side (the timing rows
          * named after each) */
         const int old = cuda_moe_w4_wgmma(1);
@@ -1362,6 +1414,7 @@ static void test_fp8(bool full) {
     model m;
     if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
         quant_small_cases(&m);
+        check_fused_input(&m, A2A_PAYLOAD_FP8);
         /* high precision at prefill sizes on the wgmma kernel (opt-in, so forced on here): B tiles
          * decoded in shared memory, each 128-k block's sums folded into the totals times its
          * scale */
@@ -1417,6 +1470,7 @@ static void test_fp8(bool full) {
     if (!full) return;
     if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
+        check_fused_input(&m, A2A_PAYLOAD_FP8);
         if (full) time_moe(&m, 4096, ROUTE_RANDOM, 8, 5); /* a prefill chunk (medium: W8A8 GEMM 1) */
         /* high at prefill sizes on the wgmma kernel against the tiles, side by side (the timing
          * rows named after each; medium's rows are the same path in both) */

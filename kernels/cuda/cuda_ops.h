@@ -88,6 +88,8 @@ void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const
                       int T, int K, int D, int F);
 void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
                         const int32_t *n_rows, const moe_experts *w, int T, int K, int D, int F);
+void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *topk_ids,
+                        const moe_experts *w, int T, int K, int D, int F, int payload);
 /* out[T, N] = x[T, Kd] w[N, Kd]^T with w BF16 on the device: every row the same bits at any T
  * (the grouped GEMM with one expert, Kd cut into ranges fixed by (N, Kd); Kd and N multiples of 8,
  * x and w 16-byte aligned). In the matmul precision in force. */

@@ -200,6 +200,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "kernels/a2a.h"
 #include "kernels/cuda/bf16_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
@@ -876,6 +877,9 @@ typedef struct {
     int64_t part_stride;
     int wait_first;
     int cluster;
+    // TINY GEMM 1: x's rows through this all-to-all payload's round trip (A2A_PAYLOAD_FP8 or
+    // _NVFP4: the experts' input format, moe_input_quant's arithmetic) as it converts them; 0 none
+    int x_payload;
     // WF_NVFP4: the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of w's rows
     // (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down). WF_FP8: the codes
     // [E, rows, Kd] and (wsf) fp32 scales [E, ceil(Kd / 128), rows].
@@ -1013,6 +1017,98 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
         if (rank >= first && rank < first + R) s_pair[rank - first] = lane;
     }
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
+}
+
+// The tiny GEMM 1's rows of x with the experts' input format applied on the way (x_payload:
+// cuda_moe_experts_q), into its shared memory as the plain conversion below lays them out: each
+// value the bits of elementwise.cu's moe_input_fp8_kernel / moe_input_nvfp4_kernel (the same
+// formulas in the same order; group and row maxima do not depend on the order), then BF16 (high:
+// hi and lo). A thread a 16-byte chunk of 8 values at a time: an NVFP4 group of 16 is two
+// neighbouring lanes, an FP8 group of 128 sixteen (D % 128 == 0); NVFP4's token scale comes from
+// the row's maximum, found first (shared-memory atomics on the bits: non-negative floats order as
+// integers; NaN never wins, as amax_one).
+template <class C>
+__device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int nk,
+                             const int *s_pair) {
+    constexpr int BK = C::BK, AP = C::A_PARTS, T8 = C::threads;
+    __shared__ float s_rmax[16];
+    const int tid = threadIdx.x, cpr = nk * (BK / 8), n = rows * cpr, R1 = a.tile_rows;
+    const bool nv = a.x_payload == A2A_PAYLOAD_NVFP4;
+    auto amax8 = [](const float(&v)[8]) {
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float f = fabsf(v[i]);
+            m = f > m ? f : m; // NaN never wins
+        }
+        return m;
+    };
+    auto load8 = [&](int i, float(&v)[8]) {
+        const int r = i / cpr, c = i % cpr;
+        const float4 *src =
+            reinterpret_cast<const float4 *>(a.x + (int64_t)(s_pair[r] / a.topk) * a.Kd + c * 8);
+        const float4 p = __ldcg(src), q = __ldcg(src + 1);
+        v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z,
+        v[7] = q.w;
+    };
+    if (nv) {
+        if (tid < 16) s_rmax[tid] = 0.0f;
+        __syncthreads();
+        for (int i = tid; i < n; i += T8) {
+            float v[8];
+            load8(i, v);
+            atomicMax(reinterpret_cast<int *>(&s_rmax[i / cpr]), __float_as_int(amax8(v)));
+        }
+        __syncthreads();
+    }
+    for (int i0 = 0; i0 < n; i0 += T8) { // every lane of a warp in each round (the shuffles)
+        const int i = i0 + tid;
+        const bool in = i < n;
+        float v[8] = {};
+        if (in) load8(i, v);
+        float m = amax8(v); // the group's maximum over its lanes
+        const int lanes = nv ? 2 : QUANT_FP8_GROUP / 8;
+        for (int o = 1; o < lanes; o <<= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (nv) {
+            const float ra = in ? s_rmax[i / cpr] : 0.0f;
+            const float s2 = ra > 0.0f ? __fdiv_rn(ra, FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
+            const float s6 = __fmul_rn(FP4_E2M1_MAX, s2);
+            const uint8_t code = fp8_e4m3_from_float(__fdiv_rn(m, s6));
+            const float sf = fp8_e4m3_to_float(code), scale = __fmul_rn(sf, s2);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const uint8_t q = scale > 0.0f ? fp4_e2m1_from_float(__fdiv_rn(v[k], scale)) : 0;
+                v[k] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
+            }
+        } else {
+            const float sc = __fdiv_rn(m > 1e-10f ? m : 1e-10f, FP8_E4M3_MAX);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                v[k] = __fmul_rn(fp8_e4m3_to_float(fp8_e4m3_from_float(__fdiv_rn(v[k], sc))), sc);
+        }
+        if (!in) continue;
+        const int r = i / cpr, c = i % cpr, kt = c / (BK / 8), ch = c % (BK / 8);
+        uint4 hi, lo = make_uint4(0, 0, 0, 0);
+        if (C::SPLIT) {
+            split_bf16x2(v[0], v[1], &hi.x, &lo.x);
+            split_bf16x2(v[2], v[3], &hi.y, &lo.y);
+            split_bf16x2(v[4], v[5], &hi.z, &lo.z);
+            split_bf16x2(v[6], v[7], &hi.w, &lo.w);
+        } else {
+            hi.x = pack_bf16x2(v[0], v[1]);
+            hi.y = pack_bf16x2(v[2], v[3]);
+            hi.z = pack_bf16x2(v[4], v[5]);
+            hi.w = pack_bf16x2(v[6], v[7]);
+        }
+#pragma unroll
+        for (int part = 0; part < AP; part++) {
+            const uint32_t dst = sAf + ((part * nk + kt) * R1 * BK + swz<BK>(r, ch)) * 2;
+            const uint4 w4 = part ? lo : hi;
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w4.x),
+                         "r"(w4.y), "r"(w4.z), "r"(w4.w));
+        }
+    }
 }
 
 // linear_bi's ranges in one cluster (moe_gemm_args.cluster): each block puts its sums [rows, BN]
@@ -1330,7 +1426,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         cp_async_commit();
     }
     const int R1 = a.tile_rows;
-    if constexpr (A_FULL) {
+    if (A_FULL && TINY && WF != WF_BF16 && a.x_payload) {
+        tiny_x_quant<C>(a, sAf, rows, nk, s_pair); // x through the experts' input format
+    } else if constexpr (A_FULL) {
         // x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high: hi
         // then lo), zero past Kd; the weight stages above are in flight meanwhile. The main loop's
         // first barrier publishes it.
@@ -1956,6 +2054,10 @@ template <class C2, class C2_2> static bool tiny_two_stages(int64_t blocks) {
     return blocks > deep && blocks <= two;
 }
 
+// The experts' input format GEMM 1 applies to x as it converts it (cuda_moe_experts_q sets it
+// around its call; one engine thread a process calls the ops); A2A_PAYLOAD_F32 (0): none.
+static int g_tiny_x_payload = 0;
+
 template <class C1, class C2, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
@@ -1972,6 +2074,7 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.n_pairs = n;
     g.E = w->E;
     g.n_rows = n_rows;
+    g.x_payload = g_tiny_x_payload;
 
     // GEMM 1: tiles of R1 rows, R1 as small as the batch allows (one row at T = 1) and x's rows
     // within MOE_TINY_A_BYTES, so that three blocks fit on an SM
@@ -1988,6 +2091,7 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
 
     g.act = g.h;
     g.act_lo = g.h_lo;
+    g.x_payload = 0;
     set_weights<WF>(&g, w, false);
     g.Kd = F;
     g.N = D;
@@ -2102,6 +2206,37 @@ void cuda_moe_experts(float *out, const float *x, const int32_t *topk_ids, const
 void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
                         const int32_t *n_rows, const moe_experts *w, int T, int K, int D, int F) {
     moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
+}
+
+// MOESERVE_FUSED_EXPERT_INPUT=1 (opt-in until run on a GPU), or the test hook's setting.
+static int g_fused_input = -1;
+extern "C" int cuda_moe_fused_input(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
+    const int old = g_fused_input;
+    g_fused_input = on;
+    return old;
+}
+
+// The experts on x after the input format `payload` (kernels/ops.h's moe_experts_q): at the tiny
+// path's sizes, NVFP4 or FP8 weights (the W4A16 / W8A16 kernels; BF16's keep their code as it
+// was) and D % 128 == 0, with the fused input on, GEMM 1 applies the format as it converts x
+// (tiny_x_quant: one launch a layer fewer, the same bits); otherwise cuda_moe_input_quant into
+// xq, then the experts on xq.
+void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *topk_ids,
+                        const moe_experts *w, int T, int K, int D, int F, int payload) {
+    if (g_fused_input < 0) {
+        const char *e = getenv("MOESERVE_FUSED_EXPERT_INPUT");
+        g_fused_input = e && strcmp(e, "1") == 0;
+    }
+    const bool fuse = g_fused_input && (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
+                      (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
+                      (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
+    if (payload != A2A_PAYLOAD_F32 && !fuse) {
+        cuda_moe_input_quant(xq, x, T, D, payload);
+        x = xq;
+    }
+    g_tiny_x_payload = fuse ? payload : A2A_PAYLOAD_F32;
+    moe_experts_any(out, x, topk_ids, nullptr, w, T, K, D, F);
+    g_tiny_x_payload = A2A_PAYLOAD_F32;
 }
 
 // ---------------------------------------------------------------------------------------------

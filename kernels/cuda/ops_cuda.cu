@@ -186,6 +186,7 @@ static const ops cuda_ops_table = {
     .moe_experts = cuda_moe_experts,
     .moe_experts_n = cuda_moe_experts_n,
     .moe_input_quant = cuda_moe_input_quant,
+    .moe_experts_q = cuda_moe_experts_q,
     .native_stream = cuda_native_stream,
     .bind_thread = cuda_bind_thread,
     .moe_finalize = cuda_moe_finalize,

@@ -533,6 +533,11 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
 #endif
     if (!m->a2a) {
         const float *x = ws->h;
+        if (m->expert_payload != A2A_PAYLOAD_F32 && op->moe_experts_q) { /* the two in one */
+            op->moe_experts_q(ws->expert_out, ws->xq, ws->h, ws->topk_ids, &l->experts, T, K, D, F,
+                              m->expert_payload);
+            return 0;
+        }
         if (m->expert_payload != A2A_PAYLOAD_F32) { /* what the dispatch would do to them */
             op->moe_input_quant(ws->xq, ws->h, T, D, m->expert_payload);
             x = ws->xq;
