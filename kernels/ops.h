@@ -241,8 +241,9 @@ typedef struct ops {
     void (*moe_input_quant)(float *y, const float *x, int T, int D, int payload);
 
     /* moe_experts on moe_input_quant(x, payload) (xq[T, D]: scratch the backend may write it
-     * to): the same bits as the two ops in turn; the CUDA backend applies the format inside the
-     * experts' first GEMM at decode sizes (one launch fewer). NULL: the model calls the two. */
+     * to): the same bits as the two ops in turn (the CPU's: those two); the CUDA backend can
+     * apply the format inside the experts' first GEMM at decode sizes (one launch fewer). NULL:
+     * the model calls the two. */
     void (*moe_experts_q)(float *out, float *xq, const float *x, const int32_t *topk_ids,
                           const struct moe_experts *w, int T, int K, int D, int F, int payload);
 

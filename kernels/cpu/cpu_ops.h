@@ -35,6 +35,8 @@ void cpu_moe_experts(float *out, const float *x, const int32_t *topk_ids, const 
 void cpu_moe_experts_n(float *out, const float *x, const int32_t *topk_ids, const int32_t *n_rows,
                        const moe_experts *w, int T, int K, int D, int F);
 void cpu_moe_input_quant(float *y, const float *x, int T, int D, int payload);
+void cpu_moe_experts_q(float *out, float *xq, const float *x, const int32_t *topk_ids,
+                       const moe_experts *w, int T, int K, int D, int F, int payload);
 void cpu_moe_finalize(float *out, const float *expert_out, const float *topk_w, int T, int K,
                       int D);
 void cpu_silu_mul(float *out, const float *gate, const float *up, int T, int F);

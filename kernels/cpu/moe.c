@@ -141,3 +141,10 @@ void cpu_moe_experts_n(float *out, const float *x, const int32_t *topk_ids, cons
     const int n = *n_rows < T ? *n_rows : T;
     cpu_moe_experts(out, x, topk_ids, w, n > 0 ? n : 0, K, D, F);
 }
+
+/* The two ops in turn: x through payload's round trip into xq, then the experts on xq. */
+void cpu_moe_experts_q(float *out, float *xq, const float *x, const int32_t *topk_ids,
+                       const moe_experts *w, int T, int K, int D, int F, int payload) {
+    cpu_moe_input_quant(xq, x, T, D, payload);
+    cpu_moe_experts(out, xq, topk_ids, w, T, K, D, F);
+}

@@ -69,6 +69,7 @@ static const ops cpu_ops_table = {
     .moe_experts = cpu_moe_experts,
     .moe_experts_n = cpu_moe_experts_n,
     .moe_input_quant = cpu_moe_input_quant,
+    .moe_experts_q = cpu_moe_experts_q,
     .moe_finalize = cpu_moe_finalize,
     .moe_finalize_add_rmsnorm = cpu_moe_finalize_add_rmsnorm,
     .silu_mul = cpu_silu_mul,
