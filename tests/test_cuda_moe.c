@@ -1274,6 +1274,38 @@ int cuda_moe_w4_wgmma(int on);
 /* the same: from how many pairs an expert on average (< 0: MOESERVE_W4A16_WGMMA_MIN, default 96) */
 int cuda_moe_w4_wgmma_min(int pairs);
 
+/* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
+ * variable, printed), against the CPU at the sizes of Ts (n of them; T > 0: ROUTE_RANDOM, skip 0,
+ * rows checked max_check) */
+static void wgmma_cases(const model *m, int (*set)(int), const char *line, const int *Ts, int n,
+                        int max_check) {
+    const int old = set(1);
+    printf("  on the wgmma kernel (%s)\n", line);
+    for (int i = 0; i < n; i++)
+        run_case(m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.25 : 0.0, max_check, false, NULL);
+    set(old);
+}
+
+/* The same timed beside the tiles at each of Ts (the rows "qwen3 <fmt> wgmma" and "qwen3 <fmt>
+ * tiles"; from 4096 tokens balanced routing), the kernel forced on, then off. */
+static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt, const int *Ts,
+                                int n) {
+    char nw[64], nt[64];
+    snprintf(nw, sizeof nw, "qwen3 %s wgmma", fmt);
+    snprintf(nt, sizeof nt, "qwen3 %s tiles", fmt);
+    model mw = *m, mt = *m;
+    mw.name = nw;
+    mt.name = nt;
+    const int old = set(1);
+    for (int pass = 0; pass < 2; pass++) {
+        set(pass == 0);
+        for (int i = 0; i < n; i++)
+            time_moe(pass == 0 ? &mw : &mt, Ts[i], Ts[i] >= 4096 ? ROUTE_BALANCED : ROUTE_RANDOM,
+                     Ts[i] >= 4096 ? 1 : 2, Ts[i] <= 1024 ? 10 : 5);
+    }
+    set(old);
+}
+
 static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
     model m;
@@ -1283,11 +1315,9 @@ static void test_nvfp4(bool full) {
         const int old = cuda_moe_w4_wgmma(0);
         quant_small_cases(&m);
         check_fused_input(&m, A2A_PAYLOAD_NVFP4);
-        cuda_moe_w4_wgmma(1);
-        printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
-        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
-        run_case(&m, 1000, ROUTE_RANDOM, 0.25, 64, false, NULL);
         cuda_moe_w4_wgmma(old);
+        static const int Ts[] = {400, 1000};
+        wgmma_cases(&m, cuda_moe_w4_wgmma, "MOESERVE_W4A16_WGMMA=1", Ts, 2, 64);
     }
     model_free(&m);
     {
@@ -1314,28 +1344,13 @@ static void test_nvfp4(bool full) {
     if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0) {
         quant_qwen3_cases(&m);
         check_fused_input(&m, A2A_PAYLOAD_NVFP4);
-        /* prefill sizes on the wgmma kernel against the tiles, side by side (the timing rows
-         * named after each) */
-        const int old = cuda_moe_w4_wgmma(1);
-        printf("  on the wgmma kernel (MOESERVE_W4A16_WGMMA=1)\n");
-        run_case(&m, 2048, ROUTE_RANDOM, 0.0, 16, false, NULL);
-        model mw = m, mt = m;
-        mw.name = "qwen3 nvfp4 wgmma";
-        mt.name = "qwen3 nvfp4 tiles";
-        /* and from 8 pairs an expert (T 256, 1024: issue 8's decode sizes, where the tiles'
-         * decode bounds them) */
+        /* prefill sizes on the wgmma kernel, then against the tiles side by side, from 8 pairs
+         * an expert (T 256, 1024: issue 8's decode sizes, where the tiles' decode bounds them) */
         const int old_min = cuda_moe_w4_wgmma_min(8);
-        run_case(&m, 256, ROUTE_RANDOM, 0.0, 16, false, NULL);
-        static const int Tw[] = {256, 1024, 2048};
-        for (int i = 0; i < 3; i++)
-            time_moe(&mw, Tw[i], ROUTE_RANDOM, 2, Tw[i] <= 1024 ? 10 : 5);
-        time_moe(&mw, 4096, ROUTE_BALANCED, 1, 5);
-        cuda_moe_w4_wgmma(0);
-        for (int i = 0; i < 3; i++)
-            time_moe(&mt, Tw[i], ROUTE_RANDOM, 2, Tw[i] <= 1024 ? 10 : 5);
-        time_moe(&mt, 4096, ROUTE_BALANCED, 1, 5);
+        static const int Tc[] = {2048, 256}, Tw[] = {256, 1024, 2048, 4096};
+        wgmma_cases(&m, cuda_moe_w4_wgmma, "MOESERVE_W4A16_WGMMA=1", Tc, 2, 16);
+        wgmma_against_tiles(&m, cuda_moe_w4_wgmma, "nvfp4", Tw, 4);
         cuda_moe_w4_wgmma_min(old_min);
-        cuda_moe_w4_wgmma(old);
     }
     model_free(&m);
 }
@@ -1418,18 +1433,14 @@ static void test_fp8(bool full) {
         /* high precision at prefill sizes on the wgmma kernel (opt-in, so forced on here): B tiles
          * decoded in shared memory, each 128-k block's sums folded into the totals times its
          * scale */
-        const int old = cuda_moe_w8_wgmma(1);
-        printf("  on the wgmma kernel in high (MOESERVE_W8A16_WGMMA=1)\n");
-        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
-        run_case(&m, 1000, ROUTE_RANDOM, 0.25, 64, false, NULL);
-        cuda_moe_w8_wgmma(old);
+        static const int Ts[] = {400, 1000};
+        wgmma_cases(&m, cuda_moe_w8_wgmma, "MOESERVE_W8A16_WGMMA=1, high", Ts, 2, 64);
     }
     model_free(&m);
     /* the same with a partial 128-k block in GEMM 2 (F = 192) */
     if (model_fp8(&m, "fp8-wgmma-partial", 4, 256, 192, 2) == 0) {
-        const int old = cuda_moe_w8_wgmma(1);
-        run_case(&m, 400, ROUTE_RANDOM, 0.0, 64, false, NULL);
-        cuda_moe_w8_wgmma(old);
+        static const int Ts[] = {400};
+        wgmma_cases(&m, cuda_moe_w8_wgmma, "MOESERVE_W8A16_WGMMA=1, high", Ts, 1, 64);
     }
     model_free(&m);
     /* the test checkpoint's shape: one partial 128-k block both ways */
@@ -1472,20 +1483,11 @@ static void test_fp8(bool full) {
         quant_qwen3_cases(&m);
         check_fused_input(&m, A2A_PAYLOAD_FP8);
         if (full) time_moe(&m, 4096, ROUTE_RANDOM, 8, 5); /* a prefill chunk (medium: W8A8 GEMM 1) */
-        /* high at prefill sizes on the wgmma kernel against the tiles, side by side (the timing
-         * rows named after each; medium's rows are the same path in both) */
-        const int old = cuda_moe_w8_wgmma(1);
-        printf("  on the wgmma kernel in high (MOESERVE_W8A16_WGMMA=1)\n");
-        run_case(&m, 2048, ROUTE_RANDOM, 0.0, 16, false, NULL);
-        model mw = m, mt = m;
-        mw.name = "qwen3 fp8 wgmma";
-        mt.name = "qwen3 fp8 tiles";
-        time_moe(&mw, 2048, ROUTE_RANDOM, 2, 5);
-        time_moe(&mw, 4096, ROUTE_BALANCED, 1, 5);
-        cuda_moe_w8_wgmma(0);
-        time_moe(&mt, 2048, ROUTE_RANDOM, 2, 5);
-        time_moe(&mt, 4096, ROUTE_BALANCED, 1, 5);
-        cuda_moe_w8_wgmma(old);
+        /* high at prefill sizes on the wgmma kernel, then against the tiles side by side
+         * (medium's rows are the same path in both) */
+        static const int Tc[] = {2048}, Tw[] = {2048, 4096};
+        wgmma_cases(&m, cuda_moe_w8_wgmma, "MOESERVE_W8A16_WGMMA=1, high", Tc, 1, 16);
+        wgmma_against_tiles(&m, cuda_moe_w8_wgmma, "fp8", Tw, 2);
     }
     model_free(&m);
 }

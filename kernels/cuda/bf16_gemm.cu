@@ -698,33 +698,52 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                          D, F, n_pairs, split, h, scratch);
 }
 
-// On unless MOESERVE_W4A16_WGMMA=0 (or the test hook's setting); from how many pairs an expert
-// on average (MOESERVE_W4A16_WGMMA_MIN, default BF16's 96: on the H200 the NVFP4 tiles were
-// faster at 64 pairs an expert in medium, the wgmma kernel from 128 in both precisions)
-static int g_w4_wgmma = -1, g_w4_min = -1;
-extern "C" int cuda_moe_w4_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
-    const int old = g_w4_wgmma;
-    g_w4_wgmma = on;
+// The quantized formats' switches: on or off by a variable (or a test hook's setting), from more
+// than a number of pairs an expert on average by another, outside deterministic mode.
+//   NVFP4: on unless MOESERVE_W4A16_WGMMA=0; MOESERVE_W4A16_WGMMA_MIN, default BF16's 96 (on the
+//          H200 the NVFP4 tiles were faster at 64 pairs an expert in medium, the wgmma kernel from
+//          128 in both precisions).
+//   FP8:   opt-in (MOESERVE_W8A16_WGMMA=1) until run on a GPU, high precision only;
+//          MOESERVE_W8A16_WGMMA_MIN, default 96.
+struct bwg_switch {
+    int on, min; // -1: from the variables
+    const char *on_var, *min_var;
+    bool default_on;
+    bool takes(int64_t n_pairs, int E, int D, int F, bool split) {
+        if (on < 0) {
+            const char *e = getenv(on_var);
+            on = default_on ? !(e && strcmp(e, "0") == 0) : e && strcmp(e, "1") == 0;
+        }
+        if (min < 0) {
+            const char *e = getenv(min_var);
+            min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
+        }
+        return on && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, min);
+    }
+};
+static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN", true};
+static bwg_switch g_w8 = {-1, -1, "MOESERVE_W8A16_WGMMA", "MOESERVE_W8A16_WGMMA_MIN", false};
+static int swap_setting(int *v, int to) { // the test hooks: the new setting in, the old one out
+    const int old = *v;
+    *v = to;
     return old;
 }
-extern "C" int cuda_moe_w4_wgmma_min(int pairs) { // tests: < 0 the variable; the old one
-    const int old = g_w4_min;
-    g_w4_min = pairs;
-    return old;
-}
+// tests: 1 on, 0 off, -1 the variable; the old setting
+extern "C" int cuda_moe_w4_wgmma(int on) { return swap_setting(&g_w4.on, on); }
+extern "C" int cuda_moe_w8_wgmma(int on) { return swap_setting(&g_w8.on, on); }
+// tests: < 0 the variable; the old setting
+extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min, pairs); }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    if (g_w4_wgmma < 0) {
-        const char *e = getenv("MOESERVE_W4A16_WGMMA");
-        g_w4_wgmma = !(e && strcmp(e, "0") == 0);
-    }
-    if (g_w4_min < 0) {
-        const char *e = getenv("MOESERVE_W4A16_WGMMA_MIN");
-        g_w4_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
-    }
-    return g_w4_wgmma && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, g_w4_min);
+    return g_w4.takes(n_pairs, E, D, F, split);
+}
+bool bf16_wgmma_w8_takes(int64_t n_pairs, int E, int D, int F, bool split) {
+    return split && g_w8.takes(n_pairs, E, D, F, true);
 }
 extern "C" int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_w4_takes(n_pairs, E, D, F, high != 0);
+}
+extern "C" int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high) {
+    return bf16_wgmma_w8_takes(n_pairs, E, D, F, high != 0);
 }
 
 void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
@@ -734,31 +753,6 @@ void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int
                            __nv_bfloat16 *h, unsigned char *scratch) {
     bwg_experts_entry<4>(out, xb, T, pairs, offsets, K, gate_up, down, gate_up_sf, down_sf, s2, E,
                          D, F, n_pairs, split, h, scratch);
-}
-
-// FP8 experts (W8A16) on the same kernel in high precision, outside deterministic mode: opt-in
-// (MOESERVE_W8A16_WGMMA=1, or the test hook's setting) until run on a GPU; from more than
-// MOESERVE_W8A16_WGMMA_MIN pairs an expert (default 96, as BF16).
-static int g_w8_wgmma = -1, g_w8_min = -1;
-extern "C" int cuda_moe_w8_wgmma(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
-    const int old = g_w8_wgmma;
-    g_w8_wgmma = on;
-    return old;
-}
-bool bf16_wgmma_w8_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    if (g_w8_wgmma < 0) {
-        const char *e = getenv("MOESERVE_W8A16_WGMMA");
-        g_w8_wgmma = e && strcmp(e, "1") == 0;
-    }
-    if (g_w8_min < 0) {
-        const char *e = getenv("MOESERVE_W8A16_WGMMA_MIN");
-        g_w8_min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
-    }
-    return g_w8_wgmma && split && !ops_cuda_deterministic() &&
-           bwg_takes(n_pairs, E, D, F, true, g_w8_min);
-}
-extern "C" int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high) {
-    return bf16_wgmma_w8_takes(n_pairs, E, D, F, high != 0);
 }
 
 void bf16_wgmma_experts_w8(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,

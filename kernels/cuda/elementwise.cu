@@ -42,6 +42,7 @@
 
 #include "common/log.h"
 #include "kernels/a2a.h"
+#include "kernels/cuda/act_quant.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/quant.h"
 
@@ -1148,14 +1149,11 @@ __global__ void moe_input_fp8_kernel(float *y, const float *x, int D) {
             v[i] = c < n ? xr[c0 + c] : 0.0f;
             if (c < n) a = amax_one(a, v[i]);
         }
-        a = warp_amax(a);
-        const float sc = __fdiv_rn(a > 1e-10f ? a : 1e-10f, FP8_E4M3_MAX);
+        fp8_roundtrip(v, warp_amax(a));
 #pragma unroll
         for (int i = 0; i < PER; i++) {
             const int c = lane + 32 * i;
-            if (c < n)
-                yr[c0 + c] =
-                    __fmul_rn(fp8_e4m3_to_float(fp8_e4m3_from_float(__fdiv_rn(v[i], sc))), sc);
+            if (c < n) yr[c0 + c] = v[i];
         }
     }
 }
@@ -1182,9 +1180,7 @@ __global__ void moe_input_nvfp4_kernel(float *y, const float *x, int D) {
     if (lane == 0) wmax[warp] = a;
     __syncthreads();
     a = lane < nw ? wmax[lane] : 0.0f;
-    a = warp_amax(a);
-    const float s2 = a > 0.0f ? __fdiv_rn(a, FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
-    const float s6 = __fmul_rn(FP4_E2M1_MAX, s2);
+    const float s2 = nvfp4_token_scale(warp_amax(a));
     for (int c0 = 0; c0 < n4; c0 += blockDim.x) { // every lane of a warp in each round
         const int c = c0 + threadIdx.x;
         const bool in = c < n4;
@@ -1195,13 +1191,7 @@ __global__ void moe_input_nvfp4_kernel(float *y, const float *x, int D) {
             m = amax_one(m, v[i]);
         m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));
         m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
-        const uint8_t code = fp8_e4m3_from_float(__fdiv_rn(m, s6));
-        const float sf = fp8_e4m3_to_float(code), scale = __fmul_rn(sf, s2);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint8_t q = scale > 0.0f ? fp4_e2m1_from_float(__fdiv_rn(v[i], scale)) : 0;
-            v[i] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
-        }
+        nvfp4_roundtrip(v, m, s2);
         if (in) yr[c] = make_float4(v[0], v[1], v[2], v[3]);
     }
 }

@@ -201,6 +201,7 @@
 
 #include "common/log.h"
 #include "kernels/a2a.h"
+#include "kernels/cuda/act_quant.cuh"
 #include "kernels/cuda/bf16_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
@@ -1070,23 +1071,10 @@ __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int
         const int lanes = nv ? 2 : QUANT_FP8_GROUP / 8;
         for (int o = 1; o < lanes; o <<= 1)
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (nv) {
-            const float ra = in ? s_rmax[i / cpr] : 0.0f;
-            const float s2 = ra > 0.0f ? __fdiv_rn(ra, FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
-            const float s6 = __fmul_rn(FP4_E2M1_MAX, s2);
-            const uint8_t code = fp8_e4m3_from_float(__fdiv_rn(m, s6));
-            const float sf = fp8_e4m3_to_float(code), scale = __fmul_rn(sf, s2);
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const uint8_t q = scale > 0.0f ? fp4_e2m1_from_float(__fdiv_rn(v[k], scale)) : 0;
-                v[k] = __fmul_rn(__fmul_rn(fp4_e2m1_to_float(q), sf), s2);
-            }
-        } else {
-            const float sc = __fdiv_rn(m > 1e-10f ? m : 1e-10f, FP8_E4M3_MAX);
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                v[k] = __fmul_rn(fp8_e4m3_to_float(fp8_e4m3_from_float(__fdiv_rn(v[k], sc))), sc);
-        }
+        if (nv)
+            nvfp4_roundtrip(v, m, nvfp4_token_scale(in ? s_rmax[i / cpr] : 0.0f));
+        else
+            fp8_roundtrip(v, m);
         if (!in) continue;
         const int r = i / cpr, c = i % cpr, kt = c / (BK / 8), ch = c % (BK / 8);
         uint4 hi, lo = make_uint4(0, 0, 0, 0);
