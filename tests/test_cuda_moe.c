@@ -1275,8 +1275,8 @@ int cuda_moe_w4_wgmma(int on);
 int cuda_moe_w4_wgmma_min(int pairs);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
- * variable, printed), against the CPU at the sizes of Ts (n of them; T > 0: ROUTE_RANDOM, skip 0,
- * rows checked max_check) */
+ * variable, printed), against the CPU at the sizes of Ts (n of them; random routing, the second
+ * size with a quarter of the slots skipped; max_check rows checked) */
 static void wgmma_cases(const model *m, int (*set)(int), const char *line, const int *Ts, int n,
                         int max_check) {
     const int old = set(1);
