@@ -8,6 +8,8 @@
 #      through the W4A16 / W8A16 experts (2b: the limits and why)
 #   3. the server over HTTP with --device cuda
 #   4. tests/test_determinism.py with --device cuda (--enable-deterministic-inference, exact)
+#   5. the quantized experts' small shapes under compute-sanitizer's memcheck (where the machine
+#      has it): no access outside an allocation, whatever the allocator's layout happens to be
 # Results (logs and a summary) go to ${OUT:-/tmp/gpu-check}; the last line is "N passed, M failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -154,6 +156,21 @@ else
     f=${line#*, }
     fail=$((fail + ${f%% failed*}))
     grep -E '^FAIL' "$out/determinism.log" | head -n 10
+fi
+# 5. memcheck: an access outside an allocation may land in another one and pass unseen
+cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+if [ -n "$cs" ]; then
+    timeout 300 "$cs" --tool memcheck --print-limit 20 "${BUILD:-build}/tests/test_cuda_moe" \
+        --quant-small > "$out/memcheck.log" 2>&1
+    if grep -q "ERROR SUMMARY: 0 errors" "$out/memcheck.log" &&
+        grep -qE '^[0-9]+ passed, 0 failed$' "$out/memcheck.log"; then
+        ok "memcheck: test_cuda_moe --quant-small"
+    else
+        bad "memcheck: test_cuda_moe --quant-small"
+        grep -E "Invalid|at |ERROR SUMMARY" "$out/memcheck.log" | head -n 20
+    fi
+else
+    echo "memcheck: compute-sanitizer not found (not run)"
 fi
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

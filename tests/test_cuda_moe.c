@@ -236,7 +236,7 @@ int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
- * (1 on, 0 off, -1 as MOESERVE_W8A16_WGMMA says: off unless 1); returns the setting before */
+ * (1 on, 0 off, -1 as MOESERVE_W8A16_WGMMA says: on unless 0); returns the setting before */
 int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_two_chains(int D, int F);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
@@ -1148,7 +1148,8 @@ static void test_deepseek(bool compare, int max_T) {
 /* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
  * busy expert, empty calls. */
 /* kernels/cuda/moe.cu: GEMM 1 applies the experts' input format at the tiny path's sizes from now
- * on (1 on, 0 off, -1 as MOESERVE_FUSED_EXPERT_INPUT says: off unless 1); the setting before */
+ * on (1 at every tiny size, 0 off, -1 as MOESERVE_FUSED_EXPERT_INPUT says: unset, FP8 at T = 1);
+ * the setting before */
 int cuda_moe_fused_input(int on);
 
 /* moe_experts_q with the format applied inside GEMM 1 (forced on) against moe_input_quant then
@@ -1430,7 +1431,7 @@ static void test_fp8(bool full) {
     if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
         quant_small_cases(&m);
         check_fused_input(&m, A2A_PAYLOAD_FP8);
-        /* high precision at prefill sizes on the wgmma kernel (opt-in, so forced on here): B tiles
+        /* high precision at prefill sizes on the wgmma kernel (forced on here): B tiles
          * decoded in shared memory, each 128-k block's sums folded into the totals times its
          * scale */
         static const int Ts[] = {400, 1000};
@@ -1537,6 +1538,13 @@ int main(int argc, char **argv) {
             time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
         model_free(&m);
         print_timings();
+        CHECK_SUMMARY();
+    }
+    if (argc > 1 &&
+        strcmp(argv[1], "--quant-small") == 0) { /* the quantized formats' small shapes */
+        test_nvfp4(false);
+        test_fp8(false);
+        print_worst();
         CHECK_SUMMARY();
     }
     if (argc > 1 && strcmp(argv[1], "--det") == 0) { /* deterministic mode's sizes alone */

@@ -42,8 +42,8 @@ void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int
                            __nv_bfloat16 *h, unsigned char *scratch);
 
 // FP8 experts (W8A16) on the same kernel, high precision only, outside deterministic mode;
-// opt-in (MOESERVE_W8A16_WGMMA=1) until run on a GPU; more than MOESERVE_W8A16_WGMMA_MIN pairs an
-// expert (default 96). The codes and fp32 block scales of cuda_prepare_experts_fp8 (scales equal
+// on unless MOESERVE_W8A16_WGMMA=0; more than MOESERVE_W8A16_WGMMA_MIN pairs an expert (default
+// 96). The codes and fp32 block scales of cuda_prepare_experts_fp8 (scales equal
 // over aligned groups of 64 weight rows, as 128 x 128 blocks give), decoded into BF16 tiles (e4m3
 // exactly) by two more warps; the hi and the lo products of each 128-k block summed in one fp32
 // accumulator, then added into the totals times the block's scale (the W8A16 tiles' fold).

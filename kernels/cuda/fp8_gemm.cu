@@ -694,8 +694,20 @@ static int w8a8_env() {
     return on;
 }
 
+// From more than MOESERVE_W8A8_MIN pairs an expert on average: default 15 (H200, Qwen3-30B-A3B's
+// experts, medium, against the W8A16 tiles: 16 pairs an expert 253.9 us against 274.3, 32 278.2
+// against 320.0; 48 until 2026-12-02).
+static int64_t w8a8_min() {
+    static int64_t min = -1;
+    if (min < 0) {
+        const char *e = getenv("MOESERVE_W8A8_MIN");
+        min = e && atoi(e) >= 0 ? atoi(e) : 15;
+    }
+    return min;
+}
+
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
-    return n_pairs > 48 * (int64_t)E && D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
+    return n_pairs > w8a8_min() * E && D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
            ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
            w8a8_env() && cuda_wgmma_device();
 }
@@ -705,11 +717,15 @@ extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
 }
 
 // Grouped row m of q [T, D] and s [D / 128, T] (the token of pair pairs[m]) into qg [m, D] and
-// sg [D / 128, n] (n grouped rows, the grid): A's rows in the order the TMA reads them. A block a
-// row, 16 bytes a thread.
+// sg [D / 128, n] (n: the grid, the call's pairs): A's rows in the order the TMA reads them. A
+// block a row, 16 bytes a thread. Past the grouped rows (offsets[E]: skipped slots never enter
+// the grouping) pairs holds no pair ids, and the block does nothing.
 __global__ void fp8_rows_group_kernel(uint8_t *qg, float *sg, const uint8_t *q, const float *s,
-                                      int T, const int32_t *pairs, int topk, int D) {
-    const int64_t m = blockIdx.x, n = gridDim.x, t = __ldg(&pairs[m]) / topk;
+                                      int T, const int32_t *pairs, const int32_t *offsets, int E,
+                                      int topk, int D) {
+    const int64_t m = blockIdx.x, n = gridDim.x;
+    if (m >= __ldg(&offsets[E])) return;
+    const int64_t t = __ldg(&pairs[m]) / topk;
     const int G = D / FP8G_BK;
     const uint4 *src = reinterpret_cast<const uint4 *>(q + t * D);
     uint4 *dst = reinterpret_cast<uint4 *>(qg + m * D);
@@ -757,7 +773,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     const int config = fp8g_config_for(n_pairs, E);
     if (config >= 4) {
         fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, T, pairs,
-                                                                            K, D);
+                                                                            offsets, E, K, D);
         CUDA_CHECK_LAUNCH();
         p.a = qg;
         p.sa = sg;

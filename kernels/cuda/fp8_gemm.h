@@ -10,8 +10,8 @@
 
 // Whether the experts' GEMM 1 takes the FP8 x FP8 kernel for n_pairs (token, expert) pairs over E
 // local experts of block-FP8 weights (D hidden, F expert width): medium precision outside
-// deterministic mode, at least 48 pairs an expert on average, D % 128 == 0 and F % 64 == 0, unless
-// MOESERVE_W8A8=0.
+// deterministic mode, more than MOESERVE_W8A8_MIN pairs an expert on average (default 15),
+// D % 128 == 0 and F % 64 == 0, unless MOESERVE_W8A8=0.
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F);
 
 // The scratch fp8_w8a8_gate_up needs for x [T, D] and n_pairs grouped rows: x's codes and scales,

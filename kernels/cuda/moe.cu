@@ -82,17 +82,20 @@
 // memory at that point instead, each k tile waited a round trip for them: H200, Qwen3-30B-A3B's
 // experts, medium (tests/test_cuda_moe --fp8, one call, % of the copy rate), T = 64 195.0 us
 // (74.2%) against 256.0 (56.9%), T = 16 131.2 us (72.1%), T = 1 23.9 us against 25.3.
-// One exception (fp8_gemm.h, fp8_w8a8_takes): in medium precision outside deterministic mode, at
-// 48 pairs an expert and more, GEMM 1 quantizes x per token per 128 channels and runs on the FP8
-// tensor cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h; those rows are other sums than
-// the W8A16 tiles' (within medium's tolerance), so there a token's rows depend on the batch's size.
+// One exception (fp8_gemm.h, fp8_w8a8_takes): in medium precision outside deterministic mode, from
+// 16 pairs an expert, GEMM 1 quantizes x per token per 128 channels and runs on the FP8 tensor
+// cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h; those rows are other sums than the
+// W8A16 tiles' (within medium's tolerance), so there a token's rows depend on the batch's size.
 // H200, Qwen3-30B-A3B's experts, medium: 433.7 us at T = 1024 against 513.8 with W8A16; a model's
-// prefill of 8 x 2048 tokens 13703 tokens/s against 12993 (`MOESERVE_W8A8=0`).
-// In high precision at prefill sizes both GEMMs may run on the wgmma kernel instead (opt-in,
-// MOESERVE_W8A16_WGMMA=1, until run on a GPU; bf16_gemm.h's bf16_wgmma_w8_takes): the codes
-// decoded into BF16 tiles by converter warps, each 128-k block's hi and lo products in one fp32
-// sum, folded into the totals times the block's scale; other sums than these tiles' (a token's
-// rows then depend on the batch's size, as with W8A8), never in deterministic mode.
+// prefill of 8 x 2048 tokens 13703 tokens/s against 12993 (`MOESERVE_W8A8=0`); from 16 pairs an
+// expert rather than 48 (2026-12-02): T = 256 253.9 us against 274.3, T = 512 278.2 against 320.0.
+// In high precision at prefill sizes both GEMMs run on the wgmma kernel instead (unless
+// MOESERVE_W8A16_WGMMA=0; bf16_gemm.h's bf16_wgmma_w8_takes): the codes decoded into BF16 tiles
+// by converter warps, each 128-k block's hi and lo products in one fp32 sum, folded into the
+// totals times the block's scale; other sums than these tiles' (a token's rows then depend on the
+// batch's size, as with W8A8), never in deterministic mode. H200, Qwen3-30B-A3B's experts, high:
+// T = 2048 1100.8 us against the tiles' 1244.9, T = 4096 1642.1 against 2150.9; at T = 256 and
+// 1024 (16 and 64 pairs an expert) it was 1.75 and 1.02 times the tiles' time, hence its minimum.
 //
 // BF16 experts at prefill sizes (more than 96 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
@@ -2196,7 +2199,11 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
     moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
 }
 
-// MOESERVE_FUSED_EXPERT_INPUT=1 (opt-in until run on a GPU), or the test hook's setting.
+// MOESERVE_FUSED_EXPERT_INPUT: unset, FP8 at T = 1 alone (2); 1 every size and format below (1);
+// 0 never (0); or the test hook's setting. On the H200 (bench_step, Qwen3-30B-A3B, two runs each)
+// the fused FP8 input took the batch-1 step from 3.625 / 3.672 ms to 3.576 / 3.543, but batch 2
+// from 4.280 / 4.274 to 4.442 / 4.428, and NVFP4's batch 1 from 3.506 / 3.502 to 3.720 / 3.731
+// (its token scale needs the row's maximum first: each block of GEMM 1 reads x twice).
 static int g_fused_input = -1;
 extern "C" int cuda_moe_fused_input(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
     const int old = g_fused_input;
@@ -2213,11 +2220,13 @@ void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *to
                         const moe_experts *w, int T, int K, int D, int F, int payload) {
     if (g_fused_input < 0) {
         const char *e = getenv("MOESERVE_FUSED_EXPERT_INPUT");
-        g_fused_input = e && strcmp(e, "1") == 0;
+        g_fused_input = !e ? 2 : strcmp(e, "1") == 0 ? 1 : strcmp(e, "0") == 0 ? 0 : 2;
     }
-    const bool fuse = g_fused_input && (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
-                      (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
-                      (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
+    const bool fuse =
+        (g_fused_input == 1 || (g_fused_input == 2 && T == 1 && payload == A2A_PAYLOAD_FP8)) &&
+        (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
+        (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
+        (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
     if (payload != A2A_PAYLOAD_F32 && !fuse) {
         cuda_moe_input_quant(xq, x, T, D, payload);
         x = xq;
