@@ -1148,8 +1148,7 @@ static void test_deepseek(bool compare, int max_T) {
 /* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
  * busy expert, empty calls. */
 /* kernels/cuda/moe.cu: GEMM 1 applies the experts' input format at the tiny path's sizes from now
- * on (1 at every tiny size, 0 off, -1 as MOESERVE_FUSED_EXPERT_INPUT says: unset, FP8 at T = 1);
- * the setting before */
+ * on (1 on, 0 off, -1 as MOESERVE_FUSED_EXPERT_INPUT says: off unless 1); the setting before */
 int cuda_moe_fused_input(int on);
 
 /* moe_experts_q with the format applied inside GEMM 1 (forced on) against moe_input_quant then

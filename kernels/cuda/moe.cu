@@ -881,9 +881,6 @@ typedef struct {
     int64_t part_stride;
     int wait_first;
     int cluster;
-    // TINY GEMM 1: x's rows through this all-to-all payload's round trip (A2A_PAYLOAD_FP8 or
-    // _NVFP4: the experts' input format, moe_input_quant's arithmetic) as it converts them; 0 none
-    int x_payload;
     // WF_NVFP4: the codes [E, rows, Kd / 2] and E4M3 group scales [E, rows, Kd / 16] of w's rows
     // (rows: 2N for GATE_UP, N), and the tensor scales [E, 3] (gate, up, down). WF_FP8: the codes
     // [E, rows, Kd] and (wsf) fp32 scales [E, ceil(Kd / 128), rows].
@@ -1023,21 +1020,21 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
 }
 
-// The tiny GEMM 1's rows of x with the experts' input format applied on the way (x_payload:
-// cuda_moe_experts_q), into its shared memory as the plain conversion below lays them out: each
-// value the bits of elementwise.cu's moe_input_fp8_kernel / moe_input_nvfp4_kernel (the same
-// formulas in the same order; group and row maxima do not depend on the order), then BF16 (high:
-// hi and lo). A thread a 16-byte chunk of 8 values at a time: an NVFP4 group of 16 is two
+// The tiny GEMM 1's rows of x with the experts' input format XQ (A2A_PAYLOAD_FP8 or _NVFP4) applied
+// on the way (cuda_moe_experts_q), into its shared memory as the plain conversion below lays them
+// out: each value the bits of elementwise.cu's moe_input_fp8_kernel / moe_input_nvfp4_kernel (the
+// same formulas in the same order; group and row maxima do not depend on the order), then BF16
+// (high: hi and lo). A thread a 16-byte chunk of 8 values at a time: an NVFP4 group of 16 is two
 // neighbouring lanes, an FP8 group of 128 sixteen (D % 128 == 0); NVFP4's token scale comes from
 // the row's maximum, found first (shared-memory atomics on the bits: non-negative floats order as
 // integers; NaN never wins, as amax_one).
-template <class C>
+template <class C, int XQ>
 __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int nk,
                              const int *s_pair) {
     constexpr int BK = C::BK, AP = C::A_PARTS, T8 = C::threads;
     __shared__ float s_rmax[16];
     const int tid = threadIdx.x, cpr = nk * (BK / 8), n = rows * cpr, R1 = a.tile_rows;
-    const bool nv = a.x_payload == A2A_PAYLOAD_NVFP4;
+    constexpr bool nv = XQ == A2A_PAYLOAD_NVFP4;
     auto amax8 = [](const float(&v)[8]) {
         float m = 0.0f;
 #pragma unroll
@@ -1055,7 +1052,7 @@ __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int
         v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z,
         v[7] = q.w;
     };
-    if (nv) {
+    if constexpr (nv) {
         if (tid < 16) s_rmax[tid] = 0.0f;
         __syncthreads();
         for (int i = tid; i < n; i += T8) {
@@ -1074,7 +1071,7 @@ __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int
         const int lanes = nv ? 2 : QUANT_FP8_GROUP / 8;
         for (int o = 1; o < lanes; o <<= 1)
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (nv)
+        if constexpr (nv)
             nvfp4_roundtrip(v, m, nvfp4_token_scale(in ? s_rmax[i / cpr] : 0.0f));
         else
             fp8_roundtrip(v, m);
@@ -1164,7 +1161,10 @@ bi_cluster_epilogue(const moe_gemm_args &a, const float (&acc)[C::MI][C::NI][4],
 // x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
 // shared memory as A_FULL does, after its first weight stages are requested and the kernel before
 // has completed. With moe_gemm_args.cluster the ranges are added in the cluster (above).
-template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
+// XQ (the tiny GEMM 1 alone, quantized weights): x through that input format (tiny_x_quant), a
+// kernel of its own, so that the others keep their code and shared memory as they were.
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16,
+          int XQ = A2A_PAYLOAD_F32>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     typedef moe_b_layout<C, WF> BL;
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = BL::STAGES, MI = C::MI, NI = C::NI;
@@ -1417,8 +1417,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         cp_async_commit();
     }
     const int R1 = a.tile_rows;
-    if (A_FULL && TINY && WF != WF_BF16 && a.x_payload) {
-        tiny_x_quant<C>(a, sAf, rows, nk, s_pair); // x through the experts' input format
+    static_assert(XQ == A2A_PAYLOAD_F32 || (A_FULL && TINY && WF != WF_BF16), "XQ: tiny GEMM 1");
+    if constexpr (XQ != A2A_PAYLOAD_F32) {
+        tiny_x_quant<C, XQ>(a, sAf, rows, nk, s_pair); // x through the experts' input format
     } else if constexpr (A_FULL) {
         // x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high: hi
         // then lo), zero past Kd; the weight stages above are in flight meanwhile. The main loop's
@@ -1772,21 +1773,22 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 // The kernel's dynamic shared memory allowed up to smem at least; returns the amount allowed (the
 // largest asked for so far, one device per process). Every launch of a kernel goes through this
 // one count: a launch that allowed less after another allowed more would fail the larger one's.
-template <class C, bool GATE_UP, bool TINY, bool BI, int WF>
+template <class C, bool GATE_UP, bool TINY, bool BI, int WF, int XQ = A2A_PAYLOAD_F32>
 static size_t gemm_allow_smem(size_t smem) {
     static size_t attr_set = 0;
-    cuda_smem_allow(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, smem, &attr_set);
+    cuda_smem_allow(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF, XQ>, smem, &attr_set);
     return attr_set;
 }
 
 // Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
 // shared memory (moe_b_layout<C, WF>::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16,
+          int XQ = A2A_PAYLOAD_F32>
 static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WF>::smem) {
-    gemm_allow_smem<C, GATE_UP, TINY, BI, WF>(smem);
+    gemm_allow_smem<C, GATE_UP, TINY, BI, WF, XQ>(smem);
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, dim3((unsigned)blocks),
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF, XQ>, dim3((unsigned)blocks),
                     dim3(C::threads), smem, a);
 }
 
@@ -2065,7 +2067,6 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.n_pairs = n;
     g.E = w->E;
     g.n_rows = n_rows;
-    g.x_payload = g_tiny_x_payload;
 
     // GEMM 1: tiles of R1 rows, R1 as small as the batch allows (one row at T = 1) and x's rows
     // within MOE_TINY_A_BYTES, so that three blocks fit on an SM
@@ -2077,12 +2078,21 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.N = F;
     g.tile_rows = R1;
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
-    launch_gemm<C1, true, true, false, WF>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
-                                           moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes);
+    const int tiles1 = (int)std::min(n, (n + busy * (R1 - 1)) / R1);
+    const size_t smem1 = moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes;
+    if constexpr (WF != WF_BF16) {
+        if (g_tiny_x_payload == A2A_PAYLOAD_FP8)
+            launch_gemm<C1, true, true, false, WF, A2A_PAYLOAD_FP8>(g, tiles1, smem1);
+        else if (g_tiny_x_payload == A2A_PAYLOAD_NVFP4)
+            launch_gemm<C1, true, true, false, WF, A2A_PAYLOAD_NVFP4>(g, tiles1, smem1);
+        else
+            launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
+    } else {
+        launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
+    }
 
     g.act = g.h;
     g.act_lo = g.h_lo;
-    g.x_payload = 0;
     set_weights<WF>(&g, w, false);
     g.Kd = F;
     g.N = D;
@@ -2199,11 +2209,14 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
     moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
 }
 
-// MOESERVE_FUSED_EXPERT_INPUT: unset, FP8 at T = 1 alone (2); 1 every size and format below (1);
-// 0 never (0); or the test hook's setting. On the H200 (bench_step, Qwen3-30B-A3B, two runs each)
-// the fused FP8 input took the batch-1 step from 3.625 / 3.672 ms to 3.576 / 3.543, but batch 2
-// from 4.280 / 4.274 to 4.442 / 4.428, and NVFP4's batch 1 from 3.506 / 3.502 to 3.720 / 3.731
-// (its token scale needs the row's maximum first: each block of GEMM 1 reads x twice).
+// MOESERVE_FUSED_EXPERT_INPUT=1 (opt-in), or the test hook's setting. Measured on the H200 while
+// the format was a runtime branch inside every quantized tiny GEMM 1 (bench_step, Qwen3-30B-A3B,
+// two runs each): the fused FP8 input took the batch-1 step from 3.625 / 3.672 ms to 3.576 /
+// 3.543, batch 2 from 4.280 / 4.274 to 4.442 / 4.428, NVFP4's batch 1 from 3.506 / 3.502 to 3.720
+// / 3.731 (its token scale needs the row's maximum first: each block of GEMM 1 reads x twice).
+// That branch had made the FP8 steps slower than the build before it (batch 1 3.55 ms with the
+// input fused against 3.37, in one call); the format is now a template argument (moe_gemm_kernel's
+// XQ), so the unfused kernels are that build's again, and the fused one is to be measured anew.
 static int g_fused_input = -1;
 extern "C" int cuda_moe_fused_input(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
     const int old = g_fused_input;
@@ -2220,13 +2233,11 @@ void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *to
                         const moe_experts *w, int T, int K, int D, int F, int payload) {
     if (g_fused_input < 0) {
         const char *e = getenv("MOESERVE_FUSED_EXPERT_INPUT");
-        g_fused_input = !e ? 2 : strcmp(e, "1") == 0 ? 1 : strcmp(e, "0") == 0 ? 0 : 2;
+        g_fused_input = e && strcmp(e, "1") == 0;
     }
-    const bool fuse =
-        (g_fused_input == 1 || (g_fused_input == 2 && T == 1 && payload == A2A_PAYLOAD_FP8)) &&
-        (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
-        (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
-        (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
+    const bool fuse = g_fused_input && (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
+                      (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
+                      (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
     if (payload != A2A_PAYLOAD_F32 && !fuse) {
         cuda_moe_input_quant(xq, x, T, D, payload);
         x = xq;
