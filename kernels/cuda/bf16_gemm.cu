@@ -699,7 +699,7 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                          D, F, n_pairs, split, h, scratch);
 }
 
-// The quantized formats' switches: on or off by a variable (or a test hook's setting), from more
+// The quantized formats' switches: on unless a variable is 0 (or a test hook's setting), from more
 // than a number of pairs an expert on average by another, outside deterministic mode.
 //   NVFP4: on unless MOESERVE_W4A16_WGMMA=0; MOESERVE_W4A16_WGMMA_MIN, default BF16's 96 (on the
 //          H200 the NVFP4 tiles were faster at 64 pairs an expert in medium, the wgmma kernel from
@@ -709,11 +709,10 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
 struct bwg_switch {
     int on, min; // -1: from the variables
     const char *on_var, *min_var;
-    bool default_on;
     bool takes(int64_t n_pairs, int E, int D, int F, bool split) {
         if (on < 0) {
             const char *e = getenv(on_var);
-            on = default_on ? !(e && strcmp(e, "0") == 0) : e && strcmp(e, "1") == 0;
+            on = !(e && strcmp(e, "0") == 0);
         }
         if (min < 0) {
             const char *e = getenv(min_var);
@@ -722,8 +721,8 @@ struct bwg_switch {
         return on && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, min);
     }
 };
-static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN", true};
-static bwg_switch g_w8 = {-1, -1, "MOESERVE_W8A16_WGMMA", "MOESERVE_W8A16_WGMMA_MIN", true};
+static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN"};
+static bwg_switch g_w8 = {-1, -1, "MOESERVE_W8A16_WGMMA", "MOESERVE_W8A16_WGMMA_MIN"};
 static int swap_setting(int *v, int to) { // the test hooks: the new setting in, the old one out
     const int old = *v;
     *v = to;

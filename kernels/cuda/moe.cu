@@ -1020,6 +1020,34 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
 }
 
+// A_FULL's layout of x's rows in shared memory (at sAf: [A_PARTS][nk][R1 rows][BK], swizzled):
+// chunk c (8 values, p then q) of tile row r in BF16 (high: the hi parts, then the lo parts).
+template <class C>
+__device__ __forceinline__ void a_full_store8(uint32_t sAf, int r, int c, int nk, int R1,
+                                              const float4 &p, const float4 &q) {
+    constexpr int BK = C::BK;
+    uint4 v, lo = make_uint4(0, 0, 0, 0);
+    if (C::SPLIT) {
+        split_bf16x2(p.x, p.y, &v.x, &lo.x);
+        split_bf16x2(p.z, p.w, &v.y, &lo.y);
+        split_bf16x2(q.x, q.y, &v.z, &lo.z);
+        split_bf16x2(q.z, q.w, &v.w, &lo.w);
+    } else {
+        v.x = pack_bf16x2(p.x, p.y);
+        v.y = pack_bf16x2(p.z, p.w);
+        v.z = pack_bf16x2(q.x, q.y);
+        v.w = pack_bf16x2(q.z, q.w);
+    }
+    const int kt = c / (BK / 8), ch = c % (BK / 8);
+#pragma unroll
+    for (int part = 0; part < C::A_PARTS; part++) {
+        const uint32_t dst = sAf + ((part * nk + kt) * R1 * BK + swz<BK>(r, ch)) * 2;
+        const uint4 w4 = part ? lo : v;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w4.x), "r"(w4.y),
+                     "r"(w4.z), "r"(w4.w));
+    }
+}
+
 // The tiny GEMM 1's rows of x with the experts' input format XQ (A2A_PAYLOAD_FP8 or _NVFP4) applied
 // on the way (cuda_moe_experts_q), into its shared memory as the plain conversion below lays them
 // out: each value the bits of elementwise.cu's moe_input_fp8_kernel / moe_input_nvfp4_kernel (the
@@ -1031,7 +1059,7 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
 template <class C, int XQ>
 __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int nk,
                              const int *s_pair) {
-    constexpr int BK = C::BK, AP = C::A_PARTS, T8 = C::threads;
+    constexpr int BK = C::BK, T8 = C::threads;
     __shared__ float s_rmax[16];
     const int tid = threadIdx.x, cpr = nk * (BK / 8), n = rows * cpr, R1 = a.tile_rows;
     constexpr bool nv = XQ == A2A_PAYLOAD_NVFP4;
@@ -1075,27 +1103,9 @@ __device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int
             nvfp4_roundtrip(v, m, nvfp4_token_scale(in ? s_rmax[i / cpr] : 0.0f));
         else
             fp8_roundtrip(v, m);
-        if (!in) continue;
-        const int r = i / cpr, c = i % cpr, kt = c / (BK / 8), ch = c % (BK / 8);
-        uint4 hi, lo = make_uint4(0, 0, 0, 0);
-        if (C::SPLIT) {
-            split_bf16x2(v[0], v[1], &hi.x, &lo.x);
-            split_bf16x2(v[2], v[3], &hi.y, &lo.y);
-            split_bf16x2(v[4], v[5], &hi.z, &lo.z);
-            split_bf16x2(v[6], v[7], &hi.w, &lo.w);
-        } else {
-            hi.x = pack_bf16x2(v[0], v[1]);
-            hi.y = pack_bf16x2(v[2], v[3]);
-            hi.z = pack_bf16x2(v[4], v[5]);
-            hi.w = pack_bf16x2(v[6], v[7]);
-        }
-#pragma unroll
-        for (int part = 0; part < AP; part++) {
-            const uint32_t dst = sAf + ((part * nk + kt) * R1 * BK + swz<BK>(r, ch)) * 2;
-            const uint4 w4 = part ? lo : hi;
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(w4.x),
-                         "r"(w4.y), "r"(w4.z), "r"(w4.w));
-        }
+        if (in)
+            a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, make_float4(v[0], v[1], v[2], v[3]),
+                             make_float4(v[4], v[5], v[6], v[7]));
     }
 }
 
@@ -1447,27 +1457,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             for (int j = 0; j < CB; j++) {
                 const int i = i0 + j * C::threads + tid;
                 if (i >= rows * cpr) break;
-                const int r = i / cpr, c = i % cpr;
-                uint4 v, lo = make_uint4(0, 0, 0, 0);
-                if (C::SPLIT) {
-                    split_bf16x2(p[j].x, p[j].y, &v.x, &lo.x);
-                    split_bf16x2(p[j].z, p[j].w, &v.y, &lo.y);
-                    split_bf16x2(q[j].x, q[j].y, &v.z, &lo.z);
-                    split_bf16x2(q[j].z, q[j].w, &v.w, &lo.w);
-                } else {
-                    v.x = pack_bf16x2(p[j].x, p[j].y);
-                    v.y = pack_bf16x2(p[j].z, p[j].w);
-                    v.z = pack_bf16x2(q[j].x, q[j].y);
-                    v.w = pack_bf16x2(q[j].z, q[j].w);
-                }
-                const int kt = c / (BK / 8), ch = c % (BK / 8);
-#pragma unroll
-                for (int part = 0; part < AP; part++) {
-                    const uint32_t dst = sAf + ((part * nk + kt) * R1 * BK + swz<BK>(r, ch)) * 2;
-                    const uint4 w4 = part ? lo : v;
-                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
-                                 "r"(w4.x), "r"(w4.y), "r"(w4.z), "r"(w4.w));
-                }
+                a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, p[j], q[j]);
             }
         }
     }
