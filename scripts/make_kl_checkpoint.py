@@ -2,7 +2,7 @@
 """A random checkpoint of tests/data/tiny-qwen3-moe's shapes with realistic layer scales, for
 issue 8's KL measurement (build/quant_kl), with numpy alone.
 
-    python3 scripts/make_kl_checkpoint.py [--out DIR] [FAMILY=GAIN ...]
+    python3 scripts/make_kl_checkpoint.py [--out DIR] [--wide S] [FAMILY=GAIN ...]
 
 writes tests/data/tiny-qwen3-moe-kl/ (or DIR): the test checkpoint's config, generation config and
 tokenizer files, and one BF16 model.safetensors (1.4 MB) with the same tensor names and shapes,
@@ -22,6 +22,11 @@ N(0, (GAIN / sqrt(fan_in))^2), with the defaults
         stream; L = 4 layers, 0.354)
     embed=1 (absolute std)   lm_head=4 (the test checkpoint's logit scale: the mean next-token
         entropy stays about 2.7 nats, the test checkpoint's 2.6)   norms 1
+
+--wide S multiplies the hidden size and both MLP widths by S (attention heads, experts and the
+vocabulary as they are): --wide 2 gives a hidden size and expert width of 128, the narrowest the
+CUDA backend's FP8 x FP8 experts take (medium precision, kernels/cuda/fp8_gemm.h), so that
+`build/quant_kl --device cuda --matmul-precision medium` measures them.
 
 FAMILY=GAIN arguments override them (attn, mlp, out, router, lm_head; embed is the absolute std),
 e.g. `attn=1.2 mlp=1.2 out=1.2 router=8 embed=0.3` for about the test checkpoint's regime."""
@@ -80,19 +85,37 @@ def shapes_of(folder):
     return out
 
 
+def widened(name, shape, s):
+    """name's shape with the hidden size and the MLP widths times s."""
+    if s == 1:
+        return shape
+    if name.endswith("norm.weight"):
+        return shape if (".q_norm." in name or ".k_norm." in name) else [shape[0] * s]
+    rows, cols = shape
+    if name.endswith(".o_proj.weight"):
+        return [rows * s, cols]
+    if ".mlp." in name and not name.endswith("mlp.gate.weight"):
+        return [rows * s, cols * s]
+    return [rows, cols * s]  # q, k, v, the router, the embedding and lm_head: inputs of width D
+
+
 def main(argv):
     out_dir = DEFAULT_OUT
     gains = dict(GAINS)
+    wide = 1
     args = list(argv)
     while args:
         a = args.pop(0)
         if a == "--out" and args:
             out_dir = args.pop(0)
+        elif a == "--wide" and args:
+            wide = int(args.pop(0))
         elif "=" in a and a.split("=", 1)[0] in gains:
             k, v = a.split("=", 1)
             gains[k] = float(v)
         else:
-            sys.exit("usage: make_kl_checkpoint.py [--out DIR] [FAMILY=GAIN ...] (families: %s)"
+            sys.exit("usage: make_kl_checkpoint.py [--out DIR] [--wide S] [FAMILY=GAIN ...] "
+                     "(families: %s)"
                      % ", ".join(sorted(gains)))
     with open(os.path.join(SRC, "config.json")) as f:
         n_layers = json.load(f)["num_hidden_layers"]
@@ -101,6 +124,7 @@ def main(argv):
     rng = np.random.Generator(np.random.PCG64(SEED))
     tensors = {}
     for name, shape in sorted(shapes_of(SRC).items()):
+        shape = widened(name, shape, wide)
         fam = family(name)
         if fam == "norm":
             w = np.ones(shape, dtype=np.float32)
@@ -112,9 +136,18 @@ def main(argv):
     os.makedirs(out_dir)
     for extra in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(SRC, extra), out_dir)
+    if wide != 1:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            cfg = json.load(f)
+        for k in ("hidden_size", "intermediate_size", "moe_intermediate_size"):
+            cfg[k] *= wide
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+            f.write("\n")
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, "bf16")
-    print("wrote %s (%s)" % (os.path.relpath(out_dir, ROOT) if out_dir.startswith(ROOT) else out_dir,
-                             " ".join("%s=%g" % kv for kv in sorted(gains.items()))))
+    print("wrote %s (%s%s)" % (os.path.relpath(out_dir, ROOT) if out_dir.startswith(ROOT) else out_dir,
+                               " ".join("%s=%g" % kv for kv in sorted(gains.items())),
+                               " wide=%d" % wide if wide != 1 else ""))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
  * CPU backend:
  *
  *   build/quant_kl --model-path DIR [--fp8 DIR] [--nvfp4 DIR] [--sequences FILE] [--random N]
+ *                  [--device cuda] [--matmul-precision high|medium]
+ *
+ * With --device cuda every model, BF16 included, runs on GPU 0 in the given precision (high by
+ * default), so that the GPU's own formats are measured (in medium, FP8 experts from 16 pairs an
+ * expert take the W8A8 kernels, h quantized per token per 128 channels: kernels/cuda/fp8_gemm.h).
  *
  * DIR is a BF16 checkpoint. The FP8 and NVFP4 models are DIR with --quantization fp8 and nvfp4
  * (the same weights, bit for bit, as scripts/make_quant_checkpoints.py's checkpoints:
@@ -9,8 +14,9 @@
  * sequence runs teacher-forced in one pass (prefill), and at every position p the next-token
  * distributions are compared: KL(P_bf16 || P_quant) = sum_v P_bf16(v) (log P_bf16(v) -
  * log P_quant(v)), in double over the whole vocabulary; the mean is over every position of every
- * sequence. Sequences: the teacher_forced input_ids of a reference file of scripts/make_reference.py
- * (default tests/data/reference-tiny-qwen3-moe.json: 6 GSM8K texts, 979 positions), or with
+ * sequence. Sequences: the teacher_forced input_ids of a reference file of
+ * scripts/make_reference.py (default tests/data/reference-tiny-qwen3-moe.json: 6 GSM8K texts, 979
+ * positions), or with
  * --random N one sequence of N random ids.
  *
  * Each format is measured three ways: as served (every projection quantized and the routed
@@ -75,13 +81,26 @@ static int read_sequences(const char *path, sequence **out) {
     return n;
 }
 
+static const ops *backend; /* the CPU's, or with --device cuda GPU 0's */
+
 static model *load(const char *dir, const char *quantization, bool experts_only) {
     char err[512];
     model_load_opts o = {.ep_rank = 0, .ep_size = 1, .quantization = quantization,
                          .quantize_experts_only = experts_only};
-    model *m = model_load_with(dir, ops_cpu(), &o, err, sizeof err);
+    model *m = model_load_with(dir, backend, &o, err, sizeof err);
     if (!m) die("%s", err);
     return m;
+}
+
+/* A copy of bytes at h where the backend's ops read them (the host's own on the CPU). */
+static void *staged(const void *h, size_t bytes) {
+    if (backend->device == DEVICE_CPU) return (void *)h;
+    void *d = backend->dev_alloc(bytes);
+    backend->to_device(d, h, bytes);
+    return d;
+}
+static void unstage(void *d, const void *h) {
+    if (d != h) backend->dev_free(d);
 }
 
 /* logits[n, V] of one teacher-forced pass over s. */
@@ -98,13 +117,28 @@ static void forward(model *m, const sequence *s, float *logits) {
         pos[t] = rows[t] = t;
     for (int p = 0; p < pages; p++)
         table[p] = p;
+    const size_t V = (size_t)m->cfg.vocab_size, lb = sizeof(float) * (size_t)n * V;
+    int32_t *d_ids = staged(s->ids, 4 * (size_t)n), *d_pos = staged(pos, 4 * (size_t)n);
+    int32_t *d_seq = staged(seq, 4 * (size_t)n), *d_rows = staged(rows, 4 * (size_t)n);
+    int32_t *d_table = staged(table, 4 * (size_t)pages);
+    float *d_logits = backend->device == DEVICE_CPU ? logits : backend->dev_alloc(lb);
     forward_batch b = {.T = n,
-                       .ids = s->ids,
-                       .attn = {.T = n, .pos = pos, .seq = seq, .page_table = table,
-                                .max_pages = pages, .page_size = PAGE},
+                       .ids = d_ids,
+                       .attn = {.T = n,
+                                .pos = d_pos,
+                                .seq = d_seq,
+                                .page_table = d_table,
+                                .max_pages = pages,
+                                .page_size = PAGE},
                        .n_logits = n,
-                       .logit_rows = rows};
-    if (m->arch->forward(m, &kv, &b, logits)) die("forward: %s", m->err);
+                       .logit_rows = d_rows};
+    if (m->arch->forward(m, &kv, &b, d_logits)) die("forward: %s", m->err);
+    if (d_logits != logits) {
+        backend->to_host(logits, d_logits, lb);
+        backend->dev_free(d_logits);
+    }
+    unstage(d_ids, s->ids), unstage(d_pos, pos), unstage(d_seq, seq), unstage(d_rows, rows);
+    unstage(d_table, table);
     kv_cache_free(&kv);
     free(pos), free(seq), free(rows), free(table);
 }
@@ -127,7 +161,8 @@ static int argmax(const double *x, int V) {
 }
 
 int main(int argc, char **argv) {
-    const char *dir = NULL, *fp8_dir = NULL, *nvfp4_dir = NULL;
+    const char *dir = NULL, *fp8_dir = NULL, *nvfp4_dir = NULL, *device = "cpu";
+    const char *precision = NULL;
     const char *seq_path = "tests/data/reference-tiny-qwen3-moe.json";
     int random_n = 0;
     for (int i = 1; i < argc; i++) {
@@ -143,12 +178,28 @@ int main(int argc, char **argv) {
             seq_path = v;
         else if (!strcmp(a, "--random"))
             random_n = atoi(v);
+        else if (!strcmp(a, "--device"))
+            device = v;
+        else if (!strcmp(a, "--matmul-precision"))
+            precision = v;
         else
             die("unknown flag %s (see the header of scripts/quant_kl.c)", a);
         i++;
     }
     if (!dir) die("%s", "--model-path DIR (a BF16 checkpoint) is required");
     log_threshold = LOG_LEVEL_WARN;
+    char err[256] = "";
+    if (!strcmp(device, "cpu")) {
+        backend = ops_cpu();
+        if (precision) die("%s", "--matmul-precision is the CUDA backend's (--device cuda)");
+    } else if (!strcmp(device, "cuda")) {
+        backend = ops_cuda(0, err, sizeof err);
+        if (!backend) die("--device cuda: %s", err);
+        if (precision && ops_cuda_set_matmul_precision(precision, err, sizeof err))
+            die("--matmul-precision: %s", err);
+    } else {
+        die("--device %s: cpu or cuda", device);
+    }
 
     sequence *seqs;
     int n_seq;

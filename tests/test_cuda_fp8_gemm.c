@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/tensor.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/quant.h"
 #include "tests/check.h"
@@ -44,6 +45,11 @@ cudaStream_t cuda_stream(void);
  * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows; -1,
  * the default, 7 or 5 by the rows an expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
+
+/* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 2 on the FP8 tensor cores
+ * (fp8_w8a8_down), device pointers */
+void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, const int32_t *offsets,
+                        int E, int64_t n_pairs, int D, int F, const uint8_t *w, const float *wsc);
 
 /* the configurations this run checks and times */
 enum { MAX_CONFIGS = 8 };
@@ -231,6 +237,128 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
     case_free(&c);
 }
 
+/* The experts' GEMM 2 on the FP8 tensor cores (fp8_w8a8_down): h [n_pairs, F] BF16 in grouped
+ * order (rows past the grouping NaN: never read into a stored output), quantized by the kernel
+ * with quant_fp8_rows' formula, so the reference quantizes the same BF16 values and gets the same
+ * codes; grouped row m written to out's row pairs[m] (a permutation of T K pair ids with some left
+ * out: those rows keep their NaN), against the same bound as the GEMM above. The weights go to the
+ * device packed per 64 k as cuda_prepare_experts_fp8 packs them (fp8_w8_pack64); h's codes are
+ * packed the same way by the kernel, so every product pairs the same k. */
+static void check_down(const char *name, int E, const int *rows, int D, int F, int T, int K) {
+    const int nkb = F / 128;
+    int32_t *off = malloc(sizeof(int32_t) * (E + 1));
+    off[0] = 0;
+    for (int e = 0; e < E; e++)
+        off[e + 1] = off[e] + rows[e];
+    const int M = off[E], n_pairs = T * K;
+    MS_ASSERT(M <= n_pairs);
+    /* pairs: a shuffled permutation of the pair ids, the first M grouped */
+    int32_t *pairs = malloc(sizeof(int32_t) * n_pairs);
+    for (int i = 0; i < n_pairs; i++)
+        pairs[i] = i;
+    for (int i = n_pairs - 1; i > 0; i--) {
+        const int j = (int)(urand() * (i + 1)), t = pairs[i];
+        pairs[i] = pairs[j];
+        pairs[j] = t;
+    }
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n_pairs * F);
+    for (int64_t i = 0; i < (int64_t)n_pairs * F; i++)
+        h[i] = i < (int64_t)M * F ? f32_to_bf16(nrand() * ldexpf(1.0f, (int)(urand() * 6) - 3))
+                                  : 0x7fc0; /* NaN */
+    uint8_t *w = malloc((size_t)E * D * F), *wp = malloc((size_t)E * D * F);
+    for (int64_t i = 0; i < (int64_t)E * D * F; i++)
+        w[i] = fp8_e4m3_from_float(nrand() * 8.0f);
+    for (int64_t i = 0; i < (int64_t)E * D * F; i += 64)
+        fp8_w8_pack64(wp + i, w + i);
+    float *wsc = malloc(sizeof(float) * (size_t)E * nkb * D);
+    for (int64_t i = 0; i < (int64_t)E * nkb * D; i++) /* equal over 64 rows, as the contract */
+        wsc[i] = i % 64 ? wsc[i - 1] : ldexpf(1.0f + (float)urand(), -6 + (int)(urand() * 8));
+
+    float *dout = NULL;
+    const size_t ob = sizeof(float) * (size_t)n_pairs * D;
+    MS_ASSERT(cudaMalloc((void **)&dout, ob) == cudaSuccess);
+    void *dh = dev_copy(h, sizeof(uint16_t) * (size_t)n_pairs * F),
+         *dp = dev_copy(pairs, 4 * n_pairs);
+    void *doff = dev_copy(off, sizeof(int32_t) * (E + 1)), *dw = dev_copy(wp, (size_t)E * D * F);
+    void *dsc = dev_copy(wsc, sizeof(float) * (size_t)E * nkb * D);
+    float *got = malloc(ob);
+    float *hf = malloc(sizeof(float) * F), *hs = malloc(sizeof(float) * nkb);
+    uint8_t *hq = malloc(F);
+    /* the default's two forms, and the plain kernel */
+    static const int down_configs[] = {5, 7, 0};
+    for (int ci = 0; ci < 3; ci++) {
+        const int cf = down_configs[ci];
+        cudaMemset(dout, 0xff, ob); /* NaN */
+        const int old = cuda_fp8_grouped_gemm_config(cf);
+        cuda_fp8_w8a8_down(dout, dh, dp, doff, E, n_pairs, D, F, dw, dsc);
+        cuda_fp8_grouped_gemm_config(old);
+        MS_ASSERT(cudaMemcpy(got, dout, ob, cudaMemcpyDeviceToHost) == cudaSuccess);
+
+        int64_t bad = 0, untouched_bad = 0, n = 0;
+        double worst = 0.0;
+        for (int e = 0; e < E; e++)
+            for (int m = off[e]; m < off[e + 1]; m++) {
+                for (int k = 0; k < F; k++)
+                    hf[k] = bf16_to_f32(h[(int64_t)m * F + k]);
+                quant_fp8_rows(hq, hs, hf, 1, F);
+                for (int d = 0; d < D; d++) {
+                    double want = 0.0, S = 0.0;
+                    for (int kb = 0; kb < nkb; kb++) {
+                        double t = 0.0, ta = 0.0;
+                        for (int k = kb * 128; k < kb * 128 + 128; k++) {
+                            const double p = (double)fp8_e4m3_to_float(hq[k]) *
+                                             fp8_e4m3_to_float(w[((int64_t)e * D + d) * F + k]);
+                            t += p;
+                            ta += fabs(p);
+                        }
+                        const double sc = (double)hs[kb] * wsc[((int64_t)e * nkb + kb) * D + d];
+                        want += sc * t;
+                        S += fabs(sc) * ta;
+                    }
+                    const double g = got[(int64_t)pairs[m] * D + d], err = fabs(g - want);
+                    if (!(err <= 0x1p-10 * S + 1e-30)) {
+                        if (bad < 3)
+                            fprintf(
+                                stderr,
+                                "  down %s, configuration %d: row %d (pair %d) d %d: %.9g, want "
+                                "%.9g (S %.3g)\n",
+                                name, cf, m, pairs[m], d, g, want, S);
+                        bad++;
+                    }
+                    if (S > 0 && err / S > worst) worst = err / S;
+                    n++;
+                }
+            }
+        for (int i = M; i < n_pairs; i++) /* pairs outside the grouping: never written */
+            for (int d = 0; d < D; d++)
+                untouched_bad += !isnan(got[(int64_t)pairs[i] * D + d]);
+        CHECK(bad == 0, "fp8 experts' GEMM 2 %s, configuration %d: %lld of %lld outside 2^-10 S",
+              name, cf, (long long)bad, (long long)n);
+        CHECK(untouched_bad == 0,
+              "fp8 experts' GEMM 2 %s, configuration %d: %lld values written outside the grouping",
+              name, cf, (long long)untouched_bad);
+        printf(
+            "  %-24s E=%d rows %-5d of %-5d D=%-4d F=%-4d configuration %d: worst err / S %.2e\n",
+            name, E, M, n_pairs, D, F, cf, worst);
+    }
+    cudaFree(dout);
+    cudaFree(dh);
+    cudaFree(dp);
+    cudaFree(doff);
+    cudaFree(dw);
+    cudaFree(dsc);
+    free(off);
+    free(pairs);
+    free(h);
+    free(w);
+    free(wp);
+    free(wsc);
+    free(got);
+    free(hf);
+    free(hs);
+    free(hq);
+}
+
 /* ---- figures ---- */
 
 /* Seconds per call of cuBLASLt's FP8 GEMM out [M, N] (BF16) = x [M, K] w [N, K]^T, E4M3 both;
@@ -366,6 +494,10 @@ int main(int argc, char **argv) {
                2048);
     check_case("Qwen3-30B-A3B down", 4, (const int[]){77, 300, 5, 128}, 2048, 768);
     check_case("DeepSeek-V3 gate_up", 2, (const int[]){40, 9}, 4096, 7168);
+    printf("The experts' GEMM 2 (h quantized, rows scattered to their pairs) against the CPU\n");
+    check_down("uneven experts", 5, (const int[]){0, 1, 130, 255, 7}, 256, 384, 250, 2);
+    check_down("Qwen3-30B-A3B down", 8, (const int[]){40, 17, 0, 129, 64, 3, 200, 90}, 2048, 768,
+               80, 8);
     figures();
     CHECK_SUMMARY();
 }

@@ -1,7 +1,7 @@
 // The experts' input formats on the device, a group of values at a time: kernels/cpu/quant.c's
 // arithmetic in the same order with the same roundings (no contraction: __fdiv_rn, __fmul_rn),
-// shared by elementwise.cu's moe_input kernels and moe.cu's tiny GEMM 1 (tiny_x_quant), so both
-// give the CPU's bits by construction. Needs kernels/quant.h's element conversions.
+// used by elementwise.cu's moe_input kernels, so they give the CPU's bits by construction. Needs
+// kernels/quant.h's element conversions.
 #pragma once
 
 #include "kernels/quant.h"

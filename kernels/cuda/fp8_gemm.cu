@@ -53,10 +53,12 @@
 // the same with three consumer warpgroups (43 to 51%: registers spill); two partial sums a
 // warpgroup, a pair of k tiles started before the wait (no faster than 7, with the per-column
 // promotion).
-// The experts call it for GEMM 1 in medium precision at prefill sizes (fp8_gemm.h; GEMM 2 keeps
-// the W8A16 tiles, since h is not on the FP8 grid). The sums inside the tensor cores keep fewer
-// bits than high precision allows: 2.3e-4 of sum |a b| at worst in the test, against high's
-// 2^-13 of a row's rms.
+// The experts call it in medium precision from 16 pairs an expert (fp8_gemm.h): GEMM 1 on x's
+// codes, and GEMM 2 on h's, h quantized per row per 128 channels with x's formula (as DeepSeek-V3's
+// recipe and SGLang's block-FP8 experts quantize the down projection's input; until 2026-12-02
+// GEMM 2 kept the W8A16 tiles, which at 16 to 64 pairs an expert took as long as GEMM 1 for half
+// its bytes: ncu, H200). The sums inside the tensor cores keep fewer bits than high precision
+// allows: 2.3e-4 of sum |a b| at worst in the test, against high's 2^-13 of a row's rms.
 //
 // Every configuration gives the same bits (the test checks it): the tensor cores' sum of an
 // output does not depend on the tile's width.
@@ -168,18 +170,21 @@ __device__ __forceinline__ void fp8g_promote_halves(float (&acc)[BN / 2],
 }
 
 // The totals of tile rows r0 and r1 (those below rows) into out [*, N] from row m0, columns n0 +
-// 8 j + c0 and + 1.
+// 8 j + c0 and + 1: grouped row m at out's row m, or (out_rows) at row out_rows[m].
 template <int BN>
-__device__ __forceinline__ void fp8g_store(float *out, const float (&acc)[BN / 2], int m0, int rows,
-                                           int N, int n0, int r0, int r1, int c0) {
+__device__ __forceinline__ void fp8g_store(float *out, const int32_t *out_rows,
+                                           const float (&acc)[BN / 2], int m0, int rows, int N,
+                                           int n0, int r0, int r1, int c0) {
+    const int64_t o0 = r0 < rows ? (out_rows ? __ldg(&out_rows[m0 + r0]) : m0 + r0) : 0;
+    const int64_t o1 = r1 < rows ? (out_rows ? __ldg(&out_rows[m0 + r1]) : m0 + r1) : 0;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++) {
         const int col = n0 + 8 * j + c0;
         if (r0 < rows)
-            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r0) * N + col) =
+            *reinterpret_cast<float2 *>(out + o0 * N + col) =
                 make_float2(acc[4 * j], acc[4 * j + 1]);
         if (r1 < rows)
-            *reinterpret_cast<float2 *>(out + (int64_t)(m0 + r1) * N + col) =
+            *reinterpret_cast<float2 *>(out + o1 * N + col) =
                 make_float2(acc[4 * j + 2], acc[4 * j + 3]);
     }
 }
@@ -210,10 +215,11 @@ __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, in
 
 // The kernel's arguments. Row m of the grouping (expert e: offsets[e] <= m < offsets[e + 1],
 // offsets [E + 1] on the device) reads a's row a_rows[m] / topk (a_rows NULL: row m) and sa's of
-// the same row (sa [K / 128, sa_rows]); b [E, N, K], sb [E, K / 128, N]; out [rows, N] fp32, or
-// (GATE_UP) h [rows, N / 2] BF16.
+// the same row (sa [K / 128, sa_rows]); b [E, N, K], sb [E, K / 128, N]; out fp32 with N columns,
+// grouped row m at its row out_rows[m] (out_rows NULL: row m), or (GATE_UP) h [rows, N / 2] BF16.
 typedef struct {
     float *out;
+    const int32_t *out_rows;
     __nv_bfloat16 *h;
     const uint8_t *a;
     const float *sa;
@@ -342,7 +348,7 @@ __global__ void __launch_bounds__(FP8G_THREADS, BN == 64 ? 2 : 1)
     if constexpr (GATE_UP)
         fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
     else
-        fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
+        fp8g_store<BN>(p.out, p.out_rows, acc, m0, rows, N, n0, r0, r1, c0);
 #else
     __trap(); // not built for this device (hopper.cuh)
 #endif
@@ -552,7 +558,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
             if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
             else
-                fp8g_store<BN>(p.out, acc, m0, rows, N, n0, r0, r1, c0);
+                fp8g_store<BN>(p.out, p.out_rows, acc, m0, rows, N, n0, r0, r1, c0);
         }
     }
     // no block leaves while the other may still write into it or arrive on its barriers
@@ -619,6 +625,21 @@ extern "C" int cuda_fp8_grouped_gemm_config(int config) {
     return old;
 }
 
+// The fp32 output's form (out, not GATE_UP's h) over a's max_rows rows, in the configuration for
+// them: cuda_fp8_grouped_gemm's, and the experts' GEMM 2.
+static void fp8g_launch_out(const fp8g_args &p, int64_t max_rows) {
+    switch (fp8g_config_for(max_rows, p.E)) {
+    case 1: fp8_grouped_gemm_launch<3, 128, false>(p, max_rows); break;
+    case 2: fp8_grouped_gemm_launch<4, 64, false>(p, max_rows); break;
+    case 3: fp8_grouped_gemm_launch<6, 64, false>(p, max_rows); break;
+    case 4: fp8_grouped_gemm_ws_launch<6, false, 1>(p, max_rows); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, max_rows); break;
+    case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, max_rows); break;
+    case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, max_rows); break;
+    default: fp8_grouped_gemm_launch<4, 128, false>(p, max_rows); break; // 0
+    }
+}
+
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K) {
     if (M <= 0 || N <= 0 || E <= 0) return;
@@ -635,34 +656,29 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
                          .E = E,
                          .N = N,
                          .K = K};
-    switch (fp8g_config_for(M, E)) {
-    case 1: fp8_grouped_gemm_launch<3, 128, false>(p, M); break;
-    case 2: fp8_grouped_gemm_launch<4, 64, false>(p, M); break;
-    case 3: fp8_grouped_gemm_launch<6, 64, false>(p, M); break;
-    case 4: fp8_grouped_gemm_ws_launch<6, false, 1>(p, M); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, M); break;
-    case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, M); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, M); break;
-    default: fp8_grouped_gemm_launch<4, 128, false>(p, M); break; // 0
-    }
+    fp8g_launch_out(p, M);
 }
 
 // ---- the experts' GEMM 1 (fp8_gemm.h) ----
 
-// x [T, D] (D % 128 == 0) to E4M3 codes q [T, D], packed per 64 k as the W8A16 weights are
-// (fp8_w8_pack64), and scales s [D / 128, T]: the FP8 payload's formula (elementwise.cu's
-// moe_input_fp8_kernel, kernels/cpu/quant.c): s = max(amax, 1e-10) / 448, q = e4m3(x / s). A block
-// per token, a warp per 128 channels.
-__global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const float *x, int D) {
+// x [T, D] (D % 128 == 0; fp32, or BF16 for the experts' h) to E4M3 codes q [T, D], packed per 64
+// k as the W8A16 weights are (fp8_w8_pack64), and scales s [D / 128, T]: the FP8 payload's formula
+// (elementwise.cu's moe_input_fp8_kernel, kernels/cpu/quant.c): s = max(amax, 1e-10) / 448, q =
+// e4m3(x / s). A block per token, a warp per 128 channels; rows from *n_rows on (n_rows non-NULL:
+// the grouped rows' end, offsets[E]) are left alone.
+template <class IN>
+__global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const IN *x, int D,
+                                     const int32_t *n_rows) {
     __shared__ uint8_t codes[8][FP8G_BK];
     const int64_t t = blockIdx.x;
+    if (n_rows && t >= __ldg(n_rows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = D / FP8G_BK;
     for (int g = warp; g < G; g += blockDim.x >> 5) {
-        const float *xg = x + t * D + g * FP8G_BK;
+        const IN *xg = x + t * D + g * FP8G_BK;
         float v[4], m = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            v[i] = xg[lane + 32 * i];
+            v[i] = (float)xg[lane + 32 * i];
             const float av = fabsf(v[i]);
             m = av > m ? av : m; // NaN never wins
         }
@@ -716,6 +732,19 @@ extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
     return fp8_w8a8_takes(n_pairs, E, D, F);
 }
 
+bool fp8_w8a8_down_takes(int64_t n_pairs, int E, int D, int F) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MOESERVE_W8A8_DOWN");
+        on = !(e && strcmp(e, "0") == 0);
+    }
+    return on && F % FP8G_BK == 0 && fp8_w8a8_takes(n_pairs, E, D, F);
+}
+
+extern "C" int cuda_moe_fp8_w8a8_down(int64_t n_pairs, int E, int D, int F) {
+    return fp8_w8a8_down_takes(n_pairs, E, D, F);
+}
+
 // Grouped row m of q [T, D] and s [D / 128, T] (the token of pair pairs[m]) into qg [m, D] and
 // sg [D / 128, n] (n: the grid, the call's pairs): A's rows in the order the TMA reads them. A
 // block a row, 16 bytes a thread. Past the grouped rows (offsets[E]: skipped slots never enter
@@ -741,8 +770,8 @@ static size_t fp8_rows_bytes(int64_t n, int D) {
            ((size_t)n * (D / FP8G_BK) * sizeof(float) + 255) / 256 * 256;
 }
 
-size_t fp8_w8a8_scratch_bytes(int T, int64_t n_pairs, int D) {
-    return fp8_rows_bytes(T, D) + fp8_rows_bytes(n_pairs, D);
+size_t fp8_w8a8_scratch_bytes(int T, int64_t n_pairs, int D, int F) {
+    return fp8_rows_bytes(T, D) + fp8_rows_bytes(n_pairs, D) + fp8_rows_bytes(n_pairs, F);
 }
 
 void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, const int32_t *pairs,
@@ -756,7 +785,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     float *s = reinterpret_cast<float *>(scratch + ((size_t)T * D + 255) / 256 * 256);
     uint8_t *qg = scratch + fp8_rows_bytes(T, D);
     float *sg = reinterpret_cast<float *>(qg + ((size_t)n_pairs * D + 255) / 256 * 256);
-    fp8_act_codes_kernel<<<T, 256, 0, cuda_stream()>>>(q, s, x, D);
+    fp8_act_codes_kernel<float><<<T, 256, 0, cuda_stream()>>>(q, s, x, D, NULL);
     CUDA_CHECK_LAUNCH();
     fp8g_args p = {.h = h,
                    .a = q,
@@ -788,4 +817,43 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, n_pairs); break;
     default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
     }
+}
+
+void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, const int32_t *pairs,
+                   const uint8_t *w, const float *wsc, const int32_t *offsets, int E,
+                   int64_t n_pairs, unsigned char *scratch) {
+    MS_ASSERT(D % FP8G_BK == 0 && F % FP8G_BK == 0 && ((uintptr_t)w & 15) == 0 &&
+              ((uintptr_t)wsc & 15) == 0 && ((uintptr_t)scratch & 255) == 0);
+    if (n_pairs <= 0) return;
+    // h's codes and scales, past the regions fp8_w8a8_gate_up used
+    uint8_t *q = scratch + fp8_rows_bytes(T, D) + fp8_rows_bytes(n_pairs, D);
+    float *s = reinterpret_cast<float *>(q + ((size_t)n_pairs * F + 255) / 256 * 256);
+    fp8_act_codes_kernel<__nv_bfloat16>
+        <<<(unsigned)n_pairs, 256, 0, cuda_stream()>>>(q, s, h, F, offsets + E);
+    CUDA_CHECK_LAUNCH();
+    const fp8g_args p = {.out = out,
+                         .out_rows = pairs,
+                         .a = q,
+                         .sa = s,
+                         .sa_rows = n_pairs,
+                         .b = w,
+                         .sb = wsc,
+                         .offsets = offsets,
+                         .E = E,
+                         .N = D,
+                         .K = F};
+    fp8g_launch_out(p, n_pairs);
+}
+
+// For tests (test_cuda_fp8_gemm): fp8_w8a8_down on device buffers with a scratch of its own; h
+// BF16 [n_pairs, F] in grouped order, the weights as cuda_prepare_experts_fp8 leaves them.
+extern "C" void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs,
+                                   const int32_t *offsets, int E, int64_t n_pairs, int D, int F,
+                                   const uint8_t *w, const float *wsc) {
+    unsigned char *scratch = NULL;
+    CUDA_CHECK(cudaMalloc(&scratch, fp8_w8a8_scratch_bytes(0, n_pairs, D, F) + 256));
+    fp8_w8a8_down(out, reinterpret_cast<const __nv_bfloat16 *>(h), 0, D, F, pairs, w, wsc, offsets,
+                  E, n_pairs, scratch);
+    CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    CUDA_CHECK(cudaFree(scratch));
 }

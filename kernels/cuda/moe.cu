@@ -84,11 +84,15 @@
 // (74.2%) against 256.0 (56.9%), T = 16 131.2 us (72.1%), T = 1 23.9 us against 25.3.
 // One exception (fp8_gemm.h, fp8_w8a8_takes): in medium precision outside deterministic mode, from
 // 16 pairs an expert, GEMM 1 quantizes x per token per 128 channels and runs on the FP8 tensor
-// cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h; those rows are other sums than the
-// W8A16 tiles' (within medium's tolerance), so there a token's rows depend on the batch's size.
+// cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h, and GEMM 2 quantizes h the same way
+// and runs there too (fp8_w8a8_down; MOESERVE_W8A8_DOWN=0 keeps the W8A16 tiles for it); those
+// rows are other sums than the W8A16 tiles' (within medium's tolerance of a reference with h on the
+// FP8 grid), so there a token's rows depend on the batch's size.
 // H200, Qwen3-30B-A3B's experts, medium: 433.7 us at T = 1024 against 513.8 with W8A16; a model's
 // prefill of 8 x 2048 tokens 13703 tokens/s against 12993 (`MOESERVE_W8A8=0`); from 16 pairs an
-// expert rather than 48 (2026-12-02): T = 256 253.9 us against 274.3, T = 512 278.2 against 320.0.
+// expert rather than 48 (2026-12-02): T = 256 253.9 us against 274.3, T = 512 278.2 against 320.0;
+// with GEMM 2 on the FP8 tensor cores too (later that day): T = 256 233.6 us, 1024 302.7 against
+// 362.6, 4096 790.4 against 1010.7.
 // In high precision at prefill sizes both GEMMs run on the wgmma kernel instead (unless
 // MOESERVE_W8A16_WGMMA=0; bf16_gemm.h's bf16_wgmma_w8_takes): the codes decoded into BF16 tiles
 // by converter warps, each 128-k block's hi and lo products in one fp32 sum, folded into the
@@ -204,7 +208,6 @@
 
 #include "common/log.h"
 #include "kernels/a2a.h"
-#include "kernels/cuda/act_quant.cuh"
 #include "kernels/cuda/bf16_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
@@ -1048,67 +1051,6 @@ __device__ __forceinline__ void a_full_store8(uint32_t sAf, int r, int c, int nk
     }
 }
 
-// The tiny GEMM 1's rows of x with the experts' input format XQ (A2A_PAYLOAD_FP8 or _NVFP4) applied
-// on the way (cuda_moe_experts_q), into its shared memory as the plain conversion below lays them
-// out: each value the bits of elementwise.cu's moe_input_fp8_kernel / moe_input_nvfp4_kernel (the
-// same formulas in the same order; group and row maxima do not depend on the order), then BF16
-// (high: hi and lo). A thread a 16-byte chunk of 8 values at a time: an NVFP4 group of 16 is two
-// neighbouring lanes, an FP8 group of 128 sixteen (D % 128 == 0); NVFP4's token scale comes from
-// the row's maximum, found first (shared-memory atomics on the bits: non-negative floats order as
-// integers; NaN never wins, as amax_one).
-template <class C, int XQ>
-__device__ void tiny_x_quant(const moe_gemm_args &a, uint32_t sAf, int rows, int nk,
-                             const int *s_pair) {
-    constexpr int BK = C::BK, T8 = C::threads;
-    __shared__ float s_rmax[16];
-    const int tid = threadIdx.x, cpr = nk * (BK / 8), n = rows * cpr, R1 = a.tile_rows;
-    constexpr bool nv = XQ == A2A_PAYLOAD_NVFP4;
-    auto amax8 = [](const float(&v)[8]) {
-        float m = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float f = fabsf(v[i]);
-            m = f > m ? f : m; // NaN never wins
-        }
-        return m;
-    };
-    auto load8 = [&](int i, float(&v)[8]) {
-        const int r = i / cpr, c = i % cpr;
-        const float4 *src =
-            reinterpret_cast<const float4 *>(a.x + (int64_t)(s_pair[r] / a.topk) * a.Kd + c * 8);
-        const float4 p = __ldcg(src), q = __ldcg(src + 1);
-        v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z,
-        v[7] = q.w;
-    };
-    if constexpr (nv) {
-        if (tid < 16) s_rmax[tid] = 0.0f;
-        __syncthreads();
-        for (int i = tid; i < n; i += T8) {
-            float v[8];
-            load8(i, v);
-            atomicMax(reinterpret_cast<int *>(&s_rmax[i / cpr]), __float_as_int(amax8(v)));
-        }
-        __syncthreads();
-    }
-    for (int i0 = 0; i0 < n; i0 += T8) { // every lane of a warp in each round (the shuffles)
-        const int i = i0 + tid;
-        const bool in = i < n;
-        float v[8] = {};
-        if (in) load8(i, v);
-        float m = amax8(v); // the group's maximum over its lanes
-        const int lanes = nv ? 2 : QUANT_FP8_GROUP / 8;
-        for (int o = 1; o < lanes; o <<= 1)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if constexpr (nv)
-            nvfp4_roundtrip(v, m, nvfp4_token_scale(in ? s_rmax[i / cpr] : 0.0f));
-        else
-            fp8_roundtrip(v, m);
-        if (in)
-            a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, make_float4(v[0], v[1], v[2], v[3]),
-                             make_float4(v[4], v[5], v[6], v[7]));
-    }
-}
-
 // linear_bi's ranges in one cluster (moe_gemm_args.cluster): each block puts its sums [rows, BN]
 // in its shared memory at sp, and after the cluster's barrier block `split` adds a share of the
 // tile's elements over the S blocks in split order, s = 0 first: bi_reduce_kernel's adds, the
@@ -1171,10 +1113,7 @@ bi_cluster_epilogue(const moe_gemm_args &a, const float (&acc)[C::MI][C::NI][4],
 // x's n_pairs rows in order (one tile, expert 0), converted from fp32 for the block's k range into
 // shared memory as A_FULL does, after its first weight stages are requested and the kernel before
 // has completed. With moe_gemm_args.cluster the ranges are added in the cluster (above).
-// XQ (the tiny GEMM 1 alone, quantized weights): x through that input format (tiny_x_quant), a
-// kernel of its own, so that the others keep their code and shared memory as they were.
-template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16,
-          int XQ = A2A_PAYLOAD_F32>
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
 __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     typedef moe_b_layout<C, WF> BL;
     constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = BL::STAGES, MI = C::MI, NI = C::NI;
@@ -1427,10 +1366,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         cp_async_commit();
     }
     const int R1 = a.tile_rows;
-    static_assert(XQ == A2A_PAYLOAD_F32 || (A_FULL && TINY && WF != WF_BF16), "XQ: tiny GEMM 1");
-    if constexpr (XQ != A2A_PAYLOAD_F32) {
-        tiny_x_quant<C, XQ>(a, sAf, rows, nk, s_pair); // x through the experts' input format
-    } else if constexpr (A_FULL) {
+    if constexpr (A_FULL) {
         // x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high: hi
         // then lo), zero past Kd; the weight stages above are in flight meanwhile. The main loop's
         // first barrier publishes it.
@@ -1763,22 +1699,21 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 // The kernel's dynamic shared memory allowed up to smem at least; returns the amount allowed (the
 // largest asked for so far, one device per process). Every launch of a kernel goes through this
 // one count: a launch that allowed less after another allowed more would fail the larger one's.
-template <class C, bool GATE_UP, bool TINY, bool BI, int WF, int XQ = A2A_PAYLOAD_F32>
+template <class C, bool GATE_UP, bool TINY, bool BI, int WF>
 static size_t gemm_allow_smem(size_t smem) {
     static size_t attr_set = 0;
-    cuda_smem_allow(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF, XQ>, smem, &attr_set);
+    cuda_smem_allow(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, smem, &attr_set);
     return attr_set;
 }
 
 // Launches one grouped GEMM with the PDL attribute on the backend's stream; smem: its dynamic
 // shared memory (moe_b_layout<C, WF>::smem, or the tiny GEMM 1's, which depends on the shape).
-template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16,
-          int XQ = A2A_PAYLOAD_F32>
+template <class C, bool GATE_UP, bool TINY, bool BI = false, int WF = WF_BF16>
 static void launch_gemm(moe_gemm_args a, int max_tiles, size_t smem = moe_b_layout<C, WF>::smem) {
-    gemm_allow_smem<C, GATE_UP, TINY, BI, WF, XQ>(smem);
+    gemm_allow_smem<C, GATE_UP, TINY, BI, WF>(smem);
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     MS_ASSERT(blocks < INT32_MAX);
-    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF, XQ>, dim3((unsigned)blocks),
+    cuda_launch_pdl(moe_gemm_kernel<C, GATE_UP, TINY, BI, WF>, dim3((unsigned)blocks),
                     dim3(C::threads), smem, a);
 }
 
@@ -1923,7 +1858,7 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
                        (WF == WF_NVFP4 && bf16_wgmma_w4_takes(n_pairs, E, D, F, C::SPLIT)) ||
                        (WF == WF_FP8 && bf16_wgmma_w8_takes(n_pairs, E, D, F, C::SPLIT));
     const size_t o_q = align256(o_h + AP * n_pairs * F * 2);
-    const size_t total = w8a8    ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D))
+    const size_t total = w8a8    ? align256(o_q + fp8_w8a8_scratch_bytes(T, n_pairs, D, F))
                          : wgmma ? align256(o_q + bf16_wgmma_scratch_bytes(n_pairs, D, C::SPLIT))
                                  : o_q;
     unsigned char *ws = moe_workspace(total);
@@ -1970,6 +1905,11 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     g.act = g.h;
     g.act_lo = g.h_lo;
     set_weights<WF>(&g, w, false);
+    if (w8a8 && fp8_w8a8_down_takes(n_pairs, E, D, F)) {
+        fp8_w8a8_down(out, g.h, T, D, F, p.pairs, g.wq, (const float *)g.wsf, p.offsets, E, n_pairs,
+                      ws + o_q);
+        return;
+    }
     g.Kd = F;
     g.N = D;
     g.n_col_blocks = (D + C::BN - 1) / C::BN;
@@ -2037,10 +1977,6 @@ template <class C2, class C2_2> static bool tiny_two_stages(int64_t blocks) {
     return blocks > deep && blocks <= two;
 }
 
-// The experts' input format GEMM 1 applies to x as it converts it (cuda_moe_experts_q sets it
-// around its call; one engine thread a process calls the ops); A2A_PAYLOAD_F32 (0): none.
-static int g_tiny_x_payload = 0;
-
 template <class C1, class C2, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
@@ -2070,16 +2006,7 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
     const int tiles1 = (int)std::min(n, (n + busy * (R1 - 1)) / R1);
     const size_t smem1 = moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes;
-    if constexpr (WF != WF_BF16) {
-        if (g_tiny_x_payload == A2A_PAYLOAD_FP8)
-            launch_gemm<C1, true, true, false, WF, A2A_PAYLOAD_FP8>(g, tiles1, smem1);
-        else if (g_tiny_x_payload == A2A_PAYLOAD_NVFP4)
-            launch_gemm<C1, true, true, false, WF, A2A_PAYLOAD_NVFP4>(g, tiles1, smem1);
-        else
-            launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
-    } else {
-        launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
-    }
+    launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
@@ -2199,42 +2126,20 @@ void cuda_moe_experts_n(float *out, const float *x, const int32_t *topk_ids,
     moe_experts_any(out, x, topk_ids, n_rows, w, T, K, D, F);
 }
 
-// MOESERVE_FUSED_EXPERT_INPUT=1 (opt-in), or the test hook's setting. Measured on the H200 while
-// the format was a runtime branch inside every quantized tiny GEMM 1 (bench_step, Qwen3-30B-A3B,
-// two runs each): the fused FP8 input took the batch-1 step from 3.625 / 3.672 ms to 3.576 /
-// 3.543, batch 2 from 4.280 / 4.274 to 4.442 / 4.428, NVFP4's batch 1 from 3.506 / 3.502 to 3.720
-// / 3.731 (its token scale needs the row's maximum first: each block of GEMM 1 reads x twice).
-// That branch had made the FP8 steps slower than the build before it (batch 1 3.55 ms with the
-// input fused against 3.37, in one call); the format is now a template argument (moe_gemm_kernel's
-// XQ), so the unfused kernels are that build's again, and the fused one is to be measured anew.
-static int g_fused_input = -1;
-extern "C" int cuda_moe_fused_input(int on) { // tests: 1 on, 0 off, -1 the variable; the old one
-    const int old = g_fused_input;
-    g_fused_input = on;
-    return old;
-}
-
-// The experts on x after the input format `payload` (kernels/ops.h's moe_experts_q): at the tiny
-// path's sizes, NVFP4 or FP8 weights (the W4A16 / W8A16 kernels; BF16's keep their code as it
-// was) and D % 128 == 0, with the fused input on, GEMM 1 applies the format as it converts x
-// (tiny_x_quant: one launch a layer fewer, the same bits); otherwise cuda_moe_input_quant into
-// xq, then the experts on xq.
+// The experts on x after the input format `payload` (kernels/ops.h's moe_experts_q):
+// cuda_moe_input_quant into xq, then the experts on xq. Tried and taken out (2026-12-02): the
+// format applied by the tiny GEMM 1 as it converts x, one launch a layer fewer with the same bits;
+// as a kernel of its own (a template argument, the other kernels unchanged) it was slower in one
+// call on the H200 (bench_step, Qwen3-30B-A3B, high, step ms): FP8 batch 1 / 2 3.450 / 4.397
+// against 3.401 and 3.348 / 4.009 and 3.962 apart; NVFP4 3.601 / 4.821 against 3.348 / 4.385
+// (NVFP4's token scale needs the row's maximum first: each block of GEMM 1 read x twice).
 void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *topk_ids,
                         const moe_experts *w, int T, int K, int D, int F, int payload) {
-    if (g_fused_input < 0) {
-        const char *e = getenv("MOESERVE_FUSED_EXPERT_INPUT");
-        g_fused_input = e && strcmp(e, "1") == 0;
-    }
-    const bool fuse = g_fused_input && (int64_t)T * K <= MOE_TINY_PAIRS && D % 128 == 0 &&
-                      (w->wformat == MOE_W_NVFP4 || w->wformat == MOE_W_FP8) &&
-                      (payload == A2A_PAYLOAD_FP8 || payload == A2A_PAYLOAD_NVFP4);
-    if (payload != A2A_PAYLOAD_F32 && !fuse) {
+    if (payload != A2A_PAYLOAD_F32) {
         cuda_moe_input_quant(xq, x, T, D, payload);
         x = xq;
     }
-    g_tiny_x_payload = fuse ? payload : A2A_PAYLOAD_F32;
     moe_experts_any(out, x, topk_ids, nullptr, w, T, K, D, F);
-    g_tiny_x_payload = A2A_PAYLOAD_F32;
 }
 
 // ---------------------------------------------------------------------------------------------
