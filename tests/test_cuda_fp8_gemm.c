@@ -42,8 +42,8 @@
 cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
  * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
- * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows; -1,
- * the default, 7 or 5 by the rows an expert); returns the one before */
+ * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows, 8 of
+ * 64 rows; -1, the default, 7, 5 or 8 by the rows an expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
 /* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 2 on the FP8 tensor cores
@@ -52,8 +52,8 @@ void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, con
                         int E, int64_t n_pairs, int D, int F, const uint8_t *w, const float *wsc);
 
 /* the configurations this run checks and times */
-enum { MAX_CONFIGS = 8 };
-static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7}, n_configs = 8;
+enum { MAX_CONFIGS = 9 };
+static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, n_configs = 9;
 /* a configuration's tile width: 64 columns for 2 and 3 */
 static int width(int config) { return config == 2 || config == 3 ? 64 : 128; }
 
@@ -284,9 +284,9 @@ static void check_down(const char *name, int E, const int *rows, int D, int F, i
     float *got = malloc(ob);
     float *hf = malloc(sizeof(float) * F), *hs = malloc(sizeof(float) * nkb);
     uint8_t *hq = malloc(F);
-    /* the default's two forms, and the plain kernel */
-    static const int down_configs[] = {5, 7, 0};
-    for (int ci = 0; ci < 3; ci++) {
+    /* the default's three forms, and the plain kernel */
+    static const int down_configs[] = {5, 7, 8, 0};
+    for (int ci = 0; ci < 4; ci++) {
         const int cf = down_configs[ci];
         cudaMemset(dout, 0xff, ob); /* NaN */
         const int old = cuda_fp8_grouped_gemm_config(cf);

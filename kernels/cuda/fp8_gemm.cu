@@ -40,6 +40,9 @@
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
 //   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
 //   rows an expert on average, else 5;
+// - configuration 8 (one consumer warpgroup, tiles of 64 rows, two blocks a multiprocessor): 741
+//   to 760 there, but the experts' both GEMMs at 16 to 128 rows an expert 2 to 14% faster than 5
+//   (fp8g_config_for);
 // - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 487
 //   to 594; 64-column tiles and other depths no better.
 // The promotion was the largest cost: with a scale per column (16 shared loads and 64 products
@@ -393,12 +396,14 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // of 4096 tokens of Qwen3-30B-A3B, ncu), where the copy into grouped order and A by TMA take
 // (see fp8_w8a8_gate_up).
 
-// WG consumer warpgroups, then the producer: one warp beside two consumer warpgroups; beside
-// three (configuration 7) a warpgroup, so that it can give its registers to the consumers
-// (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer.
+// WG consumer warpgroups, then the producer: one warp beside one or two consumer warpgroups;
+// beside three (configuration 7) a warpgroup, so that it can give its registers to the consumers
+// (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer. One consumer
+// warpgroup (configuration 8, tiles of 64 rows) leaves room for two blocks a multiprocessor.
 template <int WG> struct fp8g_ws {
     static constexpr bool lend = WG == 3;
-    static constexpr int threads = lend ? 128 * WG + 128 : 288;
+    static constexpr int threads = lend ? 128 * WG + 128 : 128 * WG + 32;
+    static constexpr int min_blocks = WG == 1 ? 2 : 1;
     static constexpr int producer_regs = 32, consumer_regs = 160;
 };
 // ta: a [M, K] in boxes of BM / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
@@ -408,16 +413,19 @@ template <int WG> struct fp8g_ws {
 // them into both blocks' stage (multicast), which halves A's reads from L2. A stage is then
 // refilled only when the consumers of both blocks have freed it: each consumer warp arrives on
 // its own block's empty barrier and on the other's (4 WG CL arrivals).
-// WG 3 (configuration 7): tiles of 192 rows, three consumer warpgroups on the tensor cores.
+// WG 3 (configuration 7): tiles of 192 rows, three consumer warpgroups on the tensor cores; WG 1
+// (configuration 8): tiles of 64 rows, for experts of few rows (a 128-row tile of 16 rows leaves
+// its second warpgroup idle), two blocks a multiprocessor, so twice the stages in flight.
 // B's scales: one a 64-column half of the tile and k block, its first column's (sb is equal over
 // aligned groups of 64 rows), so that a promotion is one fma an accumulator.
 template <int STAGES, bool GATE_UP, int CL, int WG = 2>
-__global__ void __launch_bounds__(fp8g_ws<WG>::threads, 1)
+__global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
-    static_assert(WG == 2 || (WG == 3 && CL == 1), "two consumer warpgroups, or three alone");
+    static_assert(WG == 2 || ((WG == 1 || WG == 3) && CL == 1),
+                  "two consumer warpgroups, or one or three alone");
     typedef fp8g_ws<WG> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
@@ -607,16 +615,23 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
-// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows; -1 (the default) 7 from 384
-// rows an expert on average, else 5 (the test's figures: 192-row tiles gain 4 to 6% on large
-// experts and lose 3 to 8% at 128 and 256 rows an expert). The experts' GEMM 1 (128 columns only)
-// takes 4 to 7 as they are (after copying its rows into grouped order), 1 as it is and the
-// others as 0.
+// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows;
+// -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (the test's
+// figures: 192-row tiles gain 4 to 6% on large experts and lose 3 to 8% at 128 and 256 rows an
+// expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in medium, both GEMMs, against 5: 198.5
+// against 232.0 us at 16 rows an expert, 221.1 against 253.3 at 32, 300.9 both at 64, 451.2
+// against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at 256). The experts' GEMM 1
+// (128 columns only) takes 4 to 8 as they are (after copying its rows into grouped order), 1 as
+// it is and the others as 0.
 static int g_fp8g_config = -1;
+#define FP8G_WG1_MAX 128 /* rows an expert on average, at most, for 64-row tiles */
 
 // the configuration for M rows over E experts
 static int fp8g_config_for(int64_t M, int E) {
-    return g_fp8g_config >= 0 ? g_fp8g_config : M >= 384 * (int64_t)E ? 7 : 5;
+    return g_fp8g_config >= 0              ? g_fp8g_config
+           : M >= 384 * (int64_t)E         ? 7
+           : M > FP8G_WG1_MAX * (int64_t)E ? 5
+                                           : 8;
 }
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
@@ -636,6 +651,7 @@ static void fp8g_launch_out(const fp8g_args &p, int64_t max_rows) {
     case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, max_rows); break;
     case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, max_rows); break;
     case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, max_rows); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, false, 1, 1>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, false>(p, max_rows); break; // 0
     }
 }
@@ -664,41 +680,51 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
 // x [T, D] (D % 128 == 0; fp32, or BF16 for the experts' h) to E4M3 codes q [T, D], packed per 64
 // k as the W8A16 weights are (fp8_w8_pack64), and scales s [D / 128, T]: the FP8 payload's formula
 // (elementwise.cu's moe_input_fp8_kernel, kernels/cpu/quant.c): s = max(amax, 1e-10) / 448, q =
-// e4m3(x / s). A block per token, a warp per 128 channels; rows from *n_rows on (n_rows non-NULL:
+// e4m3(x / s). A warp per (row, 128 channels), eight a block (a block a row left most warps idle:
+// ncu, 28 us for the experts' h at 8192 rows of 768, H200); rows from *n_rows on (n_rows non-NULL:
 // the grouped rows' end, offsets[E]) are left alone.
+#define FP8_CODES_WARPS 8
 template <class IN>
-__global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const IN *x, int D,
+__global__ void fp8_act_codes_kernel(uint8_t *q, float *s, const IN *x, int64_t T, int D,
                                      const int32_t *n_rows) {
-    __shared__ uint8_t codes[8][FP8G_BK];
-    const int64_t t = blockIdx.x;
-    if (n_rows && t >= __ldg(n_rows)) return;
+    __shared__ uint8_t codes[FP8_CODES_WARPS][FP8G_BK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = D / FP8G_BK;
-    for (int g = warp; g < G; g += blockDim.x >> 5) {
-        const IN *xg = x + t * D + g * FP8G_BK;
-        float v[4], m = 0.0f;
+    const int64_t i = (int64_t)blockIdx.x * FP8_CODES_WARPS + warp, t = i / G;
+    const int g = (int)(i % G);
+    if (t >= T || (n_rows && t >= __ldg(n_rows))) return; // the whole warp
+    const IN *xg = x + t * D + g * FP8G_BK;
+    float v[4], m = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = (float)xg[lane + 32 * i];
-            const float av = fabsf(v[i]);
-            m = av > m ? av : m; // NaN never wins
-        }
-        for (int off = 16; off > 0; off >>= 1)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        const float sc = __fdiv_rn(m > 1e-10f ? m : 1e-10f, FP8_E4M3_MAX);
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            codes[warp][lane + 32 * i] = fp8_e4m3_from_float(__fdiv_rn(v[i], sc));
-        __syncwarp();
-        // lane l writes packed bytes 4 l .. 4 l + 3: 64-k chunk l / 16, fp8_w8_pack64's t = l % 16
-        // / 4 and s = l % 4, bytes j = k 16 s + 2 t + {0, 8, 1, 9}
-        const int ch = lane >> 4, tt = (lane & 15) >> 2, ss = lane & 3;
-        const uint8_t *src = codes[warp] + 64 * ch + 16 * ss + 2 * tt;
-        const uint32_t w = (uint32_t)src[0] | (uint32_t)src[8] << 8 | (uint32_t)src[1] << 16 |
-                           (uint32_t)src[9] << 24;
-        reinterpret_cast<uint32_t *>(q + t * D + g * FP8G_BK)[lane] = w;
-        if (lane == 0) s[g * (int64_t)gridDim.x + t] = sc; // gridDim.x = T
-        __syncwarp();
+    for (int k = 0; k < 4; k++) {
+        v[k] = (float)xg[lane + 32 * k];
+        const float av = fabsf(v[k]);
+        m = av > m ? av : m; // NaN never wins
     }
+    for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float sc = __fdiv_rn(m > 1e-10f ? m : 1e-10f, FP8_E4M3_MAX);
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        codes[warp][lane + 32 * k] = fp8_e4m3_from_float(__fdiv_rn(v[k], sc));
+    __syncwarp();
+    // lane l writes packed bytes 4 l .. 4 l + 3: 64-k chunk l / 16, fp8_w8_pack64's t = l % 16 / 4
+    // and s = l % 4, bytes j = k 16 s + 2 t + {0, 8, 1, 9}
+    const int ch = lane >> 4, tt = (lane & 15) >> 2, ss = lane & 3;
+    const uint8_t *src = codes[warp] + 64 * ch + 16 * ss + 2 * tt;
+    const uint32_t w =
+        (uint32_t)src[0] | (uint32_t)src[8] << 8 | (uint32_t)src[1] << 16 | (uint32_t)src[9] << 24;
+    reinterpret_cast<uint32_t *>(q + t * D + g * FP8G_BK)[lane] = w;
+    if (lane == 0) s[g * T + t] = sc;
+}
+
+// fp8_act_codes_kernel over T rows of D
+template <class IN>
+static void fp8_act_codes(uint8_t *q, float *s, const IN *x, int64_t T, int D,
+                          const int32_t *n_rows) {
+    const int64_t warps = T * (D / FP8G_BK);
+    fp8_act_codes_kernel<IN><<<(unsigned)((warps + FP8_CODES_WARPS - 1) / FP8_CODES_WARPS),
+                               32 * FP8_CODES_WARPS, 0, cuda_stream()>>>(q, s, x, T, D, n_rows);
+    CUDA_CHECK_LAUNCH();
 }
 
 static int w8a8_env() {
@@ -785,8 +811,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     float *s = reinterpret_cast<float *>(scratch + ((size_t)T * D + 255) / 256 * 256);
     uint8_t *qg = scratch + fp8_rows_bytes(T, D);
     float *sg = reinterpret_cast<float *>(qg + ((size_t)n_pairs * D + 255) / 256 * 256);
-    fp8_act_codes_kernel<float><<<T, 256, 0, cuda_stream()>>>(q, s, x, D, NULL);
-    CUDA_CHECK_LAUNCH();
+    fp8_act_codes<float>(q, s, x, T, D, NULL);
     fp8g_args p = {.h = h,
                    .a = q,
                    .sa = s,
@@ -815,6 +840,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
     case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, n_pairs); break;
     case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, n_pairs); break;
     case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, n_pairs); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 1>(p, n_pairs); break;
     default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
     }
 }
@@ -828,9 +854,7 @@ void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, cons
     // h's codes and scales, past the regions fp8_w8a8_gate_up used
     uint8_t *q = scratch + fp8_rows_bytes(T, D) + fp8_rows_bytes(n_pairs, D);
     float *s = reinterpret_cast<float *>(q + ((size_t)n_pairs * F + 255) / 256 * 256);
-    fp8_act_codes_kernel<__nv_bfloat16>
-        <<<(unsigned)n_pairs, 256, 0, cuda_stream()>>>(q, s, h, F, offsets + E);
-    CUDA_CHECK_LAUNCH();
+    fp8_act_codes<__nv_bfloat16>(q, s, h, n_pairs, F, offsets + E);
     const fp8g_args p = {.out = out,
                          .out_rows = pairs,
                          .a = q,
