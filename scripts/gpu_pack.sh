@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 make -j2 >/dev/null
 dir=build/gpu
 rm -rf "$dir" && mkdir -p "$dir/tests"
-for b in build/moeserve build/moeserve-bench build/bench_step build/bench_a2a_cuda; do
+for b in build/moeserve build/moeserve-bench build/bench_step build/bench_a2a_cuda build/quant_kl; do
     [ -x "$b" ] && cp "$b" "$dir/"
 done
 for t in build/tests/test_cuda_*; do
