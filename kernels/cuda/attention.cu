@@ -445,20 +445,23 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 }
 
 // One (token t0 + blockIdx.x, head group blockIdx.y, slice blockIdx.z) of a small batch: G / GW
-// warps, each with GW heads of the group, over the slice's 32 positions; then the in-launch combine.
+// warps, each with GW heads of the group, over the slice's 32 positions; then the in-launch
+// combine.
 //   slice_o [Ts, H / G, NS, G, DH], slice_ml [Ts, H / G, NS, 2, G]  each slice's o_w, then m_w, l_w
 //   part_o, part_ml as for attn_chunk_kernel; out [T, H, DH]
 //   cnt [Ts, H / G, NC + 1] finished slices of each chunk, then finished chunks (left at zero)
 // Dynamic shared memory: max(2 * ATTN_SLICE * DH, 2 * NC * G) floats.
-template <int DH, int G, int GW>
-__global__ void __launch_bounds__(G / GW * 32)
-    attn_slice_kernel(float *__restrict__ out, float *__restrict__ slice_o,
-                      float *__restrict__ slice_ml, float *__restrict__ part_o,
-                      float *__restrict__ part_ml, int *__restrict__ cnt,
-                      const float *__restrict__ q, const float *__restrict__ kc,
-                      const float *__restrict__ vc, const int32_t *__restrict__ pos,
-                      const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
-                      int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+// The body is block (tl, hg, j)'s work; dep.start() at the start, dep.wait() before the first read
+// of what the kernel before writes (cuda_ops.h's pdl_dep; attn_slice_kernel below).
+template <int DH, int G, int GW, class DEP>
+__device__ __forceinline__ void
+attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
+                 float *__restrict__ slice_o, float *__restrict__ slice_ml,
+                 float *__restrict__ part_o, float *__restrict__ part_ml, int *__restrict__ cnt,
+                 const float *__restrict__ q, const float *__restrict__ kc,
+                 const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                 const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table, int t0,
+                 int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
     constexpr int NT = G / GW * 32, D4 = DH / 4;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
@@ -479,8 +482,7 @@ __global__ void __launch_bounds__(G / GW * 32)
     // the step), and the cache rows of positions no token of this batch stores. A decode step's
     // past context is then on its way while the q/k/v projection still runs; q and this step's
     // own rows are read after the wait.
-    pdl_trigger();
-    const int tl = blockIdx.x, hg = blockIdx.y, j = blockIdx.z;
+    dep.start();
     const int t = t0 + tl, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int n = pos[t] + 1; // positions 0..pos[t]
     const int sq = seq[t];
@@ -509,7 +511,7 @@ __global__ void __launch_bounds__(G / GW * 32)
             cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: V
     }
-    pdl_wait();
+    dep.wait();
     const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
     for (int i = tid; i < G * D4; i += NT)
         cp_async16(&qs[i], qt + i);
@@ -748,6 +750,20 @@ __global__ void __launch_bounds__(G / GW * 32)
             ot[e] = make_float4(o.x / Lh, o.y / Lh, o.z / Lh, o.w / Lh);
         }
     }
+}
+
+template <int DH, int G, int GW>
+__global__ void __launch_bounds__(G / GW * 32)
+    attn_slice_kernel(float *__restrict__ out, float *__restrict__ slice_o,
+                      float *__restrict__ slice_ml, float *__restrict__ part_o,
+                      float *__restrict__ part_ml, int *__restrict__ cnt,
+                      const float *__restrict__ q, const float *__restrict__ kc,
+                      const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                      const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
+                      int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+    attn_slice_block<DH, G, GW>(blockIdx.x, blockIdx.y, blockIdx.z, pdl_dep(), out, slice_o,
+                                slice_ml, part_o, part_ml, cnt, q, kc, vc, pos, seq, page_table, t0,
+                                T, H, Hkv, max_pages, S, NC, scale);
 }
 // ZC = gridDim.z / CS clusters of CS blocks per (token t0 + blockIdx.x, head group blockIdx.y);
 // cluster z takes the groups of CPC consecutive chunks z, z + ZC, ... in turn. Block r of the

@@ -205,6 +205,14 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\
 __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
+/* The same pair as a block body's dependency (start: the next kernel may launch; wait: what the
+ * kernel before wrote is visible), for bodies written as device functions of a block index and a
+ * dependency (linear.cu's decode_block, attention.cu's attn_slice_block), so that a persistent
+ * kernel can run them as tasks behind waits of its own (docs/decode_megakernel.md). */
+struct pdl_dep {
+    __device__ __forceinline__ void start() const { pdl_trigger(); }
+    __device__ __forceinline__ void wait() const { pdl_wait(); }
+};
 
 /* Raises a kernel's dynamic shared memory limit to bytes where *set (what it was raised to, 0 at
  * first; one device per process) is below that: static + dynamic past 48 KiB needs it. */

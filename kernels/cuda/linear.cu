@@ -745,11 +745,16 @@ template <int V, int LVL> __device__ __forceinline__ void warp_sums(float *acc, 
 // their stored order (above), each weight widened and times its 128-k block's scale (wsc, a row
 // per block: [Kin / 128, N]) in fp32, the CPU's dequantized weight bit for bit; x read at the
 // vector's k, pairs of floats.
-template <typename W, int TT, bool VEC>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCKS)
-    decode_kernel(float *__restrict__ out, const float *__restrict__ x,
-                  const uint16_t *__restrict__ w, int T, int N, int Kin, int wpr,
-                  const float *__restrict__ wsc) {
+// The body is block `block`'s work, and `dep` says when the kernel before may still be writing:
+// dep.start() once at the start, dep.wait() before the first read of x (and before any store);
+// decode_kernel passes blockIdx.x and programmatic dependent launch's pair (pdl_dep), so that a
+// persistent kernel can run the same blocks as tasks behind its own waits
+// (docs/decode_megakernel.md).
+template <typename W, int TT, bool VEC, class DEP>
+__device__ __forceinline__ void decode_block(int block, DEP dep, float *__restrict__ out,
+                                             const float *__restrict__ x,
+                                             const uint16_t *__restrict__ w, int T, int N, int Kin,
+                                             int wpr, const float *__restrict__ wsc) {
     constexpr bool F8 = std::is_same<W, fp8_codes>::value;
     static_assert(!F8 || VEC, "FP8: vectors only");
     using shape = decode_shape<TT>;
@@ -757,10 +762,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
     __shared__ float red[DECODE_WARPS][V]; // per warp, its lane sums (wpr > 1)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = DECODE_WARPS / wpr, group = warp / wpr;
-    const int n0 = (blockIdx.x * groups + group) * R; // the group's first row
+    const int n0 = (block * groups + group) * R; // the group's first row
     const int lanes = 32 * wpr, slice = (warp - group * wpr) * 32 + lane;
     const int nvec = (Kin + 7) >> 3;
-    pdl_trigger(); // the next kernel may launch now; it waits for this one before its reads
+    dep.start(); // the next kernel may launch now; it waits for this one before its reads
 
     float acc[V]; // [R][TT]
 #pragma unroll
@@ -797,7 +802,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
         // The weights of the first round are on their way: only now wait for the kernel before
         // this one (launched with PDL, this one overlaps it with its weight reads), whose output
         // is x.
-        if (v0 == slice) pdl_wait();
+        if (v0 == slice) dep.wait();
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int v = v0 + u * lanes;
@@ -862,12 +867,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
         }
     }
 
-    pdl_wait(); // a lane with no vectors waits here, before any store
+    dep.wait(); // a lane with no vectors waits here, before any store
     warp_sums<V, 0>(acc, lane);
 
-    // output o = r * TT + t of row group g: row (blockIdx.x * groups + g) * R + r, token t
+    // output o = r * TT + t of row group g: row (block * groups + g) * R + r, token t
     auto store = [&](int g, int o, float val) {
-        const int n = (blockIdx.x * groups + g) * R + o / TT, t = o % TT;
+        const int n = (block * groups + g) * R + o / TT, t = o % TT;
         if (t < T && n < N) out[(int64_t)t * N + n] = val;
     };
     constexpr int PER = V >= 32 ? V / 32 : 1; // outputs held per lane
@@ -893,6 +898,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCK
             s = __fadd_rn(s, red[g * wpr + q][o]);
         store(g, o, s);
     }
+}
+
+template <typename W, int TT, bool VEC>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<TT>::MIN_BLOCKS)
+    decode_kernel(float *__restrict__ out, const float *__restrict__ x,
+                  const uint16_t *__restrict__ w, int T, int N, int Kin, int wpr,
+                  const float *__restrict__ wsc) {
+    decode_block<W, TT, VEC>(blockIdx.x, pdl_dep(), out, x, w, T, N, Kin, wpr, wsc);
 }
 
 // Warps per row group, from N and Kin only: doubled from 1 while N * wpr < 8192 (blocks =
