@@ -541,22 +541,23 @@ __device__ __forceinline__ int64_t kv_slot(const attn_batch &b, int t) {
 // qkv_prepare: qk_norm_rope_kernel's blocks and head loop over the H + 2 Hkv heads of a row of
 // qkv: q heads normed and rotated into q_out, k heads normed and rotated into the cache slot, v
 // heads copied into it (a warp's one 16-byte access per lane for Dh = 128).
-template <int DT, bool VEC>
-__global__ void qkv_prepare_kernel(float *q_out, float *kc, float *vc, const float *qkv,
-                                   const void *q_norm, const void *k_norm, attn_batch b, int H,
-                                   int Hkv, int half, float eps,
-                                   const __grid_constant__ rope_freqs f) {
+// The body is block (t, y) of ny blocks a token; dep as cuda_ops.h's pdl_dep (the wrapper below).
+template <int DT, bool VEC, class DEP>
+__device__ __forceinline__ void
+qkv_prepare_block(int t, int y, int ny, DEP dep, float *q_out, float *kc, float *vc,
+                  const float *qkv, const void *q_norm, const void *k_norm, const attn_batch &b,
+                  int H, int Hkv, int half, float eps, const rope_freqs &f) {
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     __shared__ __align__(16) float rows[QK_MAX_WARPS][2 * ROPE_MAX_HALF];
-    const int t = blockIdx.x, Dh = 2 * half;
-    pdl_trigger();
-    pdl_wait();
+    const int Dh = 2 * half;
+    dep.start();
+    dep.wait();
     rope_angles(cs, sn, b.pos[t], f, half);
     const int64_t slot = kv_slot(b, t);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const float *src_row = qkv + (int64_t)t * (H + 2 * Hkv) * Dh;
-    for (int hd = blockIdx.y * warps + warp; hd < H + 2 * Hkv; hd += warps * gridDim.y) {
+    for (int hd = y * warps + warp; hd < H + 2 * Hkv; hd += warps * ny) {
         const float *src = src_row + (int64_t)hd * Dh;
         if (hd < H) {
             head_norm_rope<DT, VEC>(q_out + ((int64_t)t * H + hd) * Dh, src, q_norm, rows[warp],
@@ -575,6 +576,15 @@ __global__ void qkv_prepare_kernel(float *q_out, float *kc, float *vc, const flo
             }
         }
     }
+}
+
+template <int DT, bool VEC>
+__global__ void qkv_prepare_kernel(float *q_out, float *kc, float *vc, const float *qkv,
+                                   const void *q_norm, const void *k_norm, attn_batch b, int H,
+                                   int Hkv, int half, float eps,
+                                   const __grid_constant__ rope_freqs f) {
+    qkv_prepare_block<DT, VEC>(blockIdx.x, blockIdx.y, gridDim.y, pdl_dep(), q_out, kc, vc, qkv,
+                               q_norm, k_norm, b, H, Hkv, half, eps, f);
 }
 
 template <int DT>
@@ -911,22 +921,22 @@ __device__ __forceinline__ float4 finalize4(const float4 *src, const float *w, i
 // (lane l: chunks l, l + 32, ... in order, then the butterfly), so the bits are add_rmsnorm's
 // (with FIN: moe_finalize's followed by add_rmsnorm's). x, h, o 16-byte aligned, D % 4 == 0,
 // D / 4 <= CPT ROW_THREADS.
-template <int DT, int CPT, bool FIN>
-__global__ void __launch_bounds__(ROW_THREADS)
-    add_rmsnorm_row_kernel(float *x, float *h, const float *o, const float *topk_w, int K,
-                           const void *w, int D, float eps) {
+// The body is row t's block; dep as cuda_ops.h's pdl_dep (the wrapper below).
+template <int DT, int CPT, bool FIN, class DEP>
+__device__ __forceinline__ void add_rmsnorm_row_block(int64_t t, DEP dep, float *x, float *h,
+                                                      const float *o, const float *topk_w, int K,
+                                                      const void *w, int D, float eps) {
     __shared__ float4 row[CPT * ROW_THREADS];
     __shared__ float row_inv;
-    const int64_t t = blockIdx.x;
     const int n_chunks = D / 4;
     float4 *xr = (float4 *)(x + t * D), *hr = (float4 *)(h + t * D);
     float4 xv[CPT], ov[CPT], wv[CPT];
-    pdl_trigger();
+    dep.start();
 #pragma unroll
     for (int i = 0; i < CPT; i++) // the weights before the wait for the kernel before
         if (threadIdx.x + i * ROW_THREADS < n_chunks)
             wv[i] = load_w4<DT>(w, 4 * (threadIdx.x + i * ROW_THREADS));
-    pdl_wait();
+    dep.wait();
 #pragma unroll
     for (int i = 0; i < CPT; i++) {
         const int ch = threadIdx.x + i * ROW_THREADS;
@@ -967,6 +977,13 @@ __global__ void __launch_bounds__(ROW_THREADS)
         const int ch = threadIdx.x + i * ROW_THREADS;
         if (ch < n_chunks) hr[ch] = norm_scale4w(xv[i], inv, wv[i]);
     }
+}
+
+template <int DT, int CPT, bool FIN>
+__global__ void __launch_bounds__(ROW_THREADS)
+    add_rmsnorm_row_kernel(float *x, float *h, const float *o, const float *topk_w, int K,
+                           const void *w, int D, float eps) {
+    add_rmsnorm_row_block<DT, CPT, FIN>(blockIdx.x, pdl_dep(), x, h, o, topk_w, K, w, D, eps);
 }
 
 // The row kernel for T rows (o: the addend, or with topk_w the experts' outputs [T, K, D] to
