@@ -16,7 +16,9 @@
  * from).
  *
  *   test_cuda_ops     run on GPU 0; without CUDA in the build or without a usable GPU it prints
- *                     "skipped: <reason>" and "0 passed, 0 failed" */
+ *                     "skipped: <reason>" and "0 passed, 0 failed"
+ *   test_cuda_ops --chain   only the decode GEMVs in one persistent launch against the same
+ *                     links as kernels (check_decode_chain: bits and time a link) */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
@@ -1730,6 +1732,104 @@ static double time_gemm_bf16(uint16_t *pool) {
         if (g_) cudaGraphDestroy(g_);                                                              \
     } while (0)
 
+/* kernels/cuda/linear.cu: decode GEMVs in one persistent launch (an experiment for
+ * docs/decode_megakernel.md): link l out_l = xs[l] . ws[l]^T at one token, BF16 weights */
+void *cuda_decode_chain_make(float *const *outs, const float *const *xs, const tensor *const *ws,
+                             int n);
+void cuda_decode_chain_run(void *chain);
+void cuda_decode_chain_free(void *chain);
+
+/* A chain of GEMVs as a decode step has them (q_proj's and o_proj's shapes in turn, each link's
+ * input the output of the one before, eight weights of each shape in turn: 256 MB, past L2), as
+ * separate kernels in one CUDA graph and as one persistent launch: the same bits, and the time a
+ * link. */
+static void check_decode_chain(void) {
+    enum { L = 96, NW = 8 };
+    const int D = 2048, Q = 4096;
+    printf("decode GEMVs in a chain of %d (T = 1, N %d / %d): kernels in a CUDA graph against one "
+           "persistent launch\n",
+           L, Q, D);
+    tensor wq[NW], wo[NW];
+    for (int i = 0; i < NW; i++) {
+        tensor a = make_weight(DTYPE_BF16, Q, D, 0.02f), b = make_weight(DTYPE_BF16, D, Q, 0.02f);
+        wq[i] = gpu_weight(&a);
+        wo[i] = gpu_weight(&b);
+        free(a.data);
+        free(b.data);
+    }
+    float *x0 = gpu_random_f32(D), *outs[L];
+    const float *xs[L];
+    const tensor *ws[L];
+    for (int l = 0; l < L; l++) {
+        ws[l] = l % 2 ? &wo[l / 2 % NW] : &wq[l / 2 % NW];
+        outs[l] = gpu->dev_alloc(sizeof(float) * (size_t)ws[l]->shape[0]);
+        MS_ASSERT(outs[l]);
+        xs[l] = l ? outs[l - 1] : x0;
+    }
+    float *ref = xmalloc(sizeof(float) * (size_t)L * Q), *got = xmalloc(sizeof(float) * Q);
+    for (int l = 0; l < L; l++)
+        gpu->linear(outs[l], xs[l], ws[l], 1, (int)ws[l]->shape[0], (int)ws[l]->shape[1]);
+    for (int l = 0; l < L; l++)
+        gpu->to_host(ref + (size_t)l * Q, outs[l], sizeof(float) * (size_t)ws[l]->shape[0]);
+    void *chain = cuda_decode_chain_make(outs, xs, ws, L);
+    for (int l = 0; l < L; l++) /* NaN: a link the chain leaves unwritten shows */
+        cudaMemsetAsync(outs[l], 0xff, sizeof(float) * (size_t)ws[l]->shape[0], cuda_stream());
+    cuda_decode_chain_run(chain);
+    int bad = 0;
+    for (int l = 0; l < L; l++) {
+        const size_t n = (size_t)ws[l]->shape[0];
+        gpu->to_host(got, outs[l], sizeof(float) * n);
+        bad += memcmp(got, ref + (size_t)l * Q, sizeof(float) * n) != 0;
+    }
+    CHECK(bad == 0, "decode chain: %d of %d links differ from the kernels' bits", bad, L);
+
+    /* times: the kernels in one graph, then the persistent launch, five runs each */
+    cudaStream_t st = cuda_stream();
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    float ms_graph = NAN, ms_chain = NAN;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        for (int l = 0; l < L; l++)
+            gpu->linear(outs[l], xs[l], ws[l], 1, (int)ws[l]->shape[0], (int)ws[l]->shape[1]);
+        if (cudaStreamEndCapture(st, &g) == cudaSuccess &&
+            cudaGraphInstantiate(&ge, g, 0) == cudaSuccess) {
+            cudaGraphLaunch(ge, st);
+            cudaEventRecord(e0, st);
+            for (int r = 0; r < 5; r++)
+                cudaGraphLaunch(ge, st);
+            cudaEventRecord(e1, st);
+            cudaEventSynchronize(e1);
+            cudaEventElapsedTime(&ms_graph, e0, e1);
+        }
+    }
+    cuda_decode_chain_run(chain);
+    cudaEventRecord(e0, st);
+    for (int r = 0; r < 5; r++)
+        cuda_decode_chain_run(chain);
+    cudaEventRecord(e1, st);
+    cudaEventSynchronize(e1);
+    cudaEventElapsedTime(&ms_chain, e0, e1);
+    printf("  kernels in a graph %6.2f us a link; persistent %6.2f us a link (%.2fx)\n",
+           ms_graph * 1e3 / (5 * L), ms_chain * 1e3 / (5 * L), ms_graph / ms_chain);
+    if (ge) cudaGraphExecDestroy(ge);
+    if (g) cudaGraphDestroy(g);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cuda_decode_chain_free(chain);
+    for (int l = 0; l < L; l++)
+        gpu->dev_free(outs[l]);
+    for (int i = 0; i < NW; i++) {
+        gpu->dev_free(wq[i].data);
+        gpu->dev_free(wo[i].data);
+    }
+    gpu->dev_free(x0);
+    free(ref);
+    free(got);
+}
+
 static void time_chain(void) {
     printf("decode-size ops in a chain of %d (one CUDA graph, T = 1, Qwen3-30B-A3B shapes)\n",
            CHAIN);
@@ -1975,6 +2075,7 @@ static void figures(void) {
     figures_fp8(pool);
     gpu->dev_free(pool);
     time_chain();
+    check_decode_chain();
     time_elementwise();
 }
 
@@ -1987,7 +2088,7 @@ static void summary(void) {
                op_stats[i].tolerance);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* in order with the log lines on stderr */
     char err[256];
     gpu = ops_cuda(0, err, sizeof err);
@@ -1997,6 +2098,10 @@ int main(void) {
         return 0;
     }
     cpu = ops_cpu();
+    if (argc > 1 && strcmp(argv[1], "--chain") == 0) { /* the persistent GEMV chain alone */
+        check_decode_chain();
+        CHECK_SUMMARY();
+    }
     log_threshold = LOG_LEVEL_DEBUG; /* linear logs the algorithm cuBLASLt chose for each shape */
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)

@@ -104,6 +104,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -1040,4 +1041,110 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
     const linear_plan *p = plan_get(T, N, Kin, w->dtype, ptr_align(w->data), ptr_align(xin),
                                     ptr_align(out), g_deterministic ? N : 0);
     plan_run(p, w->data, xin, out, 1.0f, 0.0f);
+}
+
+// ---- an experiment: decode GEMVs in one persistent launch (docs/decode_megakernel.md) ----
+//
+// A chain of n links at one token, link l out_l = x_l . w_l^T with BF16 weights, each x_l written
+// by an earlier link (or before the launch): the decode kernel's blocks (decode_block, the same
+// bits as cuda_linear through the decode kernel) run as tasks of one kernel of as many blocks as
+// the device holds at once. Task i of the flattened list goes to block i % gridDim.x, each block
+// takes its tasks in order, and a link's tasks wait, after their weight requests are out, for a
+// counter that every task of the link before adds one to once its stores are visible (fence,
+// block barrier, atomic add) instead of a kernel boundary. No block waits for a task behind its
+// own, and all blocks are resident, so the chain always completes. test_cuda_ops times it against
+// the same links as separate kernels in one CUDA graph: what the boundaries cost, and what a
+// task's weights requested before the link before has finished gain.
+
+// The link before's counter as decode_block's dependency: each thread waits once, with an acquire
+// load at the GPU's scope, until every task of the link before has counted.
+struct chain_dep {
+    const int *cnt;
+    int target;
+    bool done;
+    __device__ __forceinline__ void start() {}
+    __device__ __forceinline__ void wait() {
+        if (done || !cnt) return;
+        int v;
+        do {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(cnt) : "memory");
+        } while (v < target);
+        done = true;
+    }
+};
+
+struct chain_link {
+    float *out;
+    const float *x;
+    const uint16_t *w;
+    int N, Kin, wpr, blocks;
+};
+
+__global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<1>::MIN_BLOCKS)
+    decode_chain_kernel(const chain_link *__restrict__ links, int n, int *cnt) {
+    int base = 0; // the link's first task in the flattened list
+    for (int l = 0; l < n; l++) {
+        const chain_link L = links[l];
+        const int first = (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
+        for (int i = first; i < L.blocks; i += gridDim.x) {
+            chain_dep dep = {l ? cnt + l - 1 : nullptr, l ? links[l - 1].blocks : 0, false};
+            decode_block<__nv_bfloat16, 1, true>(i, dep, L.out, L.x, L.w, 1, L.N, L.Kin, L.wpr,
+                                                 nullptr);
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(cnt + l, 1);
+        }
+        base += L.blocks;
+    }
+}
+
+struct decode_chain {
+    chain_link *links; // on the device
+    int *cnt;          // [n] on the device, zeroed before each run
+    int n, grid;
+};
+
+extern "C" void *cuda_decode_chain_make(float *const *outs, const float *const *xs,
+                                        const tensor *const *ws, int n) {
+    MS_ASSERT(n > 0);
+    chain_link *h = (chain_link *)xmalloc(sizeof(chain_link) * n);
+    int64_t tasks = 0;
+    for (int l = 0; l < n; l++) {
+        const tensor *w = ws[l];
+        MS_ASSERT(w->dtype == DTYPE_BF16 && w->device == DEVICE_CUDA && w->ndim == 2);
+        const int N = (int)w->shape[0], Kin = (int)w->shape[1], wpr = decode_wpr(N, Kin);
+        MS_ASSERT(Kin % 8 == 0 && ((uintptr_t)xs[l] & 15) == 0 && ((uintptr_t)w->data & 15) == 0);
+        const int rows = DECODE_WARPS / wpr * decode_shape<1>::R;
+        h[l] = {outs[l], xs[l], (const uint16_t *)w->data, N, Kin, wpr, (N + rows - 1) / rows};
+        tasks += h[l].blocks;
+    }
+    decode_chain *c = (decode_chain *)xmalloc(sizeof *c);
+    c->n = n;
+    CUDA_CHECK(cudaMalloc(&c->links, sizeof(chain_link) * n));
+    CUDA_CHECK(cudaMemcpy(c->links, h, sizeof(chain_link) * n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMalloc(&c->cnt, sizeof(int) * n));
+    free(h);
+    int dev = 0, sms = 0, per_sm = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_chain_kernel,
+                                                             DECODE_WARPS * 32, 0));
+    MS_ASSERT(per_sm > 0);
+    c->grid = (int)std::min<int64_t>(tasks, (int64_t)per_sm * sms);
+    return c;
+}
+
+extern "C" void cuda_decode_chain_run(void *chain) {
+    const decode_chain *c = (const decode_chain *)chain;
+    CUDA_CHECK(cudaMemsetAsync(c->cnt, 0, sizeof(int) * c->n, cuda_stream()));
+    decode_chain_kernel<<<c->grid, DECODE_WARPS * 32, 0, cuda_stream()>>>(c->links, c->n, c->cnt);
+    CUDA_CHECK_LAUNCH();
+}
+
+extern "C" void cuda_decode_chain_free(void *chain) {
+    decode_chain *c = (decode_chain *)chain;
+    if (!c) return;
+    cudaFree(c->links);
+    cudaFree(c->cnt);
+    free(c);
 }
