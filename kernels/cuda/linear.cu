@@ -1056,8 +1056,10 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
 // the same links as separate kernels in one CUDA graph: what the boundaries cost, and what a
 // task's weights requested before the link before has finished gain.
 
-// The link before's counter as decode_block's dependency: each thread waits once, with an acquire
-// load at the GPU's scope, until every task of the link before has counted.
+// The link before's counter as decode_block's dependency: each thread waits once. The first
+// lane of those that call together polls with acquire loads at the GPU's scope until every task
+// of the link before has counted, and the warp's barrier orders the others' reads after it (one
+// poller a warp: 528 blocks of 8 warps poll one line of L2 meanwhile).
 struct chain_dep {
     const int *cnt;
     int target;
@@ -1065,10 +1067,17 @@ struct chain_dep {
     __device__ __forceinline__ void start() {}
     __device__ __forceinline__ void wait() {
         if (done || !cnt) return;
-        int v;
-        do {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(cnt) : "memory");
-        } while (v < target);
+        const unsigned m = __activemask();
+        if ((int)(threadIdx.x & 31) == __ffs(m) - 1) {
+            int v;
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
+                             : "=r"(v)
+                             : "l"(cnt)
+                             : "memory");
+            } while (v < target);
+        }
+        __syncwarp(m);
         done = true;
     }
 };
