@@ -576,6 +576,12 @@ def case_limits(srv):
     check("limits: n 128 with top_logprobs_num 20 is served (128 answers of 20 top logprobs)",
           isinstance(out, list) and len(out) == 128 and len(out[0]["meta_info"]["output_top_logprobs"][0]) == 20,
           "status %d %s" % (st, short(raw)))
+    # a batch of 4096 fills --max-queued-requests (4096) alone: it is taken once the queue is
+    # empty (an earlier case's requests may still be waiting on a slow build, as under asan)
+    deadline = time.time() + 120
+    while (srv.json(srv.base, "GET", "/server_info", timeout=10)["internal_states"][0]["num_waiting_reqs"] > 0
+           and time.time() < deadline):
+        time.sleep(0.2)
     st, _, raw = srv.request(srv.base, "POST", "/generate",
                              {"input_ids": [[5, 6, 7 + i % 50] for i in range(4096)], "sampling_params": {"max_new_tokens": 1}},
                              timeout=300)
