@@ -523,11 +523,7 @@ __global__ void bwg_gather_kernel(__nv_bfloat16 *xg, const __nv_bfloat16 *xb, in
 
 static int wgmma_env() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("MOESERVE_WGMMA");
-        on = !(e && strcmp(e, "0") == 0) && cuda_wgmma_device();
-    }
-    return on;
+    return cuda_env_on("MOESERVE_WGMMA", &on) && cuda_wgmma_device();
 }
 
 // Pairs an expert from which the wgmma kernel takes the experts (moe.cu's prefill tiles from 96).
@@ -544,11 +540,8 @@ bool bf16_wgmma_two_chains(int D, int F) {
     // 0.7 to 2.3% faster than with the one-chain tiles, and a token's rows the same bits at any
     // batch size in high precision as well)
     static int off_mode = -1;
-    if (off_mode < 0) {
-        const char *e = getenv("MOESERVE_TWO_CHAINS");
-        off_mode = !(e && strcmp(e, "0") == 0);
-    }
-    return (ops_cuda_deterministic() || off_mode) && bwg_shape_ok(D, F, true) && wgmma_env();
+    return (ops_cuda_deterministic() || cuda_env_on("MOESERVE_TWO_CHAINS", &off_mode)) &&
+           bwg_shape_ok(D, F, true) && wgmma_env();
 }
 
 // More than min_pairs pairs an expert on average, a shape the tiles take, the kernel allowed.
@@ -710,15 +703,9 @@ struct bwg_switch {
     int on, min; // -1: from the variables
     const char *on_var, *min_var;
     bool takes(int64_t n_pairs, int E, int D, int F, bool split) {
-        if (on < 0) {
-            const char *e = getenv(on_var);
-            on = !(e && strcmp(e, "0") == 0);
-        }
-        if (min < 0) {
-            const char *e = getenv(min_var);
-            min = e && atoi(e) >= 0 ? atoi(e) : BWG_MIN_PAIRS_PER_EXPERT;
-        }
-        return on && !ops_cuda_deterministic() && bwg_takes(n_pairs, E, D, F, split, min);
+        return cuda_env_on(on_var, &on) && !ops_cuda_deterministic() &&
+               bwg_takes(n_pairs, E, D, F, split,
+                         cuda_env_count(min_var, BWG_MIN_PAIRS_PER_EXPERT, &min));
     }
 };
 static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN"};

@@ -19,6 +19,9 @@
 
 #ifdef __cplusplus
 #include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
 extern "C" {
 #endif
 
@@ -222,6 +225,24 @@ template <typename K> static inline void cuda_smem_allow(K kernel, size_t bytes,
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
         *set = bytes;
     }
+}
+
+/* The kernels' environment switches (README's table), read once a process into *cached (-1
+ * until then; test hooks may set it): on unless NAME=0; and a count, NAME when it is a
+ * non-negative integer, else dflt. */
+static inline int cuda_env_on(const char *name, int *cached) {
+    if (*cached < 0) {
+        const char *e = getenv(name);
+        *cached = !(e && strcmp(e, "0") == 0);
+    }
+    return *cached;
+}
+static inline int cuda_env_count(const char *name, int dflt, int *cached) {
+    if (*cached < 0) {
+        const char *e = getenv(name);
+        *cached = e && atoi(e) >= 0 ? atoi(e) : dflt;
+    }
+    return *cached;
 }
 
 /* The launch attribute of thread-block clusters of x * y * z blocks. */

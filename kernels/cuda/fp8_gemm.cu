@@ -727,31 +727,15 @@ static void fp8_act_codes(uint8_t *q, float *s, const IN *x, int64_t T, int D,
     CUDA_CHECK_LAUNCH();
 }
 
-static int w8a8_env() {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("MOESERVE_W8A8");
-        on = !(e && strcmp(e, "0") == 0);
-    }
-    return on;
-}
-
 // From more than MOESERVE_W8A8_MIN pairs an expert on average: default 15 (H200, Qwen3-30B-A3B's
 // experts, medium, against the W8A16 tiles: 16 pairs an expert 253.9 us against 274.3, 32 278.2
 // against 320.0; 48 until 2026-12-02).
-static int64_t w8a8_min() {
-    static int64_t min = -1;
-    if (min < 0) {
-        const char *e = getenv("MOESERVE_W8A8_MIN");
-        min = e && atoi(e) >= 0 ? atoi(e) : 15;
-    }
-    return min;
-}
-
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
-    return n_pairs > w8a8_min() * E && D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
+    static int on = -1, min = -1;
+    return n_pairs > (int64_t)cuda_env_count("MOESERVE_W8A8_MIN", 15, &min) * E &&
+           D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
            ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
-           w8a8_env() && cuda_wgmma_device();
+           cuda_env_on("MOESERVE_W8A8", &on) && cuda_wgmma_device();
 }
 
 extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
@@ -760,11 +744,8 @@ extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {
 
 bool fp8_w8a8_down_takes(int64_t n_pairs, int E, int D, int F) {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("MOESERVE_W8A8_DOWN");
-        on = !(e && strcmp(e, "0") == 0);
-    }
-    return on && F % FP8G_BK == 0 && fp8_w8a8_takes(n_pairs, E, D, F);
+    return cuda_env_on("MOESERVE_W8A8_DOWN", &on) && F % FP8G_BK == 0 &&
+           fp8_w8a8_takes(n_pairs, E, D, F);
 }
 
 extern "C" int cuda_moe_fp8_w8a8_down(int64_t n_pairs, int E, int D, int F) {

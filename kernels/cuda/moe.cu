@@ -2004,9 +2004,8 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.N = F;
     g.tile_rows = R1;
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
-    const int tiles1 = (int)std::min(n, (n + busy * (R1 - 1)) / R1);
-    const size_t smem1 = moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes;
-    launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
+    launch_gemm<C1, true, true, false, WF>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
+                                           moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
@@ -2241,13 +2240,7 @@ static moe_gemm_args bi_args(float *out, const void *w, const float *wsf, int T,
 
 // MOESERVE_BI_CLUSTER=0: the ranges of a few rows added by bi_reduce_kernel, not in a cluster.
 static int g_bi_cluster = -1;
-static bool bi_cluster() {
-    if (g_bi_cluster < 0) {
-        const char *e = getenv("MOESERVE_BI_CLUSTER");
-        g_bi_cluster = !(e && strcmp(e, "0") == 0);
-    }
-    return g_bi_cluster;
-}
+static bool bi_cluster() { return cuda_env_on("MOESERVE_BI_CLUSTER", &g_bi_cluster); }
 
 // For tests/test_cuda_ops.c (which declares it): the ranges of a few rows added in a cluster (1)
 // or by the reduction kernel (0) from now on; returns the way before.
