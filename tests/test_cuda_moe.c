@@ -455,8 +455,9 @@ static void ref_w8a8_down(float *ref, const model *m, const float *xs, const int
             if (e < 0) continue;
             cpu->linear(g, xs + (size_t)i * D, &m->gate[e], 1, F, D);
             cpu->linear(u, xs + (size_t)i * D, &m->up[e], 1, F, D);
+            cpu->silu_mul(g, g, u, 1, F);
             for (int j = 0; j < F; j++)
-                g[j] = bf16_to_f32(f32_to_bf16(g[j] / (1.0f + expf(-g[j])) * u[j]));
+                g[j] = bf16_to_f32(f32_to_bf16(g[j]));
             quant_fp8_rows(q, sc, g, 1, F);
             dequant_fp8_rows(g, q, sc, 1, F);
             cpu->linear(ref + ((size_t)i * K + k) * D, g, &m->down[e], 1, D, F);
