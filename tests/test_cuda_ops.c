@@ -1738,7 +1738,8 @@ static double time_gemm_bf16(uint16_t *pool) {
  * docs/decode_megakernel.md): link l out_l = xs[l] . ws[l]^T at one token, BF16 weights */
 void *cuda_decode_chain_make(float *const *outs, const float *const *xs, const tensor *const *ws,
                              int n);
-void cuda_decode_chain_run(void *chain);
+bool cuda_decode_chain_run(void *chain, int mode);
+int cuda_decode_chain_modes(int *modes, int max);
 void cuda_decode_chain_free(void *chain);
 
 /* A chain of GEMVs as a decode step has them (q_proj's and o_proj's shapes in turn, each link's
@@ -1774,48 +1775,65 @@ static void check_decode_chain(void) {
     for (int l = 0; l < L; l++)
         gpu->to_host(ref + (size_t)l * Q, outs[l], sizeof(float) * (size_t)ws[l]->shape[0]);
     void *chain = cuda_decode_chain_make(outs, xs, ws, L);
-    for (int l = 0; l < L; l++) /* NaN: a link the chain leaves unwritten shows */
-        cudaMemsetAsync(outs[l], 0xff, sizeof(float) * (size_t)ws[l]->shape[0], cuda_stream());
-    cuda_decode_chain_run(chain);
-    int bad = 0;
-    for (int l = 0; l < L; l++) {
-        const size_t n = (size_t)ws[l]->shape[0];
-        gpu->to_host(got, outs[l], sizeof(float) * n);
-        bad += memcmp(got, ref + (size_t)l * Q, sizeof(float) * n) != 0;
+    int modes[16];
+    const int nm = cuda_decode_chain_modes(modes, 16);
+    MS_ASSERT(nm <= 16);
+    for (int m = 0; m < nm; m++) {
+        if (modes[m] & 16) continue; /* no waits: the bits are not the kernels' */
+        for (int l = 0; l < L; l++)  /* NaN: a link the chain leaves unwritten shows */
+            cudaMemsetAsync(outs[l], 0xff, sizeof(float) * (size_t)ws[l]->shape[0], cuda_stream());
+        CHECK(cuda_decode_chain_run(chain, modes[m]), "decode chain: mode %d runs", modes[m]);
+        int bad = 0;
+        for (int l = 0; l < L; l++) {
+            const size_t n = (size_t)ws[l]->shape[0];
+            gpu->to_host(got, outs[l], sizeof(float) * n);
+            bad += memcmp(got, ref + (size_t)l * Q, sizeof(float) * n) != 0;
+        }
+        CHECK(bad == 0, "decode chain, mode %d: %d of %d links differ from the kernels' bits",
+              modes[m], bad, L);
     }
-    CHECK(bad == 0, "decode chain: %d of %d links differ from the kernels' bits", bad, L);
 
-    /* times: the kernels in one graph, then the persistent launch, five runs each */
+    /* times: the kernels in one graph, then the persistent launch in each mode, five runs each,
+     * the whole set three times */
     cudaStream_t st = cuda_stream();
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
-    float ms_graph = NAN, ms_chain = NAN;
     cudaGraph_t g = NULL;
     cudaGraphExec_t ge = NULL;
     if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
         for (int l = 0; l < L; l++)
             gpu->linear(outs[l], xs[l], ws[l], 1, (int)ws[l]->shape[0], (int)ws[l]->shape[1]);
-        if (cudaStreamEndCapture(st, &g) == cudaSuccess &&
-            cudaGraphInstantiate(&ge, g, 0) == cudaSuccess) {
+        if (cudaStreamEndCapture(st, &g) != cudaSuccess ||
+            cudaGraphInstantiate(&ge, g, 0) != cudaSuccess)
+            ge = NULL;
+    }
+    printf("  mode: 1 counters a line apart, 2 one signal a block, 4 one poller a block, 8 sleep "
+           "between polls, 16 no wait (streaming alone); us a link, three rounds\n");
+    for (int round = 0; round < 3; round++) {
+        float ms = NAN;
+        if (ge) {
             cudaGraphLaunch(ge, st);
             cudaEventRecord(e0, st);
             for (int r = 0; r < 5; r++)
                 cudaGraphLaunch(ge, st);
             cudaEventRecord(e1, st);
             cudaEventSynchronize(e1);
-            cudaEventElapsedTime(&ms_graph, e0, e1);
+            cudaEventElapsedTime(&ms, e0, e1);
         }
+        printf("  kernels in a graph %6.2f |", ms * 1e3 / (5 * L));
+        for (int m = 0; m < nm; m++) {
+            cuda_decode_chain_run(chain, modes[m]);
+            cudaEventRecord(e0, st);
+            for (int r = 0; r < 5; r++)
+                cuda_decode_chain_run(chain, modes[m]);
+            cudaEventRecord(e1, st);
+            cudaEventSynchronize(e1);
+            cudaEventElapsedTime(&ms, e0, e1);
+            printf(" mode %2d %6.2f", modes[m], ms * 1e3 / (5 * L));
+        }
+        printf("\n");
     }
-    cuda_decode_chain_run(chain);
-    cudaEventRecord(e0, st);
-    for (int r = 0; r < 5; r++)
-        cuda_decode_chain_run(chain);
-    cudaEventRecord(e1, st);
-    cudaEventSynchronize(e1);
-    cudaEventElapsedTime(&ms_chain, e0, e1);
-    printf("  kernels in a graph %6.2f us a link; persistent %6.2f us a link (%.2fx)\n",
-           ms_graph * 1e3 / (5 * L), ms_chain * 1e3 / (5 * L), ms_graph / ms_chain);
     if (ge) cudaGraphExecDestroy(ge);
     if (g) cudaGraphDestroy(g);
     cudaEventDestroy(e0);

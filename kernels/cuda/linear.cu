@@ -750,7 +750,16 @@ template <int V, int LVL> __device__ __forceinline__ void warp_sums(float *acc, 
 // dep.start() once at the start, dep.wait() before the first read of x (and before any store);
 // decode_kernel passes blockIdx.x and programmatic dependent launch's pair (pdl_dep), so that a
 // persistent kernel can run the same blocks as tasks behind its own waits
-// (docs/decode_megakernel.md).
+// (docs/decode_megakernel.md). decode_io<DEP> says where x is read from and how an output is
+// stored: for pdl_dep, x through the read-only path and plain stores.
+template <class DEP> struct decode_io {
+    static __device__ __forceinline__ const float *x(const DEP &, const float *x) { return x; }
+    template <class V> static __device__ __forceinline__ V ld(const V *p) { return __ldg(p); }
+    static __device__ __forceinline__ void st(const DEP &, float *out, int64_t i, float v) {
+        out[i] = v;
+    }
+};
+
 template <typename W, int TT, bool VEC, class DEP>
 __device__ __forceinline__ void decode_block(int block, DEP dep, float *__restrict__ out,
                                              const float *__restrict__ x,
@@ -766,6 +775,8 @@ __device__ __forceinline__ void decode_block(int block, DEP dep, float *__restri
     const int n0 = (block * groups + group) * R; // the group's first row
     const int lanes = 32 * wpr, slice = (warp - group * wpr) * 32 + lane;
     const int nvec = (Kin + 7) >> 3;
+    using io = decode_io<DEP>;
+    x = io::x(dep, x);
     dep.start(); // the next kernel may launch now; it waits for this one before its reads
 
     float acc[V]; // [R][TT]
@@ -845,19 +856,19 @@ __device__ __forceinline__ void decode_block(int block, DEP dep, float *__restri
                 if constexpr (F8) {
 #pragma unroll
                     for (int i = 0; i < 2; i++) {
-                        const float2 a = __ldg((const float2 *)(xt + 16 * i)),
-                                     b = __ldg((const float2 *)(xt + 16 * i + 8));
+                        const float2 a = io::ld((const float2 *)(xt + 16 * i)),
+                                     b = io::ld((const float2 *)(xt + 16 * i + 8));
                         xf[4 * i] = a.x, xf[4 * i + 1] = a.y, xf[4 * i + 2] = b.x,
                                xf[4 * i + 3] = b.y;
                     }
                 } else if constexpr (VEC) {
-                    const float4 a = __ldg((const float4 *)xt), b = __ldg((const float4 *)xt + 1);
+                    const float4 a = io::ld((const float4 *)xt), b = io::ld((const float4 *)xt + 1);
                     xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
                     xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
                 } else {
 #pragma unroll
                     for (int j = 0; j < 8; j++)
-                        xf[j] = v * 8 + j < Kin ? __ldg(xt + j) : 0.0f;
+                        xf[j] = v * 8 + j < Kin ? io::ld(xt + j) : 0.0f;
                 }
 #pragma unroll
                 for (int r = 0; r < R; r++)
@@ -874,7 +885,7 @@ __device__ __forceinline__ void decode_block(int block, DEP dep, float *__restri
     // output o = r * TT + t of row group g: row (block * groups + g) * R + r, token t
     auto store = [&](int g, int o, float val) {
         const int n = (block * groups + g) * R + o / TT, t = o % TT;
-        if (t < T && n < N) out[(int64_t)t * N + n] = val;
+        if (t < T && n < N) io::st(dep, out, (int64_t)t * N + n, val);
     };
     constexpr int PER = V >= 32 ? V / 32 : 1; // outputs held per lane
     constexpr int SHIFT = V >= 32 ? 0 : 5 - shape::LOG_V;
@@ -1056,29 +1067,127 @@ void cuda_linear(float *out, const float *x, const tensor *w, int T, int N, int 
 // the same links as separate kernels in one CUDA graph: what the boundaries cost, and what a
 // task's weights requested before the link before has finished gain.
 
-// The link before's counter as decode_block's dependency: each thread waits once. The first
-// lane of those that call together polls with acquire loads at the GPU's scope until every task
-// of the link before has counted, and the warp's barrier orders the others' reads after it (one
-// poller a warp: 528 blocks of 8 warps poll one line of L2 meanwhile).
-struct chain_dep {
+// Ways of waiting and signalling, measured side by side (test_cuda_ops --chain):
+//   CHAIN_PAD          each link's counter on its own 128-byte line (else packed)
+//   CHAIN_ONE_SIGNAL   the block's barrier, then one thread's fence and add (else every thread
+//                      fences before the barrier)
+//   CHAIN_BLOCK_POLL   one poller a block, then the block's barrier (else one a warp); needs every
+//                      thread of a task to wait at the same point (make checks the shapes)
+//   CHAIN_SLEEP        a short sleep between polls
+//   CHAIN_NO_WAIT      no wait at all: the links' bits are wrong, the time is the streaming alone
+//   CHAIN_LL           no counters: each output is also stored as one 64-bit word (the value's
+//                      bits, the run's epoch above them) and a task's block copies its x from
+//                      those words into its shared memory, loading again each word whose epoch is
+//                      not yet the run's (no fence, no add, no poll of a shared line: what a link
+//                      waits for is its data's own arrival, as NCCL's LL protocol does)
+enum {
+    CHAIN_PAD = 1,
+    CHAIN_ONE_SIGNAL = 2,
+    CHAIN_BLOCK_POLL = 4,
+    CHAIN_SLEEP = 8,
+    CHAIN_NO_WAIT = 16,
+    CHAIN_LL = 32,
+};
+#define CHAIN_MODES(X)                                                                             \
+    X(0)                                                                                           \
+    X(CHAIN_PAD | CHAIN_ONE_SIGNAL)                                                                \
+    X(CHAIN_PAD | CHAIN_ONE_SIGNAL | CHAIN_SLEEP)                                                  \
+    X(CHAIN_PAD | CHAIN_ONE_SIGNAL | CHAIN_BLOCK_POLL)                                             \
+    X(CHAIN_PAD | CHAIN_ONE_SIGNAL | CHAIN_BLOCK_POLL | CHAIN_SLEEP)                               \
+    X(CHAIN_PAD | CHAIN_ONE_SIGNAL | CHAIN_NO_WAIT)                                                \
+    X(CHAIN_LL)
+constexpr int CHAIN_STRIDE = 32;  // ints: a counter a line under CHAIN_PAD
+constexpr int CHAIN_MAX_K = 4096; // x's length at most (CHAIN_LL's shared copy)
+
+// The link before's counter as decode_block's dependency: each thread waits once. The poller
+// (the first lane of the threads that call together, or thread 0 under CHAIN_BLOCK_POLL) loads
+// with acquire at the GPU's scope until every task of the link before has counted; the warp's (or
+// block's) barrier orders the others' reads after it.
+template <int MODE> struct chain_dep {
     const int *cnt;
     int target;
     bool done;
+    // CHAIN_LL: the link before's words (null for the first link), x's length, this link's words,
+    // the run's epoch and the block's copy of x
+    const unsigned long long *ll_in;
+    int K;
+    unsigned long long *ll_out;
+    unsigned epoch;
+    float *xs;
     __device__ __forceinline__ void start() {}
-    __device__ __forceinline__ void wait() {
-        if (done || !cnt) return;
-        const unsigned m = __activemask();
-        if ((int)(threadIdx.x & 31) == __ffs(m) - 1) {
-            int v;
-            do {
-                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
-                             : "=r"(v)
-                             : "l"(cnt)
+    __device__ __forceinline__ void ll_wait() {
+        constexpr int P = CHAIN_MAX_K / (DECODE_WARPS * 32);
+        unsigned long long v[P];
+#pragma unroll
+        for (int j = 0; j < P; j++) {
+            const int i = threadIdx.x + j * DECODE_WARPS * 32;
+            if (i < K)
+                asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n"
+                             : "=l"(v[j])
+                             : "l"(ll_in + i)
                              : "memory");
-            } while (v < target);
         }
-        __syncwarp(m);
+#pragma unroll
+        for (int j = 0; j < P; j++) {
+            const int i = threadIdx.x + j * DECODE_WARPS * 32;
+            if (i >= K) break;
+            while ((unsigned)(v[j] >> 32) != epoch)
+                asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n"
+                             : "=l"(v[j])
+                             : "l"(ll_in + i)
+                             : "memory");
+            xs[i] = __uint_as_float((unsigned)v[j]);
+        }
+        __syncthreads();
+    }
+    __device__ __forceinline__ void poll() {
+        int v;
+        for (;;) {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(cnt) : "memory");
+            if (v >= target) break;
+            if constexpr ((MODE & CHAIN_SLEEP) != 0) __nanosleep(32);
+        }
+    }
+    __device__ __forceinline__ void wait() {
+        if constexpr ((MODE & CHAIN_LL) != 0) {
+            if (!done && ll_in) ll_wait();
+            done = true;
+            return;
+        }
+        if (done || !cnt) return;
         done = true;
+        if constexpr ((MODE & CHAIN_NO_WAIT) != 0) return;
+        if constexpr ((MODE & CHAIN_BLOCK_POLL) != 0) {
+            if (threadIdx.x == 0) poll();
+            __syncthreads();
+        } else {
+            const unsigned m = __activemask();
+            if ((int)(threadIdx.x & 31) == __ffs(m) - 1) poll();
+            __syncwarp(m);
+        }
+    }
+};
+
+// CHAIN_LL: x from the block's shared copy (plain loads: the read-only path is for data no thread
+// of the kernel writes), and each output also as its word
+template <int MODE> struct decode_io<chain_dep<MODE>> {
+    using D = chain_dep<MODE>;
+    static __device__ __forceinline__ const float *x(const D &d, const float *x) {
+        if constexpr ((MODE & CHAIN_LL) != 0) return d.ll_in ? d.xs : x;
+        return x;
+    }
+    template <class V> static __device__ __forceinline__ V ld(const V *p) {
+        if constexpr ((MODE & CHAIN_LL) != 0) return *p;
+        return __ldg(p);
+    }
+    static __device__ __forceinline__ void st(const D &d, float *out, int64_t i, float v) {
+        out[i] = v;
+        if constexpr ((MODE & CHAIN_LL) != 0) {
+            const unsigned long long wv =
+                (unsigned long long)d.epoch << 32 | (unsigned long long)__float_as_uint(v);
+            asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(d.ll_out + i), "l"(wv)
+                         : "memory");
+        }
     }
 };
 
@@ -1086,30 +1195,54 @@ struct chain_link {
     float *out;
     const float *x;
     const uint16_t *w;
+    unsigned long long *ll; // CHAIN_LL: the output's words
     int N, Kin, wpr, blocks;
 };
 
+template <int MODE>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, decode_shape<1>::MIN_BLOCKS)
-    decode_chain_kernel(const chain_link *__restrict__ links, int n, int *cnt) {
+    decode_chain_kernel(const chain_link *__restrict__ links, int n, int *cnt, unsigned epoch) {
+    constexpr int CS = (MODE & CHAIN_PAD) != 0 ? CHAIN_STRIDE : 1;
+    constexpr bool LL = (MODE & CHAIN_LL) != 0;
+    __shared__ float xs[LL ? CHAIN_MAX_K : 1];
     int base = 0; // the link's first task in the flattened list
     for (int l = 0; l < n; l++) {
         const chain_link L = links[l];
         const int first = (int)((blockIdx.x + gridDim.x - base % gridDim.x) % gridDim.x);
         for (int i = first; i < L.blocks; i += gridDim.x) {
-            chain_dep dep = {l ? cnt + l - 1 : nullptr, l ? links[l - 1].blocks : 0, false};
+            chain_dep<MODE> dep = {l ? cnt + (l - 1) * CS : nullptr,
+                                   l ? links[l - 1].blocks : 0,
+                                   false,
+                                   l ? links[l - 1].ll : nullptr,
+                                   L.Kin,
+                                   L.ll,
+                                   epoch,
+                                   xs};
             decode_block<__nv_bfloat16, 1, true>(i, dep, L.out, L.x, L.w, 1, L.N, L.Kin, L.wpr,
                                                  nullptr);
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(cnt + l, 1);
+            if constexpr (LL) {
+                __syncthreads(); // the block's copy of x is read before the next task's
+            } else if constexpr ((MODE & CHAIN_ONE_SIGNAL) != 0) {
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    __threadfence();
+                    atomicAdd(cnt + l * CS, 1);
+                }
+            } else {
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) atomicAdd(cnt + l * CS, 1);
+            }
         }
         base += L.blocks;
     }
 }
 
 struct decode_chain {
-    chain_link *links; // on the device
-    int *cnt;          // [n] on the device, zeroed before each run
+    chain_link *links;      // on the device
+    int *cnt;               // [n * CHAIN_STRIDE] on the device, zeroed before each run
+    unsigned long long *ll; // every link's words (CHAIN_LL), zeroed once
+    unsigned epoch;         // the last run's
     int n, grid;
 };
 
@@ -1117,37 +1250,77 @@ extern "C" void *cuda_decode_chain_make(float *const *outs, const float *const *
                                         const tensor *const *ws, int n) {
     MS_ASSERT(n > 0);
     chain_link *h = (chain_link *)xmalloc(sizeof(chain_link) * n);
-    int64_t tasks = 0;
+    int64_t tasks = 0, words = 0;
     for (int l = 0; l < n; l++) {
         const tensor *w = ws[l];
         MS_ASSERT(w->dtype == DTYPE_BF16 && w->device == DEVICE_CUDA && w->ndim == 2);
         const int N = (int)w->shape[0], Kin = (int)w->shape[1], wpr = decode_wpr(N, Kin);
         MS_ASSERT(Kin % 8 == 0 && ((uintptr_t)xs[l] & 15) == 0 && ((uintptr_t)w->data & 15) == 0);
+        MS_ASSERT(32 * wpr <= Kin / 8); // every thread waits in its first round (CHAIN_BLOCK_POLL)
+        MS_ASSERT(Kin <= CHAIN_MAX_K && (l == 0 || Kin == h[l - 1].N));
         const int rows = DECODE_WARPS / wpr * decode_shape<1>::R;
-        h[l] = {outs[l], xs[l], (const uint16_t *)w->data, N, Kin, wpr, (N + rows - 1) / rows};
+        h[l] = {outs[l], xs[l], (const uint16_t *)w->data, nullptr, N,
+                Kin,     wpr,   (N + rows - 1) / rows};
         tasks += h[l].blocks;
+        words += N;
     }
     decode_chain *c = (decode_chain *)xmalloc(sizeof *c);
     c->n = n;
+    c->epoch = 0;
+    CUDA_CHECK(cudaMalloc(&c->ll, sizeof(unsigned long long) * words));
+    CUDA_CHECK(cudaMemset(c->ll, 0, sizeof(unsigned long long) * words));
+    for (int l = 0, off = 0; l < n; off += h[l].N, l++)
+        h[l].ll = c->ll + off;
     CUDA_CHECK(cudaMalloc(&c->links, sizeof(chain_link) * n));
     CUDA_CHECK(cudaMemcpy(c->links, h, sizeof(chain_link) * n, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMalloc(&c->cnt, sizeof(int) * n));
+    CUDA_CHECK(cudaMalloc(&c->cnt, sizeof(int) * n * CHAIN_STRIDE));
     free(h);
     int dev = 0, sms = 0, per_sm = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_chain_kernel,
-                                                             DECODE_WARPS * 32, 0));
+    per_sm = 1 << 30; // the least of the modes': every block must be resident at once
+#define CHAIN_OCC(M)                                                                               \
+    {                                                                                              \
+        int o = 0;                                                                                 \
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, decode_chain_kernel<M>,       \
+                                                                 DECODE_WARPS * 32, 0));           \
+        per_sm = std::min(per_sm, o);                                                              \
+    }
+    CHAIN_MODES(CHAIN_OCC)
+#undef CHAIN_OCC
     MS_ASSERT(per_sm > 0);
     c->grid = (int)std::min<int64_t>(tasks, (int64_t)per_sm * sms);
     return c;
 }
 
-extern "C" void cuda_decode_chain_run(void *chain) {
-    const decode_chain *c = (const decode_chain *)chain;
-    CUDA_CHECK(cudaMemsetAsync(c->cnt, 0, sizeof(int) * c->n, cuda_stream()));
-    decode_chain_kernel<<<c->grid, DECODE_WARPS * 32, 0, cuda_stream()>>>(c->links, c->n, c->cnt);
+// Runs the chain with the way of waiting `mode` (a CHAIN_MODES entry; returns false for others).
+extern "C" bool cuda_decode_chain_run(void *chain, int mode) {
+    decode_chain *c = (decode_chain *)chain;
+    c->epoch++;
+    CUDA_CHECK(cudaMemsetAsync(c->cnt, 0, sizeof(int) * c->n * CHAIN_STRIDE, cuda_stream()));
+    switch (mode) {
+#define CHAIN_CASE(M)                                                                              \
+    case M:                                                                                        \
+        decode_chain_kernel<M>                                                                     \
+            <<<c->grid, DECODE_WARPS * 32, 0, cuda_stream()>>>(c->links, c->n, c->cnt, c->epoch);  \
+        break;
+        CHAIN_MODES(CHAIN_CASE)
+#undef CHAIN_CASE
+    default: return false;
+    }
     CUDA_CHECK_LAUNCH();
+    return true;
+}
+
+// The modes cuda_decode_chain_run takes, in order; returns their count.
+extern "C" int cuda_decode_chain_modes(int *modes, int max) {
+    int n = 0;
+#define CHAIN_LIST(M)                                                                              \
+    if (n < max) modes[n] = (M);                                                                   \
+    n++;
+    CHAIN_MODES(CHAIN_LIST)
+#undef CHAIN_LIST
+    return n;
 }
 
 extern "C" void cuda_decode_chain_free(void *chain) {
@@ -1155,5 +1328,6 @@ extern "C" void cuda_decode_chain_free(void *chain) {
     if (!c) return;
     cudaFree(c->links);
     cudaFree(c->cnt);
+    cudaFree(c->ll);
     free(c);
 }
