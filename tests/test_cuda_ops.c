@@ -1871,6 +1871,9 @@ static void time_chain(void) {
     TIME_CHAIN("linear (router) N=128 Kin=2048", gpu->linear(lg, o, &wr, 1, E, D));
     TIME_CHAIN("router linear + router_topk",
                (gpu->linear(lg, o, &wr, 1, E, D), gpu->router_topk(tk, tw, lg, 1, E, K, true)));
+    TIME_CHAIN("add_rmsnorm + router linear + router_topk",
+               (gpu->add_rmsnorm(a, o, b, &w, 1, D, 1e-6f), gpu->linear(lg, o, &wr, 1, E, D),
+                gpu->router_topk(tk, tw, lg, 1, E, K, true)));
     free(hw.data);
     free(hr.data);
     gpu->dev_free(w.data);

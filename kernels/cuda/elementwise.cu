@@ -23,7 +23,8 @@
 //   passed in the kernel's arguments; cos and sin of the fp32 angle are taken in double and
 //   rounded, which is the correctly rounded value the CPU's cosf/sinf give in all but rare cases.
 // - router_topk: one warp per token. exp in double rounded to fp32 (the CPU's expf is correctly
-//   rounded in practice), the softmax sum added by one lane in expert order like the CPU, then K
+//   rounded in practice), the softmax sum as 32 lanes' partial sums added pairwise in the order
+//   the CPU's softmax_sum (kernels/cpu/router.c) writes down, then K
 //   rounds of a warp argmax ordered by (probability descending, expert id ascending): the CPU's tie
 //   rule, so the ids agree exactly.
 // - silu_mul uses the device expf (at most 2 ulp from the CPU's). It and rope (whose cos/sin can
@@ -717,6 +718,15 @@ void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch
 
 // ---- router_topk: softmax over E in fp32, the K largest, ties to the lower id ----
 
+// The CPU's softmax_sum over a warp (kernels/cpu/router.c): lane l holds its partial sum; for off
+// = 16, 8, 4, 2, 1 lane l < off adds lane l + off's; every lane gets lane 0's total.
+__device__ __forceinline__ float warp_sum_halves(float s) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        s = __fadd_rn(s, __shfl_down_sync(FULL_MASK, s, off));
+    return __shfl_sync(FULL_MASK, s, 0);
+}
+
 // One warp per token. Shared memory per warp: probs [E], then the chosen weights [K].
 __global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float *logits, int T,
                                    int E, int K, bool norm) {
@@ -733,14 +743,12 @@ __global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float
         m = fmaxf(m, l[e]);
     for (int off = 16; off > 0; off >>= 1)
         m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
-    for (int e = lane; e < E; e += 32)
+    float sum = 0.0f; // softmax_sum's order: this lane's experts in turn, then the halves
+    for (int e = lane; e < E; e += 32) {
         probs[e] = (float)exp((double)__fsub_rn(l[e], m));
-    __syncwarp();
-    float sum = 0.0f;
-    if (lane == 0)
-        for (int e = 0; e < E; e++)
-            sum = __fadd_rn(sum, probs[e]);
-    sum = __shfl_sync(FULL_MASK, sum, 0);
+        sum = __fadd_rn(sum, probs[e]);
+    }
+    sum = warp_sum_halves(sum);
     for (int e = lane; e < E; e += 32)
         probs[e] = __fdiv_rn(probs[e], sum);
 
@@ -778,21 +786,13 @@ __global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float
 }
 
 // router_topk_kernel for E <= 32 * NPL: the same arithmetic in the same order, with a lane's
-// logits and probabilities in registers (loaded at once, not one dependent load at a time), the
-// sum read from shared memory four values per load, and the K rounds over registers. Expert
-// e = lane + 32 i lives in lane e % 32, slot i.
+// logits and probabilities in registers (loaded at once, not one dependent load at a time), and
+// the K rounds over registers. Expert e = lane + 32 i lives in lane e % 32, slot i. One warp's
+// token: l its E logits (global or shared memory), ids and tw its K outputs.
 template <int NPL>
-__global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const float *logits,
-                                         int T, int E, int K, bool norm) {
-    extern __shared__ float router_smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t t = (int64_t)blockIdx.x * ROUTER_WARPS + warp;
-    if (t >= T) return;
-    float *probs = router_smem + (int64_t)warp * ((E + 3) & ~3); // 16-byte aligned rows
-    const float *l = logits + t * E;
-    pdl_trigger();
-    pdl_wait();
-
+__device__ __forceinline__ void router_topk_warp(int32_t *ids, float *tw, const float *l, int E,
+                                                 int K, bool norm) {
+    const int lane = threadIdx.x & 31;
     float v[NPL];
 #pragma unroll
     for (int i = 0; i < NPL; i++)
@@ -803,25 +803,14 @@ __global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const
         m = fmaxf(m, v[i]);
     for (int off = 16; off > 0; off >>= 1)
         m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    float sum = 0.0f; // softmax_sum's order: this lane's experts in turn, then the halves
 #pragma unroll
     for (int i = 0; i < NPL; i++)
         if (lane + 32 * i < E) {
             v[i] = (float)exp((double)__fsub_rn(v[i], m));
-            probs[lane + 32 * i] = v[i];
+            sum = __fadd_rn(sum, v[i]);
         }
-    __syncwarp();
-    float sum = 0.0f;
-    if (lane == 0) {
-        int e = 0;
-        if ((E & 3) == 0 && aligned16(probs))
-            for (; e < E; e += 4) {
-                const float4 q = *(const float4 *)(probs + e);
-                sum = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(sum, q.x), q.y), q.z), q.w);
-            }
-        for (; e < E; e++)
-            sum = __fadd_rn(sum, probs[e]);
-    }
-    sum = __shfl_sync(FULL_MASK, sum, 0);
+    sum = warp_sum_halves(sum);
 #pragma unroll
     for (int i = 0; i < NPL; i++)
         v[i] = lane + 32 * i < E ? __fdiv_rn(v[i], sum) : -1.0f;
@@ -851,12 +840,23 @@ __global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const
         for (int i = 0; i < NPL; i++)
             if (be == lane + 32 * i) v[i] = -1.0f; // the lane that owns expert be
         if (lane == k) {
-            topk_ids[t * K + k] = be;
+            ids[k] = be;
             mine = bp;
         }
         if (norm) s = __fadd_rn(s, bp); // every lane holds bp: the CPU's sum, in k order
     }
-    if (lane < K) topk_w[t * K + lane] = norm ? __fdiv_rn(mine, s) : mine;
+    if (lane < K) tw[lane] = norm ? __fdiv_rn(mine, s) : mine;
+}
+
+template <int NPL>
+__global__ void router_topk_small_kernel(int32_t *topk_ids, float *topk_w, const float *logits,
+                                         int T, int E, int K, bool norm) {
+    const int warp = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;
+    pdl_trigger();
+    pdl_wait();
+    router_topk_warp<NPL>(topk_ids + t * K, topk_w + t * K, logits + t * E, E, K, norm);
 }
 
 void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int T, int E, int K,
@@ -865,13 +865,12 @@ void cuda_router_topk(int32_t *topk_ids, float *topk_w, const float *logits, int
     MS_ASSERT(K >= 1 && K <= E);
     const int blocks = (T + ROUTER_WARPS - 1) / ROUTER_WARPS;
     if (K <= 32 && E <= 256) {
-        const size_t smem = (size_t)ROUTER_WARPS * ((E + 3) & ~3) * sizeof(float);
         if (E <= 128)
-            cuda_launch_pdl(router_topk_small_kernel<4>, blocks, 32 * ROUTER_WARPS, smem,
-                            topk_ids, topk_w, logits, T, E, K, norm);
+            cuda_launch_pdl(router_topk_small_kernel<4>, blocks, 32 * ROUTER_WARPS, 0, topk_ids,
+                            topk_w, logits, T, E, K, norm);
         else
-            cuda_launch_pdl(router_topk_small_kernel<8>, blocks, 32 * ROUTER_WARPS, smem,
-                            topk_ids, topk_w, logits, T, E, K, norm);
+            cuda_launch_pdl(router_topk_small_kernel<8>, blocks, 32 * ROUTER_WARPS, 0, topk_ids,
+                            topk_w, logits, T, E, K, norm);
         CUDA_CHECK_LAUNCH();
         return;
     }
