@@ -6,11 +6,12 @@
 // - Arithmetic that the CPU does as separate fp32 multiplies and adds is written here with
 //   __fmul_rn / __fadd_rn, so nvcc does not contract it into FMAs: rmsnorm, rope, moe_finalize and
 //   add then give the CPU's bits exactly (the CPU is built as ISO C, which contracts nothing).
-// - rmsnorm: one warp per row. Lane l sums the squares of 4-element chunks l, l + 32, ... in
-//   double (as the CPU does), then the lanes are added by an xor butterfly, which leaves every lane
-//   with the same sum. The order depends on C only, never on R or on the pointer's alignment (the
-//   aligned and unaligned paths read the same chunks), so a row's result does not depend on the
-//   batch.
+// - rmsnorm: one warp per row. The squares of 4-element chunks are summed in double (as the CPU
+//   does) into 256 partials, chunk ch into partial ch % 256 (lane l holds partials l + 32 j), the
+//   partials folded pairwise and the lanes added by an xor butterfly, which leaves every lane with
+//   the same sum (norm_fold below). The order depends on C only, never on R or on the pointer's
+//   alignment (the aligned and unaligned paths read the same chunks), so a row's result does not
+//   depend on the batch.
 // - add_rmsnorm and qk_norm_rope are the fused forms of add + rmsnorm and rmsnorm (q, k) + rope.
 //   They share rmsnorm's chunks, its square helper and its butterfly, and rope's angles, through
 //   the same device functions, so each gives the bits of the unfused kernels it replaces.
@@ -134,6 +135,18 @@ __device__ __forceinline__ double norm_sq4(double ss, float4 v) {
     return norm_sq(norm_sq(norm_sq(norm_sq(ss, v.x), v.y), v.z), v.w);
 }
 
+// The order of a row's sum of squares, the same in every norm kernel here (it depends on the row's
+// length alone): chunk ch goes to partial ch % 256, each partial adding its chunks in turn from 0;
+// partial p then takes partial p + off for off = 128, 64, 32 (a lane holds partials l + 32 j,
+// j < NORM_PARTS: norm_fold), then 16, 8, 4, 2, 1 (norm_inv's butterfly). A lane's partials are
+// independent chains, so a row of 2048 is 2 chunks deep instead of 16. (The CPU adds in index
+// order; in double either order rounds to the same float but for ties of about 2^-29.)
+#define NORM_PARTS 8
+__device__ __forceinline__ double norm_fold(const double (&s)[NORM_PARTS]) {
+    const double a0 = s[0] + s[4], a1 = s[1] + s[5], a2 = s[2] + s[6], a3 = s[3] + s[7];
+    return (a0 + a2) + (a1 + a3);
+}
+
 // The lanes' partial sums added by an xor butterfly (every lane gets the same total), then
 // 1 / sqrt(mean + eps) with IEEE division and square root (no fast math).
 __device__ __forceinline__ float norm_inv(double ss, int C, float eps) {
@@ -177,17 +190,21 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
     float *o = out + row * C;
     const int n_chunks = (C + 3) / 4;
 
-    double ss = 0.0;
-    for (int ch = lane; ch < n_chunks; ch += 32) {
-        if constexpr (VEC) {
-            ss = norm_sq4(ss, ((const float4 *)xr)[ch]);
-        } else {
-            const int c1 = min(4 * ch + 4, C);
-            for (int c = 4 * ch; c < c1; c++)
-                ss = norm_sq(ss, xr[c]);
+    double ss[NORM_PARTS] = {};
+    for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
+#pragma unroll
+        for (int j = 0; j < NORM_PARTS; j++) {
+            const int ch = base + 32 * j;
+            if (ch >= n_chunks) break;
+            if constexpr (VEC) {
+                ss[j] = norm_sq4(ss[j], ((const float4 *)xr)[ch]);
+            } else {
+                const int c1 = min(4 * ch + 4, C);
+                for (int c = 4 * ch; c < c1; c++)
+                    ss[j] = norm_sq(ss[j], xr[c]);
+            }
         }
-    }
-    const float inv = norm_inv(ss, C, eps);
+    const float inv = norm_inv(norm_fold(ss), C, eps);
 
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
@@ -215,11 +232,11 @@ __device__ __forceinline__ void warp_norm_row(float4 *dst, const float4 *src, co
             v[i] = src[lane + 32 * i];
             wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
         }
-    double ss = 0.0;
+    double ss[NORM_PARTS] = {};
 #pragma unroll
     for (int i = 0; i < N; i++)
-        if (lane + 32 * i < n_chunks) ss = norm_sq4(ss, v[i]);
-    const float inv = norm_inv(ss, C, eps);
+        if (lane + 32 * i < n_chunks) ss[i % NORM_PARTS] = norm_sq4(ss[i % NORM_PARTS], v[i]);
+    const float inv = norm_inv(norm_fold(ss), C, eps);
 #pragma unroll
     for (int i = 0; i < N; i++)
         if (lane + 32 * i < n_chunks) dst[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
@@ -301,13 +318,13 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
             other[i] = orow[ch];
         }
     }
-    double ss = 0.0;
+    double ss[NORM_PARTS] = {};
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
         if (ch < n_chunks) {
             keep[i] = add4(keep[i], other[i]);
-            ss = norm_sq4(ss, keep[i]);
+            ss[i % NORM_PARTS] = norm_sq4(ss[i % NORM_PARTS], keep[i]);
         }
     }
 #pragma unroll
@@ -315,7 +332,7 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
         const int ch = lane + 32 * i;
         if (ch < n_chunks) xr[ch] = keep[i];
     }
-    const float inv = norm_inv(ss, D, eps);
+    const float inv = norm_inv(norm_fold(ss), D, eps);
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
@@ -335,22 +352,26 @@ __global__ void add_rmsnorm_kernel(float *x, float *h, const float *o, const voi
     const float *orow = o + row * D;
     const int n_chunks = (D + 3) / 4;
 
-    double ss = 0.0;
-    for (int ch = lane; ch < n_chunks; ch += 32) {
-        if constexpr (VEC) {
-            const float4 v = add4(((const float4 *)xr)[ch], ((const float4 *)orow)[ch]);
-            ((float4 *)xr)[ch] = v;
-            ss = norm_sq4(ss, v);
-        } else {
-            const int c1 = min(4 * ch + 4, D);
-            for (int c = 4 * ch; c < c1; c++) {
-                const float v = __fadd_rn(xr[c], orow[c]);
-                xr[c] = v;
-                ss = norm_sq(ss, v);
+    double ss[NORM_PARTS] = {};
+    for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
+#pragma unroll
+        for (int j = 0; j < NORM_PARTS; j++) {
+            const int ch = base + 32 * j;
+            if (ch >= n_chunks) break;
+            if constexpr (VEC) {
+                const float4 v = add4(((const float4 *)xr)[ch], ((const float4 *)orow)[ch]);
+                ((float4 *)xr)[ch] = v;
+                ss[j] = norm_sq4(ss[j], v);
+            } else {
+                const int c1 = min(4 * ch + 4, D);
+                for (int c = 4 * ch; c < c1; c++) {
+                    const float v = __fadd_rn(xr[c], orow[c]);
+                    xr[c] = v;
+                    ss[j] = norm_sq(ss[j], v);
+                }
             }
         }
-    }
-    const float inv = norm_inv(ss, D, eps);
+    const float inv = norm_inv(norm_fold(ss), D, eps);
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
             ((float4 *)hr)[ch] = norm_scale4<DT>(((const float4 *)xr)[ch], inv, w, 4 * ch);
@@ -488,15 +509,19 @@ __device__ __forceinline__ void head_norm_rope(float *dst, const float *src, con
         warp_norm_row<DT, 2 * ROPE_MAX_HALF / 4 / 32>((float4 *)row, (const float4 *)src, w, Dh,
                                                       eps);
     } else {
-        double ss = 0.0;
-        for (int ch = lane; ch < n_chunks; ch += 32) {
-            const int c1 = min(4 * ch + 4, Dh);
-            for (int c = 4 * ch; c < c1; c++) {
-                row[c] = src[c];
-                ss = norm_sq(ss, row[c]);
+        double ss[NORM_PARTS] = {};
+        for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
+#pragma unroll
+            for (int j = 0; j < NORM_PARTS; j++) {
+                const int ch = base + 32 * j;
+                if (ch >= n_chunks) break;
+                const int c1 = min(4 * ch + 4, Dh);
+                for (int c = 4 * ch; c < c1; c++) {
+                    row[c] = src[c];
+                    ss[j] = norm_sq(ss[j], row[c]);
+                }
             }
-        }
-        const float inv = norm_inv(ss, Dh, eps);
+        const float inv = norm_inv(norm_fold(ss), Dh, eps);
         for (int ch = lane; ch < n_chunks; ch += 32) {
             const int c1 = min(4 * ch + 4, Dh);
             for (int c = 4 * ch; c < c1; c++)
@@ -915,9 +940,9 @@ __device__ __forceinline__ float4 finalize4(const float4 *src, const float *w, i
 // One block of ROW_THREADS per row, so a decode step's single row is spread over 256 threads
 // rather than one warp. Thread i owns chunks i, i + ROW_THREADS, ... (at most CPT): it loads
 // x, the addend (o, or with FIN the finalize sum of expert_out with finalize4) and the norm
-// weights before storing anything, adds with add4, and leaves the row's new x in shared memory.
-// Warp 0 then sums the squares chunk by chunk exactly as add_rmsnorm_keep_kernel's warp does
-// (lane l: chunks l, l + 32, ... in order, then the butterfly), so the bits are add_rmsnorm's
+// weights before storing anything, adds with add4, and sums its chunks' squares in turn: with
+// ROW_THREADS = 256 that is partial i of the order above (norm_fold). Warp 0 then folds the
+// partials and adds them as add_rmsnorm_keep_kernel's warp does, so the bits are add_rmsnorm's
 // (with FIN: moe_finalize's followed by add_rmsnorm's). x, h, o 16-byte aligned, D % 4 == 0,
 // D / 4 <= CPT ROW_THREADS.
 // The body is row t's block; dep as cuda_ops.h's pdl_dep (the wrapper below).
@@ -925,7 +950,8 @@ template <int DT, int CPT, bool FIN, class DEP>
 __device__ __forceinline__ void add_rmsnorm_row_block(int64_t t, DEP dep, float *x, float *h,
                                                       const float *o, const float *topk_w, int K,
                                                       const void *w, int D, float eps) {
-    __shared__ float4 row[CPT * ROW_THREADS];
+    static_assert(ROW_THREADS == 32 * NORM_PARTS, "a thread a partial of the sum");
+    __shared__ double part[ROW_THREADS];
     __shared__ float row_inv;
     const int n_chunks = D / 4;
     float4 *xr = (float4 *)(x + t * D), *hr = (float4 *)(h + t * D);
@@ -952,21 +978,24 @@ __device__ __forceinline__ void add_rmsnorm_row_block(int64_t t, DEP dep, float 
             if (ch < n_chunks) ov[i] = finalize4(src + ch, topk_w + t * K, K, n_chunks);
         }
     }
+    double ss = 0.0;
 #pragma unroll
     for (int i = 0; i < CPT; i++) {
         const int ch = threadIdx.x + i * ROW_THREADS;
         if (ch < n_chunks) {
             xv[i] = add4(xv[i], ov[i]);
             xr[ch] = xv[i];
-            row[ch] = xv[i];
+            ss = norm_sq4(ss, xv[i]);
         }
     }
+    part[threadIdx.x] = ss;
     __syncthreads();
     if (threadIdx.x < 32) {
-        double ss = 0.0;
-        for (int ch = threadIdx.x; ch < n_chunks; ch += 32)
-            ss = norm_sq4(ss, row[ch]);
-        const float inv = norm_inv(ss, D, eps);
+        double sp[NORM_PARTS];
+#pragma unroll
+        for (int j = 0; j < NORM_PARTS; j++)
+            sp[j] = part[threadIdx.x + 32 * j];
+        const float inv = norm_inv(norm_fold(sp), D, eps);
         if (threadIdx.x == 0) row_inv = inv;
     }
     __syncthreads();
