@@ -813,7 +813,7 @@ __global__ void router_topk_kernel(int32_t *topk_ids, float *topk_w, const float
 // router_topk_kernel for E <= 32 * NPL: the same arithmetic in the same order, with a lane's
 // logits and probabilities in registers (loaded at once, not one dependent load at a time), and
 // the K rounds over registers. Expert e = lane + 32 i lives in lane e % 32, slot i. One warp's
-// token: l its E logits (global or shared memory), ids and tw its K outputs.
+// token: l its E logits, ids and tw its K outputs.
 template <int NPL>
 __device__ __forceinline__ void router_topk_warp(int32_t *ids, float *tw, const float *l, int E,
                                                  int K, bool norm) {
