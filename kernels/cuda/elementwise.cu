@@ -147,6 +147,20 @@ __device__ __forceinline__ double norm_fold(const double (&s)[NORM_PARTS]) {
     return (a0 + a2) + (a1 + a3);
 }
 
+// A lane's part of a row's sum in that order, folded: sq(ch, s) returns s plus the squares of
+// chunk ch (in its element order), called for the lane's chunks ch = lane, lane + 32, ... in turn.
+template <class SQ> __device__ __forceinline__ double norm_lane_sum(int lane, int n_chunks, SQ sq) {
+    double ss[NORM_PARTS] = {};
+    for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
+#pragma unroll
+        for (int j = 0; j < NORM_PARTS; j++) {
+            const int ch = base + 32 * j;
+            if (ch >= n_chunks) break;
+            ss[j] = sq(ch, ss[j]);
+        }
+    return norm_fold(ss);
+}
+
 // The lanes' partial sums added by an xor butterfly (every lane gets the same total), then
 // 1 / sqrt(mean + eps) with IEEE division and square root (no fast math).
 __device__ __forceinline__ float norm_inv(double ss, int C, float eps) {
@@ -190,21 +204,17 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
     float *o = out + row * C;
     const int n_chunks = (C + 3) / 4;
 
-    double ss[NORM_PARTS] = {};
-    for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
-#pragma unroll
-        for (int j = 0; j < NORM_PARTS; j++) {
-            const int ch = base + 32 * j;
-            if (ch >= n_chunks) break;
-            if constexpr (VEC) {
-                ss[j] = norm_sq4(ss[j], ((const float4 *)xr)[ch]);
-            } else {
-                const int c1 = min(4 * ch + 4, C);
-                for (int c = 4 * ch; c < c1; c++)
-                    ss[j] = norm_sq(ss[j], xr[c]);
-            }
+    const double ss = norm_lane_sum(lane, n_chunks, [&](int ch, double s) {
+        if constexpr (VEC) {
+            s = norm_sq4(s, ((const float4 *)xr)[ch]);
+        } else {
+            const int c1 = min(4 * ch + 4, C);
+            for (int c = 4 * ch; c < c1; c++)
+                s = norm_sq(s, xr[c]);
         }
-    const float inv = norm_inv(norm_fold(ss), C, eps);
+        return s;
+    });
+    const float inv = norm_inv(ss, C, eps);
 
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
@@ -352,26 +362,22 @@ __global__ void add_rmsnorm_kernel(float *x, float *h, const float *o, const voi
     const float *orow = o + row * D;
     const int n_chunks = (D + 3) / 4;
 
-    double ss[NORM_PARTS] = {};
-    for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
-#pragma unroll
-        for (int j = 0; j < NORM_PARTS; j++) {
-            const int ch = base + 32 * j;
-            if (ch >= n_chunks) break;
-            if constexpr (VEC) {
-                const float4 v = add4(((const float4 *)xr)[ch], ((const float4 *)orow)[ch]);
-                ((float4 *)xr)[ch] = v;
-                ss[j] = norm_sq4(ss[j], v);
-            } else {
-                const int c1 = min(4 * ch + 4, D);
-                for (int c = 4 * ch; c < c1; c++) {
-                    const float v = __fadd_rn(xr[c], orow[c]);
-                    xr[c] = v;
-                    ss[j] = norm_sq(ss[j], v);
-                }
+    const double ss = norm_lane_sum(lane, n_chunks, [&](int ch, double s) {
+        if constexpr (VEC) {
+            const float4 v = add4(((const float4 *)xr)[ch], ((const float4 *)orow)[ch]);
+            ((float4 *)xr)[ch] = v;
+            s = norm_sq4(s, v);
+        } else {
+            const int c1 = min(4 * ch + 4, D);
+            for (int c = 4 * ch; c < c1; c++) {
+                const float v = __fadd_rn(xr[c], orow[c]);
+                xr[c] = v;
+                s = norm_sq(s, v);
             }
         }
-    const float inv = norm_inv(norm_fold(ss), D, eps);
+        return s;
+    });
+    const float inv = norm_inv(ss, D, eps);
     for (int ch = lane; ch < n_chunks; ch += 32) {
         if constexpr (VEC) {
             ((float4 *)hr)[ch] = norm_scale4<DT>(((const float4 *)xr)[ch], inv, w, 4 * ch);
@@ -509,19 +515,15 @@ __device__ __forceinline__ void head_norm_rope(float *dst, const float *src, con
         warp_norm_row<DT, 2 * ROPE_MAX_HALF / 4 / 32>((float4 *)row, (const float4 *)src, w, Dh,
                                                       eps);
     } else {
-        double ss[NORM_PARTS] = {};
-        for (int base = lane; base < n_chunks; base += 32 * NORM_PARTS)
-#pragma unroll
-            for (int j = 0; j < NORM_PARTS; j++) {
-                const int ch = base + 32 * j;
-                if (ch >= n_chunks) break;
-                const int c1 = min(4 * ch + 4, Dh);
-                for (int c = 4 * ch; c < c1; c++) {
-                    row[c] = src[c];
-                    ss[j] = norm_sq(ss[j], row[c]);
-                }
+        const double ss = norm_lane_sum(lane, n_chunks, [&](int ch, double s) {
+            const int c1 = min(4 * ch + 4, Dh);
+            for (int c = 4 * ch; c < c1; c++) {
+                row[c] = src[c];
+                s = norm_sq(s, row[c]);
             }
-        const float inv = norm_inv(norm_fold(ss), Dh, eps);
+            return s;
+        });
+        const float inv = norm_inv(ss, Dh, eps);
         for (int ch = lane; ch < n_chunks; ch += 32) {
             const int c1 = min(4 * ch + 4, Dh);
             for (int c = 4 * ch; c < c1; c++)
