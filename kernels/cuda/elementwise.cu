@@ -231,37 +231,42 @@ __global__ void rmsnorm_kernel(float *out, const float *x, const void *w, int R,
 // to 32 * 4 * N values (16-byte aligned, C % 4 == 0). All of a lane's chunks and their weights are
 // loaded before its sum starts, and the stores come last: a load issued after a store that may
 // alias it would wait for that store, once per chunk. dst may equal src.
-template <int DT, int N>
+// FULL: C is 32 * 4 * N (no lane's chunk is missing), so no chunk is a branch of its own and
+// ptxas issues all the loads before the first square (with the tests it left 4 of the 16 rows'
+// loads among the sums: cuobjdump -sass, sm_90a; H200, rmsnorm of 8192 x 2048 37.0 us
+// against 44.0).
+template <int DT, int N, bool FULL = false>
 __device__ __forceinline__ void warp_norm_row(float4 *dst, const float4 *src, const void *w, int C,
                                               float eps) {
     const int lane = threadIdx.x & 31, n_chunks = C / 4;
+    auto in = [&](int i) { return FULL || lane + 32 * i < n_chunks; };
     float4 v[N], wv[N];
 #pragma unroll
     for (int i = 0; i < N; i++)
-        if (lane + 32 * i < n_chunks) {
+        if (in(i)) {
             v[i] = src[lane + 32 * i];
             wv[i] = load_w4<DT>(w, 4 * (lane + 32 * i));
         }
     double ss[NORM_PARTS] = {};
 #pragma unroll
     for (int i = 0; i < N; i++)
-        if (lane + 32 * i < n_chunks) ss[i % NORM_PARTS] = norm_sq4(ss[i % NORM_PARTS], v[i]);
+        if (in(i)) ss[i % NORM_PARTS] = norm_sq4(ss[i % NORM_PARTS], v[i]);
     const float inv = norm_inv(norm_fold(ss), C, eps);
 #pragma unroll
     for (int i = 0; i < N; i++)
-        if (lane + 32 * i < n_chunks) dst[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
+        if (in(i)) dst[lane + 32 * i] = norm_scale4w(v[i], inv, wv[i]);
 }
 
 // rmsnorm_kernel's VEC path for rows of up to 32 * 4 * KEEP values, one warp_norm_row a warp: the
-// same chunks, in the same order, the same bits.
-template <int DT, int KEEP>
+// same chunks, in the same order, the same bits. FULL: C = 32 * 4 * KEEP.
+template <int DT, int KEEP, bool FULL = false>
 __global__ void rmsnorm_keep_kernel(float *out, const float *x, const void *w, int R, int C,
                                     float eps) {
     const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
     if (row >= R) return;
     const float4 *xr = (const float4 *)(x + row * C);
     float4 *o = (float4 *)(out + row * C);
-    warp_norm_row<DT, KEEP>(o, xr, w, C, eps);
+    warp_norm_row<DT, KEEP, FULL>(o, xr, w, C, eps);
 }
 
 template <int DT>
@@ -274,6 +279,9 @@ static void rmsnorm_launch(float *out, const float *x, const void *w, int R, int
             <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
     else if (vec && per_lane <= 4)
         rmsnorm_keep_kernel<DT, 4>
+            <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
+    else if (vec && C == 32 * 4 * NORM_KEEP_MAX)
+        rmsnorm_keep_kernel<DT, NORM_KEEP_MAX, true>
             <<<blocks, 32 * NORM_WARPS, 0, cuda_stream()>>>(out, x, w, R, C, eps);
     else if (vec && per_lane <= NORM_KEEP_MAX)
         rmsnorm_keep_kernel<DT, NORM_KEEP_MAX>
@@ -306,10 +314,15 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 }
 
 // One warp per row, rmsnorm's chunks, each lane's sums kept in registers between the two passes:
-// x, h, o 16-byte aligned, D % 4 == 0, at most KEEP chunks per lane (D <= 32 * 4 * KEEP).
-template <int DT, int KEEP>
-__global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, const void *w, int T,
-                                        int D, float eps) {
+// x, h, o 16-byte aligned, D % 4 == 0, at most KEEP chunks per lane (D <= 32 * 4 * KEEP; FULL:
+// D = 32 * 4 * KEEP, no chunk tests, as warp_norm_row's). The bound of 3 blocks a multiprocessor
+// lets ptxas hold all 32 loads in flight (162 registers); left to itself it kept to 96 and issued
+// 15 of them after the first square, each a wait of its own (H200, T = 8192, D = 2048: 72.8 us
+// against 85.7).
+template <int DT, int KEEP, bool FULL = false>
+__global__ void __launch_bounds__(32 * NORM_WARPS, 3)
+    add_rmsnorm_keep_kernel(float *x, float *h, const float *o, const void *w, int T, int D,
+                            float eps) {
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5);
     if (row >= T) return;
@@ -323,7 +336,7 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
-        if (ch < n_chunks) {
+        if (FULL || ch < n_chunks) {
             keep[i] = xr[ch];
             other[i] = orow[ch];
         }
@@ -332,7 +345,7 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
-        if (ch < n_chunks) {
+        if (FULL || ch < n_chunks) {
             keep[i] = add4(keep[i], other[i]);
             ss[i % NORM_PARTS] = norm_sq4(ss[i % NORM_PARTS], keep[i]);
         }
@@ -340,13 +353,13 @@ __global__ void add_rmsnorm_keep_kernel(float *x, float *h, const float *o, cons
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
-        if (ch < n_chunks) xr[ch] = keep[i];
+        if (FULL || ch < n_chunks) xr[ch] = keep[i];
     }
     const float inv = norm_inv(norm_fold(ss), D, eps);
 #pragma unroll
     for (int i = 0; i < KEEP; i++) {
         const int ch = lane + 32 * i;
-        if (ch < n_chunks) hr[ch] = norm_scale4<DT>(keep[i], inv, w, 4 * ch);
+        if (FULL || ch < n_chunks) hr[ch] = norm_scale4<DT>(keep[i], inv, w, 4 * ch);
     }
 }
 
@@ -399,6 +412,9 @@ static void add_rmsnorm_launch(float *x, float *h, const float *o, const void *w
         add_rmsnorm_kernel<DT, false><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
     else if (per_lane <= 4)
         add_rmsnorm_keep_kernel<DT, 4><<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
+    else if (D == 32 * 4 * NORM_KEEP_MAX)
+        add_rmsnorm_keep_kernel<DT, NORM_KEEP_MAX, true>
+            <<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
     else if (per_lane <= NORM_KEEP_MAX)
         add_rmsnorm_keep_kernel<DT, NORM_KEEP_MAX>
             <<<blocks, threads, 0, s>>>(x, h, o, w, T, D, eps);
