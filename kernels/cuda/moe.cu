@@ -634,6 +634,7 @@ int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const flo
 
 #define MOE_PREP_THREADS   1024
 #define MOE_PREP_SMEM_INTS 12000 /* dynamic shared memory of block 0, under the 48 KB default */
+#define PREP_IDS           8     /* rounds of 32 pairs whose expert ids a warp loads at once */
 
 typedef struct {
     int32_t *offsets;        // [E + 1] first grouped row of each expert; offsets[E] = n
@@ -722,12 +723,27 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
     // 1. count per (segment, expert)
     const int seg = (a.n_pairs + S - 1) / S;
     const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
+    // the expert ids of pairs base + lane, + 32, ... (PREP_IDS of them, -1 past s1), requested at
+    // once: one wait for memory a PREP_IDS rounds, not one a round (H200, 8192 pairs: the
+    // grouping took 20 us with a load a round)
+    int ids[PREP_IDS];
+    auto load_ids = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < PREP_IDS; j++) {
+            const int i = base + 32 * j + lane;
+            ids[j] = i < s1 ? (a.topk_ids ? a.topk_ids[i] : 0) : -1;
+        }
+    };
     if (warp < S)
-        for (int i = s0 + lane; i < s1; i += 32) {
-            const int e = a.topk_ids ? a.topk_ids[i] : 0;
-            if (e >= 0) {
-                if (e >= E) __trap(); // broken invariant: ids index the local experts
-                atomicAdd(&cnt[warp * E + e], 1);
+        for (int base = s0; base < s1; base += 32 * PREP_IDS) {
+            load_ids(base);
+#pragma unroll
+            for (int j = 0; j < PREP_IDS; j++) {
+                const int e = ids[j];
+                if (e >= 0) {
+                    if (e >= E) __trap(); // broken invariant: ids index the local experts
+                    atomicAdd(&cnt[warp * E + e], 1);
+                }
             }
         }
     __syncthreads();
@@ -784,15 +800,18 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
     // 4. scatter: each warp walks its segment in order, 32 pairs at a time; lanes with the same
     //    expert take consecutive rows in lane order (a stable counting sort)
     if (warp < S)
-        for (int base = s0; base < s1; base += 32) {
-            const int i = base + lane;
-            const int e = i < s1 ? (a.topk_ids ? a.topk_ids[i] : 0) : -1;
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            const int rank = __popc(same & ((1u << lane) - 1u));
-            if (e >= 0) a.pairs[off[e] + cnt[warp * E + e] + rank] = i;
-            __syncwarp();
-            if (e >= 0 && rank == 0) cnt[warp * E + e] += __popc(same);
-            __syncwarp();
+        for (int base0 = s0; base0 < s1; base0 += 32 * PREP_IDS) {
+            load_ids(base0);
+#pragma unroll
+            for (int j = 0; j < PREP_IDS; j++) {
+                const int i = base0 + 32 * j + lane, e = ids[j];
+                const unsigned same = __match_any_sync(0xffffffffu, e);
+                const int rank = __popc(same & ((1u << lane) - 1u));
+                if (e >= 0) a.pairs[off[e] + cnt[warp * E + e] + rank] = i;
+                __syncwarp();
+                if (e >= 0 && rank == 0) cnt[warp * E + e] += __popc(same);
+                __syncwarp();
+            }
         }
 }
 
@@ -1794,8 +1813,9 @@ static moe_prep_layout prep_layout(int E, int64_t n_pairs, int max_tiles, size_t
     return l;
 }
 
-// The prepare kernel on l's buffers in ws: x [T, D] into xb (split: and its lo part), the pairs of
-// topk_ids [T, K] (NULL: every pair to expert 0) grouped by expert into tiles of BM rows.
+// The prepare kernel on l's buffers in ws: x [T, D] into xb (split: and its lo part; x NULL: no
+// copy), the pairs of topk_ids [T, K] (NULL: every pair to expert 0) grouped by expert into tiles
+// of BM rows.
 static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bool split,
                                  const float *x, const int32_t *topk_ids, int T, int K, int D,
                                  int E, int BM, const int32_t *n_rows) {
@@ -1809,7 +1829,7 @@ static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bo
     p.xb_lo = split ? p.xb + (int64_t)T * D : nullptr;
     p.x = x;
     p.topk_ids = topk_ids;
-    p.n_x8 = (int64_t)T * D / 8;
+    p.n_x8 = x ? (int64_t)T * D / 8 : 0;
     p.n_pairs = (int)n_pairs;
     p.E = E;
     p.BM = BM;
@@ -1862,7 +1882,9 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
                          : wgmma ? align256(o_q + bf16_wgmma_scratch_bytes(n_pairs, D, C::SPLIT))
                                  : o_q;
     unsigned char *ws = moe_workspace(total);
-    const moe_prep_args p = prep_launch(ws, l, C::SPLIT, x, topk_ids, T, K, D, E, BM, n_rows);
+    // (W8A8's GEMMs read x itself and h: no BF16 copy of x)
+    const moe_prep_args p = prep_launch(ws, l, C::SPLIT, w8a8 && !wgmma ? nullptr : x, topk_ids, T,
+                                        K, D, E, BM, n_rows);
     if (wgmma) { // both GEMMs on wgmma (bf16_gemm.cu), from the same prepared inputs
         if constexpr (WF == WF_NVFP4)
             bf16_wgmma_experts_w4(out, p.xb, T, p.pairs, p.offsets, K, (const uint8_t *)w->gate_up,
