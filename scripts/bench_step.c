@@ -2,9 +2,10 @@
  * prefill throughput, on one device, with a real checkpoint or dummy weights.
  *
  *   build/bench_step --model-path DIR [--load-format dummy] [--device cuda|cpu]
- *                    [--quantization nvfp4|fp8] (dummy: routed experts in NVFP4, W4A16, or FP8, W8A16)
+ *                    [--quantization nvfp4|fp8] (dummy: experts in NVFP4 W4A16 or FP8 W8A16)
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
+ *                    [--routing model|random]
  *
  * Decode: B sequences with a random prompt of --context tokens are prefilled, then --steps decode
  * steps (one token per sequence, greedy) are timed one by one through engine_step, the program's
@@ -25,7 +26,15 @@
  * too), router the top-k alone, norms the residual adds with their norms (add_rmsnorm and the
  * experts' moe_finalize_add_rmsnorm).
  * --deterministic 1: the CUDA backend's deterministic mode (ops_cuda_set_deterministic), to
- * measure what --enable-deterministic-inference costs a step. */
+ * measure what --enable-deterministic-inference costs a step.
+ * --routing random: during the timed decode steps each token's experts are drawn uniformly (the
+ * router's logits overwritten with fill_random before its top-k, a stream per call, so each layer
+ * of a captured graph keeps its own draw), as the floor assumes. With dummy weights the model's
+ * own routing collapses as the context grows: the router sees nearly the same hidden state for
+ * every sequence, so a batch touches a few experts where a trained model's touches most (H200,
+ * Qwen3-30B-A3B, batch 256: 21.3 ms at context 1024 against 25.0 at context 64, where the
+ * attention alone reads 52 GB of the cache, 18.8 ms). Default: model (the router's own choice).
+ * It adds one small kernel a layer, so batch-1 figures are taken with the model's routing. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,10 +159,11 @@ static void set_free(bench_set *b) {
     free(b->table);
 }
 
-/* One step of the set (engine_plan_step). Returns the tokens forwarded (0: all done). */
-static int set_step(bench_set *b) {
+/* One step of the set's sequences from `from` on (engine_plan_step). Returns the tokens forwarded
+ * (0: all done). */
+static int set_step_from(bench_set *b, int from) {
     char err[256];
-    int n_batch = engine_plan_step(b->e, b->seqs, b->n, b->batch, err, sizeof err);
+    int n_batch = engine_plan_step(b->e, b->seqs + from, b->n - from, b->batch, err, sizeof err);
     if (n_batch < 0) {
         fprintf(stderr, "bench_step: %s\n", err);
         exit(1);
@@ -166,6 +176,8 @@ static int set_step(bench_set *b) {
     }
     return T;
 }
+
+static int set_step(bench_set *b) { return set_step_from(b, 0); }
 
 /* --skip: ops that leave their outputs as they are. */
 static void skip_add_rmsnorm(float *x, float *h, const float *o, const tensor *w, int T, int D,
@@ -209,6 +221,26 @@ static const ops *skip_ops(const ops *o, const char *list) {
     return &s;
 }
 
+/* --routing random: the router's logits redrawn uniformly before the real top-k (see the file
+ * comment). */
+static const ops *g_routed;
+static uint64_t g_route_draws;
+static void random_router_topk(int32_t *ids, float *w, const float *logits, int T, int E, int K,
+                               bool norm) {
+    /* logits is the model's own scratch, written by the router linear just before */
+    g_routed->fill_random((void *)logits, DTYPE_F32, (int64_t)T * E, 0x7a11d0 + g_route_draws++,
+                          0.0f, 1.0f);
+    g_routed->router_topk(ids, w, logits, T, E, K, norm);
+}
+
+static const ops *random_routing_ops(const ops *o) {
+    static ops s;
+    s = *o;
+    g_routed = o;
+    s.router_topk = random_router_topk;
+    return &s;
+}
+
 /* Bytes a decode step of B sequences at context ctx must read. */
 static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t kv_elem) {
     double D = c->hidden_size, Dh = c->head_dim, H = c->num_attention_heads;
@@ -231,6 +263,7 @@ int main(int argc, char **argv) {
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
     int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
     const char *skip = NULL;
+    bool random_routing = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -239,7 +272,8 @@ int main(int argc, char **argv) {
                  "       [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]\n"
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
                  "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
-                 "       [--deterministic 0|1] [--quantization nvfp4|fp8]");
+                 "       [--deterministic 0|1] [--quantization nvfp4|fp8]\n"
+                 "       [--routing model|random]");
             return 0;
         }
         if (!v) {
@@ -259,7 +293,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
         else if (!strcmp(a, "--cuda-graph-max-bs")) graph_bs = atoi(v);
         else if (!strcmp(a, "--skip")) skip = v;
-        else if (!strcmp(a, "--deterministic")) ops_cuda_set_deterministic(atoi(v) != 0);
+        else if (!strcmp(a, "--routing")) {
+            if (strcmp(v, "random") && strcmp(v, "model")) {
+                fprintf(stderr, "bench_step: --routing must be model or random, not %s\n", v);
+                return 2;
+            }
+            random_routing = !strcmp(v, "random");
+        } else if (!strcmp(a, "--deterministic"))
+            ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {
             char e2[256];
             if (ops_cuda_set_matmul_precision(v, e2, sizeof e2)) {
@@ -328,6 +369,10 @@ int main(int argc, char **argv) {
         if (!timed_ops) return 2;
         printf("decode steps skip: %s (their tokens are meaningless)\n", skip);
     }
+    if (random_routing) {
+        timed_ops = random_routing_ops(timed_ops);
+        printf("decode steps route each token to uniformly drawn experts\n");
+    }
 
     printf("\ndecode, context %d, %d timed steps (median)\n", context, steps);
     printf("%6s %10s %10s %10s %12s %10s %8s\n", "batch", "step ms", "fwd ms", "tok/s",
@@ -336,21 +381,29 @@ int main(int argc, char **argv) {
         int B = batches[bi];
         bench_set set;
         set_init(&set, &e, B, context, steps + 2, 1000 + (uint64_t)B);
-        for (;;) { /* prefill every prompt */
-            bool pending = false;
-            for (int i = 0; i < B; i++)
-                pending = pending || set.seqs[i].n_computed < context;
-            if (!pending) break;
-            set_step(&set);
+        /* Prefill every prompt. Steps of `chunk` tokens take the prompts in order, so the ones
+         * done are a prefix, held back from the steps after: a prompt done early would otherwise
+         * decode in every later prefill step and reach its last token before the timed steps,
+         * which would then run fewer sequences than B. */
+        for (int first = 0;;) {
+            while (first < B && set.seqs[first].n_computed >= context)
+                first++;
+            if (first == B) break;
+            set_step_from(&set, first);
         }
         m->ops = timed_ops;
         set_step(&set); /* warm-up decode step */
         double *t_step = xcalloc(steps, sizeof(double)), *t_fwd = xcalloc(steps, sizeof(double));
         for (int s = 0; s < steps; s++) {
             double a = now();
-            set_step(&set);
+            const int fwd_tokens = set_step(&set);
             t_step[s] = now() - a;
             t_fwd[s] = e.last_forward_seconds;
+            if (fwd_tokens != B) {
+                fprintf(stderr, "bench_step: timed step %d of batch %d ran %d tokens\n", s, B,
+                        fwd_tokens);
+                return 1;
+            }
         }
         qsort(t_step, steps, sizeof(double), cmp_double);
         qsort(t_fwd, steps, sizeof(double), cmp_double);
