@@ -33,11 +33,17 @@ typedef struct {
     int page_size; /* S */
 } attn_batch;
 
-/* One paged KV cache layer: k and v are [P, S, Hkv, Dh] float32. */
+/* One paged KV cache layer: k and v are [P, S, Hkv, Dh] float32, or with bf16 set bfloat16 (the
+ * pointers then address uint16_t elements: kv_k_bf16 / kv_v_bf16). The stores round k and v to
+ * nearest even once; attention widens them back exactly, so it computes what it would over an
+ * fp32 cache that held the rounded values. */
 typedef struct {
     float *k;
     float *v;
+    int bf16;
 } kv_layer;
+static inline uint16_t *kv_k_bf16(kv_layer kv) { return (uint16_t *)(void *)kv.k; }
+static inline uint16_t *kv_v_bf16(kv_layer kv) { return (uint16_t *)(void *)kv.v; }
 
 /* The weights of one MoE layer's experts, hub layout: per expert gate/up [F, D], down [D, F].
  * A backend that wants them in one piece makes its own copy once, in prepare_experts: CUDA keeps

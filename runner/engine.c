@@ -15,12 +15,12 @@
 
 #include "common/log.h"
 
-int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, char *err,
-                size_t errlen) {
+int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, int kv_bf16,
+                char *err, size_t errlen) {
     const model_config *c = &m->cfg;
     *e = (engine){.m = m, .chunk_tokens = chunk_tokens};
     if (kv_cache_init(&e->kv, m->ops, c->num_hidden_layers, n_pages, page_size,
-                      c->num_key_value_heads, c->head_dim, err, errlen))
+                      c->num_key_value_heads, c->head_dim, kv_bf16, err, errlen))
         return -1;
     e->scratch = xmalloc((size_t)c->vocab_size * sizeof(float));
     e->scratch_threads = 1;

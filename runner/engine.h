@@ -154,9 +154,10 @@ typedef struct {
  * the backend has no graphs. */
 int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t errlen);
 
-/* n_pages pages of page_size tokens; chunk_tokens tokens at most per forward pass. */
-int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, char *err,
-                size_t errlen);
+/* n_pages pages of page_size tokens, the KV cache in bfloat16 when kv_bf16 (else float32);
+ * chunk_tokens tokens at most per forward pass. */
+int engine_init(engine *e, model *m, int n_pages, int page_size, int chunk_tokens, int kv_bf16,
+                char *err, size_t errlen);
 void engine_free(engine *e);
 
 /* Check one request against the model: non-empty prompt, ids in the vocabulary, max and min

@@ -15,26 +15,28 @@
 #include "common/log.h"
 
 int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,
-                  int n_kv_heads, int head_dim, char *err, size_t errlen) {
+                  int n_kv_heads, int head_dim, int bf16, char *err, size_t errlen) {
     *kv = (kv_cache){.n_layers = n_layers,
                      .n_pages = n_pages,
                      .page_size = page_size,
                      .n_kv_heads = n_kv_heads,
                      .head_dim = head_dim,
+                     .bf16 = bf16 != 0,
                      .mem = o};
+    const size_t el = bf16 ? sizeof(uint16_t) : sizeof(float);
     size_t n = (size_t)n_layers * n_pages * page_size * n_kv_heads * head_dim;
-    kv->k = o ? o->dev_alloc(n * sizeof(float)) : malloc(n * sizeof(float));
-    kv->v = o ? o->dev_alloc(n * sizeof(float)) : malloc(n * sizeof(float));
+    kv->k = o ? o->dev_alloc(n * el) : malloc(n * el);
+    kv->v = o ? o->dev_alloc(n * el) : malloc(n * el);
     kv->free_pages = malloc((size_t)n_pages * sizeof(int32_t));
     kv->refs = calloc((size_t)n_pages, sizeof(int32_t));
     if (!kv->k || !kv->v || !kv->free_pages || !kv->refs) {
         kv_cache_free(kv);
         return set_err(err, errlen, "KV cache: cannot allocate %d pages of %d tokens (%.1f MiB)",
-                       n_pages, page_size, 2.0 * n * sizeof(float) / (1 << 20));
+                       n_pages, page_size, 2.0 * n * el / (1 << 20));
     }
     if (!o || !strcmp(o->name, "cpu")) {
-        memset(kv->k, 0, n * sizeof(float));
-        memset(kv->v, 0, n * sizeof(float));
+        memset(kv->k, 0, n * el);
+        memset(kv->v, 0, n * el);
     }
     for (int i = 0; i < n_pages; i++)
         kv->free_pages[i] = n_pages - 1 - i;
@@ -56,8 +58,11 @@ void kv_cache_free(kv_cache *kv) {
 }
 
 kv_layer kv_cache_layer(const kv_cache *kv, int layer) {
-    size_t stride = (size_t)kv->n_pages * kv->page_size * kv->n_kv_heads * kv->head_dim;
-    return (kv_layer){.k = kv->k + layer * stride, .v = kv->v + layer * stride};
+    const size_t stride = (size_t)kv->n_pages * kv->page_size * kv->n_kv_heads * kv->head_dim *
+                          (kv->bf16 ? sizeof(uint16_t) : sizeof(float)) * layer;
+    return (kv_layer){.k = (float *)(void *)((char *)kv->k + stride),
+                      .v = (float *)(void *)((char *)kv->v + stride),
+                      .bf16 = kv->bf16};
 }
 
 int32_t kv_cache_alloc_page(kv_cache *kv) {

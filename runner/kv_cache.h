@@ -1,4 +1,5 @@
-/* The paged KV cache: for every layer, k and v pools of [P, S, Hkv, Dh] float32, and one page
+/* The paged KV cache: for every layer, k and v pools of [P, S, Hkv, Dh] float32 (or bfloat16: bf16
+ * set, kernels/ops.h's kv_layer), and one page
  * allocator shared by all layers (page p holds the same positions in every layer). A sequence
  * owns a list of pages; position i of it lives in page list[i / S], slot i % S.
  *
@@ -19,18 +20,19 @@ typedef struct {
     int page_size;       /* S */
     int n_kv_heads;      /* Hkv */
     int head_dim;        /* Dh */
-    float *k;            /* [L, P, S, Hkv, Dh] on the backend's device */
+    float *k;            /* [L, P, S, Hkv, Dh] on the backend's device (bf16: uint16_t elements) */
     float *v;            /* [L, P, S, Hkv, Dh] */
+    int bf16;            /* elements in bfloat16 */
     const struct ops *mem; /* whose dev_alloc made k and v (NULL: malloc) */
     int32_t *free_pages; /* [P] stack of free page ids, n_free of them */
     int n_free;
     int32_t *refs; /* [P] holders of each page; 0 = free */
 } kv_cache;
 
-/* Allocate the pools on o's device (o NULL: host memory); the page bookkeeping stays on the host.
- * Returns 0, or -1 with a message when memory is short. */
+/* Allocate the pools on o's device (o NULL: host memory), in bfloat16 when bf16 (else float32);
+ * the page bookkeeping stays on the host. Returns 0, or -1 with a message when memory is short. */
 int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,
-                  int n_kv_heads, int head_dim, char *err, size_t errlen);
+                  int n_kv_heads, int head_dim, int bf16, char *err, size_t errlen);
 void kv_cache_free(kv_cache *kv);
 
 /* The pools of one layer. */

@@ -135,7 +135,8 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
     scheduler *s = xcalloc(1, sizeof *s);
     s->m = m;
     s->cfg = c;
-    if (engine_init(&s->e, m, n_pages, c.page_size, c.chunked_prefill_size, err, errlen)) {
+    if (engine_init(&s->e, m, n_pages, c.page_size, c.chunked_prefill_size, c.kv_cache_bf16, err,
+                    errlen)) {
         free(s);
         return NULL;
     }

@@ -26,6 +26,7 @@ typedef struct {
                                  >= context_length */
     int page_size;            /* tokens per KV page; >= 1 */
     int chunked_prefill_size; /* prompt tokens per step, all requests together; >= 1 */
+    bool kv_cache_bf16;       /* --kv-cache-dtype bfloat16: the KV cache in BF16 (else fp32) */
     int context_length;       /* prompt + max_new_tokens limit; <= max_position_embeddings;
                                  0 = max_position_embeddings */
     bool enable_radix_cache;  /* share prompt-prefix pages between requests */

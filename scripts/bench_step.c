@@ -5,7 +5,7 @@
  *                    [--quantization nvfp4|fp8] (dummy: experts in NVFP4 W4A16 or FP8 W8A16)
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
- *                    [--routing model|random]
+ *                    [--routing model|random] [--kv-cache-dtype float32|bfloat16]
  *
  * Decode: B sequences with a random prompt of --context tokens are prefilled, then --steps decode
  * steps (one token per sequence, greedy) are timed one by one through engine_step, the program's
@@ -27,6 +27,7 @@
  * experts' moe_finalize_add_rmsnorm).
  * --deterministic 1: the CUDA backend's deterministic mode (ops_cuda_set_deterministic), to
  * measure what --enable-deterministic-inference costs a step.
+ * --kv-cache-dtype bfloat16: the KV cache in BF16 (the floor then counts 2 bytes an element).
  * --routing random: during the timed decode steps each token's experts are drawn uniformly (the
  * router's logits overwritten with fill_random before its top-k, a stream per call, so each layer
  * of a captured graph keeps its own draw), so the experts a batch touches are the ones the floor
@@ -262,7 +263,7 @@ int main(int argc, char **argv) {
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
     int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
     const char *skip = NULL;
-    bool random_routing = false;
+    bool random_routing = false, kv_bf16 = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -272,7 +273,7 @@ int main(int argc, char **argv) {
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
                  "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
                  "       [--deterministic 0|1] [--quantization nvfp4|fp8]\n"
-                 "       [--routing model|random]");
+                 "       [--routing model|random] [--kv-cache-dtype float32|bfloat16]");
             return 0;
         }
         if (!v) {
@@ -298,6 +299,12 @@ int main(int argc, char **argv) {
                 return 2;
             }
             random_routing = !strcmp(v, "random");
+        } else if (!strcmp(a, "--kv-cache-dtype")) {
+            if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
+                fprintf(stderr, "bench_step: --kv-cache-dtype must be float32 or bfloat16\n");
+                return 2;
+            }
+            kv_bf16 = !strcmp(v, "bfloat16");
         } else if (!strcmp(a, "--deterministic"))
             ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {
@@ -352,7 +359,7 @@ int main(int argc, char **argv) {
     long need_pre = (long)max_p * ((prefill_len + 2 + S - 1) / S);
     int n_pages = (int)(need_dec > need_pre ? need_dec : need_pre);
     engine e;
-    if (engine_init(&e, m, n_pages, S, chunk, err, sizeof err)) {
+    if (engine_init(&e, m, n_pages, S, chunk, kv_bf16, err, sizeof err)) {
         fprintf(stderr, "bench_step: %s\n", err);
         return 1;
     }
@@ -408,7 +415,8 @@ int main(int argc, char **argv) {
         qsort(t_fwd, steps, sizeof(double), cmp_double);
         m->ops = o;
         double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
-        double bytes = decode_floor_bytes(c, B, context + steps / 2, sizeof(float));
+        double bytes = decode_floor_bytes(c, B, context + steps / 2,
+                                          kv_bf16 ? sizeof(uint16_t) : sizeof(float));
         double floor_s = bw > 0 ? bytes / (bw * 1e9) : 0;
         printf("%6d %10.3f %10.3f %10.0f %12.2f %10.3f %8.2f\n", B, step * 1e3, fwd * 1e3,
                B / step, bytes / 1e9, floor_s * 1e3, floor_s > 0 ? step / floor_s : 0);

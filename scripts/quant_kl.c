@@ -109,7 +109,7 @@ static void forward(model *m, const sequence *s, float *logits) {
     const int n = s->n, pages = (n + PAGE - 1) / PAGE;
     kv_cache kv;
     if (kv_cache_init(&kv, m->ops, m->cfg.num_hidden_layers, pages, PAGE,
-                      m->cfg.num_key_value_heads, m->cfg.head_dim, err, sizeof err))
+                      m->cfg.num_key_value_heads, m->cfg.head_dim, 0, err, sizeof err))
         die("kv cache: %s", err);
     int32_t *pos = malloc(sizeof(int32_t) * n), *seq = calloc((size_t)n, sizeof(int32_t));
     int32_t *rows = malloc(sizeof(int32_t) * n), *table = malloc(sizeof(int32_t) * pages);

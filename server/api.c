@@ -867,6 +867,7 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "max_total_tokens", max_tokens);
     cJSON_AddNumberToObject(o, "chunked_prefill_size", g->chunked_prefill_size);
     cJSON_AddNumberToObject(o, "page_size", g->page_size);
+    cJSON_AddStringToObject(o, "kv_cache_dtype", g->kv_cache_bf16 ? "bfloat16" : "float32");
     cJSON_AddBoolToObject(o, "disable_radix_cache", g->disable_radix_cache);
     cJSON_AddBoolToObject(o, "enable_metrics", g->enable_metrics);
     cJSON_AddBoolToObject(o, "enable_deterministic_inference", g->enable_deterministic_inference);

@@ -59,6 +59,7 @@ typedef struct {
     bool skip_tokenizer_init;   /* no tokenizer: token ids in and out (api_create gets NULL) */
     bool enable_deterministic_inference; /* results independent of what else runs; unseeded
                                             sampling takes API_DETERMINISTIC_SEED */
+    bool kv_cache_bf16;                  /* --kv-cache-dtype bfloat16 (else the cache is float32) */
 } server_args;
 
 typedef struct api_server api_server;

@@ -88,6 +88,8 @@ static const char usage_generate[] =
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
     "  --cuda-graph-max-bs N    replay decode steps as CUDA graphs (default 0: off)\n"
+    "  --kv-cache-dtype D       auto or float32 (default), bfloat16 (half the cache's bytes;\n"
+    "                           k and v rounded to BF16 once as they are stored)\n"
     "  --matmul-precision P     CUDA GEMM inputs: high (default: faithful to fp32 activations)\n"
     "                           or medium (activations rounded to BF16: faster prefill)\n"
     "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
@@ -134,6 +136,9 @@ static const char usage_serve[] =
     "  --context-length N            prompt + output limit per request (default: the model's\n"
     "                                max_position_embeddings, also the largest allowed)\n"
     "  --page-size N                 tokens per KV cache page (default 16)\n"
+    "  --kv-cache-dtype D            auto or float32 (default), bfloat16 (bf16): half the bytes\n"
+    "                                a token takes, so twice the tokens in the same memory; k\n"
+    "                                and v rounded to BF16 once as they are stored\n"
     "  --served-model-name NAME      the model id of /v1/models and OpenAI answers (default: the\n"
     "                                model path)\n"
     "  --api-key KEY                 require 'Authorization: Bearer KEY' on every endpoint but\n"
@@ -149,7 +154,8 @@ static const char usage_serve[] =
     "  --threads N                   CPU threads of the engine (default: all cores; their waits\n"
     "                                sleep unless OMP_WAIT_POLICY=active is set)\n"
     "  --max-body-bytes N            largest request body; larger ones get 413 (default 16777216)\n"
-    "  --max-queued-requests N       requests waiting to run at most; more get 503 with Retry-After\n"
+    "  --max-queued-requests N       requests waiting to run at most; more get 503 with "
+    "Retry-After\n"
     "                                (default 4096; 0: no limit)\n"
     "  --connection-timeout S        close a connection that sends and takes nothing for S\n"
     "                                seconds (default 60; one waiting for its answer is not idle)\n"
@@ -174,7 +180,8 @@ static const char usage_serve[] =
     "                                (default 60; a peer on the same node that dies is noticed\n"
     "                                at once)\n"
     "\n"
-    "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly. Under\n"
+    "Logs \"serving on http://HOST:PORT\" when ready; SIGINT or SIGTERM shut it down cleanly. "
+    "Under\n"
     "mpirun, signal a rank (every rank drains with it) or use scripts/launch.sh: mpirun itself\n"
     "answers SIGTERM by killing its ranks a second later.\n"
     "Endpoints: POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health,\n"
@@ -311,11 +318,18 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
  * default seed and what /server_info says. */
 static void apply_deterministic(bool on) { ops_cuda_set_deterministic(on); }
 
+/* --kv-cache-dtype: true for bfloat16, false for float32 ("auto": float32, the reference's). */
+static bool parse_kv_cache_dtype(const char *v) {
+    if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) return true;
+    if (!strcmp(v, "auto") || !strcmp(v, "float32") || !strcmp(v, "fp32")) return false;
+    die("--kv-cache-dtype: '%s' is not one of auto, float32, bfloat16", v);
+}
+
 static int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
     gen_request q = {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
-    bool skip_special = true, deterministic = false;
+    bool skip_special = true, deterministic = false, kv_bf16 = false;
     int threads = 0, graph_bs = 0;
     const char *device = "cpu", *load_format = "auto", *precision = "high", *quantization = NULL;
     stop_watch sw = {0};
@@ -387,6 +401,8 @@ static int cmd_generate(int argc, char **argv) {
             precision = v;
         else if (!strcmp(a, "--cuda-graph-max-bs"))
             graph_bs = (int)parse_long(a, v, 0, 4096);
+        else if (!strcmp(a, "--kv-cache-dtype"))
+            kv_bf16 = parse_kv_cache_dtype(v);
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -461,7 +477,7 @@ static int cmd_generate(int argc, char **argv) {
     const int page_size = 16;
     int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
     engine e;
-    if (engine_init(&e, m, n_pages, page_size, 512, err, sizeof err)) die("%s", err);
+    if (engine_init(&e, m, n_pages, page_size, 512, kv_bf16, err, sizeof err)) die("%s", err);
     e.deterministic = deterministic;
     if (graph_bs > 0 && !backend->graph_begin)
         LOG_WARN("generate", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",
@@ -782,6 +798,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--chunked-prefill-size",
                                                  "--context-length",
                                                  "--page-size",
+                                                 "--kv-cache-dtype",
                                                  "--served-model-name",
                                                  "--api-key",
                                                  "--threads",
@@ -834,6 +851,8 @@ static int cmd_serve(int argc, char **argv) {
             a.context_length = (int)parse_long(f, v, 2, INT_MAX / 2);
         else if (!strcmp(f, "--page-size"))
             a.page_size = (int)parse_long(f, v, 1, 4096);
+        else if (!strcmp(f, "--kv-cache-dtype"))
+            a.kv_cache_bf16 = parse_kv_cache_dtype(v);
         else if (!strcmp(f, "--served-model-name"))
             a.served_model_name = v;
         else if (!strcmp(f, "--api-key"))
@@ -938,7 +957,8 @@ static int cmd_serve(int argc, char **argv) {
         die("--context-length %d: above the model's max_position_embeddings %d (%s/config.json)",
             a.context_length, cfg.max_position_embeddings, a.model_path);
     long long kv_bytes_per_token = 2LL * cfg.num_hidden_layers * cfg.num_key_value_heads *
-                                   cfg.head_dim * (long long)sizeof(float);
+                                   cfg.head_dim *
+                                   (long long)(a.kv_cache_bf16 ? sizeof(uint16_t) : sizeof(float));
     long long budget = serve_phys_bytes() / 4 / (kv_bytes_per_token > 0 ? kv_bytes_per_token : 1);
     /* On a GPU, or with --mem-fraction-static, the pool is sized after the weights are loaded. */
     bool size_after_load = !a.max_total_tokens && (a.mem_fraction_static > 0 ||
@@ -1065,6 +1085,7 @@ static int cmd_serve(int argc, char **argv) {
                            .max_total_tokens = a.max_total_tokens,
                            .page_size = a.page_size,
                            .chunked_prefill_size = a.chunked_prefill_size,
+                           .kv_cache_bf16 = a.kv_cache_bf16,
                            .context_length = a.context_length,
                            .enable_radix_cache = !a.disable_radix_cache,
                            .deterministic = a.enable_deterministic_inference,

@@ -10,7 +10,8 @@
  * chunks, tiles, clusters; cuda_attention_debug_path forces one) against each other on the same
  * batch, batches of 1 to 4 tokens with contexts of 1 to 40000 positions against each token alone
  * and the slice and chunk kernels, and a captured CUDA graph replayed twice against the direct
- * call.
+ * call. The same checks run again on BF16 caches (--kv-cache-dtype bfloat16): the host values
+ * are rounded to BF16, so the CPU reference computes on what the device holds.
  *
  *   test_cuda_attention               run the tests (skipped without a CUDA build or a GPU)
  *   test_cuda_attention --bench       then time decode and prefill at Qwen3-30B-A3B's attention
@@ -108,6 +109,34 @@ typedef struct {
     float *dk, *dv;
 } paged_cache;
 
+/* Caches made from now on hold BF16 on the device (the host copy: the same values as floats). */
+static int g_bf16;
+
+/* The device copy of host cache values: float, or BF16 with g_bf16 (h then already rounded). */
+static void *cache_upload(const float *h, int64_t n) {
+    if (!g_bf16) {
+        void *d = gpu->dev_alloc((size_t)n * sizeof(float));
+        MS_ASSERT(d);
+        gpu->to_device(d, h, (size_t)n * sizeof(float));
+        return d;
+    }
+    uint16_t *b = xmalloc((size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++)
+        b[i] = f32_to_bf16(h[i]);
+    void *d = gpu->dev_alloc((size_t)n * sizeof(uint16_t));
+    MS_ASSERT(d);
+    gpu->to_device(d, b, (size_t)n * sizeof(uint16_t));
+    free(b);
+    return d;
+}
+
+/* Host values as a BF16 cache holds them, where g_bf16. */
+static void cache_round(float *h, int64_t n) {
+    if (g_bf16)
+        for (int64_t i = 0; i < n; i++)
+            h[i] = bf16_to_f32(f32_to_bf16(h[i]));
+}
+
 /* n_seq sequences holding len[s] positions each, room for max_pages pages each; the pages of all
  * sequences are one random permutation of the cache (plus two spare pages no one owns). */
 static paged_cache cache_make(int H, int Hkv, int Dh, int S, int n_seq, const int *len,
@@ -142,12 +171,12 @@ static paged_cache cache_make(int H, int Hkv, int Dh, int S, int n_seq, const in
     c.v = xmalloc((size_t)n * sizeof(float));
     fill_uniform(c.k, n, 1.0f);
     fill_uniform(c.v, n, 1.0f);
-    c.dk = gpu->dev_alloc((size_t)n * sizeof(float));
-    c.dv = gpu->dev_alloc((size_t)n * sizeof(float));
+    cache_round(c.k, n);
+    cache_round(c.v, n);
+    c.dk = cache_upload(c.k, n);
+    c.dv = cache_upload(c.v, n);
     c.dpt = gpu->dev_alloc((size_t)n_seq * max_pages * sizeof(int32_t));
-    MS_ASSERT(c.dk && c.dv && c.dpt);
-    gpu->to_device(c.dk, c.k, (size_t)n * sizeof(float));
-    gpu->to_device(c.dv, c.v, (size_t)n * sizeof(float));
+    MS_ASSERT(c.dpt);
     gpu->to_device(c.dpt, c.pt, (size_t)n_seq * max_pages * sizeof(int32_t));
     return c;
 }
@@ -212,7 +241,7 @@ static float attn_scale(const paged_cache *c) { return 1.0f / sqrtf((float)c->Dh
 static void run_cpu(float *out, const paged_cache *c, const batch *b) {
     attn_batch ab = {.T = b->T, .pos = b->pos, .seq = b->seq, .page_table = c->pt,
                      .max_pages = c->max_pages, .page_size = c->S};
-    kv_layer kv = {.k = c->k, .v = c->v};
+    kv_layer kv = {.k = c->k, .v = c->v, .bf16 = 0};
     cpu->attention(out, b->q, kv, &ab, c->H, c->Hkv, c->Dh, attn_scale(c));
 }
 
@@ -228,7 +257,7 @@ static void run_gpu(float *out, const paged_cache *c, const batch *b) {
     gpu->to_device(dseq, b->seq, (size_t)b->T * sizeof(int32_t));
     attn_batch ab = {.T = b->T, .pos = dpos, .seq = dseq, .page_table = c->dpt,
                      .max_pages = c->max_pages, .page_size = c->S};
-    kv_layer kv = {.k = c->dk, .v = c->dv};
+    kv_layer kv = {.k = c->dk, .v = c->dv, .bf16 = g_bf16};
     gpu->attention(dout, dq, kv, &ab, c->H, c->Hkv, c->Dh, attn_scale(c));
     gpu->to_host(out, dout, qbytes);
     gpu->dev_free(dq);
@@ -554,7 +583,7 @@ static void test_graph(const char *what, int H, int Hkv, int Dh, int S, int n_de
     gpu->to_device(dseq, b.seq, (size_t)b.T * sizeof(int32_t));
     attn_batch ab = {.T = b.T, .pos = dpos, .seq = dseq, .page_table = c.dpt,
                      .max_pages = c.max_pages, .page_size = c.S};
-    kv_layer kv = {.k = c.dk, .v = c.dv};
+    kv_layer kv = {.k = c.dk, .v = c.dv, .bf16 = g_bf16};
     float *want = xmalloc(qbytes), *got = xmalloc(qbytes);
     gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, attn_scale(&c)); /* sizes the workspace */
     gpu->to_host(want, dout, qbytes);
@@ -647,6 +676,29 @@ static void run_tests(void) {
     test_paths("paths: 3 decodes + 1 chunk, H16 Hkv1 Dh256 S16", 16, 1, 256, 16, 3, 1, 1500, 100);
     test_paths("paths: 7 decodes + 2 chunks, H8 Hkv1 Dh16 S1", 8, 1, 16, 1, 7, 2, 1200, 200);
 
+    printf("BF16 caches (the host values rounded to BF16 for the reference)\n");
+    g_bf16 = 1;
+    test_decode("bf16 decode 64 seqs len 1..8192, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 64, 8192,
+                1.0f);
+    test_decode("bf16 decode 32 seqs len 1..3000, H16 Hkv16 Dh64 S7", 16, 16, 64, 7, 32, 3000,
+                2.0f);
+    {
+        const int lo[3] = {1000, 0, 0}, hi[3] = {1512, 1, 37};
+        test_prefill("bf16 prefill 512+1+37 tokens, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, lo, hi,
+                     8192, 1.0f);
+    }
+    test_mixed("bf16 mixed 16 decodes + 2 chunks, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 16, 2, 4096,
+               300);
+    test_decode_vs_prefill("bf16 decode vs prefill L=3000, H32 Hkv4 Dh128 S16", 32, 4, 128, 16,
+                           3000);
+    test_small_batches("bf16 small batches, H32 Hkv4 Dh128 S16", 32, 4, 128, 16);
+    test_paths("bf16 paths: 12 decodes + 3 chunks, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 12, 3, 5000,
+               400);
+    test_paths("bf16 paths: 7 decodes + 2 chunks, H8 Hkv1 Dh16 S1", 8, 1, 16, 1, 7, 2, 1200, 200);
+    test_graph("bf16 graph: 4 decodes + 3-token chunk, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 4, 3,
+               3000);
+    g_bf16 = 0;
+
     printf("CUDA graph replay == direct call\n");
     test_graph("graph: 1 decode, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 0, 1, 3000);
     test_graph("graph: 1 decode of 40000, H32 Hkv4 Dh128 S16", 32, 4, 128, 16, 0, 1, 40000);
@@ -684,6 +736,18 @@ static double bench_copy(cuda_event e0, cuda_event e1) {
     const double gbs = 2.0 * bytes / s / 1e9;
     printf("device copy 1 GiB: %.1f us, %.0f GB/s (read + write)\n", s * 1e6, gbs);
     return gbs;
+}
+
+/* Seconds a call of iters calls (after 3 to warm up). */
+static double time_calls(float *dout, const float *dq, kv_layer kv, const attn_batch *ab, int H,
+                         int Hkv, int Dh, float scale, int iters, cuda_event e0, cuda_event e1) {
+    for (int i = 0; i < 3; i++)
+        gpu->attention(dout, dq, kv, ab, H, Hkv, Dh, scale);
+    cudaEventRecord(e0, cuda_stream());
+    for (int i = 0; i < iters; i++)
+        gpu->attention(dout, dq, kv, ab, H, Hkv, Dh, scale);
+    cudaEventRecord(e1, cuda_stream());
+    return event_ms(e0, e1) / 1e3 / iters;
 }
 
 static void bench(void) {
@@ -725,7 +789,8 @@ static void bench(void) {
     }
     int32_t *dpt = gpu->dev_alloc((size_t)P * sizeof(int32_t));
     gpu->to_device(dpt, pt, (size_t)P * sizeof(int32_t));
-    kv_layer kv = {.k = dk, .v = dv};
+    kv_layer kv = {.k = dk, .v = dv, .bf16 = 0};
+    const kv_layer kvb = {.k = dk, .v = dv, .bf16 = 1}; /* for the time alone */
 
     const int max_t = 8 * 2048;
     const size_t qbytes = (size_t)max_t * H * Dh * sizeof(float);
@@ -760,13 +825,7 @@ static void bench(void) {
             printf("decode B=%-3d ctx=%-5d KV %7.1f MB", B, ctx, bytes / 1e6);
             for (int k = -1; k < n_forced; k++) {
                 set_path(k < 0 ? PATH_AUTO : forced[k]);
-                for (int i = 0; i < 3; i++)
-                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-                cudaEventRecord(e0, cuda_stream());
-                for (int i = 0; i < iters; i++)
-                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-                cudaEventRecord(e1, cuda_stream());
-                const double sec = event_ms(e0, e1) / 1e3 / iters;
+                const double sec = time_calls(dout, dq, kv, &ab, H, Hkv, Dh, scale, iters, e0, e1);
                 if (k < 0)
                     printf(" %9.1f us %6.0f GB/s %5.1f%% of copy", sec * 1e6, bytes / sec / 1e9,
                            100.0 * bytes / sec / 1e9 / copy_gbs);
@@ -774,6 +833,9 @@ static void bench(void) {
                     printf(" | %s %8.1f us", path_names[forced[k]], sec * 1e6);
             }
             set_path(PATH_AUTO);
+            if (ci != 1 && (bi == 0 || bi >= 4)) /* a BF16 cache: the same bytes read as BF16 */
+                printf(" | BF16 KV %8.1f us",
+                       1e6 * time_calls(dout, dq, kvb, &ab, H, Hkv, Dh, scale, iters, e0, e1));
             printf("\n");
         }
 
@@ -794,13 +856,7 @@ static void bench(void) {
             printf("decode B=%-3d ctx=%-5d room %d", B, ctx, room * S);
             for (int k = -1; k < n_forced; k++) {
                 set_path(k < 0 ? PATH_AUTO : forced[k]);
-                for (int i = 0; i < 3; i++)
-                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-                cudaEventRecord(e0, cuda_stream());
-                for (int i = 0; i < iters; i++)
-                    gpu->attention(dout, dq, kv, &ab, H, Hkv, Dh, scale);
-                cudaEventRecord(e1, cuda_stream());
-                const double sec = event_ms(e0, e1) / 1e3 / iters;
+                const double sec = time_calls(dout, dq, kv, &ab, H, Hkv, Dh, scale, iters, e0, e1);
                 if (k < 0)
                     printf(" %9.1f us", sec * 1e6);
                 else

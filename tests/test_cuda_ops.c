@@ -572,8 +572,8 @@ static void test_kv_store(void) {
                          .page_table = gtable,
                          .max_pages = max_pages,
                          .page_size = S};
-        cpu->kv_store((kv_layer){kc, vc}, k, v, &hb, Hkv, Dh);
-        gpu->kv_store((kv_layer){gkc, gvc}, gk, gv, &gb, Hkv, Dh);
+        cpu->kv_store((kv_layer){kc, vc, 0}, k, v, &hb, Hkv, Dh);
+        gpu->kv_store((kv_layer){gkc, gvc, 0}, gk, gv, &gb, Hkv, Dh);
         float *got_k = gfetch(gkc, sizeof(float) * cache_n);
         float *got_v = gfetch(gvc, sizeof(float) * cache_n);
         char what[96];
@@ -581,6 +581,27 @@ static void test_kv_store(void) {
                  S, Hkv, Dh);
         compare_bits("kv_store", what, got_k, kc, cache_n, sizeof(float));
         compare_bits("kv_store", what, got_v, vc, cache_n, sizeof(float));
+        { /* a BF16 cache: the CPU's rounding, bit for bit */
+            uint16_t *bk = xmalloc(sizeof(uint16_t) * cache_n),
+                     *bv = xmalloc(sizeof(uint16_t) * cache_n);
+            for (int64_t i = 0; i < cache_n; i++)
+                bk[i] = f32_to_bf16(kc[i] * 0.5f), bv[i] = f32_to_bf16(vc[i] * 0.5f);
+            uint16_t *gbk = gdup(bk, sizeof(uint16_t) * cache_n),
+                     *gbv = gdup(bv, sizeof(uint16_t) * cache_n);
+            cpu->kv_store((kv_layer){(float *)(void *)bk, (float *)(void *)bv, 1}, k, v, &hb, Hkv,
+                          Dh);
+            gpu->kv_store((kv_layer){(float *)(void *)gbk, (float *)(void *)gbv, 1}, gk, gv, &gb,
+                          Hkv, Dh);
+            uint16_t *got_bk = gfetch(gbk, sizeof(uint16_t) * cache_n);
+            uint16_t *got_bv = gfetch(gbv, sizeof(uint16_t) * cache_n);
+            snprintf(what, sizeof what, "kv_store BF16 T=%d pages=%d S=%d Hkv=%d Dh=%d", T, P, S,
+                     Hkv, Dh);
+            compare_bits("kv_store bf16", what, got_bk, bk, cache_n, sizeof(uint16_t));
+            compare_bits("kv_store bf16", what, got_bv, bv, cache_n, sizeof(uint16_t));
+            free(bk), free(bv), free(got_bk), free(got_bv);
+            gpu->dev_free(gbk);
+            gpu->dev_free(gbv);
+        }
         free(got_k);
         free(got_v);
         free(k);
@@ -668,7 +689,8 @@ static void test_qkv_prepare(void) {
             float *gqkv = gdup(qkv, sizeof(float) * T * row);
             float *gkc = gdup(kc, sizeof(float) * cache_n), *gvc = gdup(vc, sizeof(float) * cache_n);
             float *gq = galloc_poisoned(sizeof(float) * (T * qd + 1));
-            gpu->qkv_prepare(gq, (kv_layer){gkc, gvc}, gqkv, &gqw, &gkw, &gb, H, Hkv, Dh, theta, eps);
+            gpu->qkv_prepare(gq, (kv_layer){gkc, gvc, 0}, gqkv, &gqw, &gkw, &gb, H, Hkv, Dh, theta,
+                             eps);
             float *got_q = gfetch(gq, sizeof(float) * T * qd);
             float *got_kc = gfetch(gkc, sizeof(float) * cache_n);
             float *got_vc = gfetch(gvc, sizeof(float) * cache_n);
@@ -678,13 +700,14 @@ static void test_qkv_prepare(void) {
             float *gk = gdup(k, sizeof(float) * T * kvd), *gv = gdup(v, sizeof(float) * T * kvd);
             gpu->to_device(gq, q, sizeof(float) * T * qd);
             gpu->qk_norm_rope(gq, gk, &gqw, &gkw, gpos, T, H, Hkv, Dh, theta, eps);
-            gpu->kv_store((kv_layer){gkc, gvc}, gk, gv, &gb, Hkv, Dh);
+            gpu->kv_store((kv_layer){gkc, gvc, 0}, gk, gv, &gb, Hkv, Dh);
             float *un_q = gfetch(gq, sizeof(float) * T * qd);
             float *un_kc = gfetch(gkc, sizeof(float) * cache_n);
             float *un_vc = gfetch(gvc, sizeof(float) * cache_n);
             /* the CPU reference */
             float *want_q = xmalloc(sizeof(float) * (T * qd + 1));
-            cpu->qkv_prepare(want_q, (kv_layer){kc, vc}, qkv, &qw, &kw, &hb, H, Hkv, Dh, theta, eps);
+            cpu->qkv_prepare(want_q, (kv_layer){kc, vc, 0}, qkv, &qw, &kw, &hb, H, Hkv, Dh, theta,
+                             eps);
             char what[112];
             snprintf(what, sizeof what, "qkv_prepare %s T=%d H=%d Hkv=%d Dh=%d", dtype_name(dts[di]),
                      T, H, Hkv, Dh);
@@ -696,6 +719,44 @@ static void test_qkv_prepare(void) {
                          sizeof(float));
             compare_bits("qkv_prepare vs unfused v", what, got_vc, un_vc, cache_n,
                          sizeof(float));
+            { /* into a BF16 cache: fused == unfused bit for bit, v == the CPU's rounding */
+                const size_t hb16 = sizeof(uint16_t) * cache_n;
+                uint16_t *bz = xcalloc(cache_n, sizeof(uint16_t));
+                uint16_t *gbk = gdup(bz, hb16), *gbv = gdup(bz, hb16);
+                const kv_layer gkv = {(float *)(void *)gbk, (float *)(void *)gbv, 1};
+                float *gqkv2 = gdup(qkv, sizeof(float) * T * row);
+                gpu->qkv_prepare(gq, gkv, gqkv2, &gqw, &gkw, &gb, H, Hkv, Dh, theta, eps);
+                uint16_t *f_k = gfetch(gbk, hb16), *f_v = gfetch(gbv, hb16);
+                gpu->to_device(gbk, bz, hb16);
+                gpu->to_device(gbv, bz, hb16);
+                gpu->to_device(gk, k, sizeof(float) * T * kvd);
+                gpu->to_device(gq, q, sizeof(float) * T * qd);
+                gpu->qk_norm_rope(gq, gk, &gqw, &gkw, gpos, T, H, Hkv, Dh, theta, eps);
+                gpu->kv_store(gkv, gk, gv, &gb, Hkv, Dh);
+                uint16_t *u_k = gfetch(gbk, hb16), *u_v = gfetch(gbv, hb16);
+                uint16_t *c_k = xcalloc(cache_n, sizeof(uint16_t)),
+                         *c_v = xcalloc(cache_n, sizeof(uint16_t));
+                float *cq = xmalloc(sizeof(float) * (T * qd + 1));
+                cpu->qkv_prepare(cq, (kv_layer){(float *)(void *)c_k, (float *)(void *)c_v, 1}, qkv,
+                                 &qw, &kw, &hb, H, Hkv, Dh, theta, eps);
+                compare_bits("qkv_prepare bf16 vs unfused k", what, f_k, u_k, cache_n,
+                             sizeof(uint16_t));
+                compare_bits("qkv_prepare bf16 vs unfused v", what, f_v, u_v, cache_n,
+                             sizeof(uint16_t));
+                compare_bits("qkv_prepare bf16 v cache", what, f_v, c_v, cache_n, sizeof(uint16_t));
+                int64_t far =
+                    0; /* k: the fp32 values agree within 1e-6, so at most one BF16 step */
+                for (int64_t i = 0; i < cache_n; i++)
+                    far += fabsf(bf16_to_f32(f_k[i]) - bf16_to_f32(c_k[i])) >
+                           fabsf(bf16_to_f32(c_k[i])) * 0x1p-7f;
+                CHECK(far == 0, "%s: qkv_prepare bf16 k cache: %lld values past one BF16 step",
+                      what, (long long)far);
+                free(bz), free(f_k), free(f_v), free(u_k), free(u_v), free(c_k), free(c_v),
+                    free(cq);
+                gpu->dev_free(gbk);
+                gpu->dev_free(gbv);
+                gpu->dev_free(gqkv2);
+            }
             free(got_q), free(got_kc), free(got_vc), free(un_q), free(un_kc), free(un_vc);
             free(want_q), free(q), free(k), free(v), free(qkv), free(kc), free(vc);
             free(pos), free(seq), free(table), free(slots), free(qw.data), free(kw.data);
@@ -1933,7 +1994,7 @@ static void time_elementwise(void) {
     TIME_OP("qk_norm_rope H=32 Hkv=4 Dh=128 (fused)", 2 * f4 * T * (H + Hkv) * Dh,
             gpu->qk_norm_rope(a, b, &wq, &wq, gpos, T, H, Hkv, Dh, 1e6, 1e-6f));
     TIME_OP("kv_store Hkv=4 Dh=128", 4 * f4 * T * Hkv * Dh,
-            gpu->kv_store((kv_layer){kc, vc}, a, b, &ab, Hkv, Dh));
+            gpu->kv_store((kv_layer){kc, vc, 0}, a, b, &ab, Hkv, Dh));
     TIME_OP("router_topk E=128 K=8", f4 * T * E + 8.0 * T * K,
             gpu->router_topk(tk, o, a, T, E, K, true));
     TIME_OP("moe_finalize K=8 D=2048", f4 * (T * K * D + T * K + T * D),

@@ -817,7 +817,7 @@ static void test_engine(void) {
     run_out host[NREQ], dev[NREQ];
     for (int mode = 0; mode < 2; mode++) {
         engine e;
-        if (engine_init(&e, m, 64, 16, 16, err,
+        if (engine_init(&e, m, 64, 16, 16, 0, err,
                         sizeof err)) { /* 16-token chunks: prompts span steps */
             CHECK(0, "engine_init: %s", err);
             model_free(m);

@@ -398,6 +398,8 @@ def test_health_and_info(srv):
         ok = ok and isinstance(states, list) and len(states) > 0 and isinstance(states[0], dict)
         ok = ok and isinstance(states[0].get("last_gen_throughput"), (int, float))
         check("GET %s internal_states[0].last_gen_throughput" % path, ok, r)
+        check("GET %s kv_cache_dtype float32 (the default)" % path,
+              isinstance(b, dict) and b.get("kv_cache_dtype") == "float32", short(b))
         check("GET %s has disable_radix_cache false" % path,
               isinstance(b, dict) and b.get("disable_radix_cache") is False, short(b))
     r = srv.get("/v1/models")
@@ -1451,6 +1453,10 @@ def test_apikey(srv):
 
 
 def test_context(srv):
+    # this server also keeps its KV cache in BF16
+    info = srv.get("/server_info").json() or {}
+    check("--kv-cache-dtype bfloat16: /server_info kv_cache_dtype bfloat16",
+          info.get("kv_cache_dtype") == "bfloat16", info.get("kv_cache_dtype"))
     r = srv.get("/v1/models")
     b = r.json()
     check("--context-length 64: /v1/models max_model_len 64",
@@ -2021,7 +2027,8 @@ def main(argv):
     if "apikey" in groups:
         with_server(Server("apikey", ["--api-key", "sesame"], api_key="sesame"), [(test_apikey, ())])
     if "context" in groups:
-        with_server(Server("context", ["--context-length", "64"]), [(test_context, ())])
+        with_server(Server("context", ["--context-length", "64", "--kv-cache-dtype", "bfloat16"]),
+                    [(test_context, ())])
     if "body" in groups:
         with_server(Server("body", ["--max-body-bytes", "4096"]), [(test_body_limit, ())])
     if "tight" in groups:

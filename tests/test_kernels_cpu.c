@@ -403,7 +403,7 @@ static void test_attention_case(const attn_case *c) {
 
     /* Cache filled with NaN, so reading a slot never written shows up as a mismatch. */
     const int64_t cache_n = (int64_t)P * S * kvrow;
-    kv_layer kv = {xmalloc(sizeof(float) * cache_n), xmalloc(sizeof(float) * cache_n)};
+    kv_layer kv = {xmalloc(sizeof(float) * cache_n), xmalloc(sizeof(float) * cache_n), 0};
     for (int64_t i = 0; i < cache_n; i++)
         kv.k[i] = kv.v[i] = NAN;
     attn_batch b = {.T = n_tok,
@@ -496,6 +496,46 @@ static void test_attention_case(const attn_case *c) {
     }
     snprintf(what, sizeof what, "attention S=%d Dh=%d: decode == prefill", S, Dh);
     compare_exact(what, out_dec, out, (int64_t)n_tok * qrow);
+
+    /* A BF16 cache: kv_store rounds each value to nearest even into its slot, and attention gives
+     * the bits of an fp32 cache that holds the rounded values. */
+    kv_layer kvb = {xmalloc(sizeof(uint16_t) * cache_n), xmalloc(sizeof(uint16_t) * cache_n), 1};
+    for (int64_t i = 0; i < cache_n; i++)
+        kv_k_bf16(kvb)[i] = kv_v_bf16(kvb)[i] = 0x7fc0; /* NaN */
+    float *kr = xmalloc(sizeof(float) * n_tok * kvrow),
+          *vr = xmalloc(sizeof(float) * n_tok * kvrow);
+    for (int64_t i = 0; i < (int64_t)n_tok * kvrow; i++) {
+        kr[i] = bf16_to_f32(f32_to_bf16(k[i]));
+        vr[i] = bf16_to_f32(f32_to_bf16(v[i]));
+    }
+    for (int64_t i = 0; i < cache_n; i++)
+        kv.k[i] = kv.v[i] = NAN;
+    cpu->kv_store(kvb, k, v, &b, Hkv, Dh);
+    cpu->kv_store(kv, kr, vr, &b, Hkv, Dh);
+    misplaced = 0;
+    for (int i = 0; i < n_tok; i++) {
+        const int page = page_table[tok_seq[i] * max_pages + tok_pos[i] / S];
+        const int64_t slot = (int64_t)page * S + tok_pos[i] % S;
+        for (int64_t e = 0; e < kvrow; e++)
+            if (kv_k_bf16(kvb)[slot * kvrow + e] != f32_to_bf16(k[i * kvrow + e]) ||
+                kv_v_bf16(kvb)[slot * kvrow + e] != f32_to_bf16(v[i * kvrow + e]))
+                misplaced++;
+    }
+    snprintf(what, sizeof what, "attention S=%d Dh=%d: BF16 kv_store", S, Dh);
+    printf("  %-52s %d wrong\n", what, misplaced);
+    CHECK(misplaced == 0, "%s: %d values not rounded into their slot", what, misplaced);
+    float *out_b = xmalloc(sizeof(float) * n_tok * qrow);
+    cpu->attention(out_b, q, kvb, &b, H, Hkv, Dh, scale);
+    cpu->attention(out_dec, q, kv, &b, H, Hkv, Dh, scale);
+    snprintf(what, sizeof what, "attention S=%d Dh=%d: BF16 cache == fp32 of its values", S, Dh);
+    compare_exact(what, out_b, out_dec, (int64_t)n_tok * qrow);
+    snprintf(what, sizeof what, "attention S=%d Dh=%d: BF16 cache near fp32", S, Dh);
+    compare(what, out_b, want, (int64_t)n_tok * qrow, 2e-2, 2e-2);
+    free(kvb.k);
+    free(kvb.v);
+    free(kr);
+    free(vr);
+    free(out_b);
 
     free(page_table);
     free(q_all);
@@ -1014,7 +1054,7 @@ static void test_empty(void) {
     int32_t pt[1] = {0};
     attn_batch b = {
         .T = 0, .pos = ids, .seq = ids, .page_table = pt, .max_pages = 1, .page_size = 4};
-    kv_layer kv = {buf, buf};
+    kv_layer kv = {buf, buf, 0};
 
     cpu->embedding(buf, &w, ids, 0, 8);
     cpu->rmsnorm(buf, buf, &nw, 0, 8, 1e-6f);

@@ -48,7 +48,7 @@ static int run_steps(model *m, float *logits) {
     const int T = prefill_len(g_rank), V = m->cfg.vocab_size, pages = (MAX_T + S - 1) / S;
     kv_cache kv;
     if (kv_cache_init(&kv, m->ops, m->cfg.num_hidden_layers, pages, S, m->cfg.num_key_value_heads,
-                      m->cfg.head_dim, err, sizeof err)) {
+                      m->cfg.head_dim, 0, err, sizeof err)) {
         CHECK(0, "kv cache: %s", err);
         return -1;
     }

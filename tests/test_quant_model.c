@@ -37,7 +37,7 @@ static float *run_model(const char *dir, const char *quantization, const int32_t
     kv_cache kv;
     const int pages = (T + S - 1) / S;
     if (kv_cache_init(&kv, m->ops, m->cfg.num_hidden_layers, pages, S, m->cfg.num_key_value_heads,
-                      m->cfg.head_dim, err, sizeof err)) {
+                      m->cfg.head_dim, 0, err, sizeof err)) {
         CHECK(0, "kv cache: %s", err);
         model_free(m);
         return NULL;

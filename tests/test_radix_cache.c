@@ -67,7 +67,7 @@ static int match(const int32_t *tokens, int max_tokens, int32_t *pages) {
 static void setup(void) {
     char err[256];
     memset(held, 0, sizeof held);
-    if (kv_cache_init(&kv, NULL, 1, P, S, 1, 1, err, sizeof err)) {
+    if (kv_cache_init(&kv, NULL, 1, P, S, 1, 1, 0, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return;
     }

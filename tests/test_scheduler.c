@@ -689,7 +689,7 @@ int main(void) {
         CHECK_SUMMARY();
     }
     V = mdl->cfg.vocab_size;
-    if (engine_init(&ref_engine, mdl, 64, 16, 512, err, sizeof err)) {
+    if (engine_init(&ref_engine, mdl, 64, 16, 512, 0, err, sizeof err)) {
         CHECK(false, "engine_init: %s", err);
         CHECK_SUMMARY();
     }

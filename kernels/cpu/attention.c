@@ -8,11 +8,15 @@
  * - Every sum runs over positions in increasing order and its shape depends on nothing but the
  *   position, so a token gives bit-identical output whether it comes in a prefill chunk or in a
  *   decode step, alone or in a batch (the deterministic-mode contract).
- * - GQA: query head h reads kv head h / (H / Hkv). */
+ * - GQA: query head h reads kv head h / (H / Hkv).
+ * - A BF16 cache (kv.bf16): kv_store rounds k and v to nearest even; attention widens each row
+ *   (exact) into a float buffer and runs the same arithmetic on it. */
 #include <math.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu_ops.h"
+
+#define ATTN_CPU_MAX_DH 512 /* head dims a BF16 cache's row buffer holds */
 
 /* Row of cache slot (seq, p): index into [P * S] of the [P, S, Hkv, Dh] cache. */
 static inline int64_t kv_slot(const attn_batch *b, int seq, int p) {
@@ -27,9 +31,29 @@ void cpu_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch 
     for (int t = 0; t < b->T; t++) {
         MS_ASSERT(b->pos[t] >= 0 && b->pos[t] / b->page_size < b->max_pages);
         const int64_t slot = kv_slot(b, b->seq[t], b->pos[t]);
-        memcpy(kv.k + slot * row, k + t * row, row * sizeof(float));
-        memcpy(kv.v + slot * row, v + t * row, row * sizeof(float));
+        if (kv.bf16) {
+            uint16_t *kd = kv_k_bf16(kv) + slot * row, *vd = kv_v_bf16(kv) + slot * row;
+            for (size_t i = 0; i < row; i++) {
+                kd[i] = f32_to_bf16(k[t * row + i]);
+                vd[i] = f32_to_bf16(v[t * row + i]);
+            }
+        } else {
+            memcpy(kv.k + slot * row, k + t * row, row * sizeof(float));
+            memcpy(kv.v + slot * row, v + t * row, row * sizeof(float));
+        }
     }
+}
+
+/* Kv head g's Dh values of cache slot `slot` of pool p (kv.k or kv.v) as floats: in place for an
+ * fp32 cache, else widened into buf [Dh]. */
+static inline const float *kv_row(kv_layer kv, const float *p, int64_t slot, int64_t row, int g,
+                                  int Dh, float *buf) {
+    const int64_t off = slot * row + (int64_t)g * Dh;
+    if (!kv.bf16) return p + off;
+    const uint16_t *h = (const uint16_t *)(const void *)p + off;
+    for (int d = 0; d < Dh; d++)
+        buf[d] = bf16_to_f32(h[d]);
+    return buf;
 }
 
 /* out[Dh] = softmax(q . k_p * scale over p = 0..pos) weighted sum of v_p, for one token and one
@@ -37,9 +61,10 @@ void cpu_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch 
 static void attend_one(float *out, const float *q, kv_layer kv, const attn_batch *b, int seq,
                        int pos, int g, int Hkv, int Dh, float scale, float *scores) {
     const int64_t row = (int64_t)Hkv * Dh;
-    float m = -INFINITY;
+    float m = -INFINITY, buf[ATTN_CPU_MAX_DH];
+    MS_ASSERT(!kv.bf16 || Dh <= ATTN_CPU_MAX_DH);
     for (int p = 0; p <= pos; p++) {
-        const float *kp = kv.k + kv_slot(b, seq, p) * row + (int64_t)g * Dh;
+        const float *kp = kv_row(kv, kv.k, kv_slot(b, seq, p), row, g, Dh, buf);
         scores[p] = cpu_dot_f32(q, kp, Dh) * scale;
         if (scores[p] > m) m = scores[p];
     }
@@ -51,7 +76,7 @@ static void attend_one(float *out, const float *q, kv_layer kv, const attn_batch
     for (int d = 0; d < Dh; d++)
         out[d] = 0.0f;
     for (int p = 0; p <= pos; p++) {
-        const float *vp = kv.v + kv_slot(b, seq, p) * row + (int64_t)g * Dh;
+        const float *vp = kv_row(kv, kv.v, kv_slot(b, seq, p), row, g, Dh, buf);
         cpu_axpy_f32(out, scores[p], vp, Dh);
     }
     const float inv = 1.0f / sum;

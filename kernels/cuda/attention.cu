@@ -79,6 +79,7 @@
 #include <cooperative_groups.h>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/kv_types.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -172,6 +173,14 @@ static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) 
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
+// One piece of four cache elements (kv_types.cuh) global -> shared: 16 bytes, or 8 for BF16.
+static __device__ __forceinline__ void cp_async_piece(float4 *smem, const float4 *gmem) {
+    cp_async16(smem, gmem);
+}
+static __device__ __forceinline__ void cp_async_piece(uint2 *smem, const uint2 *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+}
 static __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -195,16 +204,19 @@ static __device__ __forceinline__ bool in_tile_group(const int32_t *__restrict__
 // (tile_qt > 0) are attn_tile_kernel's.
 //   part_o  [Ts, H / G, NC, G, DH]  unnormalized weighted V of each chunk
 //   part_ml [Ts, H / G, NC, 2, G]   chunk max score m, then sum of exp l
-//   q [T, H, DH], kc / vc [P, S, Hkv, DH], pos / seq [T], page_table [n_seq, max_pages]
-template <int DH, int G, int MINB>
+//   q [T, H, DH], kc / vc [P, S, Hkv, DH] of KV (float or BF16), pos / seq [T],
+//   page_table [n_seq, max_pages]
+template <int DH, int G, int MINB, class KV>
 __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     attn_chunk_kernel(float *__restrict__ part_o, float *__restrict__ part_ml,
-                      const float *__restrict__ q, const float *__restrict__ kc,
-                      const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                      const float *__restrict__ q, const KV *__restrict__ kc,
+                      const KV *__restrict__ vc, const int32_t *__restrict__ pos,
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                       int t0, int Ts, int tile_qt, int H, int Hkv, int max_pages, int S, int NC,
                       float scale) {
     using L = attn_layout<DH>;
+    typedef kv_elem<KV> E;
+    typedef typename E::piece P;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = L::UK;
     constexpr int LV = L::LV, FV = L::FV, RV = L::RV, UV = L::UV;
     constexpr int KSTEP = PK * UK, VSTEP = RV * UV; // positions a batch of rows covers
@@ -239,9 +251,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     __syncthreads();
 
     // A warp takes positions [wbeg, wend) of the chunk, in batches of rows.
-    const int64_t rs = (int64_t)Hkv * DH; // floats per cache row
-    const float *kg = kc + (int64_t)g * DH;
-    const float *vg = vc + (int64_t)g * DH;
+    const int64_t rs = (int64_t)Hkv * DH; // elements per cache row
+    const KV *kg = kc + (int64_t)g * DH;
+    const KV *vg = vc + (int64_t)g * DH;
     const int wbeg = w * ATTN_WARP_POS, wend = min(wbeg + ATTN_WARP_POS, nv);
     const int nkb = wbeg < wend ? (wend - wbeg + KSTEP - 1) / KSTEP : 0; // K batches
     const int nvb = wbeg < wend ? (wend - wbeg + VSTEP - 1) / VSTEP : 0; // V batches
@@ -253,11 +265,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 #pragma unroll
         for (int u = 0; u < UK; u++) {
             const int i = i0 + u * PK + pp;
-            const float4 *kp =
-                reinterpret_cast<const float4 *>(kg + (int64_t)rows[i < wend ? i : wbeg] * rs);
+            const P *kp = reinterpret_cast<const P *>(kg + (int64_t)rows[i < wend ? i : wbeg] * rs);
 #pragma unroll
             for (int f = 0; f < FK; f++)
-                kr[u][f] = i < wend ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+                kr[u][f] =
+                    i < wend ? E::widen(__ldg(kp + f * LK + sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
     // s[p][h] = (q_h . k_p) * scale: a sequential fma chain over the lane's pieces, then an xor
@@ -292,11 +304,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 #pragma unroll
         for (int u = 0; u < UV; u++) {
             const int i = i0 + u * RV + rv;
-            const float4 *vp =
-                reinterpret_cast<const float4 *>(vg + (int64_t)rows[i < wend ? i : wbeg] * rs);
+            const P *vp = reinterpret_cast<const P *>(vg + (int64_t)rows[i < wend ? i : wbeg] * rs);
 #pragma unroll
             for (int f = 0; f < FV; f++)
-                vr[u][f] = i < wend ? __ldg(vp + f * LV + subv) : make_float4(0.f, 0.f, 0.f, 0.f);
+                vr[u][f] = i < wend ? E::widen(__ldg(vp + f * LV + subv))
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
     float4 acc[G][FV];
@@ -453,24 +465,26 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 // Dynamic shared memory: max(2 * ATTN_SLICE * DH, 2 * NC * G) floats.
 // The body is block (tl, hg, j)'s work; dep.start() at the start, dep.wait() before the first read
 // of what the kernel before writes (cuda_ops.h's pdl_dep; attn_slice_kernel below).
-template <int DH, int G, int GW, class DEP>
+template <int DH, int G, int GW, class KV, class DEP>
 __device__ __forceinline__ void
 attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
                  float *__restrict__ slice_o, float *__restrict__ slice_ml,
                  float *__restrict__ part_o, float *__restrict__ part_ml, int *__restrict__ cnt,
-                 const float *__restrict__ q, const float *__restrict__ kc,
-                 const float *__restrict__ vc, const int32_t *__restrict__ pos,
-                 const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table, int t0,
-                 int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
+                 const float *__restrict__ q, const KV *__restrict__ kc, const KV *__restrict__ vc,
+                 const int32_t *__restrict__ pos, const int32_t *__restrict__ seq,
+                 const int32_t *__restrict__ page_table, int t0, int T, int H, int Hkv,
+                 int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
     constexpr int NT = G / GW * 32, D4 = DH / 4;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
     constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
     static_assert(G % GW == 0 && G / GW <= 32, "warps");
 
+    typedef kv_elem<KV> E;
+    typedef typename E::piece P;
     extern __shared__ __align__(16) float4 attn_dyn[];
-    float4 *ks = attn_dyn;                // [ATTN_SLICE][D4] K rows of the slice
-    float4 *vs = ks + ATTN_SLICE * D4;    // [ATTN_SLICE][D4] V rows
+    P *ks = reinterpret_cast<P *>(attn_dyn); // [ATTN_SLICE][D4] K rows of the slice
+    P *vs = ks + ATTN_SLICE * D4;            // [ATTN_SLICE][D4] V rows
     __shared__ __align__(16) float4 qs[G * D4];
     __shared__ float s[ATTN_SLICE * G];   // scores, then exp weights [p][h]
     __shared__ int rows[ATTN_SLICE];
@@ -500,15 +514,15 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
         rows[tid] = page_table[(int64_t)sq * max_pages + p / S] * S + p % S;
     }
     __syncthreads();
-    const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
-    const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
-    const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
+    const int64_t rs4 = (int64_t)Hkv * D4; // pieces per cache row
+    const P *kg = reinterpret_cast<const P *>(kc) + (int64_t)g * D4;
+    const P *vg = reinterpret_cast<const P *>(vc) + (int64_t)g * D4;
     if (early) {
         for (int e = tid; e < nv * D4; e += NT)
-            cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+            cp_async_piece(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: K
         for (int e = tid; e < nv * D4; e += NT)
-            cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+            cp_async_piece(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: V
     }
     dep.wait();
@@ -517,11 +531,11 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
         cp_async16(&qs[i], qt + i);
     if (!early)
         for (int e = tid; e < nv * D4; e += NT)
-            cp_async16(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+            cp_async_piece(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
     cp_async_commit(); // group: q (and K)
     if (!early) {
         for (int e = tid; e < nv * D4; e += NT)
-            cp_async16(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+            cp_async_piece(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: V
         cp_async_wait<1>(); // q and K
     } else {
@@ -540,7 +554,7 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
             float4 kr[FK];
 #pragma unroll
             for (int f = 0; f < FK; f++)
-                kr[f] = ks[ic * D4 + f * LK + sub];
+                kr[f] = E::widen(ks[ic * D4 + f * LK + sub]);
             float acc[GW];
 #pragma unroll
             for (int h = 0; h < GW; h++) {
@@ -605,7 +619,7 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
                 e[h] = s[i * G + h0 + h];
 #pragma unroll
             for (int f = 0; f < FV; f++) {
-                const float4 v = vs[i * D4 + f * LV + subv];
+                const float4 v = E::widen(vs[i * D4 + f * LV + subv]);
 #pragma unroll
                 for (int h = 0; h < GW; h++)
                     acc[h][f] = fma4v(e[h], v, acc[h][f]);
@@ -752,18 +766,18 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
     }
 }
 
-template <int DH, int G, int GW>
+template <int DH, int G, int GW, class KV>
 __global__ void __launch_bounds__(G / GW * 32)
     attn_slice_kernel(float *__restrict__ out, float *__restrict__ slice_o,
                       float *__restrict__ slice_ml, float *__restrict__ part_o,
                       float *__restrict__ part_ml, int *__restrict__ cnt,
-                      const float *__restrict__ q, const float *__restrict__ kc,
-                      const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                      const float *__restrict__ q, const KV *__restrict__ kc,
+                      const KV *__restrict__ vc, const int32_t *__restrict__ pos,
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                       int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
-    attn_slice_block<DH, G, GW>(blockIdx.x, blockIdx.y, blockIdx.z, pdl_dep(), out, slice_o,
-                                slice_ml, part_o, part_ml, cnt, q, kc, vc, pos, seq, page_table, t0,
-                                T, H, Hkv, max_pages, S, NC, scale);
+    attn_slice_block<DH, G, GW, KV>(blockIdx.x, blockIdx.y, blockIdx.z, pdl_dep(), out, slice_o,
+                                    slice_ml, part_o, part_ml, cnt, q, kc, vc, pos, seq, page_table,
+                                    t0, T, H, Hkv, max_pages, S, NC, scale);
 }
 // ZC = gridDim.z / CS clusters of CS blocks per (token t0 + blockIdx.x, head group blockIdx.y);
 // cluster z takes the groups of CPC consecutive chunks z, z + ZC, ... in turn. Block r of the
@@ -777,12 +791,12 @@ __global__ void __launch_bounds__(G / GW * 32)
 //   part_o, part_ml as for attn_chunk_kernel; out [T, H, DH]
 //   cnt [Ts, H / G, NC + 1]: entry NC counts finished chunk groups (left at zero)
 // Dynamic shared memory: max(2 * SPB * ATTN_SLICE * DH, 2 * NC * G) floats.
-template <int DH, int G, int GW, int SPB, int CS>
-__global__ void __launch_bounds__(SPB * G / GW * 32)
+template <int DH, int G, int GW, int SPB, int CS, class KV>
+__global__ void __launch_bounds__(SPB *G / GW * 32)
     attn_cluster_kernel(float *__restrict__ out, float *__restrict__ part_o,
                         float *__restrict__ part_ml, int *__restrict__ cnt,
-                        const float *__restrict__ q, const float *__restrict__ kc,
-                        const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                        const float *__restrict__ q, const KV *__restrict__ kc,
+                        const KV *__restrict__ vc, const int32_t *__restrict__ pos,
                         const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                         int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
@@ -797,10 +811,12 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
     static_assert(G % GW == 0 && G / GW <= 32 && NT <= 1024, "warps");
     static_assert(ATTN_SLICES % SPB == 0 && CS % BPC == 0, "cluster shape");
 
+    typedef kv_elem<KV> E;
+    typedef typename E::piece P;
     cg::cluster_group cluster = cg::this_cluster();
     extern __shared__ __align__(16) float4 attn_dyn[];
-    float4 *ks = attn_dyn;                   // [SPB][ATTN_SLICE][D4] K rows of the slices
-    float4 *vs = ks + SPB * ATTN_SLICE * D4; // [SPB][ATTN_SLICE][D4] V rows
+    P *ks = reinterpret_cast<P *>(attn_dyn); // [SPB][ATTN_SLICE][D4] K rows of the slices
+    P *vs = ks + SPB * ATTN_SLICE * D4;      // [SPB][ATTN_SLICE][D4] V rows
     __shared__ __align__(16) float4 qs[GE];
     __shared__ __align__(16) float4 so[SPB][GE]; // each slice's o_w
     __shared__ __align__(16) float4 co[EPB];     // this block's range of its chunk's o
@@ -843,17 +859,17 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
             rows[gs][gt] = page_table[(int64_t)sq * max_pages + p / S] * S + p % S;
         }
         __syncthreads();
-        const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
-        const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
-        const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
-        float4 *ksg = ks + gs * ATTN_SLICE * D4, *vsg = vs + gs * ATTN_SLICE * D4;
+        const int64_t rs4 = (int64_t)Hkv * D4; // pieces per cache row
+        const P *kg = reinterpret_cast<const P *>(kc) + (int64_t)g * D4;
+        const P *vg = reinterpret_cast<const P *>(vc) + (int64_t)g * D4;
+        P *ksg = ks + gs * ATTN_SLICE * D4, *vsg = vs + gs * ATTN_SLICE * D4;
         const int *rw = rows[gs];
         if (early) {
             for (int e = gt; e < nv * D4; e += NTG)
-                cp_async16(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+                cp_async_piece(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
             cp_async_commit(); // group: K
             for (int e = gt; e < nv * D4; e += NTG)
-                cp_async16(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+                cp_async_piece(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
             cp_async_commit(); // group: V
         }
         pdl_wait();
@@ -862,11 +878,11 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
             cp_async16(&qs[i], qt + i);
         if (!early)
             for (int e = gt; e < nv * D4; e += NTG)
-                cp_async16(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+                cp_async_piece(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
         cp_async_commit(); // group: q (and K)
         if (!early) {
             for (int e = gt; e < nv * D4; e += NTG)
-                cp_async16(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+                cp_async_piece(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
             cp_async_commit();  // group: V
             cp_async_wait<1>(); // q and K
         } else {
@@ -886,7 +902,7 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
                 float4 kr[FK];
 #pragma unroll
                 for (int f = 0; f < FK; f++)
-                    kr[f] = ksg[ic * D4 + f * LK + sub];
+                    kr[f] = E::widen(ksg[ic * D4 + f * LK + sub]);
                 float acc[GW];
 #pragma unroll
                 for (int h = 0; h < GW; h++) {
@@ -949,7 +965,7 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
                     e[h] = sg[i * G + h0 + h];
 #pragma unroll
                 for (int f = 0; f < FV; f++) {
-                    const float4 v = vsg[i * D4 + f * LV + subv];
+                    const float4 v = E::widen(vsg[i * D4 + f * LV + subv]);
 #pragma unroll
                     for (int h = 0; h < GW; h++)
                         acc[h][f] = fma4v(e[h], v, acc[h][f]);
@@ -1141,14 +1157,16 @@ __global__ void __launch_bounds__(SPB * G / GW * 32)
 // keep the blocks that exit at once (decode batches, which have no tiles) few.
 // Dynamic shared memory: q [ATTN_TILE_ROWS][DH], scores [ATTN_CHUNK][ATTN_TILE_ROWS], then V
 // [2][ATTN_SLICE][DH] floats.
-template <int DH, int G>
+template <int DH, int G, class KV>
 __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     attn_tile_kernel(float *__restrict__ part_o, float *__restrict__ part_ml,
-                     const float *__restrict__ q, const float *__restrict__ kc,
-                     const float *__restrict__ vc, const int32_t *__restrict__ pos,
+                     const float *__restrict__ q, const KV *__restrict__ kc,
+                     const KV *__restrict__ vc, const int32_t *__restrict__ pos,
                      const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                      int t0, int Ts, int H, int Hkv, int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
+    typedef kv_elem<KV> E;
+    typedef typename E::piece P;
     constexpr int R = ATTN_TILE_ROWS, QT = R / G, D4 = DH / 4;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = 2;
     constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
@@ -1159,7 +1177,7 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     extern __shared__ __align__(16) float4 attn_dyn[];
     float4 *qs = attn_dyn;                              // [R][D4]
     float *sc = reinterpret_cast<float *>(qs + R * D4); // [ATTN_CHUNK][R] scores, then exp weights
-    float4 *vsm = reinterpret_cast<float4 *>(sc + ATTN_CHUNK * R); // [2][ATTN_SLICE][D4] V slices
+    P *vsm = reinterpret_cast<P *>(sc + ATTN_CHUNK * R); // [2][ATTN_SLICE][D4] V slices
     __shared__ int rows[ATTN_CHUNK];
     __shared__ int nvk[QT]; // positions of the chunk each token sees (<= 0: none)
     __shared__ float wm[ATTN_SLICES * R], wl[ATTN_SLICES * R], fw[ATTN_SLICES * R];
@@ -1181,9 +1199,9 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
                                                          DH)[i - k * G * D4];
     }
     const int32_t *pt = page_table + (int64_t)seq[tq] * max_pages;
-    const int64_t rs4 = (int64_t)Hkv * D4; // float4 per cache row
-    const float4 *kg = reinterpret_cast<const float4 *>(kc) + (int64_t)g * D4;
-    const float4 *vg = reinterpret_cast<const float4 *>(vc) + (int64_t)g * D4;
+    const int64_t rs4 = (int64_t)Hkv * D4; // pieces per cache row
+    const P *kg = reinterpret_cast<const P *>(kc) + (int64_t)g * D4;
+    const P *vg = reinterpret_cast<const P *>(vc) + (int64_t)g * D4;
 
     for (int c = blockIdx.z; c < ncmax; c += gridDim.z) {
         const int p0 = c * ATTN_CHUNK;
@@ -1198,9 +1216,9 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
         // V slice jj into buffer jj & 1, one commit group per slice
         auto stage_v = [&](int jj) {
             const int i0 = jj * ATTN_SLICE, cntv = min(ATTN_SLICE, nvmax - i0);
-            float4 *dst = vsm + (jj & 1) * ATTN_SLICE * D4;
+            P *dst = vsm + (jj & 1) * ATTN_SLICE * D4;
             for (int e = tid; e < cntv * D4; e += ATTN_TILE_THREADS)
-                cp_async16(&dst[e], vg + rows[i0 + e / D4] * rs4 + e % D4);
+                cp_async_piece(&dst[e], vg + rows[i0 + e / D4] * rs4 + e % D4);
             cp_async_commit();
         };
         stage_v(0);
@@ -1214,11 +1232,11 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
 #pragma unroll
                 for (int u = 0; u < UK; u++) {
                     const int i = i0 + u * PK + pp;
-                    const float4 *kp = kg + rows[i < nvmax ? i : i0] * rs4;
+                    const P *kp = kg + rows[i < nvmax ? i : i0] * rs4;
 #pragma unroll
                     for (int f = 0; f < FK; f++)
-                        kr[u][f] =
-                            i < nvmax ? __ldg(kp + f * LK + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+                        kr[u][f] = i < nvmax ? E::widen(__ldg(kp + f * LK + sub))
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
 #pragma unroll 1
                 for (int r0 = 0; r0 < R; r0 += RB) {
@@ -1338,7 +1356,7 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
                 else
                     cp_async_wait<0>();
                 __syncthreads(); // slice jj's V rows of every thread's copies
-                const float4 *vb = vsm + (jj & 1) * ATTN_SLICE * D4;
+                const P *vb = vsm + (jj & 1) * ATTN_SLICE * D4;
                 const int ib0 = jj * ATTN_SLICE, cntv = min(ATTN_SLICE, nvmax - ib0);
                 float4 acc[RW][FV];
 #pragma unroll
@@ -1356,7 +1374,7 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
                         float4 v[FV];
 #pragma unroll
                         for (int f = 0; f < FV; f++)
-                            v[f] = vb[il * D4 + f * LV + subv];
+                            v[f] = E::widen(vb[il * D4 + f * LV + subv]);
 #pragma unroll
                         for (int rr = 0; rr < RW; rr++)
                             if (i < nvr[rr]) {
@@ -1504,16 +1522,16 @@ static size_t slice_smem(int DH, int G, int NC) {
     return (a > b ? a : b) * sizeof(float);
 }
 
-template <int DH, int G> static void launch_slices(const attn_args &a) {
+template <int DH, int G, class KV> static void launch_slices(const attn_args &a) {
     constexpr int GW = G < 2 ? G : 2;
-    auto kernel = attn_slice_kernel<DH, G, GW>;
+    auto kernel = attn_slice_kernel<DH, G, GW, KV>;
     static size_t smem_set = 0;
     const size_t smem = slice_smem(DH, G, a.NC);
     cuda_smem_allow(kernel, smem, &smem_set);
     const attn_batch *b = a.b;
     cuda_launch_pdl(kernel, dim3(a.Ts, a.H / G, a.NC * ATTN_SLICES), dim3(G / GW * 32), smem, a.out,
-                    a.slice_o, a.slice_ml, a.part_o, a.part_ml, a.cnt, a.q, (const float *)a.kv.k,
-                    (const float *)a.kv.v, b->pos, b->seq, b->page_table, a.t0, b->T, a.H, a.Hkv,
+                    a.slice_o, a.slice_ml, a.part_o, a.part_ml, a.cnt, a.q, (const KV *)a.kv.k,
+                    (const KV *)a.kv.v, b->pos, b->seq, b->page_table, a.t0, b->T, a.H, a.Hkv,
                     b->max_pages, b->page_size, a.NC, a.scale);
 }
 
@@ -1522,10 +1540,10 @@ template <int DH> constexpr int cluster_spb() {
 }
 
 // False where no cluster of the kernel fits a GPC (then the caller takes the slice kernel).
-template <int DH, int G> static bool launch_clusters(const attn_args &a) {
+template <int DH, int G, class KV> static bool launch_clusters(const attn_args &a) {
     constexpr int GW = G < 2 ? G : 2, SPB = cluster_spb<DH>(), CS = ATTN_CLUSTER_CS;
     constexpr int CPC = CS * SPB / ATTN_SLICES;
-    auto kernel = attn_cluster_kernel<DH, G, GW, SPB, CS>;
+    auto kernel = attn_cluster_kernel<DH, G, GW, SPB, CS, KV>;
     static size_t smem_set = 0, smem_checked = 0;
     static int max_active = 0; // clusters resident at once on the device
     const size_t kv = (size_t)2 * SPB * ATTN_SLICE * DH, ml = (size_t)2 * a.NC * G;
@@ -1558,26 +1576,27 @@ template <int DH, int G> static bool launch_clusters(const attn_args &a) {
     zc = zc < 1 ? 1 : zc > groups ? groups : zc;
     cfg.gridDim.z = zc * CS;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a.out, a.part_o, a.part_ml, a.cnt, a.q,
-                                  (const float *)a.kv.k, (const float *)a.kv.v,
-                                  (const int32_t *)b->pos, (const int32_t *)b->seq,
-                                  (const int32_t *)b->page_table, a.t0, b->T, a.H, a.Hkv,
-                                  b->max_pages, b->page_size, a.NC, a.scale));
+                                  (const KV *)a.kv.k, (const KV *)a.kv.v, (const int32_t *)b->pos,
+                                  (const int32_t *)b->seq, (const int32_t *)b->page_table, a.t0,
+                                  b->T, a.H, a.Hkv, b->max_pages, b->page_size, a.NC, a.scale));
     return true;
 }
 
-template <int DH, int G> static void launch_chunks(const attn_args &a, int tile_qt) {
+template <int DH, int G, class KV> static void launch_chunks(const attn_args &a, int tile_qt) {
     const dim3 grid(a.Ts, a.H / G, a.NC);
     const attn_batch *b = a.b;
-    attn_chunk_kernel<DH, G, attn_min_blocks<DH, G>()><<<grid, ATTN_THREADS, 0, cuda_stream()>>>(
-        a.part_o, a.part_ml, a.q, a.kv.k, a.kv.v, b->pos, b->seq, b->page_table, a.t0, a.Ts,
-        tile_qt, a.H, a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
+    attn_chunk_kernel<DH, G, attn_min_blocks<DH, G>(), KV>
+        <<<grid, ATTN_THREADS, 0, cuda_stream()>>>(a.part_o, a.part_ml, a.q, (const KV *)a.kv.k,
+                                                   (const KV *)a.kv.v, b->pos, b->seq,
+                                                   b->page_table, a.t0, a.Ts, tile_qt, a.H, a.Hkv,
+                                                   b->max_pages, b->page_size, a.NC, a.scale);
     CUDA_CHECK_LAUNCH();
 }
 
-template <int DH, int G> static void launch_tiles(const attn_args &a) {
+template <int DH, int G, class KV> static void launch_tiles(const attn_args &a) {
     constexpr int QT = ATTN_TILE_ROWS / G;
     if (a.Ts < QT) return;
-    auto kernel = attn_tile_kernel<DH, G>;
+    auto kernel = attn_tile_kernel<DH, G, KV>;
     static size_t smem_set = 0;
     const size_t smem = ((size_t)ATTN_TILE_ROWS * DH + (size_t)ATTN_CHUNK * ATTN_TILE_ROWS +
                          (size_t)2 * ATTN_SLICE * DH) * sizeof(float);
@@ -1585,8 +1604,8 @@ template <int DH, int G> static void launch_tiles(const attn_args &a) {
     const attn_batch *b = a.b;
     const int zc = a.NC < ATTN_TILE_ZC ? a.NC : ATTN_TILE_ZC;
     kernel<<<dim3(a.Ts / QT, a.H / G, zc), ATTN_TILE_THREADS, smem, cuda_stream()>>>(
-        a.part_o, a.part_ml, a.q, a.kv.k, a.kv.v, b->pos, b->seq, b->page_table, a.t0, a.Ts, a.H,
-        a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
+        a.part_o, a.part_ml, a.q, (const KV *)a.kv.k, (const KV *)a.kv.v, b->pos, b->seq,
+        b->page_table, a.t0, a.Ts, a.H, a.Hkv, b->max_pages, b->page_size, a.NC, a.scale);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -1594,20 +1613,31 @@ static size_t g_combine_smem_set = 48 << 10; // one kernel for every shape: one 
 
 enum attn_path { ATTN_PATH_SLICES, ATTN_PATH_CHUNKS, ATTN_PATH_TILES, ATTN_PATH_CLUSTERS };
 
-template <int DH, int G> static void launch_path(attn_path path, const attn_args &a) {
+template <int DH, int G, class KV> static void launch_path_kv(attn_path path, const attn_args &a) {
     switch (path) {
-    case ATTN_PATH_SLICES: launch_slices<DH, G>(a); return;
+    case ATTN_PATH_SLICES: launch_slices<DH, G, KV>(a); return;
     case ATTN_PATH_CLUSTERS:
-        if (!launch_clusters<DH, G>(a)) launch_slices<DH, G>(a);
+        if (!launch_clusters<DH, G, KV>(a)) launch_slices<DH, G, KV>(a);
         return;
-    case ATTN_PATH_TILES: launch_tiles<DH, G>(a); launch_chunks<DH, G>(a, ATTN_TILE_ROWS / G); break;
-    case ATTN_PATH_CHUNKS: launch_chunks<DH, G>(a, 0); break;
+    case ATTN_PATH_TILES:
+        launch_tiles<DH, G, KV>(a);
+        launch_chunks<DH, G, KV>(a, ATTN_TILE_ROWS / G);
+        break;
+    case ATTN_PATH_CHUNKS: launch_chunks<DH, G, KV>(a, 0); break;
     }
     const size_t combine_smem = ((size_t)a.NC * G + G) * sizeof(float);
     cuda_smem_allow(attn_combine_kernel, combine_smem, &g_combine_smem_set);
     attn_combine_kernel<<<dim3(a.Ts, a.H / G), ATTN_COMBINE_THREADS, combine_smem, cuda_stream()>>>(
         a.out, a.part_o, a.part_ml, a.b->pos, a.t0, a.H, G, DH, a.NC);
     CUDA_CHECK_LAUNCH();
+}
+
+// The cache's element type (kv_types.cuh) as a template argument.
+template <int DH, int G> static void launch_path(attn_path path, const attn_args &a) {
+    if (a.kv.bf16)
+        launch_path_kv<DH, G, __nv_bfloat16>(path, a);
+    else
+        launch_path_kv<DH, G, float>(path, a);
 }
 
 template <int DH> static void launch_dh(int G, attn_path path, const attn_args &a) {

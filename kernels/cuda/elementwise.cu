@@ -46,6 +46,7 @@
 #include "kernels/a2a.h"
 #include "kernels/cuda/act_quant.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/kv_types.cuh"
 #include "kernels/quant.h"
 
 #define EW_THREADS    256       /* threads per block of the streaming kernels */
@@ -520,9 +521,9 @@ void cuda_rope(float *q, float *k, const int32_t *pos, int T, int H, int Hkv, in
 // One head of Dh = 2 half values, by one warp: src normed with w (rmsnorm_kernel's chunks and
 // arithmetic) into the warp's row of shared memory, then rotated from there into dst with
 // rope_rotate's arithmetic (cs, sn: the token's angles). dst may equal src. VEC: src, dst 16-byte
-// aligned and Dh % 4 == 0.
-template <int DT, bool VEC>
-__device__ __forceinline__ void head_norm_rope(float *dst, const float *src, const void *w,
+// aligned and Dh % 4 == 0. OUT: dst's element (a BF16 KV cache's k rows: rounded as stored).
+template <int DT, bool VEC, class OUT = float>
+__device__ __forceinline__ void head_norm_rope(OUT *dst, const float *src, const void *w,
                                                float *row, const float *cs, const float *sn,
                                                int half, float eps) {
     const int lane = threadIdx.x & 31, Dh = 2 * half;
@@ -549,8 +550,8 @@ __device__ __forceinline__ void head_norm_rope(float *dst, const float *src, con
     __syncwarp(); // the rotation pairs elements that other lanes normed
     for (int j = lane; j < half; j += 32) {
         const float x0 = row[j], x1 = row[j + half];
-        dst[j] = __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j]));
-        dst[j + half] = __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j]));
+        kv_elem<OUT>::put(dst + j, __fsub_rn(__fmul_rn(x0, cs[j]), __fmul_rn(x1, sn[j])));
+        kv_elem<OUT>::put(dst + j + half, __fadd_rn(__fmul_rn(x1, cs[j]), __fmul_rn(x0, sn[j])));
     }
     __syncwarp(); // the row is read before the warp's next head overwrites it
 }
@@ -586,11 +587,12 @@ __device__ __forceinline__ int64_t kv_slot(const attn_batch &b, int t) {
 // qkv: q heads normed and rotated into q_out, k heads normed and rotated into the cache slot, v
 // heads copied into it (a warp's one 16-byte access per lane for Dh = 128).
 // The body is block (t, y) of ny blocks a token; dep as cuda_ops.h's pdl_dep (the wrapper below).
-template <int DT, bool VEC, class DEP>
+// KV: the cache's element (kv_types.cuh).
+template <int DT, bool VEC, class KV, class DEP>
 __device__ __forceinline__ void
-qkv_prepare_block(int t, int y, int ny, DEP dep, float *q_out, float *kc, float *vc,
-                  const float *qkv, const void *q_norm, const void *k_norm, const attn_batch &b,
-                  int H, int Hkv, int half, float eps, const rope_freqs &f) {
+qkv_prepare_block(int t, int y, int ny, DEP dep, float *q_out, KV *kc, KV *vc, const float *qkv,
+                  const void *q_norm, const void *k_norm, const attn_batch &b, int H, int Hkv,
+                  int half, float eps, const rope_freqs &f) {
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     __shared__ __align__(16) float rows[QK_MAX_WARPS][2 * ROPE_MAX_HALF];
     const int Dh = 2 * half;
@@ -607,28 +609,28 @@ qkv_prepare_block(int t, int y, int ny, DEP dep, float *q_out, float *kc, float 
             head_norm_rope<DT, VEC>(q_out + ((int64_t)t * H + hd) * Dh, src, q_norm, rows[warp],
                                     cs, sn, half, eps);
         } else if (hd < H + Hkv) {
-            head_norm_rope<DT, VEC>(kc + (slot * Hkv + hd - H) * Dh, src, k_norm, rows[warp], cs,
-                                    sn, half, eps);
+            head_norm_rope<DT, VEC, KV>(kc + (slot * Hkv + hd - H) * Dh, src, k_norm, rows[warp],
+                                        cs, sn, half, eps);
         } else {
-            float *dst = vc + (slot * Hkv + hd - H - Hkv) * Dh;
+            KV *dst = vc + (slot * Hkv + hd - H - Hkv) * Dh;
             if constexpr (VEC) {
                 for (int ch = lane; ch < Dh / 4; ch += 32)
-                    ((float4 *)dst)[ch] = ((const float4 *)src)[ch];
+                    kv_elem<KV>::put4(dst + 4 * ch, ((const float4 *)src)[ch]);
             } else {
                 for (int c = lane; c < Dh; c += 32)
-                    dst[c] = src[c];
+                    kv_elem<KV>::put(dst + c, src[c]);
             }
         }
     }
 }
 
-template <int DT, bool VEC>
-__global__ void qkv_prepare_kernel(float *q_out, float *kc, float *vc, const float *qkv,
+template <int DT, bool VEC, class KV>
+__global__ void qkv_prepare_kernel(float *q_out, KV *kc, KV *vc, const float *qkv,
                                    const void *q_norm, const void *k_norm, attn_batch b, int H,
                                    int Hkv, int half, float eps,
                                    const __grid_constant__ rope_freqs f) {
-    qkv_prepare_block<DT, VEC>(blockIdx.x, blockIdx.y, gridDim.y, pdl_dep(), q_out, kc, vc, qkv,
-                               q_norm, k_norm, b, H, Hkv, half, eps, f);
+    qkv_prepare_block<DT, VEC, KV>(blockIdx.x, blockIdx.y, gridDim.y, pdl_dep(), q_out, kc, vc, qkv,
+                                   q_norm, k_norm, b, H, Hkv, half, eps, f);
 }
 
 template <int DT>
@@ -699,27 +701,37 @@ void cuda_qkv_prepare(float *q_out, kv_layer kv, const float *qkv, const tensor 
     const dim3 grid(T, T < QK_SPREAD_MAX_T ? (heads + warps - 1) / warps : 1);
     const bool vec = Dh % 4 == 0 && aligned16(q_out) && aligned16(qkv) && aligned16(kv.k) &&
                      aligned16(kv.v);
-#define QKV_LAUNCH(DT)                                                                             \
+#define QKV_LAUNCH(DT, KV)                                                                         \
     do {                                                                                           \
+        KV *kc = reinterpret_cast<KV *>(kv.k), *vc = reinterpret_cast<KV *>(kv.v);                 \
         if (vec)                                                                                   \
-            cuda_launch_pdl(qkv_prepare_kernel<DT, true>, grid, 32 * warps, 0, q_out, kv.k, kv.v, \
+            cuda_launch_pdl(qkv_prepare_kernel<DT, true, KV>, grid, 32 * warps, 0, q_out, kc, vc,  \
                             qkv, q_norm->data, k_norm->data, *b, H, Hkv, Dh / 2, eps, f);          \
         else                                                                                       \
-            cuda_launch_pdl(qkv_prepare_kernel<DT, false>, grid, 32 * warps, 0, q_out, kv.k,      \
-                            kv.v, qkv, q_norm->data, k_norm->data, *b, H, Hkv, Dh / 2, eps, f);    \
+            cuda_launch_pdl(qkv_prepare_kernel<DT, false, KV>, grid, 32 * warps, 0, q_out, kc, vc, \
+                            qkv, q_norm->data, k_norm->data, *b, H, Hkv, Dh / 2, eps, f);          \
+    } while (0)
+#define QKV_LAUNCH_KV(DT)                                                                          \
+    do {                                                                                           \
+        if (kv.bf16)                                                                               \
+            QKV_LAUNCH(DT, __nv_bfloat16);                                                         \
+        else                                                                                       \
+            QKV_LAUNCH(DT, float);                                                                 \
     } while (0)
     switch (q_norm->dtype) {
-    case DTYPE_F32: QKV_LAUNCH(DTYPE_F32); break;
-    case DTYPE_BF16: QKV_LAUNCH(DTYPE_BF16); break;
-    default: QKV_LAUNCH(DTYPE_F16); break;
+    case DTYPE_F32: QKV_LAUNCH_KV(DTYPE_F32); break;
+    case DTYPE_BF16: QKV_LAUNCH_KV(DTYPE_BF16); break;
+    default: QKV_LAUNCH_KV(DTYPE_F16); break;
     }
+#undef QKV_LAUNCH_KV
 #undef QKV_LAUNCH
     CUDA_CHECK_LAUNCH();
 }
 
 // ---- kv_store: k, v [T, Hkv, Dh] into the paged cache at (seq[t], pos[t]) ----
 
-__global__ void kv_store_kernel(float *kc, float *vc, const float *k, const float *v, attn_batch b,
+template <class KV>
+__global__ void kv_store_kernel(KV *kc, KV *vc, const float *k, const float *v, attn_batch b,
                                 int row) {
     const int t = blockIdx.x;
     const float *ks = k + (int64_t)t * row, *vs = v + (int64_t)t * row;
@@ -732,21 +744,22 @@ __global__ void kv_store_kernel(float *kc, float *vc, const float *k, const floa
         v4 = ((const float4 *)vs)[threadIdx.x];
     }
     const int64_t slot = kv_slot(b, t);
-    float *kd = kc + slot * row, *vd = vc + slot * row;
+    KV *kd = kc + slot * row, *vd = vc + slot * row;
+    typedef kv_elem<KV> E;
     if (one && aligned16(kd) && aligned16(vd)) {
         if ((int)threadIdx.x < row / 4) {
-            ((float4 *)kd)[threadIdx.x] = k4;
-            ((float4 *)vd)[threadIdx.x] = v4;
+            E::put4(kd + 4 * threadIdx.x, k4);
+            E::put4(vd + 4 * threadIdx.x, v4);
         }
     } else if ((row & 3) == 0 && aligned16(ks) && aligned16(vs) && aligned16(kd) && aligned16(vd)) {
         for (int i = threadIdx.x; i < row / 4; i += blockDim.x) {
-            ((float4 *)kd)[i] = ((const float4 *)ks)[i];
-            ((float4 *)vd)[i] = ((const float4 *)vs)[i];
+            E::put4(kd + 4 * i, ((const float4 *)ks)[i]);
+            E::put4(vd + 4 * i, ((const float4 *)vs)[i]);
         }
     } else {
         for (int i = threadIdx.x; i < row; i += blockDim.x) {
-            kd[i] = ks[i];
-            vd[i] = vs[i];
+            E::put(kd + i, ks[i]);
+            E::put(vd + i, vs[i]);
         }
     }
 }
@@ -755,7 +768,12 @@ void cuda_kv_store(kv_layer kv, const float *k, const float *v, const attn_batch
                    int Dh) {
     if (b->T <= 0) return;
     const int row = Hkv * Dh, threads = row / 4 <= 128 ? 128 : row / 4 <= 256 ? 256 : 128;
-    kv_store_kernel<<<b->T, threads, 0, cuda_stream()>>>(kv.k, kv.v, k, v, *b, row);
+    if (kv.bf16)
+        kv_store_kernel<<<b->T, threads, 0, cuda_stream()>>>(
+            reinterpret_cast<__nv_bfloat16 *>(kv.k), reinterpret_cast<__nv_bfloat16 *>(kv.v), k, v,
+            *b, row);
+    else
+        kv_store_kernel<<<b->T, threads, 0, cuda_stream()>>>(kv.k, kv.v, k, v, *b, row);
     CUDA_CHECK_LAUNCH();
 }
 
