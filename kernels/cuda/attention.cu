@@ -58,6 +58,9 @@
 //   after); the chunk kernel leaves those tokens alone. So a prefill chunk no longer reads the whole
 //   KV once per token. The slices' o_w are folded into the chunk sum as they are done, which is the
 //   chunk merge above because every f_w is known (the scores come first).
+// - The cache holds float or BF16 (kv.bf16): each path reads it in pieces of four elements and
+//   widens them exactly (kv_types.cuh), so the arithmetic above is the same on both; a BF16 piece
+//   is an 8-byte load where fp32's is 16, which is why BF16 is not faster yet (kv_types.cuh).
 // - GQA: a block serves G query heads that share one kv head (G = H / Hkv, or a divisor of it when
 //   G * Dh would not fit the registers), so each K/V row is read once per group.
 // - Positions live on the device and are not read back: grids are sized from the upper bound
