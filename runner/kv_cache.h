@@ -1,7 +1,7 @@
-/* The paged KV cache: for every layer, k and v pools of [P, S, Hkv, Dh] float32 (or bfloat16: bf16
- * set, kernels/ops.h's kv_layer), and one page
- * allocator shared by all layers (page p holds the same positions in every layer). A sequence
- * owns a list of pages; position i of it lives in page list[i / S], slot i % S.
+/* The paged KV cache: for every layer, k and v pools of [P, S, Hkv, Dh] float32 (or bfloat16, bf16
+ * set: kernels/ops.h's kv_layer), and one page allocator shared by all layers (page p holds the
+ * same positions in every layer). A sequence owns a list of pages; position i of it lives in page
+ * list[i / S], slot i % S.
  *
  * Pages are reference counted so that several holders can share one: the prefix cache and every
  * running request whose prompt starts with the cached tokens. A page is free exactly when its

@@ -16,8 +16,6 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
-#define ATTN_CPU_MAX_DH 512 /* head dims a BF16 cache's row buffer holds */
-
 /* Row of cache slot (seq, p): index into [P * S] of the [P, S, Hkv, Dh] cache. */
 static inline int64_t kv_slot(const attn_batch *b, int seq, int p) {
     const int page = b->page_table[(int64_t)seq * b->max_pages + p / b->page_size];
@@ -57,12 +55,11 @@ static inline const float *kv_row(kv_layer kv, const float *p, int64_t slot, int
 }
 
 /* out[Dh] = softmax(q . k_p * scale over p = 0..pos) weighted sum of v_p, for one token and one
- * query head reading kv head g; scores [pos + 1] is scratch. */
+ * query head reading kv head g; scores [pos + 1] and buf [Dh] (a BF16 cache's row) are scratch. */
 static void attend_one(float *out, const float *q, kv_layer kv, const attn_batch *b, int seq,
-                       int pos, int g, int Hkv, int Dh, float scale, float *scores) {
+                       int pos, int g, int Hkv, int Dh, float scale, float *scores, float *buf) {
     const int64_t row = (int64_t)Hkv * Dh;
-    float m = -INFINITY, buf[ATTN_CPU_MAX_DH];
-    MS_ASSERT(!kv.bf16 || Dh <= ATTN_CPU_MAX_DH);
+    float m = -INFINITY;
     for (int p = 0; p <= pos; p++) {
         const float *kp = kv_row(kv, kv.k, kv_slot(b, seq, p), row, g, Dh, buf);
         scores[p] = cpu_dot_f32(q, kp, Dh) * scale;
@@ -100,14 +97,14 @@ void cpu_attention(float *out, const float *q, kv_layer kv, const attn_batch *b,
     const int64_t items = (int64_t)T * H;
 #pragma omp parallel if (items > 1)
     {
-        float *scores = xmalloc(((size_t)max_pos + 1) * sizeof(float));
+        float *scores = xmalloc(((size_t)max_pos + 1 + Dh) * sizeof(float));
         /* Dynamic: items differ in length by their position. Which thread runs an item does not
          * change its result. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             const int t = (int)(i / H), h = (int)(i % H);
             attend_one(out + i * Dh, q + i * Dh, kv, b, b->seq[t], b->pos[t], h / group, Hkv, Dh,
-                       scale, scores);
+                       scale, scores, scores + max_pos + 1);
         }
         free(scores);
     }
