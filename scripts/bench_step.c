@@ -5,7 +5,7 @@
  *                    [--quantization nvfp4|fp8] (dummy: experts in NVFP4 W4A16 or FP8 W8A16)
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
- *                    [--routing model|random] [--kv-cache-dtype float32|bfloat16]
+ *                    [--routing model|random] [--kv-cache-dtype auto|float32|bfloat16]
  *
  * Decode: B sequences with a random prompt of --context tokens are prefilled, then --steps decode
  * steps (one token per sequence, greedy) are timed one by one through engine_step, the program's
@@ -273,7 +273,7 @@ int main(int argc, char **argv) {
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
                  "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
                  "       [--deterministic 0|1] [--quantization nvfp4|fp8]\n"
-                 "       [--routing model|random] [--kv-cache-dtype float32|bfloat16]");
+                 "       [--routing model|random] [--kv-cache-dtype auto|float32|bfloat16]");
             return 0;
         }
         if (!v) {
@@ -299,12 +299,12 @@ int main(int argc, char **argv) {
                 return 2;
             }
             random_routing = !strcmp(v, "random");
-        } else if (!strcmp(a, "--kv-cache-dtype")) {
-            if (strcmp(v, "bfloat16") && strcmp(v, "float32")) {
-                fprintf(stderr, "bench_step: --kv-cache-dtype must be float32 or bfloat16\n");
+        } else if (!strcmp(a, "--kv-cache-dtype")) { /* the server's names */
+            kv_bf16 = !strcmp(v, "bfloat16") || !strcmp(v, "bf16");
+            if (!kv_bf16 && strcmp(v, "auto") && strcmp(v, "float32") && strcmp(v, "fp32")) {
+                fprintf(stderr, "bench_step: --kv-cache-dtype must be auto, float32 or bfloat16\n");
                 return 2;
             }
-            kv_bf16 = !strcmp(v, "bfloat16");
         } else if (!strcmp(a, "--deterministic"))
             ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {

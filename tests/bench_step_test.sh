@@ -3,7 +3,8 @@
 #   - batches whose prompts take several prefill steps (context 64, steps of 64 tokens): every
 #     timed step runs the whole batch (bench_step stops with an error when one runs fewer tokens),
 #     and each batch's row is printed;
-#   - --routing random runs, and says so; --routing with another value is refused with a message.
+#   - --routing random runs, and says so; --routing with another value is refused with a message;
+#   - --kv-cache-dtype bfloat16 runs the same batches.
 # Last line: "N passed, M failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -41,6 +42,11 @@ for routing in model random; do
         fi
     done
 done
+if run bf16 --kv-cache-dtype bfloat16 && grep -Eq "^ +16 +[0-9.]+ +[0-9.]+ +[0-9]+" "$tmp/bf16"; then
+    ok "--kv-cache-dtype bfloat16: every batch's row"
+else
+    bad "--kv-cache-dtype bfloat16: $(tail -n 1 "$tmp/bf16")"
+fi
 if grep -q "uniformly drawn experts" "$tmp/random"; then
     ok "--routing random says so"
 else
