@@ -14,6 +14,12 @@
 
 #include "common/log.h"
 
+int kv_cache_dtype_parse(const char *name) {
+    if (!strcmp(name, "bfloat16") || !strcmp(name, "bf16")) return 1;
+    if (!strcmp(name, "auto") || !strcmp(name, "float32") || !strcmp(name, "fp32")) return 0;
+    return -1;
+}
+
 int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,
                   int n_kv_heads, int head_dim, int bf16, char *err, size_t errlen) {
     *kv = (kv_cache){.n_layers = n_layers,
@@ -23,7 +29,7 @@ int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, 
                      .head_dim = head_dim,
                      .bf16 = bf16 != 0,
                      .mem = o};
-    const size_t el = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t el = kv_cache_elem_bytes(bf16);
     size_t n = (size_t)n_layers * n_pages * page_size * n_kv_heads * head_dim;
     kv->k = o ? o->dev_alloc(n * el) : malloc(n * el);
     kv->v = o ? o->dev_alloc(n * el) : malloc(n * el);
@@ -59,7 +65,7 @@ void kv_cache_free(kv_cache *kv) {
 
 kv_layer kv_cache_layer(const kv_cache *kv, int layer) {
     const size_t stride = (size_t)kv->n_pages * kv->page_size * kv->n_kv_heads * kv->head_dim *
-                          (kv->bf16 ? sizeof(uint16_t) : sizeof(float)) * layer;
+                          kv_cache_elem_bytes(kv->bf16) * layer;
     return (kv_layer){.k = (float *)(void *)((char *)kv->k + stride),
                       .v = (float *)(void *)((char *)kv->v + stride),
                       .bf16 = kv->bf16};

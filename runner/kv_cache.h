@@ -29,6 +29,13 @@ typedef struct {
     int32_t *refs; /* [P] holders of each page; 0 = free */
 } kv_cache;
 
+/* --kv-cache-dtype's names: 1 for bfloat16 (bf16), 0 for auto, float32 (fp32), -1 otherwise.
+ * ("auto" is float32, the CPU reference's exact cache.) */
+int kv_cache_dtype_parse(const char *name);
+
+/* Bytes of one cache element. */
+static inline size_t kv_cache_elem_bytes(int bf16) { return bf16 ? 2 : sizeof(float); }
+
 /* Allocate the pools on o's device (o NULL: host memory), in bfloat16 when bf16 (else float32);
  * the page bookkeeping stays on the host. Returns 0, or -1 with a message when memory is short. */
 int kv_cache_init(kv_cache *kv, const struct ops *o, int n_layers, int n_pages, int page_size,

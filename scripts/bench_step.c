@@ -300,11 +300,12 @@ int main(int argc, char **argv) {
             }
             random_routing = !strcmp(v, "random");
         } else if (!strcmp(a, "--kv-cache-dtype")) { /* the server's names */
-            kv_bf16 = !strcmp(v, "bfloat16") || !strcmp(v, "bf16");
-            if (!kv_bf16 && strcmp(v, "auto") && strcmp(v, "float32") && strcmp(v, "fp32")) {
+            const int bf16 = kv_cache_dtype_parse(v);
+            if (bf16 < 0) {
                 fprintf(stderr, "bench_step: --kv-cache-dtype must be auto, float32 or bfloat16\n");
                 return 2;
             }
+            kv_bf16 = bf16 == 1;
         } else if (!strcmp(a, "--deterministic"))
             ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {
@@ -415,8 +416,7 @@ int main(int argc, char **argv) {
         qsort(t_fwd, steps, sizeof(double), cmp_double);
         m->ops = o;
         double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
-        double bytes = decode_floor_bytes(c, B, context + steps / 2,
-                                          kv_bf16 ? sizeof(uint16_t) : sizeof(float));
+        double bytes = decode_floor_bytes(c, B, context + steps / 2, kv_cache_elem_bytes(kv_bf16));
         double floor_s = bw > 0 ? bytes / (bw * 1e9) : 0;
         printf("%6d %10.3f %10.3f %10.0f %12.2f %10.3f %8.2f\n", B, step * 1e3, fwd * 1e3,
                B / step, bytes / 1e9, floor_s * 1e3, floor_s > 0 ? step / floor_s : 0);

@@ -318,11 +318,11 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
  * default seed and what /server_info says. */
 static void apply_deterministic(bool on) { ops_cuda_set_deterministic(on); }
 
-/* --kv-cache-dtype: true for bfloat16, false for float32 ("auto": float32, the reference's). */
+/* --kv-cache-dtype: true for bfloat16, false for float32 (kv_cache_dtype_parse's names). */
 static bool parse_kv_cache_dtype(const char *v) {
-    if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) return true;
-    if (!strcmp(v, "auto") || !strcmp(v, "float32") || !strcmp(v, "fp32")) return false;
-    die("--kv-cache-dtype: '%s' is not one of auto, float32, bfloat16", v);
+    const int bf16 = kv_cache_dtype_parse(v);
+    if (bf16 < 0) die("--kv-cache-dtype: '%s' is not one of auto, float32, bfloat16", v);
+    return bf16 == 1;
 }
 
 static int cmd_generate(int argc, char **argv) {
@@ -957,8 +957,7 @@ static int cmd_serve(int argc, char **argv) {
         die("--context-length %d: above the model's max_position_embeddings %d (%s/config.json)",
             a.context_length, cfg.max_position_embeddings, a.model_path);
     long long kv_bytes_per_token = 2LL * cfg.num_hidden_layers * cfg.num_key_value_heads *
-                                   cfg.head_dim *
-                                   (long long)(a.kv_cache_bf16 ? sizeof(uint16_t) : sizeof(float));
+                                   cfg.head_dim * (long long)kv_cache_elem_bytes(a.kv_cache_bf16);
     long long budget = serve_phys_bytes() / 4 / (kv_bytes_per_token > 0 ? kv_bytes_per_token : 1);
     /* On a GPU, or with --mem-fraction-static, the pool is sized after the weights are loaded. */
     bool size_after_load = !a.max_total_tokens && (a.mem_fraction_static > 0 ||
