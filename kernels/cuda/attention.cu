@@ -1,20 +1,22 @@
 // Paged causal attention over the KV cache (kernels/ops.h: attention), split over the KV sequence
 // in chunks of a fixed size. The CPU reference is kernels/cpu/attention.c.
 //
-// The arithmetic of one (token, query head), fixed by Dh alone (every path below does exactly this):
-// - positions 0..pos[t] are cut into chunks of ATTN_CHUNK (256) positions and each chunk into slices
+// The arithmetic of one (token, query head), fixed by Dh alone (every path below does exactly
+// this):
+// - positions 0..pos[t] are cut into chunks of ATTN_CHUNK (256) positions and each chunk into
+// slices
 //   of ATTN_SLICE (32). Score of position p: q . k_p as LK lanes' sequential fma chains over their
 //   16-byte pieces, summed by an xor butterfly over the LK lanes, times scale.
 // - a slice: m_w = max score, e_p = exp(s_p - m_w), l_w = sum of e_p as a 32-lane xor butterfly
 //   (lane = position in the slice), o_w = sum of e_p v_p as RV interleaved sequential chains over
 //   the positions (RV = 1 from Dh 128 up) summed by an xor butterfly.
 // - a chunk merges its slices in order: m = max m_w, f_w = exp(m_w - m), l = sum_w l_w f_w and
-//   o = f_0 o_0 + f_1 o_1 + ... (fma chains); all tokens' chunks are then merged in increasing order:
-//   M = max m_c, L = sum_c l_c exp(m_c - M), out = sum_c exp(m_c - M) o_c / L.
-// Nothing in it depends on the batch, on which block or kernel computes a piece or on the head group
-// a block takes, so a token's output is bit-identical alone or in any batch, and prefill and decode
-// of the same position give bit-identical results (the deterministic-mode contract). The kernels
-// differ only in how the work is spread, chosen from T and the shapes:
+//   o = f_0 o_0 + f_1 o_1 + ... (fma chains); all tokens' chunks are then merged in increasing
+//   order: M = max m_c, L = sum_c l_c exp(m_c - M), out = sum_c exp(m_c - M) o_c / L.
+// Nothing in it depends on the batch, on which block or kernel computes a piece or on the head
+// group a block takes, so a token's output is bit-identical alone or in any batch, and prefill and
+// decode of the same position give bit-identical results (the deterministic-mode contract). The
+// kernels differ only in how the work is spread, chosen from T and the shapes:
 // - attn_cluster_kernel (one token: batch-1 decode; off by default, ATTN_CLUSTER_T, see below; the
 //   test forces it and checks it like the others): a thread-block cluster of ATTN_CLUSTER_CS (16)
 //   blocks per (token, head group, two chunks), one slice a block, computed as attn_slice_kernel
@@ -55,24 +57,28 @@
 // - attn_tile_kernel (larger batches, prefill): a group of consecutive tokens of the batch that
 //   belong to one sequence (a tile of ATTN_TILE_ROWS query rows = tokens x heads of the group) and
 //   one chunk: each K row is read once for the whole tile, each V row once from L2 for it (from L1
-//   after); the chunk kernel leaves those tokens alone. So a prefill chunk no longer reads the whole
-//   KV once per token. The slices' o_w are folded into the chunk sum as they are done, which is the
-//   chunk merge above because every f_w is known (the scores come first).
+//   after); the chunk kernel leaves those tokens alone. So a prefill chunk no longer reads the
+//   whole KV once per token. The slices' o_w are folded into the chunk sum as they are done, which
+//   is the chunk merge above because every f_w is known (the scores come first).
 // - The cache holds float or BF16 (kv.bf16): each path reads it in pieces of four elements and
-//   widens them exactly (kv_types.cuh), so the arithmetic above is the same on both; a BF16 piece
-//   is an 8-byte load where fp32's is 16, which is why BF16 is not faster yet (kv_types.cuh).
+//   widens them exactly (kv_types.cuh), so the arithmetic above is the same on both. The chunk
+//   kernel keeps 128 bytes a lane in flight either way (16 BF16 pieces, widened as used), and
+//   cp.async copies 16 bytes (two BF16 pieces) at a time.
 // - GQA: a block serves G query heads that share one kv head (G = H / Hkv, or a divisor of it when
 //   G * Dh would not fit the registers), so each K/V row is read once per group.
 // - Positions live on the device and are not read back: grids are sized from the upper bound
-//   max_pages * S positions a token; blocks past a token's length exit at once, and so do the blocks
-//   of a tile that is not one sequence. The partial results go to a workspace that grows on demand
-//   (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass ATTN_WORKSPACE_CAP
-//   is processed in slices of tokens, which changes no token's result.
-// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV; tests/test_cuda_attention.c --bench):
+//   max_pages * S positions a token; blocks past a token's length exit at once, and so do the
+//   blocks of a tile that is not one sequence. The partial results go to a workspace that grows on
+//   demand (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass
+//   ATTN_WORKSPACE_CAP is processed in slices of tokens, which changes no token's result.
+// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV; tests/test_cuda_attention.c
+// --bench):
 //   batch-1 decode 11.1 us at context 1024 and 12.9 us at 2048 (the slice kernel: 14.4, 15.9; two
 //   kernels before that: 25.7, 26.1), still far from the 1-2 us of KV reads: the chain of dependent
 //   requests (position, page table, rows, the merges) is most of it. From batch 64 the
-//   chunk kernel reads the cache at 60-72% of the copy rate. Prefill of 2048-token prompts (one
+//   chunk kernel reads an fp32 cache at 62-79% of the copy rate (256 sequences at context 1024:
+//   352 us; a BF16 cache, half the bytes: 325 us, so the BF16 path is bound by the blocks' chains
+//   of requests and their arithmetic, not by the bytes). Prefill of 2048-token prompts (one
 //   sequence or eight) 1.24x faster than one chunk block per token (14.3 TFLOP/s fp32); what holds
 //   the tile kernel back is not known yet (no profile: 2 blocks a multiprocessor, 128 registers).
 // - One engine thread per process calls the ops, so the workspaces need no lock.
@@ -120,11 +126,15 @@ enum {
 #endif
 static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial results per slice
 
-// The lane layout of the slices for head dim DH; a warp requests DEPTH 16-byte pieces a lane at
-// once (K rows in the scores, V rows in the weighted sum). LK, FK (and so PK) and LV, FV, RV are
-// part of the arithmetic; the batch depths UK, UV are not.
-template <int DH> struct attn_layout {
-    static constexpr int DEPTH = 8;
+// The lane layout of the slices for head dim DH; a warp requests 128 bytes a lane at once (K rows
+// in the scores, V rows in the weighted sum): DEPTH pieces of the cache's element type KV, 8 of
+// fp32 or 16 of BF16, held as loaded and widened where they are used (256 bytes, two blocks a
+// multiprocessor, was slower on H200 for both: fp32 863 against 735 us for 256 sequences at
+// context 2048, BF16 374 against 325 at 1024). LK, FK (and so PK) and LV, FV, RV are part of the
+// arithmetic; the batch depths UK, UV are not, so both types sum alike.
+template <int DH, class KV = float> struct attn_layout {
+    static constexpr int DEPTH = 128 / (int)sizeof(typename kv_elem<KV>::piece);
+    static constexpr int PREG = (int)sizeof(typename kv_elem<KV>::piece) / 4; // registers a piece
     // scores: LK lanes per position, each with DH / LK elements in FK 16-byte pieces
     static constexpr int LK = DH >= 32 ? 8 : DH / 4;
     static constexpr int FK = DH / LK / 4;
@@ -140,10 +150,14 @@ template <int DH> struct attn_layout {
 };
 
 // Blocks per multiprocessor to ask the compiler for: what the live registers allow (V sums and
-// V rows in flight, or K rows in flight and the scores).
-template <int DH, int G> constexpr int attn_min_blocks() {
-    using L = attn_layout<DH>;
-    constexpr int rv = 4 * L::FV * (G + L::UV), rk = 4 * L::FK * L::UK + G;
+// V rows in flight, or K rows in flight and the scores). The scores of a batch and its widened
+// pieces are not counted: with them a BF16 cache's batch of 16 pieces a lane gets 2 blocks of 128
+// registers, where 3 of 80 (spilling 48 bytes) ran 12% faster (H200, 256 sequences at context
+// 1024: 325 against 369 us).
+template <int DH, int G, class KV> constexpr int attn_min_blocks() {
+    using L = attn_layout<DH, KV>;
+    constexpr int rv = 4 * L::FV * G + L::PREG * L::FV * L::UV;
+    constexpr int rk = L::PREG * L::FK * L::UK + G;
     constexpr int regs = rv > rk ? rv : rk;
     return regs <= 64 ? 3 : regs <= 96 ? 2 : 1;
 }
@@ -176,13 +190,16 @@ static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) 
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-// One piece of four cache elements (kv_types.cuh) global -> shared: 16 bytes, or 8 for BF16.
-static __device__ __forceinline__ void cp_async_piece(float4 *smem, const float4 *gmem) {
-    cp_async16(smem, gmem);
-}
-static __device__ __forceinline__ void cp_async_piece(uint2 *smem, const uint2 *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+// The first nv rows of a slice (cache rows rw[i], D4 pieces each from src + rw[i] * rs4) into
+// dst [nv][D4], the work spread over NT threads from tid, in 16-byte copies: an fp32 piece, or
+// two BF16 pieces (D4 is even, so BF16 rows start on 16 bytes too).
+template <int D4, class P>
+static __device__ __forceinline__ void cp_async_rows(P *dst, const P *src, const int *rw,
+                                                     int64_t rs4, int nv, int tid, int NT) {
+    constexpr int PC = 16 / (int)sizeof(P), DC = D4 / PC; // pieces a copy, copies a row
+    static_assert(D4 % PC == 0, "rows of whole 16-byte copies");
+    for (int e = tid; e < nv * DC; e += NT)
+        cp_async16(dst + PC * e, src + rw[e / DC] * rs4 + PC * (e % DC));
 }
 static __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -217,7 +234,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
                       const int32_t *__restrict__ seq, const int32_t *__restrict__ page_table,
                       int t0, int Ts, int tile_qt, int H, int Hkv, int max_pages, int S, int NC,
                       float scale) {
-    using L = attn_layout<DH>;
+    using L = attn_layout<DH, KV>;
     typedef kv_elem<KV> E;
     typedef typename E::piece P;
     constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = L::UK;
@@ -264,54 +281,69 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     // scores: LK lanes share a position, lane `sub` takes pieces sub, sub + LK, ...
     const int sub = lane % LK, pp = lane / LK;
     const float4 *q4 = reinterpret_cast<const float4 *>(buf);
-    auto load_k = [&](float4(&kr)[UK][FK], int i0) {
+    auto load_k = [&](P(&kr)[UK][FK], int i0) {
 #pragma unroll
         for (int u = 0; u < UK; u++) {
             const int i = i0 + u * PK + pp;
             const P *kp = reinterpret_cast<const P *>(kg + (int64_t)rows[i < wend ? i : wbeg] * rs);
 #pragma unroll
             for (int f = 0; f < FK; f++)
-                kr[u][f] =
-                    i < wend ? E::widen(__ldg(kp + f * LK + sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                kr[u][f] = i < wend ? __ldg(kp + f * LK + sub) : P{};
         }
     };
     // s[p][h] = (q_h . k_p) * scale: a sequential fma chain over the lane's pieces, then an xor
     // butterfly over the LK lanes (the same sum in each)
-    auto score = [&](const float4(&kr)[UK][FK], int i0) {
+    // (all UK positions of a batch at once, so a lane reads each of its G * FK pieces of q from
+    // shared memory once a batch: read once a position step, those reads took more time than the
+    // rows' own; a chain's order over f is the same)
+    auto score = [&](const P(&kr)[UK][FK], int i0) {
+        float acc[UK][G];
 #pragma unroll
-        for (int u = 0; u < UK; u++) {
-            float acc[G];
+        for (int u = 0; u < UK; u++)
+#pragma unroll
+            for (int h = 0; h < G; h++)
+                acc[u][h] = 0.0f;
+#pragma unroll
+        for (int f = 0; f < FK; f++) {
+            float4 kw[UK];
+#pragma unroll
+            for (int u = 0; u < UK; u++)
+                kw[u] = E::widen(kr[u][f]);
 #pragma unroll
             for (int h = 0; h < G; h++) {
-                acc[h] = 0.0f;
+                const float4 qv = q4[h * (DH / 4) + f * LK + sub];
 #pragma unroll
-                for (int f = 0; f < FK; f++)
-                    fma4(acc[h], q4[h * (DH / 4) + f * LK + sub], kr[u][f]);
+                for (int u = 0; u < UK; u++)
+                    fma4(acc[u][h], qv, kw[u]);
             }
+        }
 #pragma unroll
-            for (int off = LK / 2; off > 0; off /= 2)
+        for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+            for (int u = 0; u < UK; u++)
 #pragma unroll
                 for (int h = 0; h < G; h++)
-                    acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+                    acc[u][h] += __shfl_xor_sync(0xffffffffu, acc[u][h], off);
+#pragma unroll
+        for (int u = 0; u < UK; u++) {
             const int i = i0 + u * PK + pp;
             if (i < wend) {
 #pragma unroll
                 for (int h = 0; h < G; h++)
-                    if (h % LK == sub) s[i * G + h] = __fmul_rn(acc[h], scale);
+                    if (h % LK == sub) s[i * G + h] = __fmul_rn(acc[u][h], scale);
             }
         }
     };
     // weighted V: LV lanes share a row, lane group rv takes rows wbeg + rv, + RV, ...
     const int subv = lane % LV, rv = lane / LV;
-    auto load_v = [&](float4(&vr)[UV][FV], int i0) {
+    auto load_v = [&](P(&vr)[UV][FV], int i0) {
 #pragma unroll
         for (int u = 0; u < UV; u++) {
             const int i = i0 + u * RV + rv;
             const P *vp = reinterpret_cast<const P *>(vg + (int64_t)rows[i < wend ? i : wbeg] * rs);
 #pragma unroll
             for (int f = 0; f < FV; f++)
-                vr[u][f] = i < wend ? E::widen(__ldg(vp + f * LV + subv))
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+                vr[u][f] = i < wend ? __ldg(vp + f * LV + subv) : P{};
         }
     };
     float4 acc[G][FV];
@@ -320,7 +352,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
 #pragma unroll
         for (int f = 0; f < FV; f++)
             acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto accumulate = [&](const float4(&vr)[UV][FV], int i0) {
+    auto accumulate = [&](const P(&vr)[UV][FV], int i0) {
 #pragma unroll
         for (int u = 0; u < UV; u++) {
             const int i = i0 + u * RV + rv;
@@ -338,14 +370,16 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
                         e[h] = s[i * G + h];
                 }
 #pragma unroll
-                for (int h = 0; h < G; h++)
+                for (int f = 0; f < FV; f++) {
+                    const float4 v = E::widen(vr[u][f]);
 #pragma unroll
-                    for (int f = 0; f < FV; f++) {
-                        acc[h][f].x = fmaf(e[h], vr[u][f].x, acc[h][f].x);
-                        acc[h][f].y = fmaf(e[h], vr[u][f].y, acc[h][f].y);
-                        acc[h][f].z = fmaf(e[h], vr[u][f].z, acc[h][f].z);
-                        acc[h][f].w = fmaf(e[h], vr[u][f].w, acc[h][f].w);
+                    for (int h = 0; h < G; h++) {
+                        acc[h][f].x = fmaf(e[h], v.x, acc[h][f].x);
+                        acc[h][f].y = fmaf(e[h], v.y, acc[h][f].y);
+                        acc[h][f].z = fmaf(e[h], v.z, acc[h][f].z);
+                        acc[h][f].w = fmaf(e[h], v.w, acc[h][f].w);
                     }
+                }
             }
         }
     };
@@ -353,11 +387,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     // ---- scores of the warp's positions; then its first V rows are requested, to arrive during
     // the softmax ----
     for (int j = 0; j < nkb; j++) {
-        float4 kr[UK][FK];
+        P kr[UK][FK];
         load_k(kr, wbeg + j * KSTEP);
         score(kr, wbeg + j * KSTEP);
     }
-    float4 vr[UV][FV];
+    P vr[UV][FV];
     if (nvb > 0) load_v(vr, wbeg);
     __syncwarp();
 
@@ -521,24 +555,19 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
     const P *kg = reinterpret_cast<const P *>(kc) + (int64_t)g * D4;
     const P *vg = reinterpret_cast<const P *>(vc) + (int64_t)g * D4;
     if (early) {
-        for (int e = tid; e < nv * D4; e += NT)
-            cp_async_piece(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+        cp_async_rows<D4>(ks, kg, rows, rs4, nv, tid, NT);
         cp_async_commit(); // group: K
-        for (int e = tid; e < nv * D4; e += NT)
-            cp_async_piece(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+        cp_async_rows<D4>(vs, vg, rows, rs4, nv, tid, NT);
         cp_async_commit(); // group: V
     }
     dep.wait();
     const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
     for (int i = tid; i < G * D4; i += NT)
         cp_async16(&qs[i], qt + i);
-    if (!early)
-        for (int e = tid; e < nv * D4; e += NT)
-            cp_async_piece(&ks[e], kg + rows[e / D4] * rs4 + e % D4);
+    if (!early) cp_async_rows<D4>(ks, kg, rows, rs4, nv, tid, NT);
     cp_async_commit(); // group: q (and K)
     if (!early) {
-        for (int e = tid; e < nv * D4; e += NT)
-            cp_async_piece(&vs[e], vg + rows[e / D4] * rs4 + e % D4);
+        cp_async_rows<D4>(vs, vg, rows, rs4, nv, tid, NT);
         cp_async_commit(); // group: V
         cp_async_wait<1>(); // q and K
     } else {
@@ -868,24 +897,19 @@ __global__ void __launch_bounds__(SPB *G / GW * 32)
         P *ksg = ks + gs * ATTN_SLICE * D4, *vsg = vs + gs * ATTN_SLICE * D4;
         const int *rw = rows[gs];
         if (early) {
-            for (int e = gt; e < nv * D4; e += NTG)
-                cp_async_piece(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+            cp_async_rows<D4>(ksg, kg, rw, rs4, nv, gt, NTG);
             cp_async_commit(); // group: K
-            for (int e = gt; e < nv * D4; e += NTG)
-                cp_async_piece(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+            cp_async_rows<D4>(vsg, vg, rw, rs4, nv, gt, NTG);
             cp_async_commit(); // group: V
         }
         pdl_wait();
         const float4 *qt = reinterpret_cast<const float4 *>(q + ((int64_t)t * H + hg * G) * DH);
         for (int i = tid; i < GE; i += NT)
             cp_async16(&qs[i], qt + i);
-        if (!early)
-            for (int e = gt; e < nv * D4; e += NTG)
-                cp_async_piece(&ksg[e], kg + rw[e / D4] * rs4 + e % D4);
+        if (!early) cp_async_rows<D4>(ksg, kg, rw, rs4, nv, gt, NTG);
         cp_async_commit(); // group: q (and K)
         if (!early) {
-            for (int e = gt; e < nv * D4; e += NTG)
-                cp_async_piece(&vsg[e], vg + rw[e / D4] * rs4 + e % D4);
+            cp_async_rows<D4>(vsg, vg, rw, rs4, nv, gt, NTG);
             cp_async_commit();  // group: V
             cp_async_wait<1>(); // q and K
         } else {
@@ -1220,8 +1244,7 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
         auto stage_v = [&](int jj) {
             const int i0 = jj * ATTN_SLICE, cntv = min(ATTN_SLICE, nvmax - i0);
             P *dst = vsm + (jj & 1) * ATTN_SLICE * D4;
-            for (int e = tid; e < cntv * D4; e += ATTN_TILE_THREADS)
-                cp_async_piece(&dst[e], vg + rows[i0 + e / D4] * rs4 + e % D4);
+            cp_async_rows<D4>(dst, vg, rows + i0, rs4, cntv, tid, ATTN_TILE_THREADS);
             cp_async_commit();
         };
         stage_v(0);
@@ -1588,7 +1611,7 @@ template <int DH, int G, class KV> static bool launch_clusters(const attn_args &
 template <int DH, int G, class KV> static void launch_chunks(const attn_args &a, int tile_qt) {
     const dim3 grid(a.Ts, a.H / G, a.NC);
     const attn_batch *b = a.b;
-    attn_chunk_kernel<DH, G, attn_min_blocks<DH, G>(), KV>
+    attn_chunk_kernel<DH, G, attn_min_blocks<DH, G, KV>(), KV>
         <<<grid, ATTN_THREADS, 0, cuda_stream()>>>(a.part_o, a.part_ml, a.q, (const KV *)a.kv.k,
                                                    (const KV *)a.kv.v, b->pos, b->seq,
                                                    b->page_table, a.t0, a.Ts, tile_qt, a.H, a.Hkv,
