@@ -79,8 +79,10 @@
 //   chunk kernel reads an fp32 cache at 62-79% of the copy rate (256 sequences at context 1024:
 //   352 us; a BF16 cache, half the bytes: 325 us, so the BF16 path is bound by the blocks' chains
 //   of requests and their arithmetic, not by the bytes). Prefill of 2048-token prompts (one
-//   sequence or eight) 1.24x faster than one chunk block per token (14.3 TFLOP/s fp32); what holds
-//   the tile kernel back is not known yet (no profile: 2 blocks a multiprocessor, 128 registers).
+//   sequence or eight): 16.3 TFLOP/s of fp32 arithmetic, 1.2x one chunk block per token. The
+//   tile kernel's scores were bound by reads of q from shared memory (four positions a read
+//   instead of two: 2282 -> 2107 us for one prompt); its weighted V reads a V piece from shared
+//   memory for four rows' products (2 blocks a multiprocessor, 128 registers).
 // - One engine thread per process calls the ops, so the workspaces need no lock.
 #include <cstdint>
 #include <cstdio>
@@ -1195,10 +1197,14 @@ __global__ void __launch_bounds__(ATTN_TILE_THREADS, 2)
     typedef kv_elem<KV> E;
     typedef typename E::piece P;
     constexpr int R = ATTN_TILE_ROWS, QT = R / G, D4 = DH / 4;
-    constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = 2;
+    // A lane's scores: UK position steps of K pieces in registers against RB rows of q at a time,
+    // so each piece of q read from shared memory serves UK positions. H200, prefill of one
+    // 2048-token prompt (test_cuda_attention --bench): UK 4, RB 4 2107 us; UK 2, RB 8 2282; UK 4,
+    // RB 8 2408 (spills). Neither is part of the arithmetic.
+    constexpr int LK = L::LK, FK = L::FK, PK = L::PK, UK = 4;
     constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
     constexpr int RW = R / ATTN_TILE_WARPS; // rows of a warp in the weighted V
-    constexpr int RB = 8;                   // rows at once in the scores
+    constexpr int RB = 4;                   // rows at once in the scores
     static_assert(R % G == 0 && R == 32 && RW == 4 && ATTN_TILE_WARPS == ATTN_SLICES, "tile");
 
     extern __shared__ __align__(16) float4 attn_dyn[];
