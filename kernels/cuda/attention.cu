@@ -1,12 +1,10 @@
 // Paged causal attention over the KV cache (kernels/ops.h: attention), split over the KV sequence
 // in chunks of a fixed size. The CPU reference is kernels/cpu/attention.c.
 //
-// The arithmetic of one (token, query head), fixed by Dh alone (every path below does exactly
-// this):
+// The arithmetic of one (token, query head), fixed by Dh alone (every path below does it exactly):
 // - positions 0..pos[t] are cut into chunks of ATTN_CHUNK (256) positions and each chunk into
-// slices
-//   of ATTN_SLICE (32). Score of position p: q . k_p as LK lanes' sequential fma chains over their
-//   16-byte pieces, summed by an xor butterfly over the LK lanes, times scale.
+//   slices of ATTN_SLICE (32). Score of position p: q . k_p as LK lanes' sequential fma chains
+//   over their pieces of four elements, summed by an xor butterfly over the LK lanes, times scale.
 // - a slice: m_w = max score, e_p = exp(s_p - m_w), l_w = sum of e_p as a 32-lane xor butterfly
 //   (lane = position in the slice), o_w = sum of e_p v_p as RV interleaved sequential chains over
 //   the positions (RV = 1 from Dh 128 up) summed by an xor butterfly.
@@ -71,18 +69,17 @@
 //   blocks of a tile that is not one sequence. The partial results go to a workspace that grows on
 //   demand (stream-ordered; cuda_workspace_changed); a batch whose workspace would pass
 //   ATTN_WORKSPACE_CAP is processed in slices of tokens, which changes no token's result.
-// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV; tests/test_cuda_attention.c
-// --bench):
-//   batch-1 decode 11.1 us at context 1024 and 12.9 us at 2048 (the slice kernel: 14.4, 15.9; two
-//   kernels before that: 25.7, 26.1), still far from the 1-2 us of KV reads: the chain of dependent
-//   requests (position, page table, rows, the merges) is most of it. From batch 64 the
-//   chunk kernel reads an fp32 cache at 62-79% of the copy rate (256 sequences at context 1024:
-//   352 us; a BF16 cache, half the bytes: 325 us, so the BF16 path is bound by the blocks' chains
-//   of requests and their arithmetic, not by the bytes). Prefill of 2048-token prompts (one
-//   sequence or eight): 16.3 TFLOP/s of fp32 arithmetic, 1.2x one chunk block per token. The
-//   tile kernel's scores were bound by reads of q from shared memory (four positions a read
-//   instead of two: 2282 -> 2107 us for one prompt); its weighted V reads a V piece from shared
-//   memory for four rows' products (2 blocks a multiprocessor, 128 registers).
+// - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV unless named; the --bench of
+//   tests/test_cuda_attention.c): batch-1 decode 11.1 us at context 1024 and 12.9 us at 2048 (the
+//   slice kernel: 14.4, 15.9; two kernels before that: 25.7, 26.1), still far from the 1-2 us of KV
+//   reads: the chain of dependent requests (position, page table, rows, the merges) is most of it.
+//   From batch 64 the chunk kernel reads an fp32 cache at 62-79% of the copy rate (256 sequences at
+//   context 1024: 352 us; a BF16 cache, half the bytes: 325 us, so the BF16 path is bound by the
+//   blocks' chains of requests and their arithmetic, not by the bytes). Prefill of 2048-token
+//   prompts (one sequence or eight): 16.3 TFLOP/s of fp32 arithmetic, 1.2x one chunk block per
+//   token. The tile kernel's scores were bound by reads of q from shared memory (four positions a
+//   read instead of two: 2282 -> 2107 us for one prompt); its weighted V reads a V piece from
+//   shared memory for four rows' products (2 blocks a multiprocessor, 128 registers).
 // - One engine thread per process calls the ops, so the workspaces need no lock.
 #include <cstdint>
 #include <cstdio>
