@@ -128,8 +128,8 @@ static const size_t ATTN_WORKSPACE_CAP = (size_t)256 << 20; // bytes of partial 
 // The lane layout of the slices for head dim DH; a warp requests 128 bytes a lane at once (K rows
 // in the scores, V rows in the weighted sum): DEPTH pieces of the cache's element type KV, 8 of
 // fp32 or 16 of BF16, held as loaded and widened where they are used (256 bytes, two blocks a
-// multiprocessor, was slower on H200 for both: fp32 863 against 735 us for 256 sequences at
-// context 2048, BF16 374 against 325 at 1024). LK, FK (and so PK) and LV, FV, RV are part of the
+// multiprocessor, was slower on H200: a BF16 cache took 374 against 325 us for 256 sequences at
+// context 1024, docs/benchmarks.md). LK, FK (and so PK) and LV, FV, RV are part of the
 // arithmetic; the batch depths UK, UV are not, so both types sum alike.
 template <int DH, class KV = float> struct attn_layout {
     static constexpr int DEPTH = 128 / (int)sizeof(typename kv_elem<KV>::piece);
