@@ -15,8 +15,9 @@
 #include "common/log.h"
 
 int kv_cache_dtype_parse(const char *name) {
-    if (!strcmp(name, "bfloat16") || !strcmp(name, "bf16")) return 1;
-    if (!strcmp(name, "auto") || !strcmp(name, "float32") || !strcmp(name, "fp32")) return 0;
+    if (!strcmp(name, "bfloat16") || !strcmp(name, "bf16")) return KV_DTYPE_BF16;
+    if (!strcmp(name, "float32") || !strcmp(name, "fp32")) return KV_DTYPE_FLOAT32;
+    if (!strcmp(name, "auto")) return KV_DTYPE_AUTO;
     return -1;
 }
 

@@ -29,9 +29,17 @@ typedef struct {
     int32_t *refs; /* [P] holders of each page; 0 = free */
 } kv_cache;
 
-/* --kv-cache-dtype's names: 1 for bfloat16 (bf16), 0 for auto, float32 (fp32), -1 otherwise.
- * ("auto" is float32, the CPU reference's exact cache.) */
+/* --kv-cache-dtype's names: KV_DTYPE_BF16 for bfloat16 (bf16), KV_DTYPE_FLOAT32 for float32
+ * (fp32), KV_DTYPE_AUTO for auto, -1 otherwise. */
+enum { KV_DTYPE_FLOAT32 = 0, KV_DTYPE_BF16 = 1, KV_DTYPE_AUTO = 2 };
 int kv_cache_dtype_parse(const char *name);
+
+/* Whether a cache of parsed dtype d is BF16 on the given device: auto is bfloat16 on CUDA (the
+ * type of the weights there and of SGLang's auto for a BF16 checkpoint: half the bytes a token,
+ * and faster decode attention) and float32 on the CPU (the reference's exact cache). */
+static inline int kv_cache_dtype_bf16(int d, int cuda) {
+    return d == KV_DTYPE_AUTO ? cuda != 0 : d == KV_DTYPE_BF16;
+}
 
 /* Bytes of one cache element. */
 static inline size_t kv_cache_elem_bytes(int bf16) { return bf16 ? 2 : sizeof(float); }

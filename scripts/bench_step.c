@@ -27,7 +27,8 @@
  * experts' moe_finalize_add_rmsnorm).
  * --deterministic 1: the CUDA backend's deterministic mode (ops_cuda_set_deterministic), to
  * measure what --enable-deterministic-inference costs a step.
- * --kv-cache-dtype bfloat16: the KV cache in BF16 (the floor then counts 2 bytes an element).
+ * --kv-cache-dtype: the server's names and default (auto: bfloat16 on cuda, float32 on cpu); with
+ * a BF16 cache the floor counts 2 bytes an element.
  * --routing random: during the timed decode steps each token's experts are drawn uniformly (the
  * router's logits overwritten with fill_random before its top-k, a stream per call, so each layer
  * of a captured graph keeps its own draw), so the experts a batch touches are the ones the floor
@@ -263,7 +264,8 @@ int main(int argc, char **argv) {
     int batches[16] = {1, 8, 64, 256}, n_batches = 4, pre[16] = {1, 8, 32}, n_pre = 3;
     int context = 1024, steps = 16, prefill_len = 2048, chunk = 8192, graph_bs = 0;
     const char *skip = NULL;
-    bool random_routing = false, kv_bf16 = false;
+    bool random_routing = false;
+    int kv_dtype = KV_DTYPE_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -300,12 +302,11 @@ int main(int argc, char **argv) {
             }
             random_routing = !strcmp(v, "random");
         } else if (!strcmp(a, "--kv-cache-dtype")) { /* the server's names */
-            const int bf16 = kv_cache_dtype_parse(v);
-            if (bf16 < 0) {
+            kv_dtype = kv_cache_dtype_parse(v);
+            if (kv_dtype < 0) {
                 fprintf(stderr, "bench_step: --kv-cache-dtype must be auto, float32 or bfloat16\n");
                 return 2;
             }
-            kv_bf16 = bf16 == 1;
         } else if (!strcmp(a, "--deterministic"))
             ops_cuda_set_deterministic(atoi(v) != 0);
         else if (!strcmp(a, "--matmul-precision")) {
@@ -326,6 +327,7 @@ int main(int argc, char **argv) {
     }
     char err[1024];
     const ops *o = ops_cpu();
+    const int kv_bf16 = kv_cache_dtype_bf16(kv_dtype, !strcmp(device, "cuda"));
     if (!strcmp(device, "cuda")) {
         o = ops_cuda(0, err, sizeof err);
         if (!o) {
@@ -343,10 +345,10 @@ int main(int argc, char **argv) {
     }
     o->sync();
     const model_config *c = &m->cfg;
-    printf("model %s (%s weights%s%s) on %s, matmul precision %s, loaded in %.1f s\n",
+    printf("model %s (%s weights%s%s) on %s, matmul precision %s, kv cache %s, loaded in %.1f s\n",
            model_path, lo.dummy ? "dummy" : "checkpoint", quant ? ", " : "", quant ? quant : "",
-           o->name,
-           ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH ? "high" : "medium", now() - t0);
+           o->name, ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH ? "high" : "medium",
+           kv_bf16 ? "bfloat16" : "float32", now() - t0);
     double bw = copy_bandwidth(o);
     if (bw > 0) printf("device copy bandwidth: %.0f GB/s (read + write)\n", bw);
 

@@ -88,8 +88,9 @@ static const char usage_generate[] =
     "  --logprob-start-len N    first prompt position scored (default -1: output only)\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda uses GPU 0)\n"
     "  --cuda-graph-max-bs N    replay decode steps as CUDA graphs (default 0: off)\n"
-    "  --kv-cache-dtype D       auto or float32 (default), bfloat16 (half the cache's bytes;\n"
-    "                           k and v rounded to BF16 once as they are stored)\n"
+    "  --kv-cache-dtype D       auto (default: bfloat16 on cuda, float32 on cpu), float32,\n"
+    "                           bfloat16 (half the cache's bytes; k and v rounded to BF16 once\n"
+    "                           as they are stored)\n"
     "  --matmul-precision P     CUDA GEMM inputs: high (default: faithful to fp32 activations)\n"
     "                           or medium (activations rounded to BF16: faster prefill)\n"
     "  --load-format F          auto (default) or safetensors: the checkpoint; dummy: random\n"
@@ -136,9 +137,10 @@ static const char usage_serve[] =
     "  --context-length N            prompt + output limit per request (default: the model's\n"
     "                                max_position_embeddings, also the largest allowed)\n"
     "  --page-size N                 tokens per KV cache page (default 16)\n"
-    "  --kv-cache-dtype D            auto or float32 (default), bfloat16 (bf16): half the bytes\n"
-    "                                a token takes, so twice the tokens in the same memory; k\n"
-    "                                and v rounded to BF16 once as they are stored\n"
+    "  --kv-cache-dtype D            auto (default: bfloat16 on cuda, float32 on cpu), float32,\n"
+    "                                bfloat16 (bf16): half the bytes a token takes, so twice the\n"
+    "                                tokens in the same memory; k and v rounded to BF16 once as\n"
+    "                                they are stored\n"
     "  --served-model-name NAME      the model id of /v1/models and OpenAI answers (default: the\n"
     "                                model path)\n"
     "  --api-key KEY                 require 'Authorization: Bearer KEY' on every endpoint but\n"
@@ -318,19 +320,19 @@ static bool stop_watch_on_token(void *ctx, int32_t token) {
  * default seed and what /server_info says. */
 static void apply_deterministic(bool on) { ops_cuda_set_deterministic(on); }
 
-/* --kv-cache-dtype: true for bfloat16, false for float32 (kv_cache_dtype_parse's names). */
-static bool parse_kv_cache_dtype(const char *v) {
-    const int bf16 = kv_cache_dtype_parse(v);
-    if (bf16 < 0) die("--kv-cache-dtype: '%s' is not one of auto, float32, bfloat16", v);
-    return bf16 == 1;
+/* --kv-cache-dtype: kv_cache_dtype_parse's value (auto is resolved once the device is known). */
+static int parse_kv_cache_dtype(const char *v) {
+    const int d = kv_cache_dtype_parse(v);
+    if (d < 0) die("--kv-cache-dtype: '%s' is not one of auto, float32, bfloat16", v);
+    return d;
 }
 
 static int cmd_generate(int argc, char **argv) {
     const char *model_path = NULL, *prompt = NULL, *input_ids = NULL, *stop_ids_arg = NULL;
     gen_request q = {
         .sampling = sampling_params_default(), .max_new_tokens = 128, .logprob_start_len = -1};
-    bool skip_special = true, deterministic = false, kv_bf16 = false;
-    int threads = 0, graph_bs = 0;
+    bool skip_special = true, deterministic = false;
+    int threads = 0, graph_bs = 0, kv_dtype = KV_DTYPE_AUTO;
     const char *device = "cpu", *load_format = "auto", *precision = "high", *quantization = NULL;
     stop_watch sw = {0};
     log_threshold = LOG_LEVEL_WARN;
@@ -402,7 +404,7 @@ static int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--cuda-graph-max-bs"))
             graph_bs = (int)parse_long(a, v, 0, 4096);
         else if (!strcmp(a, "--kv-cache-dtype"))
-            kv_bf16 = parse_kv_cache_dtype(v);
+            kv_dtype = parse_kv_cache_dtype(v);
         else if (!strcmp(a, "--stop")) {
             if (sw.n_stops == MAX_STOP_STRINGS)
                 die("--stop: at most %d stop strings", MAX_STOP_STRINGS);
@@ -477,6 +479,7 @@ static int cmd_generate(int argc, char **argv) {
     const int page_size = 16;
     int n_pages = (n_ids + q.max_new_tokens + page_size) / page_size + 1;
     engine e;
+    const int kv_bf16 = kv_cache_dtype_bf16(kv_dtype, !strcmp(device, "cuda"));
     if (engine_init(&e, m, n_pages, page_size, 512, kv_bf16, err, sizeof err)) die("%s", err);
     e.deterministic = deterministic;
     if (graph_bs > 0 && !backend->graph_begin)
@@ -751,6 +754,7 @@ static int cmd_serve(int argc, char **argv) {
                      .load_balance = true,
                      .load_format = "auto"};
     char err0[256];
+    int kv_dtype = KV_DTYPE_AUTO;
     log_threshold = LOG_LEVEL_INFO;
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i];
@@ -852,7 +856,7 @@ static int cmd_serve(int argc, char **argv) {
         else if (!strcmp(f, "--page-size"))
             a.page_size = (int)parse_long(f, v, 1, 4096);
         else if (!strcmp(f, "--kv-cache-dtype"))
-            a.kv_cache_bf16 = parse_kv_cache_dtype(v);
+            kv_dtype = parse_kv_cache_dtype(v);
         else if (!strcmp(f, "--served-model-name"))
             a.served_model_name = v;
         else if (!strcmp(f, "--api-key"))
@@ -902,6 +906,7 @@ static int cmd_serve(int argc, char **argv) {
     if (!a.model_path) die("serve: --model-path is required (see moeserve serve --help)");
     if (strcmp(a.device, "cpu") && strcmp(a.device, "cuda"))
         die("--device: '%s' is not one of cpu, cuda", a.device);
+    a.kv_cache_bf16 = kv_cache_dtype_bf16(kv_dtype, !strcmp(a.device, "cuda"));
     apply_deterministic(a.enable_deterministic_inference);
     if (!*a.host) die("--host: the address is empty");
     if (strcmp(a.load_format, "auto") && strcmp(a.load_format, "safetensors") &&

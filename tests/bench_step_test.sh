@@ -4,7 +4,8 @@
 #     timed step runs the whole batch (bench_step stops with an error when one runs fewer tokens),
 #     and each batch's row is printed;
 #   - --routing random runs, and says so; --routing with another value is refused with a message;
-#   - --kv-cache-dtype bfloat16 runs the same batches.
+#   - --kv-cache-dtype bfloat16 runs the same batches; the header names the cache's type (auto:
+#     float32 on the CPU).
 # Last line: "N passed, M failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -46,6 +47,11 @@ if run bf16 --kv-cache-dtype bfloat16 && grep -Eq "^ +16 +[0-9.]+ +[0-9.]+ +[0-9
     ok "--kv-cache-dtype bfloat16: every batch's row"
 else
     bad "--kv-cache-dtype bfloat16: $(tail -n 1 "$tmp/bf16")"
+fi
+if grep -q "kv cache bfloat16," "$tmp/bf16" && grep -q "kv cache float32," "$tmp/model"; then
+    ok "the header names the cache's type (bfloat16 asked, float32 by default on the CPU)"
+else
+    bad "the header's cache type: $(grep -ho 'kv cache [a-z0-9]*' "$tmp/bf16" "$tmp/model" | tr '\n' ' ')"
 fi
 if grep -q "uniformly drawn experts" "$tmp/random"; then
     ok "--routing random says so"

@@ -17,6 +17,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "runner/kv_cache.h"
+
 #include "tests/check.h"
 
 #define BIN "${BUILD:-build}/moeserve" /* expanded by the shell: make asan sets BUILD */
@@ -212,6 +214,20 @@ static void test_kv_cache_bf16(void) {
     int n32 = 0, n16 = 0;
     double *a = teacher_forced_logprobs(dir, csv, "", &n32);
     double *b = teacher_forced_logprobs(dir, csv, " --kv-cache-dtype bfloat16", &n16);
+    /* auto on the CPU is float32: the same bits as no flag */
+    int nauto = 0;
+    double *c = teacher_forced_logprobs(dir, csv, " --kv-cache-dtype auto", &nauto);
+    CHECK(a && c && nauto == n32 && !memcmp(a, c, sizeof(double) * (size_t)n32),
+          "--kv-cache-dtype auto on the CPU: not float32's logprobs bit for bit");
+    free(c);
+    /* and bfloat16 on CUDA (not run here: the resolution itself) */
+    CHECK(kv_cache_dtype_bf16(kv_cache_dtype_parse("auto"), 1) == 1 &&
+              kv_cache_dtype_bf16(kv_cache_dtype_parse("auto"), 0) == 0 &&
+              kv_cache_dtype_bf16(kv_cache_dtype_parse("fp32"), 1) == 0 &&
+              kv_cache_dtype_bf16(kv_cache_dtype_parse("bf16"), 0) == 1 &&
+              kv_cache_dtype_parse("float16") == -1,
+          "kv_cache_dtype_parse / kv_cache_dtype_bf16: auto is bfloat16 on CUDA, float32 on the "
+          "CPU; the explicit names on both");
     if (a && b && n32 == n16 && n32 == 200) {
         double sum = 0, worst = 0;
         for (int i = 1; i < n32; i++) {
