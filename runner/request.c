@@ -51,6 +51,7 @@ request *request_create(const gen_request *gen, const char *rid, int top_logprob
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     atomic_init(&r->abort, false);
+    atomic_init(&r->abort_api, false);
     atomic_init(&r->refs, 1);
     if (rid && *rid)
         snprintf(r->rid, sizeof r->rid, "%s", rid);

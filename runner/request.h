@@ -24,6 +24,9 @@ struct scheduler;
 struct request {
     /* ---- inputs (immutable after submit) ---- */
     char rid[64];         /* request id, as given by the client or generated */
+    /* The rid the client gave for its prompt ("" when none): the same as rid but for the n
+     * samples of one prompt (rid-0, rid-1, ...), which share it. scheduler_abort matches both. */
+    char client_rid[64];
     gen_request gen;      /* gen.prompt / gen.stop_token_ids point at the owned copies below */
     int32_t *prompt;      /* [gen.n_prompt], owned */
     int32_t *stop_ids;    /* [gen.n_stop_token_ids], owned */
@@ -58,6 +61,7 @@ struct request {
 
     /* ---- control ---- */
     atomic_bool abort; /* set by anyone: the scheduler finishes it with FINISH_ABORT */
+    atomic_bool abort_api; /* the abort came from scheduler_abort (its message says so) */
     atomic_int refs;
     /* The scheduler it was submitted to, under mu: set by scheduler_submit, cleared when done.
      * request_abort uses it to wake an idle engine thread. */

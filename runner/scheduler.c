@@ -89,6 +89,11 @@ struct scheduler {
     double t_first_gen; /* start of the first step that generated, 0 before */
 
     atomic_bool flush_pending;
+    /* scheduler_abort's requests, under mu, applied by the next step: request ids to abort, and
+     * whether to abort everything. */
+    char **abort_rids;
+    int n_abort_rids;
+    bool abort_every;
 };
 
 static double now_seconds(void) {
@@ -453,10 +458,61 @@ void scheduler_flush_cache(scheduler *s) {
     scheduler_wake(s);
 }
 
+void scheduler_abort(scheduler *s, const char *rid, bool all) {
+    pthread_mutex_lock(&s->mu);
+    if (all) {
+        s->abort_every = true;
+    } else if (rid && *rid) {
+        s->abort_rids = xrealloc(s->abort_rids, sizeof(char *) * (size_t)(s->n_abort_rids + 1));
+        s->abort_rids[s->n_abort_rids++] = xstrdup(rid);
+    }
+    s->wake_pending = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* ---------------------------------------------------------------- the step */
 
-/* Finish every request that asked to abort, running or queued. */
+/* Whether scheduler_abort's pending ask (rids[n], every) names r. */
+static bool abort_names(const request *r, char *const *rids, int n, bool every) {
+    if (every) return true;
+    for (int i = 0; i < n; i++)
+        if (!strcmp(r->rid, rids[i]) || (r->client_rid[0] && !strcmp(r->client_rid, rids[i])))
+            return true;
+    return false;
+}
+
+static void mark_api_abort(request *r) {
+    atomic_store(&r->abort_api, true);
+    atomic_store(&r->abort, true);
+}
+
+static const char *abort_reason(const request *r) {
+    return atomic_load(&r->abort_api) ? "aborted by /abort_request" : "aborted by client";
+}
+
+/* Finish every request that asked to abort, running or queued, after marking those that
+ * scheduler_abort named since the last step. */
 static void drop_aborted(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    char **rids = s->abort_rids;
+    int n_rids = s->n_abort_rids;
+    bool every = s->abort_every;
+    s->abort_rids = NULL;
+    s->n_abort_rids = 0;
+    s->abort_every = false;
+    if (n_rids || every)
+        for (sched_seq *q = s->wait_head; q; q = q->next)
+            if (abort_names(q->r, rids, n_rids, every)) mark_api_abort(q->r);
+    pthread_mutex_unlock(&s->mu);
+    if (n_rids || every)
+        for (int i = 0; i < s->n_running; i++)
+            if (abort_names(s->running[i]->r, rids, n_rids, every))
+                mark_api_abort(s->running[i]->r);
+    for (int i = 0; i < n_rids; i++)
+        free(rids[i]);
+    free(rids);
+
     for (int i = 0; i < s->n_running;) {
         sched_seq *q = s->running[i];
         if (!atomic_load(&q->r->abort)) {
@@ -464,7 +520,7 @@ static void drop_aborted(scheduler *s) {
             continue;
         }
         running_remove_at(s, i);
-        seq_retire(s, q, FINISH_ABORT, "aborted by client");
+        seq_retire(s, q, FINISH_ABORT, abort_reason(q->r));
     }
     sched_seq *dropped = NULL;
     pthread_mutex_lock(&s->mu);
@@ -479,7 +535,7 @@ static void drop_aborted(scheduler *s) {
     while (dropped) {
         sched_seq *q = dropped;
         dropped = q->next;
-        seq_retire(s, q, FINISH_ABORT, "aborted by client");
+        seq_retire(s, q, FINISH_ABORT, abort_reason(q->r));
     }
 }
 
@@ -823,6 +879,9 @@ void scheduler_free(scheduler *s) {
     free(s->batch);
     free(s->batch_seqs);
     free(s->step_table);
+    for (int i = 0; i < s->n_abort_rids; i++)
+        free(s->abort_rids[i]);
+    free(s->abort_rids);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

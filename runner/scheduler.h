@@ -112,6 +112,13 @@ void scheduler_drain(scheduler *s);
  * start of the next step; returns at once. */
 void scheduler_flush_cache(scheduler *s);
 
+/* Abort the requests, queued or running, whose rid or client_rid is rid (every request when all;
+ * nothing for an empty rid): at the start of the next step they finish with FINISH_ABORT and
+ * "aborted by /abort_request", keeping what they generated. Requests submitted after the call
+ * and before that step are matched too. Thread-safe; returns at once (SGLang's
+ * /abort_request). */
+void scheduler_abort(scheduler *s, const char *rid, bool all);
+
 void scheduler_get_stats(scheduler *s, scheduler_stats *out);
 
 /* Check the page accounting: every page's reference count equals its holders (the prefix cache

@@ -447,11 +447,13 @@ int api_job_add(api_job *j, int item, const int32_t *ids, int n_ids, const api_p
         g.ctx = w;
     }
     char rid_buf[64];
+    const char *client_rid = rid;
     if (rid && p->n > 1) {
         snprintf(rid_buf, sizeof rid_buf, "%.48s-%d", rid, sample);
         rid = rid_buf;
     }
     request *r = request_create(&g, rid, p->top_logprobs_num);
+    if (client_rid) snprintf(r->client_rid, sizeof r->client_rid, "%s", client_rid);
     if (w) {
         request_retain(r);
         w->r = r;
@@ -938,6 +940,53 @@ static void api_metrics(api_server *a, http_exchange *x) {
     free(text);
 }
 
+/* POST /abort_request {"rid": "...", "abort_all": false} (SGLang's): the requests whose rid is
+ * rid (or, for the n samples of one prompt, whose prompt's rid is) finish at the next step with
+ * finish_reason abort, "aborted by /abort_request", keeping what they generated; abort_all
+ * finishes every request. Answers 200 with an empty body whether or not anything matched, as
+ * SGLang does. In a rank group with --load-balance a request may run on another rank than the
+ * one it came to, so the abort also goes to every other rank (marked as relayed, so that none of
+ * them passes it on again). */
+static void api_abort_request(api_server *a, http_exchange *x, const cJSON *body) {
+    api_error e;
+    const cJSON *rid = cJSON_GetObjectItemCaseSensitive(body, "rid");
+    bool all = false;
+    if (rid && !cJSON_IsNull(rid) && !cJSON_IsString(rid)) {
+        api_fail(&e, 400, "rid", "rid must be a string");
+        api_reply_error(a, x, &e);
+        return;
+    }
+    if (api_get_bool(body, "abort_all", &all, &e) < 0) {
+        api_reply_error(a, x, &e);
+        return;
+    }
+    const char *r = rid && cJSON_IsString(rid) ? rid->valuestring : "";
+    if (!all && !*r) { /* nothing named: nothing to do */
+        api_reply_text(a, x, 200, "text/plain; charset=utf-8", "", 0);
+        return;
+    }
+    scheduler_abort(a->sched, r, all);
+    LOG_INFO("api", "/abort_request: %s%s%s", all ? "every request" : "rid '", all ? "" : r,
+             all ? "" : "'");
+    pthread_mutex_lock(&a->submit_mu); /* api_stop_relays frees the relay under it */
+    if (a->relay && !http_header(x, PROXY_ROUTED_HEADER)) {
+        int n = rank_group_size(a->group), me = rank_group_rank(a->group), k = 0;
+        const char **urls = xcalloc((size_t)n, sizeof *urls);
+        for (int i = 0; i < n; i++)
+            if (i != me) urls[k++] = rank_group_url(a->group, i);
+        cJSON *note = cJSON_CreateObject();
+        cJSON_AddStringToObject(note, "rid", r);
+        cJSON_AddBoolToObject(note, "abort_all", all);
+        char *s = cJSON_PrintUnformatted(note);
+        cJSON_Delete(note);
+        proxy_post_all(a->relay, urls, k, "/abort_request", s, http_header(x, "Authorization"), me);
+        free(s);
+        free(urls);
+    }
+    pthread_mutex_unlock(&a->submit_mu);
+    api_reply_text(a, x, 200, "text/plain; charset=utf-8", "", 0);
+}
+
 /* ---- routing ---- */
 
 typedef enum { API_BODY_NONE, API_BODY_JSON } api_body;
@@ -965,7 +1014,14 @@ static const api_route api_routes[] = {
     {"/server_info", "GET, HEAD", API_BODY_NONE, false, false, api_server_info, NULL},
     {"/flush_cache", "GET, HEAD, POST", API_BODY_NONE, false, false, api_flush_cache, NULL},
     {"/metrics", "GET, HEAD", API_BODY_NONE, false, false, api_metrics, NULL},
+    {"/abort_request", "POST", API_BODY_JSON, true, false, NULL, api_abort_request},
+    {"/tokenize", "POST", API_BODY_JSON, true, false, NULL, api_tokenize},
+    {"/v1/tokenize", "POST", API_BODY_JSON, true, false, NULL, api_tokenize},
+    {"/detokenize", "POST", API_BODY_JSON, true, false, NULL, api_detokenize},
+    {"/v1/detokenize", "POST", API_BODY_JSON, true, false, NULL, api_detokenize},
 };
+/* GET /v1/models/ID (the OpenAI client's models.retrieve); ID may hold slashes. */
+static const char api_model_prefix[] = "/v1/models/";
 
 static bool api_method_allowed(const char *methods, const char *method) {
     size_t n = strlen(method);
@@ -1045,6 +1101,16 @@ void api_on_request(void *app, http_exchange *x) {
     const api_route *route = NULL;
     for (size_t i = 0; i < sizeof api_routes / sizeof api_routes[0]; i++)
         if (!strcmp(api_routes[i].path, path)) route = &api_routes[i];
+    const size_t np = sizeof api_model_prefix - 1;
+    if (!route && !strncmp(path, api_model_prefix, np) && path[np]) {
+        if (strcmp(method, "GET") && strcmp(method, "HEAD")) {
+            api_fail(&e, 405, NULL, "%s does not accept %s (allowed: GET, HEAD)", path, method);
+            api_reply_error_header(a, x, &e, "Allow: GET, HEAD");
+        } else {
+            api_model_retrieve(a, x, path + np);
+        }
+        return;
+    }
     if (!route) {
         api_fail(&e, 404, NULL, "no endpoint at %s", path);
         api_reply_error(a, x, &e);

@@ -274,7 +274,9 @@ void api_generate_answer(api_job *j, http_exchange *x) {
         api_snap_take(it, &s);
         size_t visible = api_item_visible(j->srv, it, &s);
         api_item_count(j, it, &s);
-        if (s.finish == FINISH_ABORT && !abort_msg) {
+        /* a server-side abort fails the exchange; one asked for by /abort_request answers
+         * what was generated, with finish_reason abort (as SGLang) */
+        if (s.finish == FINISH_ABORT && !atomic_load(&it->r->abort_api) && !abort_msg) {
             snprintf(abort_buf, sizeof abort_buf, "%s", s.error[0] ? s.error : "aborted");
             abort_msg = abort_buf;
         }

@@ -214,6 +214,10 @@ void api_generate(api_server *a, http_exchange *x, const cJSON *body);
 void api_completions(api_server *a, http_exchange *x, const cJSON *body);
 void api_chat(api_server *a, http_exchange *x, const cJSON *body);
 void api_models(api_server *a, http_exchange *x);
+/* GET /v1/models/ID: the served model's entry, 404 for any other ID. */
+void api_model_retrieve(api_server *a, http_exchange *x, const char *id);
+void api_tokenize(api_server *a, http_exchange *x, const cJSON *body);
+void api_detokenize(api_server *a, http_exchange *x, const cJSON *body);
 
 /* Per-kind answers, run under the exchange lock when every item is done (non-streaming), or to
  * append the new SSE events (streaming; returns true once the stream is complete). */

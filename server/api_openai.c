@@ -32,10 +32,7 @@
 
 /* ---- GET /v1/models ---- */
 
-void api_models(api_server *a, http_exchange *x) {
-    cJSON *root = cJSON_CreateObject();
-    cJSON_AddStringToObject(root, "object", "list");
-    cJSON *data = cJSON_AddArrayToObject(root, "data");
+static cJSON *api_model_entry(api_server *a) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", a->args.served_model_name);
     cJSON_AddStringToObject(m, "object", "model");
@@ -44,8 +41,26 @@ void api_models(api_server *a, http_exchange *x) {
     cJSON_AddStringToObject(m, "root", a->args.served_model_name);
     cJSON_AddNullToObject(m, "parent");
     cJSON_AddNumberToObject(m, "max_model_len", a->args.context_length);
-    cJSON_AddItemToArray(data, m);
+    return m;
+}
+
+void api_models(api_server *a, http_exchange *x) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "object", "list");
+    cJSON *data = cJSON_AddArrayToObject(root, "data");
+    cJSON_AddItemToArray(data, api_model_entry(a));
     api_reply_json(a, x, 200, root);
+}
+
+void api_model_retrieve(api_server *a, http_exchange *x, const char *id) {
+    if (strcmp(id, a->args.served_model_name)) {
+        api_error e;
+        api_fail(&e, 404, "model", "the model '%s' does not exist (this server serves '%s')", id,
+                 a->args.served_model_name);
+        api_reply_error(a, x, &e);
+        return;
+    }
+    api_reply_json(a, x, 200, api_model_entry(a));
 }
 
 /* ---- requests ---- */
@@ -544,7 +559,9 @@ void api_openai_answer(api_job *j, http_exchange *x) {
         api_snap_take(it, &s);
         size_t visible = api_item_visible(j->srv, it, &s);
         api_item_count(j, it, &s);
-        if (s.finish == FINISH_ABORT && !abort_msg) {
+        /* a server-side abort fails the exchange; one asked for by /abort_request answers
+         * what was generated, with finish_reason abort (as SGLang) */
+        if (s.finish == FINISH_ABORT && !atomic_load(&it->r->abort_api) && !abort_msg) {
             snprintf(abort_buf, sizeof abort_buf, "%s", s.error[0] ? s.error : "aborted");
             abort_msg = abort_buf;
         }

@@ -29,12 +29,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "common/log.h"
 
 #define PROXY_CONNECT_TIMEOUT_MS 5000
 #define PROXY_POLL_MS            1000
 #define PROXY_CT_LEN             256
+#define PROXY_NOTE_TIMEOUT_MS    2000 /* proxy_post_all: each peer's answer, all at once */
 
 typedef struct proxy_relay proxy_relay;
 
@@ -392,7 +394,12 @@ void proxy_free(proxy *p) {
         cancels = r->next_cancel;
         relay_unref(r);
     }
-    MS_ASSERT(atomic_load(&p->n_active) == 0 && !p->adds && !p->attached);
+    /* Notes still out (proxy_post_all) end within their timeout. */
+    while (atomic_load(&p->n_active) > 0) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    MS_ASSERT(!p->adds && !p->attached);
     curl_multi_cleanup(p->multi);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -503,3 +510,105 @@ void proxy_forward(proxy *p, http_exchange *x, const char *base_url, int from_ra
 }
 
 int proxy_n_active(proxy *p) { return atomic_load(&p->n_active); }
+
+/* ---- notes to every peer ---- */
+
+typedef struct {
+    proxy *p;
+    char **urls;
+    int n;
+    char *body;
+    char *auth; /* the Authorization header line, or NULL */
+    int from_rank;
+} proxy_note;
+
+static size_t proxy_discard(char *data, size_t size, size_t n, void *ctx) {
+    (void)data;
+    (void)ctx;
+    return size * n;
+}
+
+static void *proxy_note_main(void *arg) {
+    proxy_note *nt = arg;
+    CURLM *m = curl_multi_init();
+    CURL **easy = xcalloc((size_t)nt->n, sizeof *easy);
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    char routed[64];
+    snprintf(routed, sizeof routed, "%s: %d", PROXY_ROUTED_HEADER, nt->from_rank);
+    h = curl_slist_append(h, routed);
+    h = curl_slist_append(h, "Expect:");
+    if (nt->auth) h = curl_slist_append(h, nt->auth);
+    for (int i = 0; m && i < nt->n; i++) {
+        CURL *e = easy[i] = curl_easy_init();
+        if (!e) continue;
+        curl_easy_setopt(e, CURLOPT_URL, nt->urls[i]);
+        curl_easy_setopt(e, CURLOPT_PROXY, "");
+        curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, nt->body);
+        curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, proxy_discard);
+        curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)PROXY_NOTE_TIMEOUT_MS);
+        curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+        curl_multi_add_handle(m, e);
+    }
+    int running = 1;
+    while (m && running > 0) {
+        if (curl_multi_perform(m, &running) != CURLM_OK) break;
+        if (running > 0) curl_multi_poll(m, NULL, 0, 100, NULL);
+    }
+    for (int i = 0; i < nt->n; i++) {
+        if (!easy[i]) continue;
+        long status = 0;
+        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
+        if (status != 200) LOG_WARN("proxy", "%s: answered %ld", nt->urls[i], status);
+        if (m) curl_multi_remove_handle(m, easy[i]);
+        curl_easy_cleanup(easy[i]);
+        free(nt->urls[i]);
+    }
+    if (m) curl_multi_cleanup(m);
+    curl_slist_free_all(h);
+    free(easy);
+    free(nt->urls);
+    free(nt->body);
+    free(nt->auth);
+    proxy *p = nt->p;
+    free(nt);
+    atomic_fetch_sub(&p->n_active, 1); /* last: proxy_free may follow at once */
+    return NULL;
+}
+
+void proxy_post_all(proxy *p, const char *const *base_urls, int n, const char *path,
+                    const char *body, const char *authorization, int from_rank) {
+    if (n <= 0) return;
+    proxy_note *nt = xcalloc(1, sizeof *nt);
+    nt->p = p;
+    nt->n = n;
+    nt->urls = xcalloc((size_t)n, sizeof *nt->urls);
+    for (int i = 0; i < n; i++) {
+        size_t len = strlen(base_urls[i]) + strlen(path) + 1;
+        nt->urls[i] = xmalloc(len);
+        snprintf(nt->urls[i], len, "%s%s", base_urls[i], path);
+    }
+    nt->body = xstrdup(body);
+    if (authorization) {
+        size_t len = strlen(authorization) + 32;
+        nt->auth = xmalloc(len);
+        snprintf(nt->auth, len, "Authorization: %s", authorization);
+    }
+    nt->from_rank = from_rank;
+    atomic_fetch_add(&p->n_active, 1);
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, proxy_note_main, nt)) {
+        LOG_WARN("proxy", "no thread for a note to %d peers: not sent", n);
+        for (int i = 0; i < n; i++)
+            free(nt->urls[i]);
+        free(nt->urls);
+        free(nt->body);
+        free(nt->auth);
+        free(nt);
+        atomic_fetch_sub(&p->n_active, 1);
+    }
+    pthread_attr_destroy(&at);
+}

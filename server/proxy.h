@@ -35,7 +35,15 @@ void proxy_free(proxy *p);
 void proxy_forward(proxy *p, http_exchange *x, const char *base_url, int from_rank, int to_rank,
                    void (*done)(void *ctx, int to_rank), void *ctx);
 
-/* Relays in progress. */
+/* Relays in progress (and proxy_post_all's notes). */
 int proxy_n_active(proxy *p);
+
+/* A note to every peer, fire and forget: POST body (JSON) to base_urls[i] + path as rank
+ * from_rank (the routed header, so no peer passes it on again), with "Authorization:
+ * <authorization>" when that is not NULL. Sent from a thread of its own, every peer at once, each
+ * given 2 s; a peer that does not answer 200 is logged. Counted in proxy_n_active while it
+ * runs, so api_stop_relays waits for it. Any thread. */
+void proxy_post_all(proxy *p, const char *const *base_urls, int n, const char *path,
+                    const char *body, const char *authorization, int from_rank);
 
 #endif

@@ -12,7 +12,9 @@ top-2, 4 layers; 3 ranks split the experts 3,3,2):
     ranks 0 and 1 are idle;
   - np 3 with balancing on: everything sent to rank 0 runs on more than one rank; 40 concurrent
     requests over the ranks; arrivals staggered in time over the ranks (prompts of 1..200 tokens,
-    so the ranks forward different token counts, zero included, at every step);
+    so the ranks forward different token counts, zero included, at every step); /abort_request
+    sent to one rank ends requests running on the others (by rid through rank 0, abort_all through
+    the last rank);
   - a copy of the checkpoint whose routers are all zero (every token picks experts 0 and 1, all on
     rank 0; the other ranks receive nothing) at np 2, 3, 4 against one process on the same copy;
   - --moe-a2a-backend mpi at np 2, with --tp 2 --ep-size 2 --dp 2 --enable-dp-attention;
@@ -676,10 +678,76 @@ def section_np(np):
     run_group(g, cases)
 
 
+def case_abort_request(g):
+    """/abort_request reaches every rank: long requests all sent to rank 0 are balanced over the
+    ranks, aborted by rid through rank 0 (each answers 200 with finish_reason abort); then abort_all
+    sent to the last rank ends requests that run on every rank."""
+    def long_body(i, rid):
+        body = {"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+        if rid:
+            body["rid"] = rid
+        return body
+
+    def send(plan):
+        out = [None] * len(plan)
+
+        def run(k, port, body):
+            try:
+                out[k] = http_json(port, "POST", "/generate", body)
+            except Exception as e:  # noqa: BLE001 (a failed request is reported below)
+                out[k] = (0, str(e))
+        ts = [threading.Thread(target=run, args=(k, g.ports[r], b)) for k, (r, b) in enumerate(plan)]
+        for t in ts:
+            t.start()
+        return ts, out
+
+    def busy_ranks():
+        states = g.server_info(0)["internal_states"]
+        return sum(1 for s in states if s["num_running_reqs"] or s["num_waiting_reqs"])
+
+    def wait_busy(n):
+        deadline = time.time() + 30
+        while time.time() < deadline and busy_ranks() < n:
+            time.sleep(0.1)
+        return busy_ranks()
+
+    def all_aborted(out):
+        bad = [o for o in out if not (isinstance(o, tuple) and o[0] == 200 and isinstance(o[1], dict)
+                                      and (o[1]["meta_info"].get("finish_reason") or {}).get("type") == "abort"
+                                      and o[1]["meta_info"]["completion_tokens"] < 500)]
+        return not bad, short(bad, 300)
+
+    before = settled_counts(g)
+    n = 2 * g.n_ranks
+    ts, out = send([(0, long_body(i, "ep-abort-%d" % i)) for i in range(n)])
+    spread = wait_busy(2)
+    for i in range(n):
+        http_json(g.ports[0], "POST", "/abort_request", {"rid": "ep-abort-%d" % i})
+    for t in ts:
+        t.join(REQUEST_TIMEOUT)
+    ok, detail = all_aborted(out)
+    check("%s: %d requests sent to rank 0, balanced over %d ranks, all aborted by rid through rank 0"
+          % (g.name, n, spread), spread >= 2 and ok, detail)
+    g.n_sent += n
+    deltas = settled_deltas(g, before, n)
+    check("%s: the aborted requests ran on more than one rank (n_requests_done per rank)" % g.name,
+          sum(1 for d in deltas if d > 0) > 1, "increases %s" % deltas)
+
+    ts, out = send([(r % g.n_ranks, long_body(r, None)) for r in range(n)])
+    busy = wait_busy(g.n_ranks)
+    st = http_json(g.ports[-1], "POST", "/abort_request", {"abort_all": True})[0]
+    for t in ts:
+        t.join(REQUEST_TIMEOUT)
+    ok, detail = all_aborted(out)
+    check("%s: abort_all sent to rank %d ends the %d requests running on %d ranks"
+          % (g.name, g.n_ranks - 1, n, busy), st == 200 and busy >= 2 and ok, detail)
+    g.n_sent += n
+
+
 def section_balance():
     run_group(Group("np 3 balanced", 3), [
         lambda g: case_server_info(g, True, "shm"),
-        case_balanced_from_rank0, case_40_concurrent, case_staggered])
+        case_balanced_from_rank0, case_40_concurrent, case_staggered, case_abort_request])
 
 
 def section_mpi():

@@ -304,6 +304,14 @@ def cli_generate(args):
     return json.loads(p.stdout)
 
 
+def cli_tokenize(text, add_special=True):
+    cmd = [BIN, "tokenize", "--model-path", MODEL] + (["--add-special-tokens"] if add_special else [])
+    p = subprocess.run(cmd, cwd=ROOT, input=text.encode(), capture_output=True, timeout=60)
+    if p.returncode != 0:
+        raise RuntimeError("%s exited %d: %s" % (" ".join(cmd), p.returncode, p.stderr.decode()[-300:]))
+    return json.loads(p.stdout)
+
+
 def metrics_types(text):
     """{metric name: type} from the # TYPE lines of Prometheus text."""
     out = {}
@@ -1320,6 +1328,171 @@ def test_disconnect(srv):
     check("disconnect: a new request is served", b is not None, "")
 
 
+# ---- tokenizer endpoints, model retrieval, /abort_request
+
+
+def test_tokenize(srv):
+    """/tokenize and /detokenize (and their /v1/ forms): the ids the CLI's tokenizer gives, text back
+    from them, lists answered as lists, the context length; GET /v1/models/ID."""
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "caf\u00e9 \u65e5\u672c \U0001F600", " "]
+    for path in ("/tokenize", "/v1/tokenize"):
+        for t in texts:
+            r = srv.post(path, {"prompt": t})
+            b = r.json()
+            cli = cli_tokenize(t)
+            check("%s %r: the CLI's ids, count, max_model_len %d" % (path, t, MAX_POS),
+                  r.status == 200 and isinstance(b, dict) and b.get("tokens") == cli and b.get("count") == len(cli)
+                  and b.get("max_model_len") == MAX_POS, "%r, CLI %s" % (r, cli))
+        r = srv.post(path, {"prompt": texts[:2], "add_special_tokens": False})
+        b = r.json()
+        want = [cli_tokenize(t, False) for t in texts[:2]]
+        check("%s of a list: a list of id lists and of counts" % path,
+              r.status == 200 and isinstance(b, dict) and b.get("tokens") == want
+              and b.get("count") == [len(w) for w in want], r)
+    # the ids /generate uses for the same text
+    b = gen_ok(srv, "tokenize: /generate of the same text", {"text": texts[1], "sampling_params": {"max_new_tokens": 1}})
+    if b is not None:
+        check("/tokenize count == /generate's prompt_tokens",
+              b["meta_info"].get("prompt_tokens") == len(cli_tokenize(texts[1])), short(b["meta_info"]))
+    for path in ("/detokenize", "/v1/detokenize"):
+        for t in texts:
+            r = srv.post(path, {"tokens": cli_tokenize(t)})
+            b = r.json()
+            check("%s of %r's ids gives it back" % (path, t),
+                  r.status == 200 and isinstance(b, dict) and b.get("text") == t, r)
+        r = srv.post(path, {"tokens": [cli_tokenize(t) for t in texts[:2]] + [[]]})
+        b = r.json()
+        check("%s of a list of lists: a list of texts" % path,
+              r.status == 200 and isinstance(b, dict) and b.get("text") == texts[:2] + [""], r)
+        r = srv.post(path, {"tokens": []})
+        check("%s of []: \"\"" % path, r.status == 200 and r.json() == {"text": ""}, r)
+    name = model_name(srv)
+    r = srv.get("/v1/models/" + name)
+    b = r.json()
+    check("GET /v1/models/%s: the served model's entry" % name,
+          r.status == 200 and isinstance(b, dict) and b.get("id") == name and b.get("object") == "model"
+          and b.get("max_model_len") == MAX_POS, r)
+    r = srv.post("/tokenize", {"prompt": "x", "model": name})
+    check("/tokenize with the served model's name: 200", r.status == 200, r)
+
+
+def test_tokenize_bad(srv):
+    e = lambda *a, **k: expect_error(srv, *a, **k)
+    e("/tokenize without prompt", "POST", "/tokenize", {"text": "hi"})
+    e("/tokenize prompt a number", "POST", "/tokenize", {"prompt": 5})
+    e("/tokenize prompt list with a number", "POST", "/tokenize", {"prompt": ["a", 5]})
+    e("/tokenize add_special_tokens a string", "POST", "/tokenize", {"prompt": "a", "add_special_tokens": "no"})
+    e("/tokenize another model", "POST", "/tokenize", {"prompt": "a", "model": "other-model"}, status=404)
+    e("/tokenize malformed JSON", "POST", "/v1/tokenize", b'{"prompt": ')
+    e("/tokenize by GET", "GET", "/tokenize", status=405)
+    e("/detokenize without tokens", "POST", "/detokenize", {"text": "hi"})
+    e("/detokenize tokens a string", "POST", "/detokenize", {"tokens": "1 2"})
+    e("/detokenize id outside the vocabulary", "POST", "/detokenize", {"tokens": [1, 10 ** 7]})
+    e("/detokenize negative id", "POST", "/detokenize", {"tokens": [-1]})
+    e("/detokenize a fraction", "POST", "/detokenize", {"tokens": [1.5]})
+    e("/detokenize a list of lists with a bad item", "POST", "/v1/detokenize", {"tokens": [[1], "x"]})
+    e("/detokenize skip_special_tokens a number", "POST", "/detokenize", {"tokens": [1], "skip_special_tokens": 1})
+    e("GET /v1/models/ another model", "GET", "/v1/models/other-model", status=404)
+    e("POST /v1/models/ID", "POST", "/v1/models/" + model_name(srv), {}, status=405)
+
+
+def long_request(srv, payload, out, key, timeout=300):
+    def run():
+        try:
+            if payload.get("stream"):
+                out[key] = srv.post_stream("/generate" if "text" in payload or "input_ids" in payload
+                                           else "/v1/completions", payload, timeout=timeout)
+            else:
+                out[key] = srv.post("/generate", payload, timeout=timeout)
+        except OSError as e:
+            out[key] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_running(srv, n, limit=30.0):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        c = queue_counts(srv)
+        if c is not None and c[0] + c[1] >= n:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_abort_request(srv):
+    """/abort_request as SGLang's: by rid (also the n samples of a prompt's rid), abort_all; the
+    aborted requests answer 200 with what they generated and finish_reason abort, the others run on;
+    a rid that names nothing, or none at all, changes nothing."""
+    long_sp = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    out = {}
+    ts = [long_request(srv, {"input_ids": prompt_ids(901, 6), "rid": "abort-me", "sampling_params": long_sp}, out, "one"),
+          long_request(srv, {"input_ids": prompt_ids(902, 6), "rid": "abort-n",
+                             "sampling_params": dict(long_sp, n=2)}, out, "n"),
+          long_request(srv, {"input_ids": prompt_ids(903, 6), "rid": "keep-me",
+                             "sampling_params": dict(long_sp, max_new_tokens=60)}, out, "keep")]
+    check("abort: 4 requests running", wait_running(srv, 4), queue_counts(srv))
+    time.sleep(0.3)
+    for body in ({"rid": "nobody"}, {}, {"rid": None, "abort_all": False}):
+        r = srv.post("/abort_request", body)
+        check("/abort_request %s: 200, empty" % json.dumps(body), r.status == 200 and r.body == b"", r)
+    r = srv.post("/abort_request", {"rid": "abort-me"})
+    check("/abort_request by rid: 200", r.status == 200, r)
+    r = srv.post("/abort_request", {"rid": "abort-n"})
+    check("/abort_request by the rid of n = 2: 200", r.status == 200, r)
+    for t in ts:
+        t.join(300)
+    a, n, k = (out.get(x) for x in ("one", "n", "keep"))
+    ok_a = isinstance(a, Reply) and a.status == 200 and isinstance(a.json(), dict)
+    if check("abort by rid: HTTP 200 with the answer", ok_a, a):
+        m = a.json()["meta_info"]
+        check("abort by rid: finish_reason abort, 'aborted by /abort_request', the tokens so far",
+              m.get("finish_reason") == {"type": "abort", "message": "aborted by /abort_request"}
+              and m.get("completion_tokens", 1500) < 1500 and len(a.json()["output_ids"]) == m["completion_tokens"],
+              short(m))
+    ok_n = isinstance(n, Reply) and n.status == 200 and isinstance(n.json(), list) and len(n.json()) == 2
+    if check("abort of n = 2 by their rid: HTTP 200 with both answers", ok_n, n):
+        fr = [x["meta_info"].get("finish_reason", {}).get("type") for x in n.json()]
+        check("abort of n = 2: both finish_reason abort", fr == ["abort", "abort"], fr)
+    ok_k = isinstance(k, Reply) and k.status == 200 and isinstance(k.json(), dict)
+    check("abort: the request not named ran to its end (length, 60 tokens)",
+          ok_k and k.json()["meta_info"].get("finish_reason") == {"type": "length", "length": 60}, k)
+
+    # abort_all: a streaming /generate and a streaming /v1/completions
+    out = {}
+    ts = [long_request(srv, {"input_ids": prompt_ids(904, 6), "stream": True, "sampling_params": long_sp}, out, "gen"),
+          long_request(srv, {"prompt": prompt_ids(905, 6), "max_tokens": 1500, "ignore_eos": True,
+                             "temperature": 0, "stream": True}, out, "oai")]
+    check("abort_all: 2 streams running", wait_running(srv, 2), queue_counts(srv))
+    time.sleep(0.3)
+    r = srv.post("/abort_request", {"abort_all": True})
+    check("/abort_request abort_all: 200", r.status == 200, r)
+    for t in ts:
+        t.join(300)
+    g, o = out.get("gen"), out.get("oai")
+    ok = isinstance(g, tuple) and g[0].status == 200 and g[1][1] is None and g[1][0]
+    if check("abort_all: the /generate stream ends well formed", ok, g):
+        last = g[1][0][-1]["meta_info"]
+        check("abort_all: its last chunk says abort, with fewer than 1500 tokens",
+              last.get("finish_reason", {}).get("type") == "abort" and last.get("completion_tokens", 0) < 1500, short(last))
+    ok = isinstance(o, tuple) and o[0].status == 200 and o[1][1] is None and o[1][0]
+    if check("abort_all: the /v1/completions stream ends well formed", ok, o):
+        check("abort_all: its last choice's finish_reason is abort",
+              o[1][0][-1]["choices"][0].get("finish_reason") == "abort", short(o[1][0][-1]))
+    t0 = time.time()
+    while time.time() - t0 < 5 and queue_counts(srv) != (0, 0):
+        time.sleep(0.05)
+    check("abort_all: nothing left running or waiting", queue_counts(srv) == (0, 0), queue_counts(srv))
+    e = lambda *a, **k: expect_error(srv, *a, **k)
+    e("/abort_request rid a number", "POST", "/abort_request", {"rid": 5})
+    e("/abort_request abort_all a string", "POST", "/abort_request", {"abort_all": "yes"})
+    e("/abort_request not an object", "POST", "/abort_request", b'["x"]')
+    e("/abort_request by GET", "GET", "/abort_request", status=405)
+    b = gen_ok(srv, "after the aborts", {"text": "still there?", "sampling_params": {"max_new_tokens": 4}})
+    check("abort: a new request is served to its end", b is not None and b["meta_info"]["completion_tokens"] == 4, b)
+
+
 # ---- bad input
 
 
@@ -1579,6 +1752,34 @@ def reset(s):
     s.close()
 
 
+def test_abort_queued(srv):
+    """--max-running-requests 1: /abort_request of a request still waiting answers it at once (no
+    tokens), while the one running goes on until it is aborted too."""
+    long_sp = {"max_new_tokens": 1900, "ignore_eos": True}
+    out = {}
+    ta = long_request(srv, {"input_ids": [5, 6, 7], "rid": "q-run", "sampling_params": long_sp}, out, "run")
+    check("abort queued: the first request runs", wait_running(srv, 1), queue_counts(srv))
+    tb = long_request(srv, {"input_ids": [5, 6, 8], "rid": "q-wait", "sampling_params": long_sp}, out, "wait")
+    check("abort queued: the second one waits", wait_running(srv, 2), queue_counts(srv))
+    r = srv.post("/abort_request", {"rid": "q-wait"})
+    tb.join(30)
+    b = out.get("wait")
+    ok = isinstance(b, Reply) and b.status == 200 and isinstance(b.json(), dict)
+    check("abort queued: the waiting request answers 200, finish_reason abort, no tokens",
+          r.status == 200 and ok and b.json()["meta_info"].get("finish_reason", {}).get("type") == "abort"
+          and b.json()["meta_info"].get("completion_tokens") == 0, b)
+    t0 = time.time()
+    while time.time() - t0 < 5 and queue_counts(srv) != (1, 0):  # the counts trail a step
+        time.sleep(0.02)
+    check("abort queued: the running one still runs", ta.is_alive() and queue_counts(srv) == (1, 0), queue_counts(srv))
+    srv.post("/abort_request", {"rid": "q-run"})
+    ta.join(60)
+    a = out.get("run")
+    check("abort queued: then the running one is aborted too",
+          isinstance(a, Reply) and a.status == 200
+          and (a.json() or {}).get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", a)
+
+
 def test_queued_disconnect(srv):
     """--max-running-requests 1: four long streams queue one behind the other; three clients
     (streaming and not) wait behind them and hang up before they are admitted. Their requests
@@ -1834,6 +2035,8 @@ def test_tokfree(srv):
         e("tokfree completions text prompt", "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
         e("tokfree completions list of texts", "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
         e("tokfree completions stop", "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stop": ["\n"]})
+        e("tokfree /tokenize", "POST", "/tokenize", {"prompt": "Hello"})
+        e("tokfree /detokenize", "POST", "/v1/detokenize", {"tokens": [5, 6]})
 
         # /v1/completions with token-id prompts: empty text, usage, logprobs named by token id
         r = srv.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "logprobs": 2,
@@ -2020,6 +2223,9 @@ def main(argv):
             (test_metrics, ()),
             (test_metric_counts, ()),
             (test_bad_input, ()),
+            (test_tokenize, ()),
+            (test_tokenize_bad, ()),
+            (test_abort_request, ()),
             (test_disconnect, ()),
         ])
     if "noradix" in groups:
@@ -2036,7 +2242,8 @@ def main(argv):
                                      "--max-running-requests", "6", "--chunked-prefill-size", "32"]),
                     [(test_tight, ()), (test_shutdown_in_flight, ())])
     if "queue" in groups:
-        with_server(Server("queue", ["--enable-metrics", "--max-running-requests", "1"]), [(test_queued_disconnect, ())])
+        with_server(Server("queue", ["--enable-metrics", "--max-running-requests", "1"]),
+                    [(test_abort_queued, ()), (test_queued_disconnect, ())])
         with_server(Server("queuelimit", ["--enable-metrics", "--max-running-requests", "1", "--max-queued-requests", "2"]),
                     [(test_queue_limit, ())])
     if "tokfree" in groups:

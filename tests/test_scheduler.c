@@ -341,6 +341,68 @@ static void test_abort(void) {
     scheduler_free(s);
 }
 
+/* (4b) scheduler_abort: by rid (a running and a queued request), by the client's rid of n
+ * samples, nothing for an unknown or empty rid, then every request; the others run on. */
+static void test_abort_by_rid(void) {
+    scheduler *s = make_scheduler(config(2, 1024, 16, 64, 512, false));
+    int32_t *p = rand_prompt(12);
+    gen_request g = greedy(p, 12, 200, -1);
+    request *run = request_create(&g, "run-1", 0), *other = request_create(&g, "other", 0);
+    request *queued = request_create(&g, "wait-1", 0);
+    request *s0 = request_create(&g, "job-0", 0), *s1 = request_create(&g, "job-1", 0);
+    snprintf(s0->client_rid, sizeof s0->client_rid, "job");
+    snprintf(s1->client_rid, sizeof s1->client_rid, "job");
+    request *all[] = {run, other, queued, s0, s1};
+    for (int i = 0; i < 5; i++)
+        scheduler_submit(s, all[i]);
+    for (int i = 0; i < 1000 && other->n_out < 3; i++)
+        scheduler_step(s);
+    scheduler_abort(s, "nobody", false);
+    scheduler_abort(s, "", false);
+    scheduler_step(s);
+    CHECK(!run->done && !other->done && !queued->done, "an unknown or empty rid aborted something");
+    scheduler_abort(s, "run-1", false);
+    scheduler_abort(s, "wait-1", false);
+    scheduler_step(s);
+    CHECK(run->done && run->finish == FINISH_ABORT && run->n_out >= 3 && run->n_out < 200,
+          "running by rid: done %d finish %d n_out %d", run->done, run->finish, run->n_out);
+    CHECK(strcmp(run->error, "aborted by /abort_request") == 0, "error '%s'", run->error);
+    CHECK(queued->done && queued->finish == FINISH_ABORT && queued->n_out == 0,
+          "queued by rid: done %d n_out %d", queued->done, queued->n_out);
+    CHECK(!other->done && !s0->done && !s1->done, "others stopped with them");
+    for (int i = 0; i < 1000 && s0->n_out < 2; i++)
+        scheduler_step(s);
+    scheduler_abort(s, "job", false);
+    scheduler_step(s);
+    CHECK(s0->done && s1->done && s0->finish == FINISH_ABORT && s1->finish == FINISH_ABORT,
+          "samples by the client's rid: %d %d", s0->done, s1->done);
+    CHECK(!other->done, "other stopped with the samples");
+    request *late = request_create(&g, NULL, 0);
+    scheduler_submit(s, late);
+    scheduler_abort(s, NULL, true);
+    scheduler_step(s);
+    CHECK(other->done && other->finish == FINISH_ABORT && late->done &&
+              late->finish == FINISH_ABORT,
+          "abort_all: other %d, late %d", other->done, late->done);
+    scheduler_stats st;
+    scheduler_get_stats(s, &st);
+    CHECK(st.kv_pages_used == 0 && st.n_running == 0 && st.n_waiting == 0,
+          "after the aborts: %d pages, %d running, %d waiting", st.kv_pages_used, st.n_running,
+          st.n_waiting);
+    /* a new request runs to its end */
+    request *after = request_create(&g, "run-1", 0);
+    scheduler_submit(s, after);
+    run_until_done(s, &after, 1);
+    CHECK(after->finish == FINISH_LENGTH && after->n_out == 200, "after: finish %d n_out %d",
+          after->finish, after->n_out);
+    for (int i = 0; i < 5; i++)
+        request_release(all[i]);
+    request_release(late);
+    request_release(after);
+    free(p);
+    scheduler_free(s);
+}
+
 /* (5) the running cap. */
 static void test_running_cap(void) {
     scheduler *s = make_scheduler(config(2, 1024, 16, 64, 512, false));
@@ -698,6 +760,7 @@ int main(void) {
     test_preemption(false);
     test_preemption(true);
     test_abort();
+    test_abort_by_rid();
     test_running_cap();
     test_chunked_prefill();
     test_check();
