@@ -1,4 +1,5 @@
-/* Fuzz target: the bodies of POST /generate, /v1/completions and /v1/chat/completions, through
+/* Fuzz target: the bodies of POST /generate, /v1/completions and /v1/chat/completions (and of
+ * /tokenize, /detokenize and /abort_request), through
  * the server's own request path (api_on_request: body parsing, every field reader, prompt
  * tokenizing, the chat template, job building and scheduler_check), with the test model
  * (tests/data/tiny-qwen3-moe, the smallest: its tokenizer, chat template and weights).
@@ -6,7 +7,8 @@
  * The HTTP transport is replaced by a stand-in exchange defined here (the server/http.h calls the
  * api makes: method, path, body, reply, defer, stream, the ref lock); everything behind it is the
  * server's real code. Input: byte 0 picks the endpoint (bits 0-1: /generate, /v1/completions,
- * /v1/chat/completions, /generate) and, with bit 7 set, runs the engine up to 4 steps on this
+ * /v1/chat/completions, /generate; with bit 6 set instead /tokenize, /detokenize, /abort_request,
+ * /v1/detokenize) and, with bit 7 set, runs the engine up to 4 steps on this
  * thread, polling the deferred answer or filling the stream after each, so that answers, stream
  * chunks, stop strings and logprobs are built too; the rest is the body. The exchange is then
  * closed (the client goes away), and the scheduler drops what is left before the next input. */
@@ -162,9 +164,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    static const char *const paths[] = {"/generate", "/v1/completions", "/v1/chat/completions",
-                                        "/generate"};
-    http_exchange x = {.path = paths[data[0] & 3], .body = (const char *)data + 1,
+    static const char *const paths[] = {"/generate",      "/v1/completions", "/v1/chat/completions",
+                                        "/generate",      "/tokenize",       "/detokenize",
+                                        "/abort_request", "/v1/detokenize"};
+    http_exchange x = {.path = paths[(data[0] & 3) | (data[0] & 0x40 ? 4 : 0)],
+                       .body = (const char *)data + 1,
                        .len = size - 1};
     bool engine = data[0] & 0x80;
     fuzz_x = &x;
