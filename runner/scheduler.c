@@ -11,10 +11,15 @@
  *   first, then prompt chunks in admission order under the chunked-prefill budget). Decode pages
  *   come before admission so that a request is not admitted only to be preempted in the same
  *   step.
- * - Admission is first come, first served: the head of the queue blocks the rest. A request is
- *   admitted when the free pages, less those already promised to running prompts, cover its
+ * - Admission is first come, first served: a request that does not fit blocks the rest. A request
+ *   is admitted when the free pages, less those already promised to running prompts, cover its
  *   uncomputed tokens plus one page of headroom (capped at the most it can ever use, so a
- *   request that fits the cache alone is always admitted once the rest has drained).
+ *   request that fits the cache alone is always admitted once the rest has drained). One that
+ *   shares at least a page of prompt with a running request whose prefill is not yet in the
+ *   prefix cache waits in its place until it is (and later ones may pass it meanwhile), then
+ *   takes those pages from the cache: the n samples of a prompt, or prompts with a common
+ *   few-shot prefix sent together, compute the shared part once. Cached and computed prefixes
+ *   give the same bits, so this changes no result.
  *   scheduler_create makes the cache hold at least one full context, and scheduler_check
  *   rejects requests longer than a context, so every admitted request can finish.
  * - The prefix cache receives a request's prompt pages when its prefill completes (so that
@@ -41,6 +46,8 @@
 /* An idle rank of a group looks for work of the others this often (a request reaching another
  * rank waits at most this long for the group to start its first step). */
 #define SCHED_IDLE_POLL_NS 2000000L
+/* Requests that wait for a running prefill passed over in one admission at most (admit). */
+#define SCHED_HOLD_SCAN 64
 
 typedef struct sched_seq sched_seq;
 
@@ -53,6 +60,7 @@ struct sched_seq {
     int published_in;       /* n_in as last published to r */
     bool admitted_once;     /* cached_tokens is set at the first admission */
     bool prompt_cached;     /* its prompt pages went into the prefix cache */
+    int matched;            /* tokens the prefix cache gave it at its latest admission */
     sched_seq *prev, *next; /* waiting queue links */
 };
 
@@ -376,6 +384,7 @@ static bool seq_try_admit(scheduler *s, sched_seq *q) {
     }
     es->n_pages = have;
     es->n_computed = matched;
+    q->matched = matched;
     if (!q->admitted_once) {
         q->admitted_once = true;
         int cached = matched < g->n_prompt ? matched : g->n_prompt;
@@ -556,15 +565,51 @@ static void reserve_decode_pages(scheduler *s) {
 }
 
 /* Admit from the queue head while the cap and the pages allow. */
+/* Whether q should wait for a running request's prefill: one whose prompt is not yet in the
+ * prefix cache and shares with q's tokens at least one whole page more than that request found
+ * in the cache itself. Once its prefill completes its prompt pages go into the cache, and q then
+ * takes them instead of computing them again (n samples of one prompt, prompts that share a long
+ * few-shot prefix sent together). Only what q can take from the cache counts: not its last token,
+ * not the positions whose logprobs it still has to score (seq_try_admit's limit). */
+static bool seq_shares_prefill(const scheduler *s, const sched_seq *q) {
+    if (!s->cfg.enable_radix_cache) return false;
+    const engine_seq *es = &q->es;
+    int lim = es->n_tokens - 1;
+    if (es->next_score < es->req->n_prompt && es->next_score - 1 < lim) lim = es->next_score - 1;
+    const int S = s->cfg.page_size;
+    if (lim < S) return false;
+    for (int i = 0; i < s->n_running; i++) {
+        const sched_seq *r = s->running[i];
+        if (r->prompt_cached || r->es.n_computed >= r->es.req->n_prompt) continue;
+        const int n = lim < r->es.req->n_prompt ? lim : r->es.req->n_prompt;
+        int l = 0;
+        while (l < n && es->tokens[l] == r->es.tokens[l])
+            l++;
+        if (l / S * S > r->matched) return true;
+    }
+    return false;
+}
+
+/* Admit from the queue in order while the running cap and the pages allow. A request that
+ * shares a running prefill (seq_shares_prefill) keeps its place and is passed over for this
+ * step (at most SCHED_HOLD_SCAN of them); the first one that does not fit the free pages stops
+ * admission, so no later one overtakes it. */
 static void admit(scheduler *s) {
+    sched_seq *held = NULL; /* the last request passed over */
+    int n_held = 0;
     while (s->n_running < s->cfg.max_running_requests) {
+        /* Only this thread removes from the queue or adds at its front; submit appends under mu. */
         pthread_mutex_lock(&s->mu);
-        sched_seq *q = s->wait_head;
+        sched_seq *q = held ? held->next : s->wait_head;
         pthread_mutex_unlock(&s->mu);
-        if (!q || !seq_try_admit(s, q)) return;
-        /* Only this thread removes from the queue or adds at its front, so q is still the head. */
+        if (!q) return;
+        if (seq_shares_prefill(s, q)) {
+            if (++n_held > SCHED_HOLD_SCAN) return;
+            held = q;
+            continue;
+        }
+        if (!seq_try_admit(s, q)) return;
         pthread_mutex_lock(&s->mu);
-        MS_ASSERT(s->wait_head == q);
         queue_unlink(s, q);
         pthread_mutex_unlock(&s->mu);
         running_push(s, q);

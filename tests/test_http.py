@@ -607,6 +607,28 @@ def test_prefix_cache(srv, shared):
         check("prefix cache: teacher-forced logprobs of a cached prompt: %d entries within %g (max diff %.3g)"
               % (len(P + Y), LOGPROB_TOL, d), len(b) == len(P + Y) and d <= LOGPROB_TOL, "")
 
+    # n samples, and a batch of prompts sharing a long prefix, compute the shared part once: the
+    # first runs its prefill, the others take its pages from the cache (same answers as alone)
+    srv.post("/flush_cache", {})
+    nreq = {"input_ids": P + Y, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "n": 4},
+            "return_logprob": True}
+    b = gen_ok(srv, "shared prefill: n = 4", nreq)
+    if check("shared prefill: n = 4 answers 4", isinstance(b, list) and len(b) == 4, short(b)):
+        cts = [x["meta_info"].get("cached_tokens") for x in b]
+        check("shared prefill: n = 4, one computes the prompt, three take >= %d tokens of it cached (%s)" % (len(P), cts),
+              sorted(cts)[0] == 0 and all(isinstance(c, int) and c >= len(P) for c in sorted(cts)[1:]), cts)
+        if cold:
+            check("shared prefill: n = 4 greedy samples are the uncached answer",
+                  all(x["output_ids"] == cold["output_ids"] for x in b), [x["output_ids"] for x in b])
+    srv.post("/flush_cache", {})
+    batch = {"input_ids": [P + prompt_ids(10 + i, 20) for i in range(4)],
+             "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    b = gen_ok(srv, "shared prefill: a batch of 4 sharing %d tokens" % len(P), batch)
+    if check("shared prefill: the batch answers 4", isinstance(b, list) and len(b) == 4, short(b)):
+        cts = [x["meta_info"].get("cached_tokens") for x in b]
+        check("shared prefill: the batch's first computes the shared prefix, the others take it (%s)" % cts,
+              cts[0] == 0 and all(isinstance(c, int) and len(P) - 16 < c <= len(P) for c in cts[1:]), cts)
+
     # flush empties it, GET and POST
     for method in ("GET", "POST"):
         gen_ok(srv, "flush: fill", req)

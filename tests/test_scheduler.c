@@ -267,6 +267,64 @@ static void test_prefix_cache(void) {
     free(p4);
 }
 
+/* (7b) requests submitted together that share a prompt (n samples) or a long prefix compute it
+ * once: the first runs its prefill, the others wait in their places and then take its pages from
+ * the prefix cache; a request that shares nothing is admitted meanwhile. Results equal the
+ * reference. Prompts of 70 tokens in chunks of 32 (a prefill of three steps), pages of 16. */
+static void test_shared_prefill(void) {
+    enum { N = 5, L = 70 };
+    int32_t *p = rand_prompt(L), *q = rand_prompt(L), *other = rand_prompt(20);
+    memcpy(q, p, 50 * sizeof(int32_t)); /* shares 50 tokens: 3 whole pages */
+    gen_request gs[N] = {greedy(p, L, 6, -1), greedy(p, L, 6, -1), greedy(other, 20, 6, -1),
+                         greedy(p, L, 6, -1), greedy(q, L, 6, -1)};
+    scheduler *s = make_scheduler(config(8, 2048, 16, 32, 512, true));
+    request *rs[N];
+    for (int i = 0; i < N; i++) {
+        rs[i] = request_create(&gs[i], NULL, 0);
+        scheduler_submit(s, rs[i]);
+    }
+    scheduler_step(s);
+    scheduler_stats st;
+    scheduler_get_stats(s, &st);
+    CHECK(st.n_running == 2 && st.n_waiting == 3,
+          "first step: the leader and the unrelated request run, the sharers wait (%d running, %d "
+          "waiting)",
+          st.n_running, st.n_waiting);
+    run_until_done(s, rs, N);
+    CHECK(rs[0]->cached_tokens == 0 && rs[2]->cached_tokens == 0, "leader %d, other %d cached",
+          rs[0]->cached_tokens, rs[2]->cached_tokens);
+    CHECK(rs[1]->cached_tokens == 64 && rs[3]->cached_tokens == 64,
+          "the same prompt: 64 of 70 tokens cached (%d, %d)", rs[1]->cached_tokens,
+          rs[3]->cached_tokens);
+    CHECK(rs[4]->cached_tokens == 48, "50 shared tokens: 48 cached (%d)", rs[4]->cached_tokens);
+    for (int i = 0; i < N; i++) {
+        gen_result g = reference(&gs[i]);
+        char what[64];
+        snprintf(what, sizeof what, "shared prefill, request %d", i);
+        check_same(rs[i], &g, what);
+        gen_result_free(&g);
+        request_release(rs[i]);
+    }
+    /* the prefix cache off: nobody waits */
+    scheduler *s2 = make_scheduler(config(8, 2048, 16, 32, 512, false));
+    for (int i = 0; i < N; i++) {
+        rs[i] = request_create(&gs[i], NULL, 0);
+        scheduler_submit(s2, rs[i]);
+    }
+    scheduler_step(s2);
+    scheduler_get_stats(s2, &st);
+    CHECK(st.n_running == N && st.n_waiting == 0, "no prefix cache: all %d run (%d waiting)",
+          st.n_running, st.n_waiting);
+    run_until_done(s2, rs, N);
+    for (int i = 0; i < N; i++)
+        request_release(rs[i]);
+    scheduler_free(s2);
+    scheduler_free(s);
+    free(p);
+    free(q);
+    free(other);
+}
+
 /* (3) a KV cache of 16 pages of 4 tokens for 6 requests that need up to 11 pages each. */
 static void test_preemption(bool radix) {
     enum { N = 6 };
@@ -757,6 +815,7 @@ int main(void) {
     }
     test_batch_invariance();
     test_prefix_cache();
+    test_shared_prefill();
     test_preemption(false);
     test_preemption(true);
     test_abort();
