@@ -15,7 +15,7 @@
  *   is admitted when the free pages, less those already promised to running prompts, cover its
  *   uncomputed tokens plus one page of headroom (capped at the most it can ever use, so a
  *   request that fits the cache alone is always admitted once the rest has drained). One that
- *   shares at least a page of prompt with a running request whose prefill is not yet in the
+ *   shares at least half its prompt with a running request whose prefill is not yet in the
  *   prefix cache waits in its place until it is (and later ones may pass it meanwhile), then
  *   takes those pages from the cache: the n samples of a prompt, or prompts with a common
  *   few-shot prefix sent together, compute the shared part once. Cached and computed prefixes
@@ -564,13 +564,14 @@ static void reserve_decode_pages(scheduler *s) {
     }
 }
 
-/* Admit from the queue head while the cap and the pages allow. */
 /* Whether q should wait for a running request's prefill: one whose prompt is not yet in the
- * prefix cache and shares with q's tokens at least one whole page more than that request found
- * in the cache itself. Once its prefill completes its prompt pages go into the cache, and q then
- * takes them instead of computing them again (n samples of one prompt, prompts that share a long
- * few-shot prefix sent together). Only what q can take from the cache counts: not its last token,
- * not the positions whose logprobs it still has to score (seq_try_admit's limit). */
+ * prefix cache and shares with q's tokens whole pages beyond what that request found in the
+ * cache itself, at least half of what q could take from the cache. Once its prefill completes
+ * its prompt pages go into the cache, and q then takes them instead of computing them again
+ * (n samples of one prompt, prompts that share a long few-shot prefix sent together). Only what
+ * q can take from the cache counts: not its last token, not the positions whose logprobs it
+ * still has to score (seq_try_admit's limit). A short common head (a system prompt) does not
+ * make q wait for another's long prefill. */
 static bool seq_shares_prefill(const scheduler *s, const sched_seq *q) {
     if (!s->cfg.enable_radix_cache) return false;
     const engine_seq *es = &q->es;
@@ -585,7 +586,8 @@ static bool seq_shares_prefill(const scheduler *s, const sched_seq *q) {
         int l = 0;
         while (l < n && es->tokens[l] == r->es.tokens[l])
             l++;
-        if (l / S * S > r->matched) return true;
+        const int gain = l / S * S - r->matched;
+        if (gain > 0 && 2 * gain >= lim) return true;
     }
     return false;
 }

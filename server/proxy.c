@@ -556,12 +556,14 @@ static void *proxy_note_main(void *arg) {
         if (running > 0) curl_multi_poll(m, NULL, 0, 100, NULL);
     }
     for (int i = 0; i < nt->n; i++) {
-        if (!easy[i]) continue;
         long status = 0;
-        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
-        if (status != 200) LOG_WARN("proxy", "%s: answered %ld", nt->urls[i], status);
-        if (m) curl_multi_remove_handle(m, easy[i]);
-        curl_easy_cleanup(easy[i]);
+        if (easy[i]) {
+            curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
+            curl_multi_remove_handle(m, easy[i]);
+            curl_easy_cleanup(easy[i]);
+        }
+        if (status != 200)
+            LOG_WARN("proxy", "%s: answered %ld (0: no answer)", nt->urls[i], status);
         free(nt->urls[i]);
     }
     if (m) curl_multi_cleanup(m);

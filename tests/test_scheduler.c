@@ -269,14 +269,17 @@ static void test_prefix_cache(void) {
 
 /* (7b) requests submitted together that share a prompt (n samples) or a long prefix compute it
  * once: the first runs its prefill, the others wait in their places and then take its pages from
- * the prefix cache; a request that shares nothing is admitted meanwhile. Results equal the
- * reference. Prompts of 70 tokens in chunks of 32 (a prefill of three steps), pages of 16. */
+ * the prefix cache; a request that shares nothing, or less than half its prompt, is admitted
+ * meanwhile. Results equal the reference. Prompts of 70 tokens in chunks of 32 (a prefill of three
+ * steps), pages of 16. */
 static void test_shared_prefill(void) {
-    enum { N = 5, L = 70 };
+    enum { N = 6, L = 70 };
     int32_t *p = rand_prompt(L), *q = rand_prompt(L), *other = rand_prompt(20);
-    memcpy(q, p, 50 * sizeof(int32_t)); /* shares 50 tokens: 3 whole pages */
+    int32_t *head = rand_prompt(L);
+    memcpy(q, p, 50 * sizeof(int32_t));    /* shares 50 tokens: 3 whole pages of 69 */
+    memcpy(head, p, 20 * sizeof(int32_t)); /* shares 20: one page, under half: does not wait */
     gen_request gs[N] = {greedy(p, L, 6, -1), greedy(p, L, 6, -1), greedy(other, 20, 6, -1),
-                         greedy(p, L, 6, -1), greedy(q, L, 6, -1)};
+                         greedy(p, L, 6, -1), greedy(q, L, 6, -1), greedy(head, L, 6, -1)};
     scheduler *s = make_scheduler(config(8, 2048, 16, 32, 512, true));
     request *rs[N];
     for (int i = 0; i < N; i++) {
@@ -286,9 +289,9 @@ static void test_shared_prefill(void) {
     scheduler_step(s);
     scheduler_stats st;
     scheduler_get_stats(s, &st);
-    CHECK(st.n_running == 2 && st.n_waiting == 3,
-          "first step: the leader and the unrelated request run, the sharers wait (%d running, %d "
-          "waiting)",
+    CHECK(st.n_running == 3 && st.n_waiting == 3,
+          "first step: the leader, the unrelated request and the one sharing one page run, the "
+          "sharers wait (%d running, %d waiting)",
           st.n_running, st.n_waiting);
     run_until_done(s, rs, N);
     CHECK(rs[0]->cached_tokens == 0 && rs[2]->cached_tokens == 0, "leader %d, other %d cached",
@@ -297,6 +300,8 @@ static void test_shared_prefill(void) {
           "the same prompt: 64 of 70 tokens cached (%d, %d)", rs[1]->cached_tokens,
           rs[3]->cached_tokens);
     CHECK(rs[4]->cached_tokens == 48, "50 shared tokens: 48 cached (%d)", rs[4]->cached_tokens);
+    CHECK(rs[5]->cached_tokens == 0, "20 shared tokens, run at once: %d cached",
+          rs[5]->cached_tokens);
     for (int i = 0; i < N; i++) {
         gen_result g = reference(&gs[i]);
         char what[64];
@@ -323,6 +328,7 @@ static void test_shared_prefill(void) {
     free(p);
     free(q);
     free(other);
+    free(head);
 }
 
 /* (3) a KV cache of 16 pages of 4 tokens for 6 requests that need up to 11 pages each. */
