@@ -420,13 +420,15 @@ static void engine_reserve(engine *e, int T) {
 }
 
 /* Whether this step scores and samples on the device (ops->sample): a backend with the op whose
- * memory is not the host's, unless the caller asked for the host path, and top-N within what the
- * op takes. */
+ * memory is not the host's, unless the caller asked for the host path, top-N within what the
+ * op takes, and no logit bias (the device op has none yet: a step with a biased request copies
+ * its rows to the host and samples there, runner/sampler.c). */
 static bool engine_device_sampling(const engine *e, engine_seq *const *seqs, int n) {
     const ops *o = e->m->ops;
     if (!o->sample || o->device == DEVICE_CPU || e->sample_on_host) return false;
     for (int i = 0; i < n; i++)
-        if (seqs[i]->top_n > OPS_SAMPLE_TOP_N_MAX) return false;
+        if (seqs[i]->top_n > OPS_SAMPLE_TOP_N_MAX || seqs[i]->req->sampling.n_logit_bias > 0)
+            return false;
     return true;
 }
 
@@ -764,6 +766,10 @@ int engine_check_request(const engine *e, const gen_request *q, int context_leng
         return set_err(err, errlen, "stop_token_ids: bad count %d", q->n_stop_token_ids);
     const char *bad = sampling_params_check(&q->sampling);
     if (bad) return set_err(err, errlen, "%s", bad);
+    for (int i = 0; i < q->sampling.n_logit_bias; i++)
+        if (q->sampling.logit_bias[i].id >= c->vocab_size)
+            return set_err(err, errlen, "logit_bias: token id %d is outside the vocabulary [0, %d)",
+                           (int)q->sampling.logit_bias[i].id, c->vocab_size);
     return 0;
 }
 

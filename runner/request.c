@@ -46,6 +46,12 @@ request *request_create(const gen_request *gen, const char *rid, int top_logprob
     if (n_stop) memcpy(r->stop_ids, gen->stop_token_ids, (size_t)n_stop * sizeof(int32_t));
     r->gen.prompt = r->prompt;
     r->gen.stop_token_ids = r->stop_ids;
+    const int n_bias = gen->sampling.n_logit_bias > 0 ? gen->sampling.n_logit_bias : 0;
+    r->logit_bias = xmalloc(((size_t)n_bias + 1) * sizeof(sampler_bias));
+    if (n_bias)
+        memcpy(r->logit_bias, gen->sampling.logit_bias, (size_t)n_bias * sizeof(sampler_bias));
+    r->gen.sampling.logit_bias = n_bias ? r->logit_bias : NULL;
+    r->gen.sampling.n_logit_bias = n_bias;
     r->gen.n_stop_token_ids = gen->n_stop_token_ids > 0 ? n_stop : gen->n_stop_token_ids;
     r->top_logprobs_num = top_logprobs_num;
     pthread_mutex_init(&r->mu, NULL);
@@ -98,6 +104,7 @@ void request_release(request *r) {
     pthread_cond_destroy(&r->cv);
     free(r->prompt);
     free(r->stop_ids);
+    free(r->logit_bias);
     free(r->out_ids);
     free(r->out_logprobs);
     free(r->out_top_ids);

@@ -30,6 +30,7 @@ struct request {
     gen_request gen;      /* gen.prompt / gen.stop_token_ids point at the owned copies below */
     int32_t *prompt;      /* [gen.n_prompt], owned */
     int32_t *stop_ids;    /* [gen.n_stop_token_ids], owned */
+    sampler_bias *logit_bias; /* [gen.sampling.n_logit_bias], owned */
     int top_logprobs_num; /* > 0: also keep the top-N (id, logprob) of every scored position */
     double t_submit;      /* seconds, CLOCK_MONOTONIC, set by scheduler_submit */
     /* Called on the engine thread after new output is published and after done is set

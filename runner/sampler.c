@@ -188,6 +188,24 @@ const char *sampling_params_check(const sampling_params *p) {
                  (double)p->presence_penalty);
         return msg;
     }
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        const sampler_bias *b = &p->logit_bias[i];
+        if (b->id < 0) {
+            snprintf(msg, sizeof msg, "logit_bias: token id %d is negative", (int)b->id);
+            return msg;
+        }
+        if (!(b->bias >= -SAMPLER_MAX_BIAS && b->bias <= SAMPLER_MAX_BIAS)) {
+            snprintf(msg, sizeof msg,
+                     "logit_bias: the bias of token %d must be in [-100, 100], got %g", (int)b->id,
+                     (double)b->bias);
+            return msg;
+        }
+        for (int j = 0; j < i; j++)
+            if (p->logit_bias[j].id == b->id) {
+                snprintf(msg, sizeof msg, "logit_bias names token %d twice", (int)b->id);
+                return msg;
+            }
+    }
     return NULL;
 }
 
@@ -460,6 +478,8 @@ int sampler_sample(const sampling_params *p, float *logits, int V, const int32_t
                    int n_prompt, const int32_t *output, int n_output, uint64_t position) {
     MS_ASSERT(p && logits && V > 0);
     sampler_apply_penalties(p, logits, V, prompt, n_prompt, output, n_output);
+    for (int i = 0; i < p->n_logit_bias; i++)
+        if (p->logit_bias[i].id < V) logits[p->logit_bias[i].id] += p->logit_bias[i].bias;
 
     float T = p->temperature;
     if (!(T >= SAMPLER_GREEDY_EPS) || p->top_k == 1) return sampler_argmax(logits, V);

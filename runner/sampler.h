@@ -1,9 +1,10 @@
 /* Sampling: one token from one row of logits, as SGLang and vLLM do it.
  *
  * Order: penalties (repetition over prompt + output, frequency and presence over output) ->
- * temperature -> top-k -> top-p -> min-p -> draw. temperature < 1e-6 is greedy (argmax of the
- * penalized logits, lowest id on ties). The draw uses a counter-based generator keyed by
- * (seed, position), so a request's sampled output does not depend on what else runs. */
+ * logit bias -> temperature -> top-k -> top-p -> min-p -> draw. temperature < 1e-6 is greedy
+ * (argmax of the penalized and biased logits, lowest id on ties). The draw uses a counter-based
+ * generator keyed by (seed, position), so a request's sampled output does not depend on what else
+ * runs. */
 #ifndef MOESERVE_SAMPLER_H
 #define MOESERVE_SAMPLER_H
 
@@ -11,6 +12,14 @@
 #include <stdint.h>
 
 #define SAMPLER_GREEDY_EPS 1e-6f
+
+/* One entry of a logit bias (OpenAI's logit_bias): bias is added to token id's logit. */
+typedef struct {
+    int32_t id;
+    float bias;
+} sampler_bias;
+
+#define SAMPLER_MAX_BIAS 100.0f /* |bias| at most, as OpenAI's API allows */
 
 typedef struct {
     float temperature;        /* >= 0; default 1 */
@@ -21,6 +30,10 @@ typedef struct {
     float frequency_penalty;  /* [-2, 2]; default 0 */
     float presence_penalty;   /* [-2, 2]; default 0 */
     uint64_t seed;            /* per request */
+    /* [n_logit_bias] distinct ids, owned by whoever owns the params (a request copies them);
+     * NULL / 0: none */
+    const sampler_bias *logit_bias;
+    int n_logit_bias;
 } sampling_params;
 
 /* The defaults above. */

@@ -30,6 +30,7 @@
  *     X-Moeserve-Routed and is always run where it arrives. */
 #include "server/api_internal.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -253,9 +254,51 @@ void api_params_init(api_params *p) {
 void api_params_free(api_params *p) {
     api_free_stops(p->stops, p->n_stops);
     free((void *)p->gen.stop_token_ids);
+    free(p->bias);
     p->stops = NULL;
     p->n_stops = 0;
     p->gen.stop_token_ids = NULL;
+    p->bias = NULL;
+    p->gen.sampling.logit_bias = NULL;
+    p->gen.sampling.n_logit_bias = 0;
+}
+
+/* logit_bias: {"token id": bias, ...}, OpenAI's (and SGLang's sampling_params'): ids as decimal
+ * strings, biases numbers; at most API_MAX_LOGIT_BIAS entries. Their ranges (bias in [-100, 100],
+ * no id twice) are sampling_params_check's, the ids against the vocabulary scheduler_check's. */
+static int api_parse_logit_bias(const cJSON *v, api_params *p, api_error *e) {
+    if (!v || cJSON_IsNull(v)) return 0;
+    if (!cJSON_IsObject(v))
+        return api_fail(e, 400, "logit_bias", "logit_bias must be an object of token id -> bias");
+    const int n = cJSON_GetArraySize(v);
+    if (n > API_MAX_LOGIT_BIAS)
+        return api_fail(e, 400, "logit_bias", "logit_bias has %d entries; at most %d", n,
+                        API_MAX_LOGIT_BIAS);
+    sampler_bias *b = xmalloc((size_t)(n ? n : 1) * sizeof *b);
+    int k = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, v) {
+        const char *key = it->string;
+        char *end = NULL;
+        errno = 0;
+        const long id = key && key[0] >= '0' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
+        if (id < 0 || !end || *end || errno || id > INT32_MAX) {
+            free(b);
+            return api_fail(e, 400, "logit_bias", "logit_bias: the key '%.32s' is not a token id",
+                            key ? key : "");
+        }
+        if (!cJSON_IsNumber(it)) {
+            free(b);
+            return api_fail(e, 400, "logit_bias",
+                            "logit_bias: the bias of token %ld is not a number", id);
+        }
+        b[k++] = (sampler_bias){.id = (int32_t)id, .bias = (float)it->valuedouble};
+    }
+    free(p->bias);
+    p->bias = b;
+    p->gen.sampling.logit_bias = b;
+    p->gen.sampling.n_logit_bias = k;
+    return 0;
 }
 
 int api_read_sampling(const cJSON *o, api_params *p, api_error *e) {
@@ -289,6 +332,7 @@ int api_read_sampling(const cJSON *o, api_params *p, api_error *e) {
     if (api_parse_stops(cJSON_GetObjectItemCaseSensitive(o, "stop"), "stop", &p->stops, &p->n_stops,
                         e))
         return -1;
+    if (api_parse_logit_bias(cJSON_GetObjectItemCaseSensitive(o, "logit_bias"), p, e)) return -1;
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(o, "stop_token_ids");
     if (ids && !cJSON_IsNull(ids)) {
         int32_t *out;

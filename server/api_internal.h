@@ -159,7 +159,10 @@ typedef struct {
     bool skip_special;
     bool no_stop_trim;
     int n; /* samples */
+    sampler_bias *bias; /* gen.sampling.logit_bias, owned */
 } api_params;
+
+#define API_MAX_LOGIT_BIAS 1024 /* logit_bias entries a request may give */
 
 void api_params_init(api_params *p);
 /* The sampling fields both APIs share (temperature, top_p, top_k, min_p, the penalties, stop,

@@ -121,9 +121,6 @@ static int api_openai_params(api_server *a, const cJSON *body, api_params *p, bo
     bool include_stop = false; /* vLLM's name for no_stop_trim */
     if (api_get_bool(body, "include_stop_str_in_output", &include_stop, e) < 0) return -1;
     if (include_stop) p->no_stop_trim = true;
-    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(body, "logit_bias");
-    if (bias && !cJSON_IsNull(bias) && !(cJSON_IsObject(bias) && !bias->child))
-        return api_fail(e, 400, "logit_bias", "logit_bias is not supported");
     return api_check_sampling(p, e);
 }
 

@@ -1398,6 +1398,62 @@ def test_tokenize(srv):
     check("/tokenize with the served model's name: 200", r.status == 200, r)
 
 
+def test_logit_bias(srv):
+    """logit_bias ({"token id": bias}, OpenAI's and SGLang's sampling_params'): +100 makes every token
+    that one (greedy and sampled), -100 on the greedy choice moves it elsewhere; bad maps get 400."""
+    ids = prompt_ids(77, 12)
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    plain = gen_ok(srv, "logit_bias: plain", {"input_ids": ids, "sampling_params": sp})
+    b = gen_ok(srv, "logit_bias: +100 on 42", {"input_ids": ids, "sampling_params": dict(sp, logit_bias={"42": 100})})
+    check("logit_bias +100 on token 42 (greedy): every output is 42", b is not None and b["output_ids"] == [42] * 6,
+          b and b["output_ids"])
+    b = gen_ok(srv, "logit_bias: sampled +100", {"input_ids": ids, "sampling_params": dict(
+        sp, temperature=1.0, sampling_seed=5, logit_bias={"42": 100.0})})
+    check("logit_bias +100 on token 42 (sampled): every output is 42", b is not None and b["output_ids"] == [42] * 6,
+          b and b["output_ids"])
+    if plain:
+        first = plain["output_ids"][0]
+        b = gen_ok(srv, "logit_bias: -100 on the greedy token", {"input_ids": ids, "sampling_params": dict(
+            sp, logit_bias={str(first): -100})})
+        check("logit_bias -100 on the greedy first token %d: another one comes first" % first,
+              b is not None and b["output_ids"][0] != first, b and b["output_ids"])
+        b = gen_ok(srv, "logit_bias: empty", {"input_ids": ids, "sampling_params": dict(sp, logit_bias={})})
+        check("logit_bias {}: the plain answer", b is not None and b["output_ids"] == plain["output_ids"], b)
+        b = gen_ok(srv, "logit_bias: return_logprob", {"input_ids": ids, "return_logprob": True,
+                                                       "sampling_params": dict(sp, logit_bias={"42": 100})})
+        p0 = gen_ok(srv, "logit_bias: plain logprob", {"input_ids": ids + [42], "return_logprob": True,
+                                                      "logprob_start_len": len(ids) - 1,
+                                                      "sampling_params": {"max_new_tokens": 0}})
+        if b and p0:
+            lp = b["meta_info"]["output_token_logprobs"][0][0]
+            ref = p0["meta_info"]["input_token_logprobs"][1][0]
+            check("logit_bias: output logprobs are the model's, before the bias (%.4f vs %.4f)" % (lp, ref),
+                  abs(lp - ref) <= LOGPROB_TOL, "")
+    text42 = srv.post("/detokenize", {"tokens": [42] * 5}).json()["text"]
+    r = srv.post("/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                     "logit_bias": {"42": 100}})
+    c = r.json()
+    check("logit_bias in /v1/completions: the text of five 42s", r.status == 200 and c["choices"][0]["text"] == text42,
+          r)
+    r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                          "temperature": 0, "logit_bias": {"42": 100}})
+    c = r.json()
+    check("logit_bias in /v1/chat/completions: the text of five 42s",
+          r.status == 200 and c["choices"][0]["message"]["content"] == text42, r)
+    e = lambda *a, **k: expect_error(srv, *a, **k)
+    g = lambda bias: {"input_ids": ids, "sampling_params": dict(sp, logit_bias=bias)}
+    e("logit_bias a list", "POST", "/generate", g([[42, 1]]))
+    e("logit_bias key not a number", "POST", "/generate", g({"abc": 1}))
+    e("logit_bias key negative", "POST", "/generate", g({"-3": 1}))
+    e("logit_bias value a string", "POST", "/generate", g({"5": "1"}))
+    e("logit_bias value above 100", "POST", "/generate", g({"5": 100.5}))
+    e("logit_bias id outside the vocabulary", "POST", "/generate", g({"99999999": 1}))
+    e("logit_bias id given twice", "POST", "/generate", g({"5": 1, "05": 2}))
+    e("logit_bias with 1025 entries", "POST", "/generate", g({str(i): 1 for i in range(1025)}))
+    e("logit_bias in /v1/completions, above 100", "POST", "/v1/completions",
+      {"prompt": ids, "max_tokens": 2, "logit_bias": {"5": -101}})
+
+
 def test_tokenize_bad(srv):
     e = lambda *a, **k: expect_error(srv, *a, **k)
     e("/tokenize without prompt", "POST", "/tokenize", {"text": "hi"})
@@ -2247,6 +2303,7 @@ def main(argv):
             (test_bad_input, ()),
             (test_tokenize, ()),
             (test_tokenize_bad, ()),
+            (test_logit_bias, ()),
             (test_abort_request, ()),
             (test_disconnect, ()),
         ])

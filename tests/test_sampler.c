@@ -452,6 +452,56 @@ static void test_frequency_presence(void) {
     CHECK_CLOSE(l[1], 0.8 - 4.0, 1e-6, 0, "frequency + presence on one occurrence");
 }
 
+/* logit_bias: added after the penalties, before the temperature; greedy and sampled draws follow
+ * it; the checks of its values. */
+static void test_logit_bias(void) {
+    sampling_params p = sampling_params_default();
+    p.temperature = 0.0f;
+    float l[4];
+    sampler_bias ban[1] = {{.id = 0, .bias = -100.0f}}, force[2] = {{3, 5.0f}, {1, -0.5f}};
+    p.logit_bias = ban;
+    p.n_logit_bias = 1;
+    memcpy(l, (float[]){2.0f, 1.0f, 0.5f, -1.0f}, sizeof l);
+    int t = sampler_sample(&p, l, 4, NULL, 0, NULL, 0, 0);
+    CHECK(t == 1 && l[0] == 2.0f - 100.0f, "bias -100 on the argmax: got %d (%g)", t, l[0]);
+    p.logit_bias = force;
+    p.n_logit_bias = 2;
+    memcpy(l, (float[]){2.0f, 1.0f, 0.5f, -1.0f}, sizeof l);
+    t = sampler_sample(&p, l, 4, NULL, 0, NULL, 0, 0);
+    CHECK(t == 3 && l[3] == 4.0f && l[1] == 0.5f, "bias +5 on token 3: got %d (%g, %g)", t, l[3],
+          l[1]);
+    /* after the presence penalty: 2 - 1.5 = .5, then + 1 = 1.5 > 1.2 */
+    int32_t out[1] = {0};
+    sampler_bias up[1] = {{0, 1.0f}};
+    p.logit_bias = up;
+    p.n_logit_bias = 1;
+    p.presence_penalty = 1.5f;
+    memcpy(l, (float[]){2.0f, 1.2f, 0.5f, -1.0f}, sizeof l);
+    t = sampler_sample(&p, l, 4, NULL, 0, out, 1, 0);
+    CHECK(t == 0 && l[0] == 1.5f, "bias after the penalty: got %d (%g)", t, l[0]);
+    p.presence_penalty = 0.0f;
+    /* sampled: every draw lands where a +100 bias points */
+    p.temperature = 1.0f;
+    p.logit_bias = force;
+    force[0].bias = 100.0f;
+    int counts[4];
+    draw_counts(&p, (float[]){2.0f, 1.0f, 0.5f, -1.0f}, 4, 200, counts);
+    CHECK(counts[3] == 200, "sampled with +100 on token 3: %d of 200", counts[3]);
+    /* checks */
+    sampler_bias bad[2] = {{1, 100.5f}, {2, 0.0f}};
+    p.logit_bias = bad;
+    p.n_logit_bias = 2;
+    CHECK(sampling_params_check(&p) != NULL, "a bias above 100 passed the check");
+    bad[0] = (sampler_bias){-1, 1.0f};
+    CHECK(sampling_params_check(&p) != NULL, "a negative id passed the check");
+    bad[0] = (sampler_bias){2, 1.0f};
+    CHECK(sampling_params_check(&p) != NULL, "an id given twice passed the check");
+    bad[0] = (sampler_bias){1, NAN};
+    CHECK(sampling_params_check(&p) != NULL, "a NaN bias passed the check");
+    bad[0] = (sampler_bias){1, -100.0f};
+    CHECK(sampling_params_check(&p) == NULL, "a valid bias failed the check");
+}
+
 static void test_log_softmax(void) {
     enum { V = 5000 };
     float *x = malloc(V * sizeof *x), *y = malloc(V * sizeof *y);
@@ -778,6 +828,7 @@ int main(void) {
     test_min_p();
     test_repetition_penalty();
     test_frequency_presence();
+    test_logit_bias();
     test_log_softmax();
     test_against_reference();
     test_large_vocab();
