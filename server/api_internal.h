@@ -217,6 +217,9 @@ void api_generate(api_server *a, http_exchange *x, const cJSON *body);
 void api_completions(api_server *a, http_exchange *x, const cJSON *body);
 void api_chat(api_server *a, http_exchange *x, const cJSON *body);
 void api_models(api_server *a, http_exchange *x);
+/* The body's "model", when given: 0 for the served model's name (or its path), else 400 (not a
+ * string) or 404 (another model) in e. */
+int api_check_model(api_server *a, const cJSON *body, api_error *e);
 /* GET /v1/models/ID: the served model's entry, 404 for any other ID. */
 void api_model_retrieve(api_server *a, http_exchange *x, const char *id);
 void api_tokenize(api_server *a, http_exchange *x, const cJSON *body);

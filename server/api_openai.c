@@ -65,7 +65,7 @@ void api_model_retrieve(api_server *a, http_exchange *x, const char *id) {
 
 /* ---- requests ---- */
 
-static int api_openai_model(api_server *a, const cJSON *body, api_error *e) {
+int api_check_model(api_server *a, const cJSON *body, api_error *e) {
     const cJSON *m = cJSON_GetObjectItemCaseSensitive(body, "model");
     if (!m || cJSON_IsNull(m)) return 0;
     if (!cJSON_IsString(m)) return api_fail(e, 400, "model", "model must be a string");
@@ -157,7 +157,7 @@ void api_completions(api_server *a, http_exchange *x, const cJSON *body) {
     int32_t **prompts = NULL;
     int *lens = NULL, n_prompts = 0;
     char **texts = NULL;
-    if (api_openai_model(a, body, &e) || api_openai_params(a, body, &p, false, &e)) goto fail;
+    if (api_check_model(a, body, &e) || api_openai_params(a, body, &p, false, &e)) goto fail;
 
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(body, "prompt");
     if (!prompt || cJSON_IsNull(prompt)) {
@@ -300,7 +300,7 @@ void api_chat(api_server *a, http_exchange *x, const cJSON *body) {
     int32_t *ids = NULL;
     int n_ids = 0;
     char *prompt_text = NULL;
-    if (api_openai_model(a, body, &e)) goto fail;
+    if (api_check_model(a, body, &e)) goto fail;
     if (!a->tok) {
         api_fail(&e, 400, NULL,
                  "chat needs a tokenizer and a chat template, and this server was started with "

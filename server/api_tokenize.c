@@ -22,15 +22,7 @@ static int api_tokenize_common(api_server *a, const cJSON *body, const char *fla
     if (!a->tok)
         return api_fail(e, 400, NULL,
                         "this server was started with --skip-tokenizer-init: it has no tokenizer");
-    const cJSON *m = cJSON_GetObjectItemCaseSensitive(body, "model");
-    if (m && !cJSON_IsNull(m)) {
-        if (!cJSON_IsString(m)) return api_fail(e, 400, "model", "model must be a string");
-        if (strcmp(m->valuestring, a->args.served_model_name) &&
-            strcmp(m->valuestring, a->args.model_path))
-            return api_fail(e, 404, "model",
-                            "the model '%s' does not exist (this server serves '%s')",
-                            m->valuestring, a->args.served_model_name);
-    }
+    if (api_check_model(a, body, e)) return -1;
     return api_get_bool(body, flag, flag_out, e) < 0 ? -1 : 0;
 }
 
