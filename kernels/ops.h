@@ -99,6 +99,7 @@ typedef struct {
     int32_t pen_start, n_pen; /* SAMPLE_DRAW: this row's penalty entries pen[pen_start ..) */
     int32_t want_logprob;     /* 1: logprobs[r] = log_softmax(the unpenalized row)[tokens[r]] */
     int32_t top_n;            /* top logprobs wanted, 0 .. the call's top_n_max */
+    int32_t bias_start, n_bias; /* SAMPLE_DRAW: this row's logit bias bias[bias_start ..) */
     int32_t pad_;
 } sample_row;
 
@@ -109,6 +110,13 @@ typedef struct {
     int32_t id;
     int32_t count;
 } sample_penalty;
+
+/* A logit bias entry (runner/sampler.h's sampler_bias, the same layout): bias is added to token
+ * id's logit after the penalties; a row's ids are distinct. */
+typedef struct {
+    int32_t id;
+    float bias;
+} sample_bias;
 
 typedef struct ops {
     const char *name;
@@ -286,23 +294,24 @@ typedef struct ops {
      *   SAMPLE_SCORE  tokens[r] = target; logprobs[r] = log_softmax(row)[target] (always).
      *   SAMPLE_DRAW   tokens[r] = sampler_sample() of the row with rows[r]'s parameters, the
      *                 penalty entries pen[pen_start .. pen_start + n_pen) (distinct ids: the
-     *                 caller builds them) and the counter-based generator of
+     *                 caller builds them), the logit bias bias[bias_start .. bias_start +
+     *                 n_bias) (distinct ids) and the counter-based generator of
      *                 common/counter_rng.h at (seed, position); logprobs[r] as want_logprob says.
      *   SAMPLE_SKIP   nothing (tokens[r] = -1).
      * Where rows[r].top_n > 0: top_ids[r, 0 .. top_n) and top_logprobs[r, ..] (both
      * [n, top_n_max]) = the top_n largest of log_softmax(row), descending, ties by id.
-     * Logprobs are of the row as given (before penalties and temperature); a logprob not wanted
-     * is NaN. logits is only read (the penalties go to a copy in the backend's workspace). Every
-     * pointer is device memory; rows and pen are read on the device. Not for graph capture: the
-     * workspace grows on demand.
-     * Agreement with runner/sampler.c (tests/test_cuda_sampling.c): greedy tokens exactly;
-     * logprobs to fp32 rounding; a draw sees the CPU's distribution, its token the CPU's except
-     * where u * kept mass falls within rounding of a token's boundary (the kernels keep the
-     * probability masses in fixed point, so results are the same bits run after run and do not
-     * depend on the other rows). top_n_max <= OPS_SAMPLE_TOP_N_MAX. */
+     * Logprobs are of the row as given (before penalties, bias and temperature); a logprob not
+     * wanted is NaN. logits is only read (penalties and bias go to a copy in the backend's
+     * workspace). Every pointer is device memory; rows, pen and bias are read on the device. Not
+     * for graph capture: the workspace grows on demand. Agreement with runner/sampler.c
+     * (tests/test_cuda_sampling.c): greedy tokens exactly; logprobs to fp32 rounding; a draw sees
+     * the CPU's distribution, its token the CPU's except where u * kept mass falls within rounding
+     * of a token's boundary (the kernels keep the probability masses in fixed point, so results are
+     * the same bits run after run and do not depend on the other rows). top_n_max <=
+     * OPS_SAMPLE_TOP_N_MAX. */
     void (*sample)(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_logprobs,
-                   const float *logits, const sample_row *rows, const sample_penalty *pen, int n,
-                   int V, int top_n_max);
+                   const float *logits, const sample_row *rows, const sample_penalty *pen,
+                   const sample_bias *bias, int n, int V, int top_n_max);
 } ops;
 
 /* The largest top_n ops->sample takes (the server's top_logprobs_num is at most 20). */

@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -115,8 +116,9 @@ static int64_t graph_count(const engine *e) {
 
 /* Free every captured graph (their buffers stay). */
 static void engine_drop_graphs(engine *e) {
+    if (!e->graphs || !e->m) return; /* none captured, or no model to free them with */
     const int64_t n = graph_count(e);
-    for (int64_t b = 0; e->graphs && b < n; b++)
+    for (int64_t b = 0; b < n; b++)
         if (e->graphs[b]) {
             e->m->ops->graph_free(e->graphs[b]);
             e->graphs[b] = NULL;
@@ -420,17 +422,19 @@ static void engine_reserve(engine *e, int T) {
 }
 
 /* Whether this step scores and samples on the device (ops->sample): a backend with the op whose
- * memory is not the host's, unless the caller asked for the host path, top-N within what the
- * op takes, and no logit bias (the device op has none yet: a step with a biased request copies
- * its rows to the host and samples there, runner/sampler.c). */
+ * memory is not the host's, unless the caller asked for the host path, and top-N within what the
+ * op takes. */
 static bool engine_device_sampling(const engine *e, engine_seq *const *seqs, int n) {
     const ops *o = e->m->ops;
     if (!o->sample || o->device == DEVICE_CPU || e->sample_on_host) return false;
     for (int i = 0; i < n; i++)
-        if (seqs[i]->top_n > OPS_SAMPLE_TOP_N_MAX || seqs[i]->req->sampling.n_logit_bias > 0)
-            return false;
+        if (seqs[i]->top_n > OPS_SAMPLE_TOP_N_MAX) return false;
     return true;
 }
+
+_Static_assert(sizeof(sample_bias) == sizeof(sampler_bias) &&
+                   offsetof(sample_bias, bias) == offsetof(sampler_bias, bias),
+               "ops->sample takes the requests' logit bias entries as they are");
 
 static bool sampling_penalized(const sampling_params *p) {
     return (p->repetition_penalty != 1.0f && p->repetition_penalty > 0.0f) ||
@@ -497,7 +501,7 @@ static void engine_sample_device(engine *e, engine_seq *const *seqs, const float
     const ops *o = e->m->ops;
     int V = e->m->cfg.vocab_size, top_n_max = 0;
     const int32_t *rows = e->rows, *pos = e->pos;
-    size_t n_pen_max = 0;
+    size_t n_pen_max = 0, n_bias_all = 0;
     for (int r = 0; r < n_rows; r++) {
         const engine_seq *s = seqs[e->row_seq[r]];
         const gen_request *q = s->req;
@@ -506,13 +510,17 @@ static void engine_sample_device(engine *e, engine_seq *const *seqs, const float
         if (s->top_n > top_n_max && (scored ? s->in_top_ids : s->out_top_ids)) top_n_max = s->top_n;
         if (!scored && sampling_penalized(&q->sampling))
             n_pen_max += (size_t)q->n_prompt + (size_t)s->n_out;
+        if (!scored) n_bias_all += (size_t)q->sampling.n_logit_bias;
     }
+    /* one upload: the rows, the logit bias entries, then the penalty entries */
     size_t rows_bytes = (size_t)n_rows * sizeof(sample_row);
+    size_t head_bytes = rows_bytes + n_bias_all * sizeof(sample_bias);
     sample_buf_reserve(o, &e->h_sample_in, &e->d_sample_in, &e->cap_sample_in,
-                       rows_bytes + n_pen_max * sizeof(sample_penalty));
+                       head_bytes + n_pen_max * sizeof(sample_penalty));
     sample_row *sr = e->h_sample_in;
-    sample_penalty *pen = (sample_penalty *)((char *)e->h_sample_in + rows_bytes);
-    int n_pen = 0;
+    sample_bias *bias = (sample_bias *)((char *)e->h_sample_in + rows_bytes);
+    sample_penalty *pen = (sample_penalty *)((char *)e->h_sample_in + head_bytes);
+    int n_pen = 0, n_bias = 0;
     for (int r = 0; r < n_rows; r++) {
         engine_seq *s = seqs[e->row_seq[r]];
         const gen_request *q = s->req;
@@ -532,6 +540,8 @@ static void engine_sample_device(engine *e, engine_seq *const *seqs, const float
         }
         const sampling_params *sp = &q->sampling;
         int cnt = engine_penalty_list(e, s, pen + n_pen);
+        if (sp->n_logit_bias > 0)
+            memcpy(bias + n_bias, sp->logit_bias, (size_t)sp->n_logit_bias * sizeof(sample_bias));
         sr[r] = (sample_row){.seed = sp->seed,
                              .position = (uint64_t)s->n_tokens,
                              .temperature = sp->temperature,
@@ -546,12 +556,15 @@ static void engine_sample_device(engine *e, engine_seq *const *seqs, const float
                              .pen_start = n_pen,
                              .n_pen = cnt,
                              .want_logprob = q->return_logprob,
-                             .top_n = N > 0 && s->out_top_ids ? N : 0};
+                             .top_n = N > 0 && s->out_top_ids ? N : 0,
+                             .bias_start = n_bias,
+                             .n_bias = sp->n_logit_bias};
         n_pen += cnt;
+        n_bias += sp->n_logit_bias;
         e->row_kind[r] = ROW_SAMPLED;
     }
     o->to_device(e->d_sample_in, e->h_sample_in,
-                 rows_bytes + (size_t)n_pen * sizeof(sample_penalty));
+                 head_bytes + (size_t)n_pen * sizeof(sample_penalty));
 
     size_t NT = (size_t)top_n_max, R = (size_t)n_rows;
     sample_buf_reserve(o, &e->h_sample_out, &e->d_sample_out, &e->cap_sample_out,
@@ -561,7 +574,8 @@ static void engine_sample_device(engine *e, engine_seq *const *seqs, const float
     int32_t *d_top_ids = (int32_t *)(d_lp + R);
     float *d_top_lps = (float *)(d_top_ids + R * NT);
     o->sample(d_tok, d_lp, d_top_ids, d_top_lps, d_logits, e->d_sample_in,
-              (const sample_penalty *)((const char *)e->d_sample_in + rows_bytes), n_rows, V,
+              (const sample_penalty *)((const char *)e->d_sample_in + head_bytes),
+              (const sample_bias *)((const char *)e->d_sample_in + rows_bytes), n_rows, V,
               top_n_max);
     o->to_host(e->h_sample_out, e->d_sample_out, R * (2 + 2 * NT) * sizeof(int32_t));
 

@@ -6,6 +6,7 @@
  *                    [--batches 1,8,64,256] [--context 1024] [--steps 16]
  *                    [--prefill-prompts 1,8,32] [--prefill-len 2048] [--chunk 8192]
  *                    [--routing model|random] [--kv-cache-dtype auto|float32|bfloat16]
+ *                    [--context-length N]
  *
  * Decode: B sequences with a random prompt of --context tokens are prefilled, then --steps decode
  * steps (one token per sequence, greedy) are timed one by one through engine_step, the program's
@@ -35,7 +36,10 @@
  * counts whatever the weights' own routing does (a real checkpoint's may favour a few experts).
  * Default: model (the router's own choice). With the dummy weights both give the same steps
  * (H200, Qwen3-30B-A3B, context 1024, batch 256: 40.08 ms model, 40.30 random). It adds one small
- * kernel a layer. */
+ * kernel a layer.
+ * --context-length N: page tables with room for N positions a sequence, as the server's are (its
+ * --context-length, by default the model's max_position_embeddings), instead of the positions the
+ * benchmark uses; the kernels size their grids from that bound. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -112,12 +116,15 @@ typedef struct {
     int max_pages;
 } bench_set;
 
+static int g_room; /* --context-length: positions a page table has room for (0: what is used) */
+
 static void set_init(bench_set *b, engine *e, int n, int prompt_len, int new_tokens,
                      uint64_t seed) {
     const model_config *c = &e->m->cfg;
     int S = e->kv.page_size;
     *b = (bench_set){.e = e, .n = n};
     b->max_pages = (prompt_len + new_tokens + 1 + S - 1) / S;
+    if ((g_room + S - 1) / S > b->max_pages) b->max_pages = (g_room + S - 1) / S;
     b->reqs = xcalloc(n, sizeof *b->reqs);
     b->seqs = xcalloc(n, sizeof *b->seqs);
     b->batch = xcalloc(n, sizeof *b->batch);
@@ -275,7 +282,8 @@ int main(int argc, char **argv) {
                  "       [--matmul-precision high|medium] [--cuda-graph-max-bs N]\n"
                  "       [--skip attention,experts,linear,qkv_prepare,router,norms]\n"
                  "       [--deterministic 0|1] [--quantization nvfp4|fp8]\n"
-                 "       [--routing model|random] [--kv-cache-dtype auto|float32|bfloat16]");
+                 "       [--routing model|random] [--kv-cache-dtype auto|float32|bfloat16]\n"
+                 "       [--context-length N]");
             return 0;
         }
         if (!v) {
@@ -290,6 +298,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--batches")) n_batches = parse_list(v, batches, 16);
         else if (!strcmp(a, "--prefill-prompts")) n_pre = parse_list(v, pre, 16);
         else if (!strcmp(a, "--context")) context = atoi(v);
+        else if (!strcmp(a, "--context-length"))
+            g_room = atoi(v);
         else if (!strcmp(a, "--steps")) steps = atoi(v);
         else if (!strcmp(a, "--prefill-len")) prefill_len = atoi(v);
         else if (!strcmp(a, "--chunk")) chunk = atoi(v);
@@ -321,7 +331,7 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!model_path || context < 1 || steps < 1 || prefill_len < 1 || chunk < 1) {
+    if (!model_path || context < 1 || steps < 1 || prefill_len < 1 || chunk < 1 || g_room < 0) {
         fprintf(stderr, "bench_step: --model-path is required (see --help)\n");
         return 2;
     }

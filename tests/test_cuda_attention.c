@@ -840,19 +840,32 @@ static void bench(void) {
         }
 
     /* decode again with page tables of 2560 pages a sequence (the graphs of a server for 40960
-     * positions): the grids are sized from that bound */
+     * positions): the grids are sized from that bound. Sequence t's first pages are those of the
+     * table above. */
+    const int room = 2560, room_b = batches[5];
+    int32_t *pt_room = xcalloc((size_t)room_b * room, sizeof(int32_t));
+    for (int t = 0; t < room_b; t++)
+        memcpy(pt_room + (size_t)t * room, pt + (size_t)t * max_pages,
+               (size_t)max_pages * sizeof(int32_t));
+    int32_t *dpt_room = gpu->dev_alloc((size_t)room_b * room * sizeof(int32_t));
+    gpu->to_device(dpt_room, pt_room, (size_t)room_b * room * sizeof(int32_t));
+    free(pt_room);
     for (int ci = 0; ci < 2; ci++)
-        for (int bi = 0; bi < 4; bi++) {
-            const int B = batches[bi], ctx = ctxs[ci], room = 2560;
+        for (int bi = 0; bi < 6; bi++) {
+            const int B = batches[bi], ctx = ctxs[ci];
             for (int t = 0; t < B; t++) {
                 hseq[t] = t;
                 hpos[t] = ctx - 1;
             }
             gpu->to_device(dpos, hpos, B * sizeof(int32_t));
             gpu->to_device(dseq, hseq, B * sizeof(int32_t));
-            attn_batch ab = {.T = B, .pos = dpos, .seq = dseq, .page_table = dpt,
-                             .max_pages = room, .page_size = S};
-            const int iters = 500;
+            attn_batch ab = {.T = B,
+                             .pos = dpos,
+                             .seq = dseq,
+                             .page_table = dpt_room,
+                             .max_pages = room,
+                             .page_size = S};
+            const int iters = B >= 64 ? 50 : 500;
             printf("decode B=%-3d ctx=%-5d room %d", B, ctx, room * S);
             for (int k = -1; k < n_forced; k++) {
                 set_path(k < 0 ? PATH_AUTO : forced[k]);
@@ -907,6 +920,7 @@ static void bench(void) {
     gpu->dev_free(dk);
     gpu->dev_free(dv);
     gpu->dev_free(dpt);
+    gpu->dev_free(dpt_room);
     gpu->dev_free(dq);
     gpu->dev_free(dout);
     gpu->dev_free(dpos);

@@ -138,6 +138,8 @@ typedef struct {
     int n_prompt, n_output;
     sample_penalty *pen;
     int n_pen;
+    sampler_bias *bias; /* sp.logit_bias */
+    int n_bias;
     /* the CPU */
     int32_t cpu_tok;
     float cpu_lp;
@@ -221,6 +223,24 @@ static void case_init(tcase *c, int V, int kind, bool score) {
     for (int i = 0; i < c->n_output; i++)
         c->output[i] = rng_int(pool);
     case_penalties(c);
+    /* a logit bias on a third of the draws: distinct ids, some of them among the penalized ones
+     * (the bias goes after the penalties) and some at +-100, which decide a greedy pick */
+    c->bias = xmalloc(40 * sizeof *c->bias);
+    if (!score && rng_int(3) == 0) {
+        int want = 1 + rng_int(40 < V ? 40 : V);
+        for (int k = 0; k < want; k++) {
+            int32_t id = k < c->n_pen && rng_int(2) ? c->pen[k].id : rng_int(V);
+            bool dup = false;
+            for (int j = 0; j < c->n_bias; j++)
+                dup |= c->bias[j].id == id;
+            if (dup) continue;
+            float b = rng_int(8) == 0 ? (rng_int(2) ? 100.0f : -100.0f)
+                                      : (float)(rng_uniform() * 20.0 - 10.0);
+            c->bias[c->n_bias++] = (sampler_bias){.id = id, .bias = b};
+        }
+        c->sp.logit_bias = c->bias;
+        c->sp.n_logit_bias = c->n_bias;
+    }
     uint64_t position = (uint64_t)(c->n_prompt + c->n_output) + rng_next() % 1000;
     int top_n = rng_int(3) == 0 ? 0 : 1 + rng_int(TOPN);
     if (score) {
@@ -241,7 +261,8 @@ static void case_init(tcase *c, int V, int kind, bool score) {
                               .target = -1,
                               .n_pen = c->n_pen,
                               .want_logprob = rng_int(2),
-                              .top_n = top_n};
+                              .top_n = top_n,
+                              .n_bias = c->n_bias};
     }
 }
 
@@ -250,6 +271,7 @@ static void case_free(tcase *c) {
     free(c->prompt);
     free(c->output);
     free(c->pen);
+    free(c->bias);
     free(c->cpu_xT);
     free(c->cpu_lps);
 }
@@ -407,33 +429,40 @@ static bool lp_close(float g, float c, double *err) {
 /* Runs cases[n] (one V) through ops->sample in one call, the CPU on each, and compares. */
 static void run_cases(tcase *cs, int n, tstats *st) {
     int V = cs[0].V;
-    size_t n_pen = 0;
+    size_t n_pen = 0, n_bias = 0;
     for (int i = 0; i < n; i++) {
         cs[i].row.pen_start = (int32_t)n_pen;
         n_pen += (size_t)cs[i].n_pen;
+        cs[i].row.bias_start = (int32_t)n_bias;
+        n_bias += (size_t)cs[i].n_bias;
     }
     float *hx = xmalloc((size_t)n * V * sizeof(float));
     sample_row *hr = xmalloc((size_t)n * sizeof *hr);
     sample_penalty *hp = xmalloc((n_pen + 1) * sizeof *hp);
-    for (int i = 0, k = 0; i < n; i++) {
+    sample_bias *hb = xmalloc((n_bias + 1) * sizeof *hb);
+    for (int i = 0, k = 0, kb = 0; i < n; i++) {
         memcpy(hx + (size_t)i * V, cs[i].x, (size_t)V * sizeof(float));
         hr[i] = cs[i].row;
         memcpy(hp + k, cs[i].pen, (size_t)cs[i].n_pen * sizeof *hp);
         k += cs[i].n_pen;
+        for (int j = 0; j < cs[i].n_bias; j++)
+            hb[kb++] = (sample_bias){.id = cs[i].bias[j].id, .bias = cs[i].bias[j].bias};
     }
     float *dx = gpu->dev_alloc((size_t)n * V * sizeof(float));
     sample_row *dr = gpu->dev_alloc((size_t)n * sizeof *dr);
     sample_penalty *dp = gpu->dev_alloc((n_pen + 1) * sizeof *dp);
+    sample_bias *db = gpu->dev_alloc((n_bias + 1) * sizeof *db);
     int32_t *dtok = gpu->dev_alloc((size_t)n * sizeof(int32_t));
     float *dlp = gpu->dev_alloc((size_t)n * sizeof(float));
     int32_t *dtid = gpu->dev_alloc((size_t)n * TOPN * sizeof(int32_t));
     float *dtlp = gpu->dev_alloc((size_t)n * TOPN * sizeof(float));
-    MS_ASSERT(dx && dr && dp && dtok && dlp && dtid && dtlp);
+    MS_ASSERT(dx && dr && dp && db && dtok && dlp && dtid && dtlp);
     gpu->to_device(dx, hx, (size_t)n * V * sizeof(float));
     gpu->to_device(dr, hr, (size_t)n * sizeof *dr);
     gpu->to_device(dp, hp, (n_pen + 1) * sizeof *dp);
+    gpu->to_device(db, hb, (n_bias + 1) * sizeof *db);
     gpu->dev_zero(dtid, (size_t)n * TOPN * sizeof(int32_t));
-    gpu->sample(dtok, dlp, dtid, dtlp, dx, dr, dp, n, V, TOPN);
+    gpu->sample(dtok, dlp, dtid, dtlp, dx, dr, dp, db, n, V, TOPN);
     int32_t *htok = xmalloc((size_t)n * sizeof(int32_t)), *htid = xmalloc((size_t)n * TOPN * 4);
     float *hlp = xmalloc((size_t)n * sizeof(float)), *htlp = xmalloc((size_t)n * TOPN * 4);
     gpu->to_host(htok, dtok, (size_t)n * sizeof(int32_t));
@@ -446,12 +475,13 @@ static void run_cases(tcase *cs, int n, tstats *st) {
         memcpy(cs[i].gpu_top_ids, htid + (size_t)i * TOPN, TOPN * sizeof(int32_t));
         memcpy(cs[i].gpu_top_lps, htlp + (size_t)i * TOPN, TOPN * sizeof(float));
     }
-    void *dev[] = {dx, dr, dp, dtok, dlp, dtid, dtlp};
+    void *dev[] = {dx, dr, dp, db, dtok, dlp, dtid, dtlp};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         gpu->dev_free(dev[i]);
     free(hx);
     free(hr);
     free(hp);
+    free(hb);
     free(htok);
     free(hlp);
     free(htid);
@@ -632,7 +662,7 @@ static void test_chi_square(void) {
                                  .repetition_penalty = 1.0f,
                                  .mode = SAMPLE_DRAW};
         gpu->to_device(dr, hr, (size_t)chunk * sizeof *hr);
-        gpu->sample(dtok, dlp, NULL, NULL, dx, dr, NULL, chunk, V, 0);
+        gpu->sample(dtok, dlp, NULL, NULL, dx, dr, NULL, NULL, chunk, V, 0);
         gpu->to_host(tok + c0, dtok, (size_t)chunk * sizeof(int32_t));
     }
     /* the CPU's draws at the same positions */
@@ -809,6 +839,14 @@ static void test_engine(void) {
                                          .presence_penalty = 0.3f,
                                          .seed = 11};
     reqs[2].logprob_start_len = 5;
+    /* logit bias: on the penalized draws (ids the penalties also move, so the order of the two
+     * counts), and +100 on one token of a draw at temperature 1.3, which then takes it */
+    sampler_bias bias2[] = {{prompts[2][0], 3.5f}, {prompts[2][1], -2.0f}, {7, 1.25f}};
+    reqs[2].sampling.logit_bias = bias2;
+    reqs[2].sampling.n_logit_bias = 3;
+    sampler_bias bias4[] = {{prompts[4][3], 100.0f}};
+    reqs[4].sampling.logit_bias = bias4;
+    reqs[4].sampling.n_logit_bias = 1;
     reqs[3].max_new_tokens = 0; /* scores its prompt only */
     reqs[3].logprob_start_len = 2;
     reqs[4].sampling.temperature = 1.3f; /* no logprobs */
@@ -984,7 +1022,7 @@ static void figures(void) {
             float op[16], hostt[16];
             for (int k = 0; k < reps + 1; k++) {
                 cudaEventRecord(ev0, cuda_stream());
-                gpu->sample(dtok, dlp, dtid, dtlp, dx, dr, dp, n, V, 5);
+                gpu->sample(dtok, dlp, dtid, dtlp, dx, dr, dp, NULL, n, V, 5);
                 cudaEventRecord(ev1, cuda_stream());
                 cudaEventSynchronize(ev1);
                 float ms = 0;

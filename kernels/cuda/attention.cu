@@ -42,9 +42,12 @@
 //   The slice's K and V rows are requested at once into shared memory (cp.async), so each block
 //   waits for the cache about once. The combine is in the same launch: the last block of a chunk to
 //   finish (an atomic counter) merges the chunk's slices, and the last chunk of a token merges the
-//   chunks; which block does it varies, the order of the arithmetic does not. The counters return
-//   to zero, so the launch can be replayed from a CUDA graph. Launched with programmatic dependent
-//   launch, so its blocks are resident while the previous kernel finishes (the cluster kernel too).
+//   chunks; which block does it varies, the order of the arithmetic does not. Each merging block
+//   requests the slices' (then the chunks') outputs before it reads their maxima and sums, so the
+//   two sets of reads overlap (batch-1 decode at context 1024: 13.3 us against 14.3 when they
+//   followed one another). The counters return to zero, so the launch can be replayed from a CUDA
+//   graph. Launched with programmatic dependent launch, so its blocks are resident while the
+//   previous kernel finishes (the cluster kernel too).
 // - attn_chunk_kernel (larger batches): one block per (token, head group, chunk), a warp per slice;
 //   each warp goes through its 32 positions on its own (scores, softmax, weighted V, rows requested
 //   in batches into registers), the block merges its warps in warp order. Three blocks a
@@ -71,7 +74,7 @@
 //   ATTN_WORKSPACE_CAP is processed in slices of tokens, which changes no token's result.
 // - Speed (H200, Qwen3-30B-A3B's H 32, Hkv 4, Dh 128, fp32 KV unless named; the --bench of
 //   tests/test_cuda_attention.c): batch-1 decode 11.1 us at context 1024 and 12.9 us at 2048 (the
-//   slice kernel: 14.4, 15.9; two kernels before that: 25.7, 26.1), still far from the 1-2 us of KV
+//   slice kernel: 13.3, 14.9; two kernels before that: 25.7, 26.1), still far from the 1-2 us of KV
 //   reads: the chain of dependent requests (position, page table, rows, the merges) is most of it.
 //   From batch 64 the chunk kernel reads an fp32 cache at 62-79% of the copy rate (256 sequences at
 //   context 1024: 352 us; a BF16 cache, half the bytes: 325 us, so the BF16 path is bound by the
@@ -697,9 +700,22 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // The merges below read what other blocks wrote: each thread requests its first PF elements'
+    // rows before the maxima and weights are worked out, so those reads overlap instead of
+    // following one another (the arithmetic and its order are unchanged).
+    constexpr int EPT = (G * D4 + NT - 1) / NT, PF = EPT < 2 ? EPT : 2;
     {
         const float *so = slice_o + (tg * NS + c * ATTN_SLICES) * G * DH;
         const float *sml = slice_ml + (tg * NS + c * ATTN_SLICES) * 2 * G;
+        float4 pre[PF][ATTN_SLICES];
+#pragma unroll
+        for (int i = 0; i < PF; i++)
+            if (tid + i * NT < G * D4)
+#pragma unroll
+                for (int ww = 0; ww < ATTN_SLICES; ww++)
+                    if (ww < nsl)
+                        pre[i][ww] = __ldcg(reinterpret_cast<const float4 *>(so) + ww * G * D4 +
+                                            tid + i * NT);
         if (tid < G) {
             float mw[ATTN_SLICES], lw[ATTN_SLICES];
 #pragma unroll
@@ -726,12 +742,17 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
         __syncthreads();
         const int64_t cblk = tg * NC + c;
         float4 *po = reinterpret_cast<float4 *>(part_o + cblk * G * DH);
-        for (int e = tid; e < G * D4; e += NT) {
+#pragma unroll
+        for (int i = 0; i < EPT; i++) {
+            const int e = tid + i * NT;
+            if (e >= G * D4) break;
             const int h = e / D4;
             float4 a[ATTN_SLICES];
 #pragma unroll
             for (int ww = 0; ww < ATTN_SLICES; ww++)
-                if (ww < nsl) a[ww] = __ldcg(reinterpret_cast<const float4 *>(so) + ww * G * D4 + e);
+                if (ww < nsl)
+                    a[ww] = i < PF ? pre[i < PF ? i : 0][ww]
+                                   : __ldcg(reinterpret_cast<const float4 *>(so) + ww * G * D4 + e);
             float4 x = mul4v(fw[h], a[0]);
 #pragma unroll
             for (int ww = 1; ww < ATTN_SLICES; ww++)
@@ -757,6 +778,15 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
     if (!last) return;
     __threadfence();
     {
+        constexpr int PC = 4; // chunks whose outputs are requested ahead
+        const float4 *po = reinterpret_cast<const float4 *>(part_o + tg * NC * G * DH);
+        float4 pre[PF][PC];
+#pragma unroll
+        for (int i = 0; i < PF; i++)
+            if (tid + i * NT < G * D4)
+#pragma unroll
+                for (int cc = 0; cc < PC; cc++)
+                    if (cc < nc) pre[i][cc] = __ldcg(po + cc * G * D4 + tid + i * NT);
         float *wc = reinterpret_cast<float *>(attn_dyn); // [nc][G] chunk m, then weights
         float *lc = wc + nc * G;                         // [nc][G] chunk l
         const float *pml = part_ml + tg * NC * 2 * G;
@@ -783,13 +813,20 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
             sl[tid] = Lh;
         }
         __syncthreads();
-        const float4 *po = reinterpret_cast<const float4 *>(part_o + tg * NC * G * DH);
         float4 *ot = reinterpret_cast<float4 *>(out + ((int64_t)t * H + hg * G) * DH);
-        for (int e = tid; e < G * D4; e += NT) {
+#pragma unroll
+        for (int i = 0; i < EPT; i++) {
+            const int e = tid + i * NT;
+            if (e >= G * D4) break;
             const int h = e / D4;
             float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < PF) {
+#pragma unroll
+                for (int cc = 0; cc < PC; cc++)
+                    if (cc < nc) o = fma4v(wc[cc * G + h], pre[i < PF ? i : 0][cc], o);
+            }
 #pragma unroll 4
-            for (int cc = 0; cc < nc; cc++)
+            for (int cc = i < PF ? PC : 0; cc < nc; cc++)
                 o = fma4v(wc[cc * G + h], __ldcg(po + cc * G * D4 + e), o);
             const float Lh = sl[h];
             ot[e] = make_float4(o.x / Lh, o.y / Lh, o.z / Lh, o.w / Lh);

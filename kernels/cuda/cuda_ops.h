@@ -180,8 +180,8 @@ void cuda_attention(float *out, const float *q, kv_layer kv, const attn_batch *b
 
 /* sampling.cu */
 void cuda_sample(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_logprobs,
-                 const float *logits, const sample_row *rows, const sample_penalty *pen, int n,
-                 int V, int top_n_max);
+                 const float *logits, const sample_row *rows, const sample_penalty *pen,
+                 const sample_bias *bias, int n, int V, int top_n_max);
 
 #ifdef __cplusplus
 }

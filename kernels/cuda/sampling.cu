@@ -12,9 +12,9 @@
 //   sampler_log_softmax does (exp is computed in double and rounded to float, which is what glibc's
 //   expf returns but for rare last-bit cases). Top-N: a sorted list per thread, merged per warp,
 //   then across warps; then re-sorted by (logprob desc, id asc), the CPU's order.
-// - Penalties go to a copy of the row in the workspace (the caller's logits stay as they were, so
-//   the logprobs read them), with the CPU's float operations in the CPU's order (no fused
-//   multiply-add).
+// - Penalties, then the logit bias, go to a copy of the row in the workspace (the caller's logits
+//   stay as they were, so the logprobs read them), with the CPU's float operations in the CPU's
+//   order (no fused multiply-add).
 // - Greedy (temperature below OPS_SAMPLE_GREEDY_EPS, or top_k 1) is the exact argmax, lowest id on
 //   ties. Otherwise each token's e = exp(x / T - max) (float, the largest exactly 1) becomes a key:
 //   its float bits, which order like integers because e > 0. The descending order of the keys,
@@ -341,8 +341,8 @@ __device__ __noinline__ void top_n_merge(sample_smem &s, const float *tv, const 
 __global__ void __launch_bounds__(SB, 1)
     sample_kernel(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_lps,
                   const float *logits, uint32_t *ws_all, const sample_row *rows,
-                  const sample_penalty *pen, int V, int Vp, int top_n_max, int vec_logits,
-                  double scale) {
+                  const sample_penalty *pen, const sample_bias *bias, int V, int Vp, int top_n_max,
+                  int vec_logits, double scale) {
     __shared__ sample_smem s;
     const int r = blockIdx.x, tid = threadIdx.x;
     const sample_row p = rows[r];
@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(SB, 1)
     const bool want_lp = !draw || p.want_logprob;
     const float rp = p.repetition_penalty, fp = p.frequency_penalty, pp = p.presence_penalty;
     const bool do_rep = rp != 1.0f && rp > 0.0f, do_out = fp != 0.0f || pp != 0.0f;
-    const bool penalized = draw && p.n_pen > 0 && (do_rep || do_out);
+    const bool pen_on = p.n_pen > 0 && (do_rep || do_out), bias_on = p.n_bias > 0;
+    const bool penalized = draw && (pen_on || bias_on); // the row goes to a copy
     const bool vec = vec_logits != 0;
 
     // ---- the row as given: its max (lowest id), +inf count and top N; then the normalizer
@@ -454,9 +455,10 @@ __global__ void __launch_bounds__(SB, 1)
         return;
     }
 
-    // ---- penalties on the copy, in the CPU's float operations
-    if (penalized) {
-        __syncthreads(); // the copy is complete
+    // ---- penalties on the copy, in the CPU's float operations; then the logit bias (an id may
+    // be in both lists, so the bias waits for every penalty)
+    if (penalized) __syncthreads(); // the copy is complete
+    if (penalized && pen_on) {
         for (int j = tid; j < p.n_pen; j += SB) {
             const sample_penalty e = pen[p.pen_start + j];
             if (e.id < 0 || e.id >= V) continue;
@@ -467,6 +469,13 @@ __global__ void __launch_bounds__(SB, 1)
                 v = __fsub_rn(v, pp);
             }
             wsf[e.id] = v;
+        }
+        __syncthreads();
+    }
+    if (penalized && bias_on) {
+        for (int j = tid; j < p.n_bias; j += SB) {
+            const sample_bias e = bias[p.bias_start + j];
+            if (e.id >= 0 && e.id < V) wsf[e.id] = __fadd_rn(wsf[e.id], e.bias);
         }
         __syncthreads();
     }
@@ -600,8 +609,8 @@ size_t g_ws_bytes;
 } // namespace
 
 void cuda_sample(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_logprobs,
-                 const float *logits, const sample_row *rows, const sample_penalty *pen, int n,
-                 int V, int top_n_max) {
+                 const float *logits, const sample_row *rows, const sample_penalty *pen,
+                 const sample_bias *bias, int n, int V, int top_n_max) {
     if (n <= 0) return;
     if (V < 1 || top_n_max < 0 || top_n_max > OPS_SAMPLE_TOP_N_MAX)
         cuda_fail(__FILE__, __LINE__, "sample", "V must be >= 1, top_n_max in [0, 32]");
@@ -627,6 +636,6 @@ void cuda_sample(int32_t *tokens, float *logprobs, int32_t *top_ids, float *top_
     const double scale = ldexp(1.0, 63 - bits); // V masses of at most 2^(63 - bits) sum below 2^63
     const int vec = V % 4 == 0 && (uintptr_t)logits % 16 == 0;
     sample_kernel<<<n, SB, 0, st>>>(tokens, logprobs, top_ids, top_logprobs, logits, g_ws, rows,
-                                    pen, V, Vp, top_n_max, vec, scale);
+                                    pen, bias, V, Vp, top_n_max, vec, scale);
     CUDA_CHECK_LAUNCH();
 }
