@@ -130,6 +130,57 @@ void model_free(model *m) {
     free(m);
 }
 
+const char *model_config_diff(const model_config *a, const model_config *b) {
+#define DIFF(f)                                                                                    \
+    if (memcmp(&a->f, &b->f, sizeof a->f) != 0) return #f
+    if (strcmp(a->model_type, b->model_type) != 0) return "model_type";
+    DIFF(vocab_size);
+    DIFF(hidden_size);
+    DIFF(num_hidden_layers);
+    DIFF(num_attention_heads);
+    DIFF(num_key_value_heads);
+    DIFF(head_dim);
+    DIFF(intermediate_size);
+    DIFF(moe_intermediate_size);
+    DIFF(num_experts);
+    DIFF(num_experts_per_tok);
+    DIFF(decoder_sparse_step);
+    DIFF(norm_topk_prob);
+    DIFF(tie_word_embeddings);
+    DIFF(rms_norm_eps);
+    DIFF(rope_theta);
+    DIFF(max_position_embeddings);
+    DIFF(layer_is_moe);
+    DIFF(bos_token_id);
+    if (a->n_eos != b->n_eos ||
+        memcmp(a->eos_token_ids, b->eos_token_ids, (size_t)a->n_eos * sizeof(int)) != 0)
+        return "eos_token_id";
+    if (a->quant != b->quant) return "quantization_config";
+    DIFF(quant_block);
+    DIFF(quant_group);
+#undef DIFF
+    return NULL;
+}
+
+void model_swap(model *m, model *fresh) {
+    /* what the load made from the folder; the rest (config, ops, expert range, formats, the
+     * all-to-all) is the same for both and is not written, since other threads read the config */
+#define SWAP(f)                                                                                    \
+    do {                                                                                           \
+        __typeof__(m->f) t_ = m->f;                                                                \
+        m->f = fresh->f;                                                                           \
+        fresh->f = t_;                                                                             \
+    } while (0)
+    SWAP(dir);
+    SWAP(ckpt);
+    SWAP(weights);
+    SWAP(workspace);
+    SWAP(tensors);
+#undef SWAP
+    const uint64_t epoch = m->ws_epoch > fresh->ws_epoch ? m->ws_epoch : fresh->ws_epoch;
+    m->ws_epoch = epoch + 1;
+}
+
 uint64_t model_dummy_seed(const char *name) {
     uint64_t h = 14695981039346656037ull; /* FNV-1a */
     for (const unsigned char *p = (const unsigned char *)name; *p; p++) {

@@ -116,6 +116,16 @@ float model_dummy_fp8_scale(int64_t in_features);
 void model_dummy_fill(const model *m, void *p, const char *name, int64_t n, int ndim,
                       int64_t in_features);
 void model_free(model *m);
+/* The first field in which two configs differ (config.json's name; "layer_is_moe" for
+ * mlp_only_layers / decoder_sparse_step, "eos_token_id" for the merged EOS list), or NULL where
+ * they agree in everything. */
+const char *model_config_diff(const model_config *a, const model_config *b);
+/* m takes fresh's weights, checkpoint, folder and activation buffers, and fresh takes m's, so that
+ * model_free(fresh) then frees the old ones; ws_epoch moves on past both, so nothing captured over
+ * the old buffers (decode graphs) is replayed. Both loaded with the same ops and options and equal
+ * configs (model_config_diff), so everything else (the all-to-all, sized by the config, included)
+ * stays as it is. */
+void model_swap(model *m, model *fresh);
 /* After a step's work is queued where the forward itself did not check (a replayed decode
  * graph): waits for it and reports what the GPU all-to-all's kernels recorded (a peer that did
  * not arrive in time, a runtime_max mismatch) into m->err. 0 where there is nothing to check. */

@@ -102,6 +102,14 @@ struct scheduler {
     char **abort_rids;
     int n_abort_rids;
     bool abort_every;
+    /* scheduler_update_weights's request, under mu: the folder (NULL: none), whether to abort,
+     * then the engine thread's answer (upd_done, upd_rc, upd_msg) broadcast on upd_cv */
+    const char *upd_dir;
+    bool upd_abort, upd_done;
+    int upd_rc, upd_aborted;
+    char upd_msg[600];
+    pthread_cond_t upd_cv;
+    bool upd_is_running; /* engine thread: admission paused for an update */
 };
 
 static double now_seconds(void) {
@@ -164,6 +172,7 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
     radix_cache_init(&s->rc, &s->e.kv);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->upd_cv, NULL);
     atomic_init(&s->flush_pending, false);
     s->stats.kv_pages_total = n_pages;
     LOG_INFO("scheduler",
@@ -496,8 +505,9 @@ static void mark_api_abort(request *r) {
     atomic_store(&r->abort, true);
 }
 
-static const char *abort_reason(const request *r) {
-    return atomic_load(&r->abort_api) ? "aborted by /abort_request" : "aborted by client";
+static const char *abort_reason(const scheduler *s, const request *r) {
+    if (!atomic_load(&r->abort_api)) return "aborted by client";
+    return s->upd_is_running ? "aborted by /update_weights_from_disk" : "aborted by /abort_request";
 }
 
 /* Finish every request that asked to abort, running or queued, after marking those that
@@ -529,7 +539,7 @@ static void drop_aborted(scheduler *s) {
             continue;
         }
         running_remove_at(s, i);
-        seq_retire(s, q, FINISH_ABORT, abort_reason(q->r));
+        seq_retire(s, q, FINISH_ABORT, abort_reason(s, q->r));
     }
     sched_seq *dropped = NULL;
     pthread_mutex_lock(&s->mu);
@@ -544,7 +554,7 @@ static void drop_aborted(scheduler *s) {
     while (dropped) {
         sched_seq *q = dropped;
         dropped = q->next;
-        seq_retire(s, q, FINISH_ABORT, abort_reason(q->r));
+        seq_retire(s, q, FINISH_ABORT, abort_reason(s, q->r));
     }
 }
 
@@ -656,13 +666,104 @@ static void record_rate(scheduler *s, double t0, double t1, int n_gen) {
     if (s->rate_n < SCHED_RATE_RING) s->rate_n++;
 }
 
+/* The engine thread's part of scheduler_update_weights: takes a new request (aborting everything
+ * first where asked), and once nothing runs, loads, checks and swaps. */
+static void update_weights_step(scheduler *s) {
+    pthread_mutex_lock(&s->mu);
+    const char *dir = s->upd_dir && !s->upd_done ? s->upd_dir : NULL;
+    const bool abort_now = dir && s->upd_abort && !s->upd_is_running;
+    pthread_mutex_unlock(&s->mu);
+    if (!dir) return;
+    if (!s->upd_is_running) {
+        s->upd_is_running = true;
+        LOG_INFO("scheduler", "update_weights_from_disk %s: %s", dir,
+                 abort_now ? "aborting every request" : "waiting for the running requests");
+        if (abort_now) { /* as /abort_request's abort_all: each answers what it has */
+            int n = s->n_running;
+            pthread_mutex_lock(&s->mu);
+            for (sched_seq *q = s->wait_head; q; q = q->next, n++)
+                mark_api_abort(q->r);
+            pthread_mutex_unlock(&s->mu);
+            for (int i = 0; i < s->n_running; i++)
+                mark_api_abort(s->running[i]->r);
+            s->upd_aborted = n;
+            drop_aborted(s);
+        }
+    }
+    if (s->n_running > 0) return; /* admission is paused meanwhile */
+    char err[512] = "";
+    int rc = -1;
+    model *fresh = model_load_with(dir, s->m->ops, &s->cfg.load_opts, err, sizeof err);
+    const char *diff = fresh ? model_config_diff(&s->m->cfg, &fresh->cfg) : NULL;
+    if (fresh && !diff && fresh->expert_payload != s->m->expert_payload) diff = "quantization";
+    if (!fresh) {
+        /* err says why */
+    } else if (diff) {
+        set_err(err, sizeof err, "%s/config.json: %s differs from the served model's (%s)", dir,
+                diff, s->m->dir);
+    } else {
+        model_swap(s->m, fresh);
+        radix_cache_flush(&s->rc);
+        rc = 0;
+        snprintf(err, sizeof err, "Succeeded to update model weights.");
+    }
+    model_free(fresh); /* the old weights after a swap, else the unused new ones */
+    if (rc == 0)
+        LOG_INFO("scheduler", "serving the weights of %s", s->m->dir);
+    else
+        LOG_WARN("scheduler", "update_weights_from_disk %s failed, the old weights stay: %s", dir,
+                 err);
+    s->upd_is_running = false;
+    pthread_mutex_lock(&s->mu);
+    s->upd_done = true;
+    s->upd_rc = rc;
+    snprintf(s->upd_msg, sizeof s->upd_msg, "%s", err);
+    pthread_cond_broadcast(&s->upd_cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, int *n_aborted,
+                             char *msg, size_t msglen) {
+    if (n_aborted) *n_aborted = 0;
+    if (s->cfg.load_opts.ep_size > 1)
+        return set_err(msg, msglen,
+                       "update_weights_from_disk: not supported in a rank group yet (%d ranks); "
+                       "restart the group on the new checkpoint",
+                       s->cfg.load_opts.ep_size);
+    pthread_mutex_lock(&s->mu);
+    if (s->stopped || s->draining) {
+        pthread_mutex_unlock(&s->mu);
+        return set_err(msg, msglen, "server shutting down");
+    }
+    if (s->upd_dir) {
+        pthread_mutex_unlock(&s->mu);
+        return set_err(msg, msglen, "another weight update is in progress");
+    }
+    s->upd_dir = dir;
+    s->upd_abort = abort_running;
+    s->upd_done = false;
+    s->upd_aborted = 0;
+    s->wake_pending = true;
+    pthread_cond_signal(&s->cv);
+    while (!s->upd_done && !s->stopped)
+        pthread_cond_wait(&s->upd_cv, &s->mu);
+    int rc = s->upd_done ? s->upd_rc : -1;
+    set_err(msg, msglen, "%s", s->upd_done ? s->upd_msg : "server shutting down");
+    if (n_aborted) *n_aborted = s->upd_aborted;
+    s->upd_dir = NULL;
+    s->upd_done = false;
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 /* The first half of a step: everything up to the batch. Returns the batch's size (sequences);
  * *n_tokens gets its tokens. */
 static int step_plan(scheduler *s, int *n_tokens) {
     if (atomic_exchange(&s->flush_pending, false)) radix_cache_flush(&s->rc);
+    update_weights_step(s);
     drop_aborted(s);
     reserve_decode_pages(s);
-    admit(s);
+    if (!s->upd_is_running) admit(s);
 
     int n_batch = build_batch(s);
     /* Running requests but no page for any of them: make room from the newest (never needed
@@ -762,6 +863,7 @@ static void abort_all(scheduler *s, const char *msg) {
     }
     pthread_mutex_lock(&s->mu);
     s->stopped = true;
+    pthread_cond_broadcast(&s->upd_cv); /* a weight update waiting for the engine gives up */
     sched_seq *list = s->wait_head;
     s->wait_head = s->wait_tail = NULL;
     s->n_waiting = 0;
@@ -931,6 +1033,7 @@ void scheduler_free(scheduler *s) {
     free(s->abort_rids);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->upd_cv);
     free(s);
 }
 

@@ -35,6 +35,7 @@ typedef struct {
     bool deterministic;       /* --enable-deterministic-inference: handed to the engine
                                  (engine.deterministic); the CPU backend is batch-invariant
                                  either way */
+    model_load_opts load_opts; /* how m was loaded: scheduler_update_weights loads the same way */
     void (*on_peer_drain)(void *ctx, int rank); /* engine thread: another rank of the group
                                                    started draining, so this one does too
                                                    (NULL: nothing more to do) */
@@ -118,6 +119,18 @@ void scheduler_flush_cache(scheduler *s);
  * and before that step are matched too. Thread-safe; returns at once (SGLang's
  * /abort_request). */
 void scheduler_abort(scheduler *s, const char *rid, bool all);
+
+/* SGLang's /update_weights_from_disk: load the checkpoint in folder dir (cfg.load_opts) and serve
+ * it in place of the current weights. Requests are no longer admitted; with abort_running every
+ * request queued or running is aborted ("aborted by /update_weights_from_disk"), else the
+ * running ones finish first. With nothing running the engine thread loads dir while the old
+ * weights stay (room for both is needed), checks that its config equals the served one
+ * (model_config_diff), swaps (model_swap), frees the old weights and empties the prefix cache;
+ * then admission resumes. On any failure the old weights stay in service. Blocks until done: 0,
+ * or -1 with a message in msg (a model that does not load, a config that differs, another update
+ * in progress, a rank group). *n_aborted gets the requests the call aborted. Thread-safe. */
+int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, int *n_aborted,
+                             char *msg, size_t msglen);
 
 void scheduler_get_stats(scheduler *s, scheduler_stats *out);
 

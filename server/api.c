@@ -818,7 +818,8 @@ static void api_health_generate(api_server *a, http_exchange *x) {
 
 static void api_model_info(api_server *a, http_exchange *x) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "model_path", a->args.model_path);
+    cJSON_AddStringToObject(o, "model_path",
+                            a->served_model_path ? a->served_model_path : a->args.model_path);
     cJSON_AddStringToObject(o, "tokenizer_path", a->tokenizer_path);
     cJSON_AddBoolToObject(o, "is_generation", true);
     cJSON_AddNullToObject(o, "preferred_sampling_params");
@@ -1059,6 +1060,7 @@ static const api_route api_routes[] = {
     {"/flush_cache", "GET, HEAD, POST", API_BODY_NONE, false, false, api_flush_cache, NULL},
     {"/metrics", "GET, HEAD", API_BODY_NONE, false, false, api_metrics, NULL},
     {"/abort_request", "POST", API_BODY_JSON, true, false, NULL, api_abort_request},
+    {"/update_weights_from_disk", "POST", API_BODY_JSON, true, false, NULL, api_update_weights},
     {"/tokenize", "POST", API_BODY_JSON, true, false, NULL, api_tokenize},
     {"/v1/tokenize", "POST", API_BODY_JSON, true, false, NULL, api_tokenize},
     {"/detokenize", "POST", API_BODY_JSON, true, false, NULL, api_detokenize},
@@ -1257,6 +1259,7 @@ void api_free(api_server *a) {
     if (a->retired) LOG_WARN("api", "requests still running at exit");
     pthread_mutex_destroy(&a->submit_mu);
     free(a->tokenizer_path);
+    free(a->served_model_path);
     if (api_global == a) api_global = NULL;
     free(a);
 }

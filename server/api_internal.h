@@ -117,6 +117,7 @@ struct api_server {
     struct rank_group *group; /* NULL: a group of one */
     proxy *relay;             /* relays to other ranks (a group with load_balance); under
                                  submit_mu once serving, NULL after api_stop_relays */
+    char *served_model_path;  /* after /update_weights_from_disk (polling thread): the folder */
 };
 
 /* An error answer: message, OpenAI type and the offending parameter (may be NULL). */
@@ -223,6 +224,8 @@ int api_check_model(api_server *a, const cJSON *body, api_error *e);
 /* GET /v1/models/ID: the served model's entry, 404 for any other ID. */
 void api_model_retrieve(api_server *a, http_exchange *x, const char *id);
 void api_tokenize(api_server *a, http_exchange *x, const cJSON *body);
+/* api_weights.c */
+void api_update_weights(api_server *a, http_exchange *x, const cJSON *body);
 void api_detokenize(api_server *a, http_exchange *x, const cJSON *body);
 
 /* Per-kind answers, run under the exchange lock when every item is done (non-streaming), or to

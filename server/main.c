@@ -186,8 +186,9 @@ static const char usage_serve[] =
     "Under\n"
     "mpirun, signal a rank (every rank drains with it) or use scripts/launch.sh: mpirun itself\n"
     "answers SIGTERM by killing its ranks a second later.\n"
-    "Endpoints: POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health,\n"
-    "/health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics;\n"
+    "Endpoints: POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize,\n"
+    "/abort_request, /update_weights_from_disk; GET /v1/models, /health, /health_generate,\n"
+    "/get_model_info, /model_info, /get_server_info, /server_info, /metrics;\n"
     "GET|POST /flush_cache.\n";
 
 static const char usage_tokenize[] =
@@ -1093,7 +1094,8 @@ static int cmd_serve(int argc, char **argv) {
                            .context_length = a.context_length,
                            .enable_radix_cache = !a.disable_radix_cache,
                            .deterministic = a.enable_deterministic_inference,
-                           .cuda_graph_max_bs = a.cuda_graph_max_bs};
+                           .cuda_graph_max_bs = a.cuda_graph_max_bs,
+                           .load_opts = lo};
     serve_engine eng = {.group = group, .threads = a.threads, .backend = backend};
     atomic_init(&eng.stop, false);
     atomic_init(&eng.failed, false);

@@ -7,7 +7,7 @@ cache invariance, 32 concurrent well-formed streams, every bad-input case answer
 error while the server goes on serving, client disconnects, metrics.
 
 Standard library only. Run from anywhere: `python3 tests/test_http.py [-v] [GROUP...]`, where the
-groups are the servers started (main, noradix, apikey, context, body, tight, queue, tokfree,
+groups are the servers started (main, noradix, apikey, context, body, tight, queue, tokfree, weights,
 dummy). tokfree and dummy cover --skip-tokenizer-init: token ids in and out, on the test model
 and on a folder that holds only config.json (--load-format dummy), driven by moeserve-bench too.
 The binary is ${BUILD:-build}/moeserve. Each check prints "FAIL name: detail" when it fails (-v
@@ -296,8 +296,8 @@ def same_bits(a, b):
     return -1
 
 
-def cli_generate(args):
-    cmd = [BIN, "generate", "--model-path", MODEL] + args
+def cli_generate(args, model=MODEL):
+    cmd = [BIN, "generate", "--model-path", model] + args
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=120)
     if p.returncode != 0:
         raise RuntimeError("%s exited %d: %s" % (" ".join(cmd), p.returncode, p.stderr.decode()[-300:]))
@@ -1489,6 +1489,87 @@ def long_request(srv, payload, out, key, timeout=300):
     return t
 
 
+WEIGHTS_A = "tests/data/tiny-qwen3-moe"          # the "weights" server starts on this one
+WEIGHTS_B = "tests/data/tiny-qwen3-moe-trained"  # the same config.json, other weights
+
+
+def test_update_weights(srv):
+    """/update_weights_from_disk as SGLang's: the served weights become another folder's (the
+    answers then equal `moeserve generate` on that folder, bit for bit, also for a prompt the prefix
+    cache held before); running requests finish first, or with abort_all_requests are aborted and
+    answer what they have; a folder that does not load or whose config differs changes nothing."""
+    ids = prompt_ids(77, 24)
+    payload = {"input_ids": ids, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    cli = ["--input-ids", ",".join(map(str, ids)), "--max-new-tokens", "10", "--temperature", "0",
+           "--return-logprob", "--ignore-eos"]
+    ref = {m: cli_generate(cli, model=m) for m in (WEIGHTS_A, WEIGHTS_B)}
+    check("update weights: the two folders answer differently",
+          ref[WEIGHTS_A]["output_ids"] != ref[WEIGHTS_B]["output_ids"], short(ref))
+
+    def answers(tag, folder):
+        b = gen_ok(srv, "update weights: %s" % tag, payload)
+        if b:
+            want = ref[folder]
+            same = b["output_ids"] == want["output_ids"] and same_bits(
+                logprob_values(b["meta_info"]["output_token_logprobs"]),
+                logprob_values(want["meta_info"]["output_token_logprobs"])) < 0
+            check("update weights: %s == `moeserve generate` on %s, same bits" % (tag, folder), same,
+                  "%s against %s" % (short(b["output_ids"]), short(want["output_ids"])))
+
+    def update_while_running(seed, n_new, body):
+        """POST the update once a request of n_new tokens runs: (its answer, the update's)."""
+        out = {}
+        t = long_request(srv, {"input_ids": prompt_ids(seed, 6),
+                               "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True, "temperature": 0}},
+                         out, "run")
+        check("update weights: a request of %d tokens running" % n_new, wait_running(srv, 1), queue_counts(srv))
+        r = srv.post("/update_weights_from_disk", body)
+        t.join(300)
+        return out.get("run"), r
+
+    answers("before", WEIGHTS_A)
+    # a running request finishes first (no abort)
+    run, r = update_while_running(78, 300, {"model_path": WEIGHTS_B})
+    body = r.json() or {}
+    check("update weights: 200, success, nothing aborted",
+          r.status == 200 and body.get("success") is True and body.get("num_paused_requests") == 0, r)
+    check("update weights: the running request ran to its end (length)",
+          isinstance(run, Reply) and run.status == 200
+          and run.json()["meta_info"].get("finish_reason", {}).get("type") == "length", run)
+    answers("after the update", WEIGHTS_B)
+    info = srv.get("/get_model_info").json() or {}
+    check("update weights: /get_model_info names the new folder", info.get("model_path") == WEIGHTS_B, info)
+
+    # refused: nothing changes
+    for body, status, words in (({"model_path": "models/tiny-qwen3-moe"}, 400, "hidden_size differs"),
+                                ({"model_path": "tests/data/tiny-qwen3-moe-fp8"}, 400, "quantization_config"),
+                                ({"model_path": "/no/such/folder"}, 400, "config.json"),
+                                ({}, 400, "model_path"),
+                                ({"model_path": 7}, 400, "model_path"),
+                                ({"model_path": WEIGHTS_A, "load_format": "dummy"}, 400, "load_format"),
+                                ({"model_path": WEIGHTS_A, "abort_all_requests": "yes"}, 400, "abort_all_requests")):
+        r = srv.post("/update_weights_from_disk", body)
+        b = r.json() or {}
+        msg = b.get("message") or (b.get("error") or {}).get("message") or ""
+        check("update weights %s: %d naming %r" % (json.dumps(body), status, words),
+              r.status == status and words in msg and b.get("success") is not True, r)
+    answers("after refused updates", WEIGHTS_B)
+
+    # abort_all_requests: the running request answers what it has
+    run, r = update_while_running(79, 500, {"model_path": WEIGHTS_A, "abort_all_requests": True})
+    body = r.json() or {}
+    check("update weights with abort_all_requests: 200, success, 1 request aborted",
+          r.status == 200 and body.get("success") is True and body.get("num_paused_requests") == 1, r)
+    ok = isinstance(run, Reply) and run.status == 200
+    if check("update weights: the aborted request answers 200", ok, run):
+        m = run.json()["meta_info"]
+        check("update weights: finish_reason abort by /update_weights_from_disk, fewer than 500 tokens",
+              m.get("finish_reason") == {"type": "abort", "message": "aborted by /update_weights_from_disk"}
+              and m.get("completion_tokens", 500) < 500, short(m))
+    answers("back on the first folder", WEIGHTS_A)
+
+
 def wait_running(srv, n, limit=30.0):
     t0 = time.time()
     while time.time() - t0 < limit:
@@ -2274,7 +2355,8 @@ def main(argv):
     global VERBOSE
     args = [a for a in argv if a != "-v"]
     VERBOSE = len(args) != len(argv)
-    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight", "queue", "tokfree", "dummy"}
+    groups = set(args) or {"main", "noradix", "apikey", "context", "body", "tight", "queue", "tokfree", "dummy",
+                           "weights"}
     if not os.access(BIN, os.X_OK):
         check("binary %s exists" % BIN, False, "build it first (make)")
         print(R.summary())
@@ -2327,6 +2409,8 @@ def main(argv):
                     [(test_queue_limit, ())])
     if "tokfree" in groups:
         with_server(Server("tokfree", ["--skip-tokenizer-init", "--enable-metrics"]), [(test_tokfree, ())])
+    if "weights" in groups:
+        with_server(Server("weights", ["--enable-metrics"], model=WEIGHTS_A), [(test_update_weights, ())])
     if "dummy" in groups:
         # a folder like config/models/*: config.json alone
         with tempfile.TemporaryDirectory(prefix="moeserve-config-only-") as folder:

@@ -495,6 +495,19 @@ __global__ void __launch_bounds__(ATTN_THREADS, MINB)
     }
 }
 
+// A merge's reads requested ahead: pre[i][k] = part k's element tid + i NT (parts of E float4
+// each, from base; k < n, elements < E), for the first PF elements of the thread.
+template <int NT, int E, int PF, int N>
+__device__ __forceinline__ void merge_request(float4 (&pre)[PF][N], const float4 *base, int n,
+                                              int tid) {
+#pragma unroll
+    for (int i = 0; i < PF; i++)
+        if (tid + i * NT < E)
+#pragma unroll
+            for (int k = 0; k < N; k++)
+                if (k < n) pre[i][k] = __ldcg(base + k * E + tid + i * NT);
+}
+
 // One (token t0 + blockIdx.x, head group blockIdx.y, slice blockIdx.z) of a small batch: G / GW
 // warps, each with GW heads of the group, over the slice's 32 positions; then the in-launch
 // combine.
@@ -708,14 +721,7 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
         const float *so = slice_o + (tg * NS + c * ATTN_SLICES) * G * DH;
         const float *sml = slice_ml + (tg * NS + c * ATTN_SLICES) * 2 * G;
         float4 pre[PF][ATTN_SLICES];
-#pragma unroll
-        for (int i = 0; i < PF; i++)
-            if (tid + i * NT < G * D4)
-#pragma unroll
-                for (int ww = 0; ww < ATTN_SLICES; ww++)
-                    if (ww < nsl)
-                        pre[i][ww] = __ldcg(reinterpret_cast<const float4 *>(so) + ww * G * D4 +
-                                            tid + i * NT);
+        merge_request<NT, G * D4>(pre, reinterpret_cast<const float4 *>(so), nsl, tid);
         if (tid < G) {
             float mw[ATTN_SLICES], lw[ATTN_SLICES];
 #pragma unroll
@@ -781,12 +787,7 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
         constexpr int PC = 4; // chunks whose outputs are requested ahead
         const float4 *po = reinterpret_cast<const float4 *>(part_o + tg * NC * G * DH);
         float4 pre[PF][PC];
-#pragma unroll
-        for (int i = 0; i < PF; i++)
-            if (tid + i * NT < G * D4)
-#pragma unroll
-                for (int cc = 0; cc < PC; cc++)
-                    if (cc < nc) pre[i][cc] = __ldcg(po + cc * G * D4 + tid + i * NT);
+        merge_request<NT, G * D4>(pre, po, nc, tid);
         float *wc = reinterpret_cast<float *>(attn_dyn); // [nc][G] chunk m, then weights
         float *lc = wc + nc * G;                         // [nc][G] chunk l
         const float *pml = part_ml + tg * NC * 2 * G;
