@@ -126,7 +126,8 @@ void scheduler_abort(scheduler *s, const char *rid, bool all);
  * running ones finish first. With nothing running the engine thread loads dir while the old
  * weights stay (room for both is needed), checks that its config equals the served one
  * (model_config_diff), swaps (model_swap), frees the old weights and empties the prefix cache;
- * then admission resumes. On any failure the old weights stay in service. Blocks until done: 0,
+ * then admission resumes (a request preempted before the update and still queued resumes on the
+ * new weights). On any failure the old weights stay in service. Blocks until done: 0,
  * or -1 with a message in msg (a model that does not load, a config that differs, another update
  * in progress, a rank group). *n_aborted gets the requests the call aborted. Thread-safe. */
 int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, int *n_aborted,
