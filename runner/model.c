@@ -164,7 +164,8 @@ const char *model_config_diff(const model_config *a, const model_config *b) {
 
 void model_swap(model *m, model *fresh) {
     /* what the load made from the folder; the rest (config, ops, expert range, formats, the
-     * all-to-all) is the same for both and is not written, since other threads read the config */
+     * all-to-all) is the same for both and is not written, since other threads read the config.
+     * fresh may come from disk where m was made of dummy weights. */
 #define SWAP(f)                                                                                    \
     do {                                                                                           \
         __typeof__(m->f) t_ = m->f;                                                                \
@@ -176,6 +177,7 @@ void model_swap(model *m, model *fresh) {
     SWAP(weights);
     SWAP(workspace);
     SWAP(tensors);
+    SWAP(dummy); /* how model_free frees the tensors */
 #undef SWAP
     const uint64_t epoch = m->ws_epoch > fresh->ws_epoch ? m->ws_epoch : fresh->ws_epoch;
     m->ws_epoch = epoch + 1;

@@ -693,7 +693,9 @@ static void update_weights_step(scheduler *s) {
     if (s->n_running > 0) return; /* admission is paused meanwhile */
     char err[512] = "";
     int rc = -1;
-    model *fresh = model_load_with(dir, s->m->ops, &s->cfg.load_opts, err, sizeof err);
+    model_load_opts lo = s->cfg.load_opts;
+    lo.dummy = false; /* from disk, also where the server started on dummy weights */
+    model *fresh = model_load_with(dir, s->m->ops, &lo, err, sizeof err);
     const char *diff = fresh ? model_config_diff(&s->m->cfg, &fresh->cfg) : NULL;
     if (fresh && !diff && fresh->expert_payload != s->m->expert_payload) diff = "quantization";
     if (!fresh) {

@@ -120,7 +120,8 @@ void scheduler_flush_cache(scheduler *s);
  * /abort_request). */
 void scheduler_abort(scheduler *s, const char *rid, bool all);
 
-/* SGLang's /update_weights_from_disk: load the checkpoint in folder dir (cfg.load_opts) and serve
+/* SGLang's /update_weights_from_disk: load the checkpoint in folder dir (cfg.load_opts; from disk
+ * also where the served model is dummy weights) and serve
  * it in place of the current weights. Requests are no longer admitted; with abort_running every
  * request queued or running is aborted ("aborted by /update_weights_from_disk"), else the
  * running ones finish first. With nothing running the engine thread loads dir while the old

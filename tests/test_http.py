@@ -2256,6 +2256,26 @@ def test_dummy_refuses(folder):
           "exit %s: %s" % (p.returncode, err.strip()))
 
 
+def test_dummy_update_weights(srv):
+    """/update_weights_from_disk on a server of dummy weights loads the folder's own (from disk,
+    as the name says), not dummy weights again. The folder: WEIGHTS_A's config.json and weights
+    without its generation_config.json, so that its config equals the served one."""
+    payload = {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    with tempfile.TemporaryDirectory(prefix="moeserve-weights-") as folder:
+        for f in os.listdir(os.path.join(ROOT, WEIGHTS_A)):
+            if f == "config.json" or "safetensors" in f:
+                os.symlink(os.path.join(ROOT, WEIGHTS_A, f), os.path.join(folder, f))
+        r = srv.post("/update_weights_from_disk", {"model_path": folder})
+        check("dummy: update_weights_from_disk to %s's weights: 200, success" % WEIGHTS_A,
+              r.status == 200 and (r.json() or {}).get("success") is True, r)
+        b = gen_ok(srv, "dummy, after the update", payload)
+        want = cli_generate(["--input-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--temperature", "0"],
+                            model=folder)
+    check("dummy: after the update, the ids of `moeserve generate` on those weights",
+          b is not None and b.get("output_ids") == want["output_ids"],
+          "%s vs %s" % (b and b.get("output_ids"), want["output_ids"]))
+
+
 def test_dummy(srv, folder):
     info = srv.get("/server_info").json() or {}
     check("dummy: /server_info says skip_tokenizer_init true, load_format dummy",
@@ -2417,7 +2437,7 @@ def main(argv):
             shutil.copy(os.path.join(ROOT, "tests/data/tiny-qwen3-moe/config.json"), folder)
             test_dummy_refuses(folder)
             with_server(Server("dummy", ["--load-format", "dummy", "--skip-tokenizer-init"], model=folder),
-                        [(test_dummy, (folder,))])
+                        [(test_dummy, (folder,)), (test_dummy_update_weights, ())])
     if VERBOSE:
         print("total %.1f s" % (time.time() - t0))
     print(R.summary())
