@@ -12,6 +12,7 @@
 #include "runner/rank_group.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -26,6 +27,7 @@
 
 #define RG_DEFAULT_TIMEOUT_S 60.0
 #define RG_TAG_STEP          0x5354 /* "ST" */
+#define RG_TAG_SHARE         0x5348 /* "SH" */
 #define RG_HOST_LEN          256
 #define RG_CHECK_INTERVAL_S  0.1
 
@@ -314,19 +316,23 @@ static void format_missing(char *buf, size_t len, const bool *arrived, int n, in
     }
 }
 
-static int exchange(rank_group *g, char *err, size_t errlen) {
-    const int n = g->size, me = g->rank, F = RANK_REPORT_FIELDS;
+/* Every rank's block of count elements of type (size bytes each) from send into recv + p * count *
+ * size for each peer p, under tag; waits as the step agreement does (what names the exchange in a
+ * timeout's message). */
+static int exchange_blocks(rank_group *g, const void *send, void *recv, int count,
+                           MPI_Datatype type, size_t size, int tag, const char *what, char *err,
+                           size_t errlen) {
+    const int n = g->size, me = g->rank;
     int n_req = 0;
     for (int p = 0; p < n; p++) {
         if (p == me) continue;
-        if (MPI_Irecv(g->recv + (size_t)p * F, F, MPI_INT64_T, p, RG_TAG_STEP, g->comm,
+        if (MPI_Irecv((char *)recv + (size_t)p * (size_t)count * size, count, type, p, tag, g->comm,
                       &g->reqs[n_req++]) != MPI_SUCCESS)
             return set_err(err, errlen, "rank group: MPI_Irecv from rank %d failed", p);
     }
     for (int p = 0; p < n; p++) {
         if (p == me) continue;
-        if (MPI_Isend(g->send, F, MPI_INT64_T, p, RG_TAG_STEP, g->comm, &g->reqs[n_req++]) !=
-            MPI_SUCCESS)
+        if (MPI_Isend(send, count, type, p, tag, g->comm, &g->reqs[n_req++]) != MPI_SUCCESS)
             return set_err(err, errlen, "rank group: MPI_Isend to rank %d failed", p);
     }
     bool *arrived = xcalloc((size_t)n, sizeof(bool));
@@ -361,14 +367,28 @@ static int exchange(rank_group *g, char *err, size_t errlen) {
             char missing[160];
             format_missing(missing, sizeof missing, arrived, n, me);
             rc = set_err(err, errlen,
-                         "rank group rank %d: step %llu: %s did not answer within %.3g s "
+                         "rank group rank %d: %s %llu: %s did not answer within %.3g s "
                          "(--dist-timeout); the group cannot go on",
-                         me, (unsigned long long)g->n_steps, missing, g->timeout_s);
+                         me, what, (unsigned long long)g->n_steps, missing, g->timeout_s);
             break;
         }
     }
     free(arrived);
     return rc;
+}
+
+static int exchange(rank_group *g, char *err, size_t errlen) {
+    return exchange_blocks(g, g->send, g->recv, RANK_REPORT_FIELDS, MPI_INT64_T, sizeof(int64_t),
+                           RG_TAG_STEP, "step", err, errlen);
+}
+
+int rank_group_share(rank_group *g, const void *mine, size_t len, void *all, char *err,
+                     size_t errlen) {
+    memcpy((char *)all + (size_t)g->rank * len, mine, len);
+    if (g->size == 1) return 0;
+    if (len > INT_MAX) return set_err(err, errlen, "rank group: a shared block of %zu bytes", len);
+    return exchange_blocks(g, mine, all, (int)len, MPI_BYTE, 1, RG_TAG_SHARE, "exchange after step",
+                           err, errlen);
 }
 
 int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char *err,
@@ -385,6 +405,9 @@ int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char
     out->drain = false;
     out->drain_rank = -1;
     out->drained = true;
+    out->update_rank = -1;
+    out->update_abort = false;
+    out->update_ready = true;
     pthread_mutex_lock(&g->mu);
     for (int r = 0; r < g->size; r++) {
         report_unpack(&g->loads[r], g->recv + (size_t)r * F);
@@ -399,8 +422,14 @@ int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char
             out->drain_rank = r;
         }
         if (x->drain != 2) out->drained = false;
+        if (x->update && out->update_rank < 0) {
+            out->update_rank = r;
+            out->update_abort = x->update == 2;
+        }
+        if (!x->update_idle) out->update_ready = false;
         g->recent[r] = 0;
     }
+    if (out->update_rank < 0) out->update_ready = false;
     g->loads_at = rg_now();
     pthread_mutex_unlock(&g->mu);
     return 0;

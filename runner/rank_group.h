@@ -44,6 +44,9 @@ typedef struct {
     int64_t gen_throughput_milli; /* output tokens/s x 1000 over the last seconds */
     int64_t drain; /* 0: serving; 1: draining (finishing its requests, taking no new ones);
                       2: drained (draining, nothing left to run) */
+    int64_t update;      /* a /update_weights_from_disk waits here: 1, or 2 with
+                            abort_all_requests; 0: none */
+    int64_t update_idle; /* 1: paused for the group's update with nothing running */
 } rank_report;
 
 #define RANK_REPORT_FIELDS ((int)(sizeof(rank_report) / sizeof(int64_t)))
@@ -56,6 +59,10 @@ typedef struct {
     bool drain;      /* some rank is draining: every rank drains */
     int drain_rank;  /* the lowest rank that is draining (-1 if none) */
     bool drained;    /* every rank is drained: the group stops after this exchange */
+    int update_rank; /* the lowest rank with an update waiting (-1 if none): every rank pauses
+                        admission (and with update_abort aborts its requests) */
+    bool update_abort; /* that rank's update aborts the running requests */
+    bool update_ready; /* every rank is paused with nothing running: the update runs now */
 } rank_step;
 
 /* Start the group. timeout_s bounds every wait of the group (0 = 60 s). A process not started by
@@ -86,6 +93,12 @@ const char *rank_group_hostname(const rank_group *g, int r); /* its node's hostn
  * did not answer or whose process has gone; the group is then unusable. */
 int rank_group_step(rank_group *g, const rank_report *mine, rank_step *out, char *err,
                     size_t errlen);
+
+/* Collective (engine thread, between steps): every rank's block of len bytes (mine) into all
+ * [size * len], this rank's own included, with the step agreement's timeout and liveness checks.
+ * 0, or -1 with a message as rank_group_step's. */
+int rank_group_share(rank_group *g, const void *mine, size_t len, void *all, char *err,
+                     size_t errlen);
 
 /* Any thread: copies the latest reports (every rank's, [size]); returns the seconds since they
  * arrived (a large number before the first step). */

@@ -110,6 +110,8 @@ struct scheduler {
     char upd_msg[600];
     pthread_cond_t upd_cv;
     bool upd_is_running; /* engine thread: admission paused for an update */
+    bool in_group;       /* engine thread: run_group runs the steps (updates are the group's) */
+    char served_dir[4096]; /* under mu: the folder of the last successful update ("" before) */
 };
 
 static double now_seconds(void) {
@@ -666,72 +668,142 @@ static void record_rate(scheduler *s, double t0, double t1, int n_gen) {
     if (s->rate_n < SCHED_RATE_RING) s->rate_n++;
 }
 
-/* The engine thread's part of scheduler_update_weights: takes a new request (aborting everything
- * first where asked), and once nothing runs, loads, checks and swaps. */
-static void update_weights_step(scheduler *s) {
+/* The engine thread's pieces of an update. Pausing: admission stops (upd_is_running), and with
+ * abort_all everything running or queued is aborted and answers what it has. */
+static void update_pause(scheduler *s, const char *dir, bool abort_all, bool drop_now) {
+    s->upd_is_running = true;
+    LOG_INFO("scheduler", "update_weights_from_disk %s: %s", dir,
+             abort_all ? "aborting every request" : "waiting for the running requests");
+    if (!abort_all) return;
+    int n = s->n_running; /* as /abort_request's abort_all */
     pthread_mutex_lock(&s->mu);
-    const char *dir = s->upd_dir && !s->upd_done ? s->upd_dir : NULL;
-    const bool abort_now = dir && s->upd_abort && !s->upd_is_running;
+    for (sched_seq *q = s->wait_head; q; q = q->next, n++)
+        mark_api_abort(q->r);
     pthread_mutex_unlock(&s->mu);
-    if (!dir) return;
-    if (!s->upd_is_running) {
-        s->upd_is_running = true;
-        LOG_INFO("scheduler", "update_weights_from_disk %s: %s", dir,
-                 abort_now ? "aborting every request" : "waiting for the running requests");
-        if (abort_now) { /* as /abort_request's abort_all: each answers what it has */
-            int n = s->n_running;
-            pthread_mutex_lock(&s->mu);
-            for (sched_seq *q = s->wait_head; q; q = q->next, n++)
-                mark_api_abort(q->r);
-            pthread_mutex_unlock(&s->mu);
-            for (int i = 0; i < s->n_running; i++)
-                mark_api_abort(s->running[i]->r);
-            s->upd_aborted = n;
-            drop_aborted(s);
-        }
-    }
-    if (s->n_running > 0) return; /* admission is paused meanwhile */
-    char err[512] = "";
-    int rc = -1;
+    for (int i = 0; i < s->n_running; i++)
+        mark_api_abort(s->running[i]->r);
+    s->upd_aborted = n;
+    if (drop_now) drop_aborted(s); /* else the next step's plan drops them */
+}
+
+/* Loading (nothing running): dir's weights beside the served ones, checked against them. The new
+ * model, or NULL with err saying why. */
+static model *update_load(scheduler *s, const char *dir, char *err, size_t errlen) {
     model_load_opts lo = s->cfg.load_opts;
     lo.dummy = false; /* from disk, also where the server started on dummy weights */
-    model *fresh = model_load_with(dir, s->m->ops, &lo, err, sizeof err);
+    model *fresh = model_load_with(dir, s->m->ops, &lo, err, errlen);
     const char *diff = fresh ? model_config_diff(&s->m->cfg, &fresh->cfg) : NULL;
     if (fresh && !diff && fresh->expert_payload != s->m->expert_payload) diff = "quantization";
-    if (!fresh) {
-        /* err says why */
-    } else if (diff) {
-        set_err(err, sizeof err, "%s/config.json: %s differs from the served model's (%s)", dir,
-                diff, s->m->dir);
-    } else {
+    if (diff) {
+        set_err(err, errlen, "%s/config.json: %s differs from the served model's (%s)", dir, diff,
+                s->m->dir);
+        model_free(fresh);
+        return NULL;
+    }
+    return fresh;
+}
+
+/* The end: fresh (when every rank loaded) is swapped in and the prefix cache emptied, else freed;
+ * admission resumes; answered (this rank's own request) with rc and msg. */
+static void update_finish(scheduler *s, const char *dir, model *fresh, bool swap, bool answer,
+                          const char *msg) {
+    int rc = -1;
+    if (fresh && swap) {
         model_swap(s->m, fresh);
         radix_cache_flush(&s->rc);
         rc = 0;
-        snprintf(err, sizeof err, "Succeeded to update model weights.");
+        pthread_mutex_lock(&s->mu);
+        snprintf(s->served_dir, sizeof s->served_dir, "%s", dir);
+        pthread_mutex_unlock(&s->mu);
+        LOG_INFO("scheduler", "serving the weights of %s", s->m->dir);
+    } else {
+        LOG_WARN("scheduler", "update_weights_from_disk %s failed, the old weights stay: %s", dir,
+                 msg);
     }
     model_free(fresh); /* the old weights after a swap, else the unused new ones */
-    if (rc == 0)
-        LOG_INFO("scheduler", "serving the weights of %s", s->m->dir);
-    else
-        LOG_WARN("scheduler", "update_weights_from_disk %s failed, the old weights stay: %s", dir,
-                 err);
     s->upd_is_running = false;
+    if (!answer) return;
     pthread_mutex_lock(&s->mu);
     s->upd_done = true;
     s->upd_rc = rc;
-    snprintf(s->upd_msg, sizeof s->upd_msg, "%s", err);
+    snprintf(s->upd_msg, sizeof s->upd_msg, "%s",
+             rc == 0 ? "Succeeded to update model weights." : msg);
     pthread_cond_broadcast(&s->upd_cv);
     pthread_mutex_unlock(&s->mu);
+}
+
+/* This rank's waiting request: its folder (NULL: none) and whether it aborts. */
+static const char *update_waiting(scheduler *s, bool *abort_all) {
+    pthread_mutex_lock(&s->mu);
+    const char *dir = s->upd_dir && !s->upd_done ? s->upd_dir : NULL;
+    *abort_all = dir && s->upd_abort;
+    pthread_mutex_unlock(&s->mu);
+    return dir;
+}
+
+/* One process: the engine thread's part of scheduler_update_weights at each step: takes a new
+ * request (aborting everything first where asked), and once nothing runs, loads, checks and
+ * swaps. (A rank group: run_group and group_update.) */
+static void update_weights_step(scheduler *s) {
+    bool abort_all = false;
+    const char *dir = update_waiting(s, &abort_all);
+    if (!dir) return;
+    if (!s->upd_is_running) update_pause(s, dir, abort_all, true);
+    if (s->n_running > 0) return; /* admission is paused meanwhile */
+    char err[512] = "";
+    model *fresh = update_load(s, dir, err, sizeof err);
+    update_finish(s, dir, fresh, fresh != NULL, true, err);
+}
+
+/* A rank group's update, once every rank is paused with nothing running (collective): the folder
+ * of the asking rank (root) reaches every rank, each loads its share of the experts, and only when
+ * every rank has loaded do all swap; else all keep the old weights and root answers with the
+ * first failing rank's message. 0, or -1 when the group itself failed (err). */
+#define GROUP_DIR_BYTES 4096
+typedef struct {
+    int64_t ok;
+    char msg[512];
+} group_update_result;
+
+static int group_update(scheduler *s, rank_group *g, int root, char *err, size_t errlen) {
+    const int n = rank_group_size(g), me = rank_group_rank(g);
+    char mine[GROUP_DIR_BYTES] = "";
+    bool abort_all = false;
+    const char *own = update_waiting(s, &abort_all);
+    if (me == root) snprintf(mine, sizeof mine, "%s", own ? own : "");
+    char *dirs = xmalloc((size_t)n * GROUP_DIR_BYTES);
+    group_update_result res = {0}, *all = xcalloc((size_t)n, sizeof *all);
+    model *fresh = NULL;
+    int rc = rank_group_share(g, mine, sizeof mine, dirs, err, errlen);
+    if (rc == 0) {
+        const char *dir = dirs + (size_t)root * GROUP_DIR_BYTES;
+        fresh = dir[0] ? update_load(s, dir, res.msg, sizeof res.msg) : NULL;
+        if (!dir[0]) set_err(res.msg, sizeof res.msg, "the folder did not reach rank %d", me);
+        res.ok = fresh != NULL;
+        rc = rank_group_share(g, &res, sizeof res, all, err, errlen);
+    }
+    if (rc == 0) {
+        int bad = -1;
+        for (int r = 0; r < n && bad < 0; r++)
+            if (!all[r].ok) bad = r;
+        char msg[600];
+        if (bad >= 0) {
+            all[bad].msg[sizeof all[bad].msg - 1] = '\0';
+            snprintf(msg, sizeof msg, "rank %d: %s", bad, all[bad].msg);
+        }
+        update_finish(s, dirs + (size_t)root * GROUP_DIR_BYTES, fresh, bad < 0, me == root && own,
+                      bad >= 0 ? msg : "");
+    } else {
+        model_free(fresh);
+    }
+    free(dirs);
+    free(all);
+    return rc;
 }
 
 int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, int *n_aborted,
                              char *msg, size_t msglen) {
     if (n_aborted) *n_aborted = 0;
-    if (s->cfg.load_opts.ep_size > 1)
-        return set_err(msg, msglen,
-                       "update_weights_from_disk: not supported in a rank group yet (%d ranks); "
-                       "restart the group on the new checkpoint",
-                       s->cfg.load_opts.ep_size);
     pthread_mutex_lock(&s->mu);
     if (s->stopped || s->draining) {
         pthread_mutex_unlock(&s->mu);
@@ -758,11 +830,17 @@ int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, 
     return rc;
 }
 
+void scheduler_model_dir(scheduler *s, char *out, size_t len) {
+    pthread_mutex_lock(&s->mu);
+    snprintf(out, len, "%s", s->served_dir);
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* The first half of a step: everything up to the batch. Returns the batch's size (sequences);
  * *n_tokens gets its tokens. */
 static int step_plan(scheduler *s, int *n_tokens) {
     if (atomic_exchange(&s->flush_pending, false)) radix_cache_flush(&s->rc);
-    update_weights_step(s);
+    if (!s->in_group) update_weights_step(s); /* a rank group: run_group */
     drop_aborted(s);
     reserve_decode_pages(s);
     if (!s->upd_is_running) admit(s);
@@ -968,6 +1046,7 @@ static int step_runtime_max(const scheduler *s, int rm) {
 }
 
 static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, size_t errlen) {
+    s->in_group = true;
     for (;;) {
         double t0 = now_seconds();
         int T = 0;
@@ -977,6 +1056,11 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
         rank_report me;
         fill_report(s, T, stopping, &me);
         if (draining) me.drain = T == 0 && drained(s) ? 2 : 1;
+        /* a weight update: asked here (the lowest asking rank's goes first), then every rank
+         * pauses, and once none has anything running they load and swap together */
+        bool upd_abort = false;
+        if (update_waiting(s, &upd_abort)) me.update = upd_abort ? 2 : 1;
+        me.update_idle = s->upd_is_running && s->n_running == 0 && n_batch == 0;
         rank_step st;
         if (rank_group_step(g, &me, &st, err, errlen) != 0) return -1;
         if (st.stop) {
@@ -993,8 +1077,17 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
             scheduler_drain(s);
             if (s->cfg.on_peer_drain) s->cfg.on_peer_drain(s->cfg.on_peer_drain_ctx, st.drain_rank);
         }
+        if (st.update_ready) {
+            if (group_update(s, g, st.update_rank, err, errlen) != 0) return -1;
+            continue;
+        }
+        if (st.update_rank >= 0 && !s->upd_is_running) {
+            char from[48];
+            snprintf(from, sizeof from, "from rank %d", st.update_rank);
+            update_pause(s, from, st.update_abort, false);
+        }
         if (st.runtime_max == 0) {
-            idle_wait(s, stop);
+            if (!s->upd_is_running) idle_wait(s, stop);
             continue;
         }
         s->e.runtime_max = step_runtime_max(s, st.runtime_max);

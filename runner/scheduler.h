@@ -130,9 +130,18 @@ void scheduler_abort(scheduler *s, const char *rid, bool all);
  * then admission resumes (a request preempted before the update and still queued resumes on the
  * new weights). On any failure the old weights stay in service. Blocks until done: 0,
  * or -1 with a message in msg (a model that does not load, a config that differs, another update
- * in progress, a rank group). *n_aborted gets the requests the call aborted. Thread-safe. */
+ * in progress). *n_aborted gets the requests the call aborted on this rank. Thread-safe.
+ * In a rank group every rank does the same together: the asking rank's folder reaches them all
+ * through the step agreement, each pauses (and aborts its own requests where asked), and once
+ * nothing runs anywhere each loads its share of the experts; only when every rank has loaded do
+ * all swap, else all keep the old weights and msg names the first rank that failed. Requests to
+ * several ranks at once run one after another, the lowest rank's first. */
 int scheduler_update_weights(scheduler *s, const char *dir, bool abort_running, int *n_aborted,
                              char *msg, size_t msglen);
+
+/* The folder of the weights served (dir as the last successful update named it), or "" before any
+ * update. Thread-safe. */
+void scheduler_model_dir(scheduler *s, char *out, size_t len);
 
 void scheduler_get_stats(scheduler *s, scheduler_stats *out);
 

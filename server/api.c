@@ -818,8 +818,9 @@ static void api_health_generate(api_server *a, http_exchange *x) {
 
 static void api_model_info(api_server *a, http_exchange *x) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "model_path",
-                            a->served_model_path ? a->served_model_path : a->args.model_path);
+    char dir[4096] = "";
+    if (a->sched) scheduler_model_dir(a->sched, dir, sizeof dir);
+    cJSON_AddStringToObject(o, "model_path", dir[0] ? dir : a->args.model_path);
     cJSON_AddStringToObject(o, "tokenizer_path", a->tokenizer_path);
     cJSON_AddBoolToObject(o, "is_generation", true);
     cJSON_AddNullToObject(o, "preferred_sampling_params");
@@ -1259,7 +1260,6 @@ void api_free(api_server *a) {
     if (a->retired) LOG_WARN("api", "requests still running at exit");
     pthread_mutex_destroy(&a->submit_mu);
     free(a->tokenizer_path);
-    free(a->served_model_path);
     if (api_global == a) api_global = NULL;
     free(a);
 }

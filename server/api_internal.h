@@ -117,7 +117,6 @@ struct api_server {
     struct rank_group *group; /* NULL: a group of one */
     proxy *relay;             /* relays to other ranks (a group with load_balance); under
                                  submit_mu once serving, NULL after api_stop_relays */
-    char *served_model_path;  /* after /update_weights_from_disk (polling thread): the folder */
 };
 
 /* An error answer: message, OpenAI type and the offending parameter (may be NULL). */

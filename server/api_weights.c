@@ -11,8 +11,9 @@
  * answers what it has, as /abort_request's abort_all), the folder is loaded beside the old weights,
  * its config must equal the served one, then the weights are swapped, the old ones freed and the
  * prefix cache emptied. On any failure the old weights keep serving. num_paused_requests counts
- * the requests the call aborted. /get_model_info then names the new folder. The call waits on a
- * thread of its own, so the HTTP server keeps answering meanwhile. */
+ * the requests the call aborted on this rank. /get_model_info then names the new folder (on every
+ * rank of a group, which updates together: scheduler_update_weights). The call waits on a thread
+ * of its own, so the HTTP server keeps answering meanwhile. */
 #include "server/api_internal.h"
 
 #include <pthread.h>
@@ -59,10 +60,6 @@ static void job_poll(void *ctx, http_exchange *x) {
     api_update_job *j = ctx;
     if (!atomic_load(&j->done)) return;
     api_server *a = j->a;
-    if (j->rc == 0) { /* /get_model_info reads it on this thread */
-        free(a->served_model_path);
-        a->served_model_path = xstrdup(j->dir);
-    }
     cJSON *o = cJSON_CreateObject();
     cJSON_AddBoolToObject(o, "success", j->rc == 0);
     cJSON_AddStringToObject(o, "message", j->msg);

@@ -21,14 +21,18 @@ top-2, 4 layers; 3 ranks split the experts 3,3,2):
   - the FP8 checkpoint at np 3 and the NVFP4 one at np 2: the tokens cross the all-to-all in the
     experts' format (fp8 / nvfp4 payload, the log says so) and every logprob equals one process's
     exactly (one process rounds the experts' input the same way);
+  - /update_weights_from_disk sent to one rank of np 3 (tiny-qwen3-moe <-> its -trained copy): every
+    rank then answers as one process on the new folder; a request running elsewhere finishes first;
+    a folder that does not load is refused naming a rank; abort_all_requests aborts the requests
+    of every rank; two updates sent to two ranks at once both succeed, one after the other;
   - rank 1 of 3 killed with SIGKILL while requests run: mpirun and every other rank exit within
     30 s, the requests in flight are answered, and the survivors say that rank 1 is gone;
   - flags: --tp 3, --ep-size 3, --dp-size 3 under np 2, nccl / nvlink_one_sided refused on a
     machine without GPU, the deprecated name flashinfer.
 
 Standard library only. Run from the repository root or anywhere:
-`python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, mpi, quant, skew,
-kill, kill-all, flags; the reference is made whenever a group needs it; all of them by default).
+`python3 tests/test_ep.py [GROUP...]` (groups: ref, np1, np2, np3, np4, balance, mpi, quant, update,
+skew, kill, kill-all, flags; the reference is made whenever a group needs it; all of them by default).
 kill checks that rank 0 names the killed rank 1; kill-all wants rank 2 to name it as well (when
 rank 0 has already left too, rank 2 names every rank it finds gone, rank 1 among them). The binary
 is ${BUILD:-build}/moeserve, mpirun comes from PATH. Each check prints one "ok name" or
@@ -60,6 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("BUILD", "build")
 BIN = os.path.join(ROOT, BUILD, "moeserve")
 MODEL = os.path.join(ROOT, "tests", "data", "tiny-qwen3-moe")
+TRAINED = MODEL + "-trained"  # the same config, other weights (/update_weights_from_disk)
 MPIRUN = shutil.which("mpirun")
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
 STARTUP_TIMEOUT = 60.0  # seconds for every rank's /health to say 200
@@ -746,6 +751,109 @@ def case_abort_request(g):
     g.n_sent += n
 
 
+def case_update_weights(g):
+    """/update_weights_from_disk sent to one rank changes every rank's weights together: each rank
+    loads its share of the experts, then all swap. A request running on another rank finishes
+    first; afterwards requests spread over the ranks equal one process on the new folder; a folder
+    that does not load is refused with a 400 that names a rank, and the weights stay; with
+    abort_all_requests the requests running on every rank are aborted, and switching back gives
+    one process's answers on the first folder again."""
+    def update(rank, body):
+        return http_json(g.ports[rank], "POST", "/update_weights_from_disk", body, timeout=REQUEST_TIMEOUT)
+
+    def ok_update(st, body):
+        return st == 200 and isinstance(body, dict) and body.get("success") is True
+
+    out = {}
+    long_req = {"input_ids": [9, 8, 7], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+
+    def run_long():
+        out["long"] = http_json(g.ports[2], "POST", "/generate", long_req)
+    t = threading.Thread(target=run_long)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not g.server_info(2)["internal_states"][2]["num_running_reqs"]:
+        time.sleep(0.02)
+    st, body, raw = update(1, {"model_path": TRAINED})
+    t.join(REQUEST_TIMEOUT)
+    lst, lbody = out.get("long", (0, None))[:2]
+    finished = (lst == 200 and isinstance(lbody, dict)
+                and (lbody["meta_info"].get("finish_reason") or {}).get("type") == "length")
+    check("%s: update through rank 1 succeeds while rank 2 runs a request, which finishes" % g.name,
+          ok_update(st, body) and finished, "update HTTP %d %s; request HTTP %d %s"
+          % (st, short(raw), lst, short(lbody, 200)))
+    g.n_sent += 1
+    plan = [(i % g.n_ranks, i % len(REQUESTS), 0) for i in range(2 * len(REQUESTS))]
+    check_plan("%s: after the update every rank answers as one process on the new folder" % g.name,
+               g, plan, TRAINED)
+    paths = [(http_json(port, "GET", "/get_model_info", timeout=10)[1] or {}).get("model_path")
+             for port in g.ports]
+    check("%s: /get_model_info names the new folder on every rank" % g.name,
+          all(p and os.path.samefile(p, TRAINED) for p in paths), paths)
+
+    st, body, raw = update(2, {"model_path": os.path.join(ROOT, "tests", "data", "no-such-folder")})
+    msg = body.get("message", "") if isinstance(body, dict) else raw
+    check("%s: a folder that does not load is refused with a 400 naming a rank" % g.name,
+          st == 400 and isinstance(body, dict) and body.get("success") is False
+          and re.search(r"rank \d", msg) and "no-such-folder" in msg, "HTTP %d %s" % (st, short(raw)))
+    check_plan("%s: after the refusal the new folder's weights still serve" % g.name, g,
+               [(r, 0, 0) for r in range(g.n_ranks)], TRAINED)
+
+    long_all = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    res = [None] * g.n_ranks
+
+    def run_one(r):
+        res[r] = http_json(g.ports[r], "POST", "/generate", long_all)
+    ts = [threading.Thread(target=run_one, args=(r,)) for r in range(g.n_ranks)]
+    for th in ts:
+        th.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        states = g.server_info(0)["internal_states"]
+        if all(s["num_running_reqs"] for s in states):
+            break
+        time.sleep(0.02)
+    st, body, raw = update(0, {"model_path": MODEL, "abort_all_requests": True})
+    for th in ts:
+        th.join(REQUEST_TIMEOUT)
+    aborted = [isinstance(o, tuple) and o[0] == 200 and isinstance(o[1], dict)
+               and (o[1]["meta_info"].get("finish_reason") or {}).get("type") == "abort"
+               and o[1]["meta_info"]["completion_tokens"] < 500 for o in res]
+    check("%s: abort_all_requests through rank 0 aborts the requests running on every rank" % g.name,
+          ok_update(st, body) and all(aborted), "update HTTP %d %s; aborted %s" % (st, short(raw), aborted))
+    g.n_sent += g.n_ranks
+    check_plan("%s: switched back, every rank answers as one process on the first folder" % g.name,
+               g, plan, MODEL)
+
+    both = [None, None]
+
+    def run_update(k, rank, folder):
+        both[k] = update(rank, {"model_path": folder})
+    ts = [threading.Thread(target=run_update, args=(0, 2, TRAINED)),
+          threading.Thread(target=run_update, args=(1, 1, MODEL))]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(REQUEST_TIMEOUT)
+    check("%s: updates sent to ranks 2 and 1 at once both succeed, one after the other" % g.name,
+          all(b and ok_update(b[0], b[1]) for b in both), short(both, 300))
+    # which went last depends on which rank's request met a step first: either folder, but the
+    # same on every rank
+    answers = run_requests(g, plan)
+    match = {}
+    for folder in (TRAINED, MODEL):
+        match[folder] = all(st == 200 and not compare(body, REFERENCE[folder][ri])[1]
+                            for (_, ri, _), (st, body) in zip(plan, answers))
+    check("%s: then every rank answers as one process on the same one of the two folders" % g.name,
+          match[TRAINED] != match[MODEL], "matches %s" % {os.path.basename(k): v for k, v in match.items()})
+
+
+def section_update():
+    if not need_reference(TRAINED, "trained"):
+        return
+    run_group(Group("np 3 update", 3, flags=["--no-load-balance"]), [case_update_weights])
+
+
 def section_balance():
     run_group(Group("np 3 balanced", 3), [
         lambda g: case_server_info(g, True, "shm"),
@@ -813,8 +921,8 @@ def run_section(name, fn, *args):
 
 
 def main(argv):
-    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "quant", "skew", "kill", "kill-all",
-                  "flags"]
+    all_groups = ["ref", "np1", "np2", "np3", "np4", "balance", "mpi", "quant", "update", "skew", "kill",
+                  "kill-all", "flags"]
     default = list(all_groups)
     groups = [a for a in argv if not a.startswith("-")] or default
     unknown = [a for a in groups if a not in all_groups]
@@ -832,7 +940,7 @@ def main(argv):
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix="moeserve-ep-")
     try:
-        if any(g in groups for g in ("ref", "np1", "np2", "np3", "np4", "balance", "mpi")):
+        if any(g in groups for g in ("ref", "np1", "np2", "np3", "np4", "balance", "mpi", "update")):
             run_section("reference", need_reference, MODEL, "tiny-qwen3-moe")
             if MODEL not in REFERENCE:
                 groups = [g for g in groups if g in ("skew", "kill", "kill-all", "flags")]
@@ -845,6 +953,8 @@ def main(argv):
             run_section("mpi", section_mpi)
         if "quant" in groups:
             run_section("quant", section_quant)
+        if "update" in groups:
+            run_section("update", section_update)
         if "skew" in groups:
             run_section("skew", section_skew, tmp)
         if "kill" in groups or "kill-all" in groups:
