@@ -236,6 +236,10 @@ static double now_s(void) {
 int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F);
 int cuda_moe_fp8_w8a8_down(int64_t n_pairs, int E, int D, int F);
 int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
+/* tests: the BF16 wgmma kernels' least pairs an expert and the swapped one's most (< 0 the
+ * variables MOESERVE_WGMMA_MIN, MOESERVE_WGMMA_SWAP_MAX); the old setting */
+int cuda_moe_bf16_wgmma_min(int pairs);
+int cuda_moe_bf16_swap_max(int pairs);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
@@ -1070,6 +1074,17 @@ static void test_wgmma(void) {
         run_case(&m, 1000, ROUTE_RANDOM, 0.2, 64, false, NULL);
         run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
         run_case(&m, 1500, ROUTE_BALANCED, 0.1, 32, false, NULL);
+        /* the swapped kernel (weights as wgmma's A, chunks of up to 64 rows as its B) at every
+         * size past the tiny path: chunks of 1 to 64 rows, experts of several chunks, one expert
+         * with them all; against the CPU, and a token alone bit for bit against its batch */
+        const int old_min = cuda_moe_bf16_wgmma_min(0), old_max = cuda_moe_bf16_swap_max(100000);
+        printf("  on the swapped kernel\n");
+        static const int Ts[] = {9, 20, 100, 250, 400};
+        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+            run_case(&m, Ts[i], ROUTE_RANDOM, i == 3 ? 0.25 : 0.0, 64, i == 2, NULL);
+        run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+        cuda_moe_bf16_wgmma_min(old_min);
+        cuda_moe_bf16_swap_max(old_max);
     }
     model_free(&m);
 }
@@ -1588,6 +1603,15 @@ int main(int argc, char **argv) {
         model m;
         if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0)
             time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
+        model_free(&m);
+        print_timings();
+        CHECK_SUMMARY();
+    }
+    if (argc > 2 && strcmp(argv[1], "--bf16-timing") == 0) { /* one size, for a profiler */
+        model m;
+        model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
+        copy_gbs = measure_copy_bandwidth();
+        if (model_prepare(&m) == 0) time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
         model_free(&m);
         print_timings();
         CHECK_SUMMARY();

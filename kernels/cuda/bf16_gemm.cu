@@ -505,6 +505,200 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 #endif
 }
 
+// Experts of few rows (decode sizes: up to BWG_SWAP_MAX pairs an expert on average) take the same
+// sums with the operands swapped: the weights are wgmma's A (64 weight rows a wgmma) and a chunk of
+// up to 64 of the expert's grouped rows its B, so a chunk's products cost its rows rounded up to
+// 16, where the kernel above rounds an expert's rows up to 64 a warpgroup (at 64 pairs an expert on
+// average, about half the experts have 65 to 80 and cost 128). High precision puts a row's hi and
+// lo parts side by side in B (N = 2 x the chunk's rows), so one wgmma takes both chains from one
+// read of the weights; each output adds its hi and lo sums at the end as above. A k16 step's sum
+// of an output element is the same whichever operand holds the weight, so these are the kernel
+// above's sums (the test compares a token's rows bit for bit across batch sizes).
+// A block: the producer warp (TMA: four 64-row weight boxes a stage, the chunk's rows in boxes of
+// 16, each part) and two consumer warpgroups sharing the chunk; warpgroup w takes, GATE_UP, h's
+// columns 128 x + 64 w (A: their gate rows and their up rows), else out's columns 256 x + 128 w
+// (two 64-row A tiles). Tile t: chunk t / nx (group_tile with 64 rows), column block t % nx.
+#define BWS_BT 64 /* rows of a chunk */
+template <bool SPLIT> struct bws_cfg {
+    static constexpr int PARTS = SPLIT ? 2 : 1;
+    static constexpr int A_BYTES = 4 * 64 * 128; // four 64-row weight tiles, two a warpgroup
+    static constexpr int B_BYTES = PARTS * BWS_BT * 128;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int STAGES = SPLIT ? 4 : 5;
+    static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
+    static_assert(smem <= 227 * 1024, "shared memory of one block");
+};
+
+#define BWS_D8_STR "%0, %1, %2, %3, %4, %5, %6, %7"
+#define BWS_D8_OUT(d)                                                                              \
+    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]),            \
+        "+f"((d)[6]), "+f"((d)[7])
+#define BWS_D16_STR    BWS_D8_STR ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define BWS_D16_OUT(d) BWS_D8_OUT(d), BWS_D8_OUT((d) + 8)
+#define BWS_D24_STR    BWS_D16_STR ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define BWS_D24_OUT(d) BWS_D16_OUT(d), BWS_D8_OUT((d) + 16)
+#define BWS_D48_STR                                                                                \
+    WGMMA_D32_STR ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+                  "%47"
+#define BWS_D48_OUT(d) WGMMA_D32_OUT(d), BWS_D16_OUT((d) + 32)
+// d += A[64 x 16] B[N x 16]^T for the N of a chunk (16 to 64 rows, twice that in high)
+#define BWS_WGMMA(N, DSTR, DOUT, DA, DB)                                                           \
+    template <>                                                                                    \
+    __device__ __forceinline__ void bws_wgmma<N>(float(&d)[N / 2], uint64_t da, uint64_t db) {     \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DSTR "}, "       \
+                     "%" #DA ", %" #DB ", 1, 1, 1, 0, 0;\n"                                        \
+                     : DOUT(d)                                                                     \
+                     : "l"(da), "l"(db));                                                          \
+    }
+template <int N>
+__device__ __forceinline__ void bws_wgmma(float (&d)[N / 2], uint64_t da, uint64_t db);
+BWS_WGMMA(16, BWS_D8_STR, BWS_D8_OUT, 8, 9)
+BWS_WGMMA(32, BWS_D16_STR, BWS_D16_OUT, 16, 17)
+BWS_WGMMA(48, BWS_D24_STR, BWS_D24_OUT, 24, 25)
+BWS_WGMMA(64, WGMMA_D32_STR, WGMMA_D32_OUT, 32, 33)
+BWS_WGMMA(96, BWS_D48_STR, BWS_D48_OUT, 48, 49)
+BWS_WGMMA(128, WGMMA_D64_STR, WGMMA_D64_OUT, 64, 65)
+
+// The weight row of warpgroup w's A tile a (0, 1) in column block x of expert e (b [E N, K]).
+template <bool GATE_UP> __device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
+    return GATE_UP ? e * N + a * (N / 2) + 128 * x + 64 * w : e * N + 256 * x + 128 * w + 64 * a;
+}
+
+// One warpgroup's tile of a chunk of rows (NT: its rows rounded up to 16): the k loop over the
+// ring, then the epilogue. it: the k tiles this thread has gone through.
+template <bool SPLIT, bool GATE_UP, int NT>
+__device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows, int x, int &it,
+                                            uint32_t smem0, uint32_t bar0) {
+    typedef bws_cfg<SPLIT> C;
+    constexpr int NW = C::PARTS * NT, STAGES = C::STAGES; // the wgmma's N
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int nk = p.K / BWG_BK;
+    float acc[2][NW / 2];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int i = 0; i < NW / 2; i++)
+            acc[a][i] = 0.0f;
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
+    };
+    for (int kb = 0; kb < nk; kb++, it++) {
+        const int s = it % STAGES;
+        mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
+        const uint32_t a0 = smem0 + s * C::STAGE_BYTES + wg * 2 * 8192;
+        const uint64_t da0 = wgmma_desc_sw128(a0), da1 = wgmma_desc_sw128(a0 + 8192);
+        const uint64_t db = wgmma_desc_sw128(smem0 + s * C::STAGE_BYTES + C::A_BYTES);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < BWG_BK / 16; k++) { // + 32 bytes a k16 step: 2 in the address
+            bws_wgmma<NW>(acc[0], da0 + 2 * k, db + 2 * k);
+            bws_wgmma<NW>(acc[1], da1 + 2 * k, db + 2 * k);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (kb > 0) release((it - 1) % STAGES);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    release((it - 1) % STAGES);
+
+    // acc[a][4 j + q]: weight row r0 + 8 (q >> 1) of A tile a, chunk row 8 j + c0 + (q & 1); high:
+    // its lo sum at j + NT / 8
+    const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
+    auto sum = [&](int a, int j, int q) {
+        if constexpr (SPLIT)
+            return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NT / 8) + q]);
+        else
+            return acc[a][4 * j + q];
+    };
+#pragma unroll
+    for (int j = 0; j < NT / 8; j++) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int c = 8 * j + c0 + (q & 1), r = r0 + 8 * (q >> 1);
+            if (c >= rows) continue;
+            if constexpr (GATE_UP) {
+                const int F = p.N / 2;
+                __nv_bfloat16 *dst = p.h + (int64_t)(m0 + c) * F + 128 * x + 64 * wg + r;
+                const float v = __fmul_rn(silu(sum(0, j, q)), sum(1, j, q));
+                const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+                *dst = hi;
+                if constexpr (SPLIT)
+                    dst[p.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+            } else {
+                float *dst =
+                    p.out + (int64_t)__ldg(&p.pairs[m0 + c]) * p.N + 256 * x + 128 * wg + r;
+                dst[0] = sum(0, j, q);
+                dst[64] = sum(1, j, q);
+            }
+        }
+    }
+}
+
+// ta: the grouped rows [parts n, K] in boxes of 16 rows; tb: b [E N, K] in boxes of 64 rows.
+template <bool SPLIT, bool GATE_UP>
+__global__ void __launch_bounds__(BWG_THREADS, 1)
+    bf16_swap_gemm_kernel(const __grid_constant__ CUtensorMap ta,
+                          const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
+#if MOESERVE_WGMMA_DEVICE
+    typedef bws_cfg<SPLIT> C;
+    constexpr int STAGES = C::STAGES;
+    extern __shared__ __align__(16) unsigned char bwg_smem[];
+    __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(bar0 + 8 * s, 1);            // the producer's arrival with the bytes
+            mbar_init(bar0 + 8 * (STAGES + s), 8); // the consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(bwg_smem) + 1023u) & ~1023u;
+    const int nk = p.K / BWG_BK;
+    int it = 0;
+    for (int t = blockIdx.x;; t += gridDim.x) {
+        const int2 tile = group_tile(p.offsets, p.E, t / nx, BWS_BT);
+        if (tile.x < 0) break;
+        const int e = tile.x, m0 = tile.y, x = t % nx;
+        const int rows = min(BWS_BT, __ldg(&p.offsets[e + 1]) - m0);
+        const int nb = (rows + 15) / 16; // boxes of 16 rows a part
+        if (warp == 8) {                 // the producer: lane 0 copies
+            if (lane == 0) {
+                const uint32_t bytes = C::A_BYTES + C::PARTS * nb * 16 * 128;
+                for (int kb = 0; kb < nk; kb++, it++) {
+                    const int s = it % STAGES, kx = kb * 128; // k in bytes
+                    const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
+                    mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
+                    mbar_arrive_tx(full, bytes);
+#pragma unroll
+                    for (int w = 0; w < 2; w++)
+#pragma unroll
+                        for (int a = 0; a < 2; a++)
+                            tma_load_2d(sa + (2 * w + a) * 8192, &tb, kx,
+                                        bws_wrow<GATE_UP>(p.N, e, x, w, a), full);
+                    for (int part = 0; part < C::PARTS; part++)
+                        for (int i = 0; i < nb; i++)
+                            tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 128, &ta, kx,
+                                        part * p.a_lo + m0 + 16 * i, full);
+                }
+            }
+            __syncwarp();
+            continue;
+        }
+        switch (nb) {
+        case 1: bws_consume<SPLIT, GATE_UP, 16>(p, m0, rows, x, it, smem0, bar0); break;
+        case 2: bws_consume<SPLIT, GATE_UP, 32>(p, m0, rows, x, it, smem0, bar0); break;
+        case 3: bws_consume<SPLIT, GATE_UP, 48>(p, m0, rows, x, it, smem0, bar0); break;
+        default: bws_consume<SPLIT, GATE_UP, 64>(p, m0, rows, x, it, smem0, bar0); break;
+        }
+    }
+#else
+    __trap(); // not built for this device (hopper.cuh)
+#endif
+}
+
 // Grouped row m < offsets[E] of xg [AP, n, D] = the row of its pair's token in xb [AP, T, D] (high:
 // the lo parts after the hi ones in both). A block a row, 16 bytes a thread.
 __global__ void bwg_gather_kernel(__nv_bfloat16 *xg, const __nv_bfloat16 *xb, int T, int D,
@@ -526,8 +720,10 @@ static int wgmma_env() {
     return cuda_env_on("MOESERVE_WGMMA", &on) && cuda_wgmma_device();
 }
 
-// Pairs an expert from which the wgmma kernel takes the experts (moe.cu's prefill tiles from 96).
+// Pairs an expert from which the wgmma kernels take the experts (moe.cu's prefill tiles from 96),
+// and up to which the swapped one does (BF16).
 #define BWG_MIN_PAIRS_PER_EXPERT 96
+#define BWG_SWAP_MAX             96
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -549,8 +745,12 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
     return n_pairs > (int64_t)min_pairs * E && E > 0 && bwg_shape_ok(D, F, split) && wgmma_env();
 }
 
+// BF16's minimum pairs an expert (MOESERVE_WGMMA_MIN, default BWG_MIN_PAIRS_PER_EXPERT) and the
+// swapped kernel's maximum (MOESERVE_WGMMA_SWAP_MAX, default BWG_SWAP_MAX); -1: from the variable.
+static int g_bf16_min = -1, g_swap_max = -1;
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    return bwg_takes(n_pairs, E, D, F, split, BWG_MIN_PAIRS_PER_EXPERT);
+    return bwg_takes(n_pairs, E, D, F, split,
+                     cuda_env_count("MOESERVE_WGMMA_MIN", BWG_MIN_PAIRS_PER_EXPERT, &g_bf16_min));
 }
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
@@ -582,6 +782,34 @@ static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     CUDA_CHECK_LAUNCH();
 }
 
+// The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
+template <bool SPLIT, bool GATE_UP>
+static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
+                       int64_t n_pairs) {
+    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP>;
+    static size_t attr_set = 0;
+    cuda_smem_allow(kernel, bws_cfg<SPLIT>::smem, &attr_set);
+    static int sms = 0; // one device a process
+    if (!sms) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
+    const int nx = GATE_UP ? p.N / 2 / 128 : p.N / 256;
+    const int64_t tiles = (int64_t)nx * ((n_pairs + BWS_BT - 1) / BWS_BT + p.E);
+    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    kernel<<<grid, BWG_THREADS, bws_cfg<SPLIT>::smem, cuda_stream()>>>(ta, tb, p, nx);
+    CUDA_CHECK_LAUNCH();
+}
+
+// Whether the experts take the swapped kernel: BF16 weights, at most MOESERVE_WGMMA_SWAP_MAX pairs
+// an expert on average (default BWG_SWAP_MAX), F % 128 and D % 256 (its column blocks).
+static bool bws_takes(int64_t n_pairs, int E, int D, int F) {
+    return n_pairs <=
+               (int64_t)cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", BWG_SWAP_MAX, &g_swap_max) * E &&
+           F % 128 == 0 && D % 256 == 0;
+}
+
 // WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor
 // scales s2 (moe.cu's W4A16 layout); WQ 8: FP8 codes with their block scales (fp32, moe.cu's
 // W8A16 layout; s2 NULL); 0: BF16 (the other three NULL).
@@ -611,6 +839,18 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                                                                     K, parts);
     CUDA_CHECK_LAUNCH();
     p.a_lo = (int)n_pairs;
+    if (WQ == 0 && bws_takes(n_pairs, E, D, F)) { // few rows an expert: the operands swapped
+        const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16);
+        const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, 64);
+        bws_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
+        p.out = out;
+        p.N = D;
+        p.K = F;
+        const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16);
+        const CUtensorMap tb2 = tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, 64);
+        bws_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
+        return;
+    }
     const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
     const CUtensorMap tb1 =
         WQ ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
@@ -720,6 +960,8 @@ extern "C" int cuda_moe_w4_wgmma(int on) { return swap_setting(&g_w4.on, on); }
 extern "C" int cuda_moe_w8_wgmma(int on) { return swap_setting(&g_w8.on, on); }
 // tests: < 0 the variable; the old setting
 extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min, pairs); }
+extern "C" int cuda_moe_bf16_wgmma_min(int pairs) { return swap_setting(&g_bf16_min, pairs); }
+extern "C" int cuda_moe_bf16_swap_max(int pairs) { return swap_setting(&g_swap_max, pairs); }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     return g_w4.takes(n_pairs, E, D, F, split);
 }
