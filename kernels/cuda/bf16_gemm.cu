@@ -518,6 +518,12 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // 16, each part) and two consumer warpgroups sharing the chunk; warpgroup w takes, GATE_UP, h's
 // columns 128 x + 64 w (A: their gate rows and their up rows), else out's columns 256 x + 128 w
 // (two 64-row A tiles). Tile t: chunk t / nx (group_tile with 64 rows), column block t % nx.
+// Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high;
+// this kernel 546.5 us): the two warpgroups sharing one set of weight tiles, each taking half of
+// up to 128 rows (664.8 us: each wgmma of fewer rows reads the same A from shared memory), and
+// each warpgroup its own 64 weight rows over up to 112 rows, so that an expert of 65 to 128 rows
+// streams its weights once instead of twice (618.7 us: 16 KB of weights a stage, half of these,
+// leave too few bytes in flight).
 #define BWS_BT 64 /* rows of a chunk */
 template <bool SPLIT> struct bws_cfg {
     static constexpr int PARTS = SPLIT ? 2 : 1;
@@ -720,10 +726,21 @@ static int wgmma_env() {
     return cuda_env_on("MOESERVE_WGMMA", &on) && cuda_wgmma_device();
 }
 
-// Pairs an expert from which the wgmma kernels take the experts (moe.cu's prefill tiles from 96),
-// and up to which the swapped one does (BF16).
+// Pairs an expert from which the wgmma kernels take the experts: the quantized formats' (moe.cu's
+// prefill tiles from 96), BF16's, and the swapped kernel's range on shapes of long k loops (D and
+// F at least BWG_SWAP_LONG_K). H200, test_cuda_moe --timing 1024 and --timing-deepseek 2048,
+// us, medium / high (docs/benchmarks.md):
+//   Qwen3-30B-A3B, 64 an expert (T = 1024): the tiles 405.7 / 569.6, this kernel (from 24) 386.8
+//   / 515.7, swapped 452.6 / 546.5; 32 an expert (T = 512): the tiles 340.3 / 369.2, this kernel
+//   351.4 / 432.1, swapped 348.4 / 380.2.
+//   DeepSeek-V3's shape (D 7168, F 2048): 32 an expert (T = 1024) the tiles 5704.1 / 6478.9,
+//   swapped 5521.9 / 5851.0; 16 (T = 512) 5453.9 / 5698.3 against 5352.1 / 5522.5; 8 (T = 256)
+//   5146.3 / 5277.9 against 5142.5 / 5271.9.
 #define BWG_MIN_PAIRS_PER_EXPERT 96
-#define BWG_SWAP_MAX             96
+#define BWG_MIN_PAIRS_BF16       48
+#define BWG_SWAP_MIN             12
+#define BWG_SWAP_MAX             48
+#define BWG_SWAP_LONG_K          2048
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -745,12 +762,24 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
     return n_pairs > (int64_t)min_pairs * E && E > 0 && bwg_shape_ok(D, F, split) && wgmma_env();
 }
 
-// BF16's minimum pairs an expert (MOESERVE_WGMMA_MIN, default BWG_MIN_PAIRS_PER_EXPERT) and the
-// swapped kernel's maximum (MOESERVE_WGMMA_SWAP_MAX, default BWG_SWAP_MAX); -1: from the variable.
+// BF16's minimum pairs an expert (MOESERVE_WGMMA_MIN, default BWG_MIN_PAIRS_BF16) and the swapped
+// kernel's maximum (MOESERVE_WGMMA_SWAP_MAX; -1: from the variables). The swapped kernel takes
+// the sizes from the minimum up to its maximum on any shape it can (F % 128, D % 256) when
+// MOESERVE_WGMMA_SWAP_MAX is given; by default only from BWG_SWAP_MIN to BWG_SWAP_MAX pairs an
+// expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and 768, the tiles and the
+// kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
+static bool bws_takes(int64_t n_pairs, int E, int D, int F) {
+    if (F % 128 || D % 256) return false;
+    const int max = cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", -1, &g_swap_max);
+    if (max >= 0) return n_pairs <= (int64_t)max * E;
+    return n_pairs > (int64_t)BWG_SWAP_MIN * E && n_pairs <= (int64_t)BWG_SWAP_MAX * E &&
+           D >= BWG_SWAP_LONG_K && F >= BWG_SWAP_LONG_K;
+}
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    return bwg_takes(n_pairs, E, D, F, split,
-                     cuda_env_count("MOESERVE_WGMMA_MIN", BWG_MIN_PAIRS_PER_EXPERT, &g_bf16_min));
+    const int min = cuda_env_count("MOESERVE_WGMMA_MIN", BWG_MIN_PAIRS_BF16, &g_bf16_min);
+    return bwg_takes(n_pairs, E, D, F, split, min) ||
+           (E > 0 && bws_takes(n_pairs, E, D, F) && bwg_shape_ok(D, F, split) && wgmma_env());
 }
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
@@ -800,14 +829,6 @@ static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
     kernel<<<grid, BWG_THREADS, bws_cfg<SPLIT>::smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
-}
-
-// Whether the experts take the swapped kernel: BF16 weights, at most MOESERVE_WGMMA_SWAP_MAX pairs
-// an expert on average (default BWG_SWAP_MAX), F % 128 and D % 256 (its column blocks).
-static bool bws_takes(int64_t n_pairs, int E, int D, int F) {
-    return n_pairs <=
-               (int64_t)cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", BWG_SWAP_MAX, &g_swap_max) * E &&
-           F % 128 == 0 && D % 256 == 0;
 }
 
 // WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor

@@ -9,9 +9,11 @@
 #include <cstdint>
 
 // Whether the experts' two GEMMs of n_pairs (token, expert) pairs over E local experts of BF16
-// weights (D hidden, F expert width) take the wgmma kernel: more than 96 pairs an expert on
-// average, D and F multiples of the tiles (medium: D % 256, F % 128; high (split): D % 128,
-// F % 64), unless MOESERVE_WGMMA=0.
+// weights (D hidden, F expert width) take the wgmma kernels: more than 48 pairs an expert on
+// average (MOESERVE_WGMMA_MIN), or on shapes of long k loops (D and F from 2048) from 12 to 48 on
+// the kernel with the operands swapped (MOESERVE_WGMMA_SWAP_MAX; bf16_gemm.cu says when); D and F
+// multiples of the tiles (medium: D % 256, F % 128; high (split): D % 128, F % 64), unless
+// MOESERVE_WGMMA=0.
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
 // Whether high-precision experts of this shape sum in two chains at every size (the wgmma
 // kernel's sums, moe.cu's TWO tiles below its sizes), so a token's rows are the same bits at any

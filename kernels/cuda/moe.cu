@@ -101,7 +101,7 @@
 // T = 2048 1100.8 us against the tiles' 1244.9, T = 4096 1642.1 against 2150.9; at T = 256 and
 // 1024 (16 and 64 pairs an expert) it was 1.75 and 1.02 times the tiles' time, hence its minimum.
 //
-// BF16 experts at prefill sizes (more than 96 pairs an expert, bf16_gemm.h) run both GEMMs on
+// BF16 experts at prefill sizes (more than 48 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
 // bits as the tiles here (a wgmma k16 step is an mma.sync k16 step bit for bit), in high two
 // chains (hi, lo) added at the end (with the tiles below its sizes in two chains too,
