@@ -1087,7 +1087,7 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
             update_pause(s, from, st.update_abort, false);
         }
         if (st.runtime_max == 0) {
-            if (!s->upd_is_running) idle_wait(s, stop);
+            idle_wait(s, stop);
             continue;
         }
         s->e.runtime_max = step_runtime_max(s, st.runtime_max);
