@@ -111,6 +111,7 @@ struct scheduler {
     pthread_cond_t upd_cv;
     bool upd_is_running; /* engine thread: admission paused for an update */
     bool in_group;       /* engine thread: run_group runs the steps (updates are the group's) */
+    bool upd_aborting;   /* engine thread: this pause has aborted every request */
     char served_dir[4096]; /* under mu: the folder of the last successful update ("" before) */
 };
 
@@ -675,6 +676,7 @@ static void update_pause(scheduler *s, const char *dir, bool abort_all, bool dro
     LOG_INFO("scheduler", "update_weights_from_disk %s: %s", dir,
              abort_all ? "aborting every request" : "waiting for the running requests");
     if (!abort_all) return;
+    s->upd_aborting = true;
     int n = s->n_running; /* as /abort_request's abort_all */
     pthread_mutex_lock(&s->mu);
     for (sched_seq *q = s->wait_head; q; q = q->next, n++)
@@ -721,7 +723,7 @@ static void update_finish(scheduler *s, const char *dir, model *fresh, bool swap
                  msg);
     }
     model_free(fresh); /* the old weights after a swap, else the unused new ones */
-    s->upd_is_running = false;
+    s->upd_is_running = s->upd_aborting = false;
     if (!answer) return;
     pthread_mutex_lock(&s->mu);
     s->upd_done = true;
@@ -1081,7 +1083,9 @@ static int run_group(scheduler *s, rank_group *g, atomic_bool *stop, char *err, 
             if (group_update(s, g, st.update_rank, err, errlen) != 0) return -1;
             continue;
         }
-        if (st.update_rank >= 0 && !s->upd_is_running) {
+        /* (a pause that began for an update without abort_all_requests aborts when a lower rank's
+         * with it comes first) */
+        if (st.update_rank >= 0 && (!s->upd_is_running || (st.update_abort && !s->upd_aborting))) {
             char from[48];
             snprintf(from, sizeof from, "from rank %d", st.update_rank);
             update_pause(s, from, st.update_abort, false);
