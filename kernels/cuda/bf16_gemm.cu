@@ -763,11 +763,11 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
 }
 
 // BF16's minimum pairs an expert (MOESERVE_WGMMA_MIN, default BWG_MIN_PAIRS_BF16) and the swapped
-// kernel's maximum (MOESERVE_WGMMA_SWAP_MAX; -1: from the variables). The swapped kernel takes
-// the sizes from the minimum up to its maximum on any shape it can (F % 128, D % 256) when
-// MOESERVE_WGMMA_SWAP_MAX is given; by default only from BWG_SWAP_MIN to BWG_SWAP_MAX pairs an
-// expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and 768, the tiles and the
-// kernel above were faster).
+// kernel's maximum (MOESERVE_WGMMA_SWAP_MAX; -1: from the variables). Given
+// MOESERVE_WGMMA_SWAP_MAX=N, the swapped kernel takes every grouped size up to N pairs an expert
+// on any shape it can (F % 128, D % 256; 0: none); by default only from BWG_SWAP_MIN to
+// BWG_SWAP_MAX pairs an expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and
+// 768, the tiles and the kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
 static bool bws_takes(int64_t n_pairs, int E, int D, int F) {
     if (F % 128 || D % 256) return false;
