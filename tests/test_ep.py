@@ -848,10 +848,59 @@ def case_update_weights(g):
           match[TRAINED] != match[MODEL], "matches %s" % {os.path.basename(k): v for k, v in match.items()})
 
 
-def section_update():
+def make_copy_without_expert(src, dst, expert):
+    """Copy the checkpoint folder src to dst with expert `expert`'s down_proj renamed in every layer
+    (to a name of the same length, so the header keeps its size): its config is the served one's,
+    its tensors are not all there. Returns the number of tensors renamed."""
+    old = (".mlp.experts.%d.down_proj.weight" % expert).encode()
+    new = (".mlp.experts.%d.down_proj.wxight" % expert).encode()
+    n_renamed = 0
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            blob = f.read()
+        if name.endswith(".safetensors"):
+            (n,) = struct.unpack("<Q", blob[:8])
+            header = blob[8:8 + n]
+            n_renamed += header.count(old)
+            blob = blob[:8] + header.replace(old, new) + blob[8 + n:]
+        elif name.endswith(".index.json"):
+            blob = blob.replace(old, new)
+        with open(os.path.join(dst, name), "wb") as f:
+            f.write(blob)
+    return n_renamed
+
+
+def case_update_partial_failure(g, broken):
+    """A folder of the served config with an expert's tensor missing (every rank checks the whole
+    checkpoint, so each refuses it): the answer names a rank and the tensor, nothing is swapped,
+    and every rank keeps answering as one process on the served folder."""
+    st, body, raw = http_json(g.ports[0], "POST", "/update_weights_from_disk", {"model_path": broken},
+                              timeout=REQUEST_TIMEOUT)
+    msg = body.get("message", "") if isinstance(body, dict) else raw
+    check("%s: a folder missing one expert's tensor is refused, naming a rank and the tensor" % g.name,
+          st == 400 and isinstance(body, dict) and body.get("success") is False
+          and re.match(r"rank \d: ", msg) and "experts.7.down_proj" in msg, "HTTP %d %s" % (st, short(raw)))
+    plan = [(i % g.n_ranks, i % len(REQUESTS), 0) for i in range(2 * len(REQUESTS))]
+    check_plan("%s: after it every rank still answers as one process on the served folder" % g.name,
+               g, plan, MODEL)
+
+
+def section_update(tmp):
     if not need_reference(TRAINED, "trained"):
         return
-    run_group(Group("np 3 update", 3, flags=["--no-load-balance"]), [case_update_weights])
+    broken = os.path.join(tmp, "tiny-qwen3-moe-trained-without-expert-7")
+    n = make_copy_without_expert(TRAINED, broken, 7)
+    check("copy without expert 7: its down_proj renamed in every layer (%d tensors)" % n, n > 0)
+    run_group(Group("np 3 update", 3, flags=["--no-load-balance"]),
+              [case_update_partial_failure_first(broken), case_update_weights])
+
+
+def case_update_partial_failure_first(broken):
+    return lambda g: case_update_partial_failure(g, broken)
 
 
 def section_balance():
@@ -954,7 +1003,7 @@ def main(argv):
         if "quant" in groups:
             run_section("quant", section_quant)
         if "update" in groups:
-            run_section("update", section_update)
+            run_section("update", section_update, tmp)
         if "skew" in groups:
             run_section("skew", section_skew, tmp)
         if "kill" in groups or "kill-all" in groups:
