@@ -386,25 +386,41 @@ def need_reference(model, label):
 # The skewed checkpoint
 
 
-def make_skewed_copy(src, dst):
-    """Copy the checkpoint folder src to dst with every router (model.layers.*.mlp.gate.weight)
-    set to zero: all router logits tie, so every token's top-k are the lowest expert ids. Other
-    files are copied as they are. Returns the number of tensors zeroed."""
-    gate = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
-    zeroed = 0
+def copy_checkpoint(src, dst, edit):
+    """Copy the checkpoint folder src to dst, each file through edit(name, bytes) -> (bytes, count)
+    (the other files as they are). Returns the sum of the counts."""
+    total = 0
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if not os.path.isfile(path):
             continue
-        if not name.endswith(".safetensors"):
-            shutil.copyfile(path, os.path.join(dst, name))
-            continue
         with open(path, "rb") as f:
-            blob = bytearray(f.read())
-        (n,) = struct.unpack("<Q", bytes(blob[:8]))
-        header = json.loads(bytes(blob[8:8 + n]).decode("utf-8"))
-        base = 8 + n
+            blob, n = edit(name, f.read())
+        total += n
+        with open(os.path.join(dst, name), "wb") as f:
+            f.write(blob)
+    return total
+
+
+def safetensors_header(blob):
+    """(header as a dict, offset of the data) of a .safetensors file's bytes."""
+    (n,) = struct.unpack("<Q", bytes(blob[:8]))
+    return json.loads(bytes(blob[8:8 + n]).decode("utf-8")), 8 + n
+
+
+def make_skewed_copy(src, dst):
+    """Copy the checkpoint folder src to dst with every router (model.layers.*.mlp.gate.weight)
+    set to zero: all router logits tie, so every token's top-k are the lowest expert ids. Other
+    files are copied as they are. Returns the number of tensors zeroed."""
+    gate = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+
+    def zero_routers(name, data):
+        if not name.endswith(".safetensors"):
+            return data, 0
+        blob = bytearray(data)
+        header, base = safetensors_header(blob)
+        zeroed = 0
         for key, t in header.items():
             if key == "__metadata__" or not gate.match(key):
                 continue
@@ -414,9 +430,9 @@ def make_skewed_copy(src, dst):
             # zero is all-zero bytes in BF16, F16 and F32 alike
             blob[base + begin:base + end] = bytes(end - begin)
             zeroed += 1
-        with open(os.path.join(dst, name), "wb") as f:
-            f.write(blob)
-    return zeroed
+        return bytes(blob), zeroed
+
+    return copy_checkpoint(src, dst, zero_routers)
 
 
 def router_tensors(folder):
@@ -854,27 +870,20 @@ def make_copy_without_expert(src, dst, expert):
     its tensors are not all there. Returns the number of tensors renamed."""
     old = (".mlp.experts.%d.down_proj.weight" % expert).encode()
     new = (".mlp.experts.%d.down_proj.wxight" % expert).encode()
-    n_renamed = 0
-    os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, "rb") as f:
-            blob = f.read()
+
+    def rename(name, blob):
         if name.endswith(".safetensors"):
-            (n,) = struct.unpack("<Q", blob[:8])
-            header = blob[8:8 + n]
-            n_renamed += header.count(old)
-            blob = blob[:8] + header.replace(old, new) + blob[8 + n:]
-        elif name.endswith(".index.json"):
-            blob = blob.replace(old, new)
-        with open(os.path.join(dst, name), "wb") as f:
-            f.write(blob)
-    return n_renamed
+            _, base = safetensors_header(blob)
+            header = blob[8:base]
+            return blob[:8] + header.replace(old, new) + blob[base:], header.count(old)
+        if name.endswith(".index.json"):
+            return blob.replace(old, new), 0
+        return blob, 0
+
+    return copy_checkpoint(src, dst, rename)
 
 
-def case_update_partial_failure(g, broken):
+def case_update_missing_tensor(g, broken):
     """A folder of the served config with an expert's tensor missing (every rank checks the whole
     checkpoint, so each refuses it): the answer names a rank and the tensor, nothing is swapped,
     and every rank keeps answering as one process on the served folder."""
@@ -896,11 +905,7 @@ def section_update(tmp):
     n = make_copy_without_expert(TRAINED, broken, 7)
     check("copy without expert 7: its down_proj renamed in every layer (%d tensors)" % n, n > 0)
     run_group(Group("np 3 update", 3, flags=["--no-load-balance"]),
-              [case_update_partial_failure_first(broken), case_update_weights])
-
-
-def case_update_partial_failure_first(broken):
-    return lambda g: case_update_partial_failure(g, broken)
+              [lambda g: case_update_missing_tensor(g, broken), case_update_weights])
 
 
 def section_balance():
