@@ -130,6 +130,37 @@ __device__ __forceinline__ void bwg_wgmma<256>(float (&d)[128], uint64_t da, uin
                  : "l"(da), "l"(db));
 }
 
+#define BWS_D8_STR "%0, %1, %2, %3, %4, %5, %6, %7"
+#define BWS_D8_OUT(d)                                                                              \
+    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]),            \
+        "+f"((d)[6]), "+f"((d)[7])
+#define BWS_D16_STR    BWS_D8_STR ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define BWS_D16_OUT(d) BWS_D8_OUT(d), BWS_D8_OUT((d) + 8)
+#define BWS_D24_STR    BWS_D16_STR ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define BWS_D24_OUT(d) BWS_D16_OUT(d), BWS_D8_OUT((d) + 16)
+#define BWS_D48_STR                                                                                \
+    WGMMA_D32_STR ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+                  "%47"
+#define BWS_D48_OUT(d) WGMMA_D32_OUT(d), BWS_D16_OUT((d) + 32)
+// d += A[64 x 16] B[N x 16]^T, B a few grouped rows (16 to 64, twice that in high) and A 64 weight
+// rows (the swapped kernel, and the grouped kernel's short halves)
+#define BWS_WGMMA(N, DSTR, DOUT, DA, DB)                                                           \
+    template <>                                                                                    \
+    __device__ __forceinline__ void bws_wgmma<N>(float(&d)[N / 2], uint64_t da, uint64_t db) {     \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DSTR "}, "       \
+                     "%" #DA ", %" #DB ", 1, 1, 1, 0, 0;\n"                                        \
+                     : DOUT(d)                                                                     \
+                     : "l"(da), "l"(db));                                                          \
+    }
+template <int N>
+__device__ __forceinline__ void bws_wgmma(float (&d)[N / 2], uint64_t da, uint64_t db);
+BWS_WGMMA(16, BWS_D8_STR, BWS_D8_OUT, 8, 9)
+BWS_WGMMA(32, BWS_D16_STR, BWS_D16_OUT, 16, 17)
+BWS_WGMMA(48, BWS_D24_STR, BWS_D24_OUT, 24, 25)
+BWS_WGMMA(64, WGMMA_D32_STR, WGMMA_D32_OUT, 32, 33)
+BWS_WGMMA(96, BWS_D48_STR, BWS_D48_OUT, 48, 49)
+BWS_WGMMA(128, WGMMA_D64_STR, WGMMA_D64_OUT, 64, 65)
+
 // The kernel's arguments. Grouped row m (expert e: offsets[e] <= m < offsets[e + 1]) reads A's row
 // m (high: and row a_lo + m, its lo part) and expert e's B rows (b [E, N, K]: GATE_UP's N = 2F,
 // F gate rows then F up rows). GATE_UP writes h [*, N / 2] BF16 in grouped order (high: the lo
@@ -153,6 +184,9 @@ typedef struct {
     // scales wsf [E, ceil(K / 128), N] a weight row each (equal over aligned groups of 64 rows)
     const uint8_t *wq, *wsf;
     const float *ws2;
+    // a 64-row half of a tile with 1 to tail rows takes them as wgmma's B, the weights as A (the
+    // grouped kernel's short halves, below; 0: never)
+    int tail;
 } bwg_args;
 
 // The CW converter warps (W4 and W8; the kernel's warps 9 on): ct = the thread among them, rows
@@ -284,32 +318,150 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
+// A consumer warp is done with a stage (its wgmma have completed): lane 0 arrives on the stage's
+// empty barrier in each block of the cluster (CL), whose producers all copy into it.
+template <int CL> __device__ __forceinline__ void bwg_release(uint32_t empty) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        mbar_arrive(empty);
+        const int rank = (int)(blockIdx.x % CL);
+#pragma unroll
+        for (int r = 1; r < CL; r++)
+            mbar_arrive_cluster(empty, (rank + r) % CL);
+    }
+}
+
+// The rows of 64-row half h of a tile of rows rows (0: none).
+__device__ __forceinline__ int bwg_half_rows(int rows, int h) {
+    return max(0, min(64, rows - 64 * h));
+}
+
+// A short half (1 to p.tail rows; never W8, whose block scales fold the m64 sums): the operands
+// swapped, as in the swapped kernel below, so its products cost its rows rounded up to 16 instead
+// of 64 (at 64 pairs an expert on average about half the experts have 65 to 80 rows). The
+// producer puts the half's NB boxes of 16 rows at the half's place in the stage's A tile, high's lo
+// boxes right after its hi ones, so B is N = parts x 16 NB rows at one stride; the B tile's 64-row
+// slices are the A operands (NA = BN / 64: GATE_UP's first NA / 2 the gate rows, the rest the
+// matching up rows). A k16 step's sum of an output is the same whichever operand holds the weight,
+// so a row's outputs are the m64 path's bits. range: the tile's range of K (S > 1).
+template <bool SPLIT, bool GATE_UP, int WQ, int CL, int NB>
+__device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0, int rows, int n0,
+                                               int range, int nk, int &it, uint32_t smem0,
+                                               uint32_t bar0) {
+    typedef bwg_cfg<SPLIT> C;
+    constexpr int NA = C::BN / 64, NT = 16 * NB, NW = C::A_PARTS * NT, STAGES = C::STAGES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    float acc[NA][NW / 2];
+#pragma unroll
+    for (int a = 0; a < NA; a++)
+#pragma unroll
+        for (int i = 0; i < NW / 2; i++)
+            acc[a][i] = 0.0f;
+    auto release = [&](int s) { bwg_release<CL>(bar0 + 8 * (STAGES + s)); };
+    for (int kb = 0; kb < nk; kb++, it++) {
+        const int s = it % STAGES;
+        mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
+        const uint32_t sa = smem0 + s * C::STAGE_BYTES, sb = sa + C::A_PARTS * C::A_BYTES;
+        const uint64_t db = wgmma_desc_sw128(sa + wg * 8192);
+        uint64_t da[NA];
+#pragma unroll
+        for (int a = 0; a < NA; a++)
+            da[a] = wgmma_desc_sw128(sb + a * 8192);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < BWG_BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
+#pragma unroll
+            for (int a = 0; a < NA; a++)
+                bws_wgmma<NW>(acc[a], da[a] + 2 * k, db + 2 * k);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (kb > 0) release((it - 1) % STAGES);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    release((it - 1) % STAGES);
+
+    // acc[a][4 j + q]: row r0 + 8 (q >> 1) of slice a, the half's row 8 j + c0 + (q & 1); high: its
+    // lo sum at j + NT / 8
+    const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
+    auto sum = [&](int a, int j, int q) {
+        if constexpr (SPLIT)
+            return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NT / 8) + q]);
+        else
+            return acc[a][4 * j + q];
+    };
+    constexpr bool W4 = WQ == 4;
+#pragma unroll
+    for (int j = 0; j < NT / 8; j++) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int c = 64 * wg + 8 * j + c0 + (q & 1), r = r0 + 8 * (q >> 1);
+            if (c >= rows) continue;
+            if constexpr (GATE_UP) {
+                const int F = p.N / 2;
+#pragma unroll
+                for (int a = 0; a < NA / 2; a++) {
+                    float g = sum(a, j, q), u = sum(a + NA / 2, j, q);
+                    if constexpr (W4) { // the gate's and the up projection's tensor scales
+                        g = __fmul_rn(g, __ldg(&p.ws2[3 * e]));
+                        u = __fmul_rn(u, __ldg(&p.ws2[3 * e + 1]));
+                    }
+                    const float v = __fmul_rn(silu(g), u);
+                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + c) * F + n0 + 64 * a + r;
+                    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+                    *dst = hi;
+                    if constexpr (SPLIT)
+                        dst[p.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                }
+            } else {
+                float *dst = (p.S > 1 ? p.part + range * p.part_stride : p.out) +
+                             (int64_t)__ldg(&p.pairs[m0 + c]) * p.N + n0 + r;
+#pragma unroll
+                for (int a = 0; a < NA; a++) {
+                    float y = sum(a, j, q);
+                    if constexpr (W4) y = __fmul_rn(y, __ldg(&p.ws2[3 * e + 2])); // down's scale
+                    dst[64 * a] = y;
+                }
+            }
+        }
+    }
+}
+
 // Block b takes tiles t = b, b + gridDim.x, ...: n-block t % nx of row tile t / (nx S), range
 // t / nx % S (the blocks at work at once share A's row tiles and B's expert); the ring runs on
 // across its tiles.
-// ta: A [rows, K] BF16 in boxes of 128 rows; tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows.
+// ta: A [rows, K] BF16 in boxes of 64 rows (a half of a tile), tt the same in boxes of 16 (short
+// halves); tb: b [E N, K] in boxes of BN (GATE_UP: BN / 2) rows. A half without rows is not copied.
 // W4 (NVFP4 weights, W4A16): no tb; CW more warps (the converters, BN / (32 CW) rows of each B
 // tile a thread, rounded up) request their rows' codes and scales of a k tile two k tiles ahead
 // (cp.async into their own staging), decode them into the stage's BF16 B tile as moe.cu's W4A16
 // fragments decode them (wq_decode times the group scale: the same BF16 values), and each arrives
 // on the stage's full barrier with the producer's A tile; the epilogue applies the tensor scales.
-template <bool SPLIT, bool GATE_UP, int WQ, int CW = 2>
+template <bool SPLIT, bool GATE_UP, int WQ, int CW = 2, int CL = 1>
 __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
+                             const __grid_constant__ CUtensorMap tt,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
     typedef bwg_cfg<SPLIT> C;
     // WQ: B's weights as codes the converter warps decode (4: NVFP4, 8: FP8), 0: BF16 by TMA
     constexpr bool W4 = WQ == 4, W8 = WQ == 8, CONV = WQ != 0;
     static_assert(!W8 || SPLIT, "W8: high precision (the fold's totals in acl)");
+    static_assert(CL == 1 || (!CONV && (CL == 2 || CL == 4)), "BF16 weights in clusters of 2, 4");
     constexpr int BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int N = p.N, nkb = p.K / BWG_BK, S = p.S;
-    // the k tiles of tile t's range
-    auto k_first = [&](int t) { return t / nx % S * p.nks; };
-    auto k_end = [&](int t) { return min(nkb, k_first(t) + p.nks); };
+    const int tail = W8 ? 0 : p.tail; // short halves (bwg_short_half)
+    // the blocks of a cluster take the same row tiles and ranges of K: cluster tile u is row tile
+    // u / (nxc S), range u / nxc % S, and its block of rank r n-block CL (u % nxc) + r (CL 1: the
+    // tile t = u of the comment above)
+    const int rank = (int)(blockIdx.x % CL), nxc = nx / CL, u0 = blockIdx.x / CL,
+              du = gridDim.x / CL;
+    auto row_tile = [&](int u) { return u / (nxc * S); };
+    auto range_of = [&](int u) { return u / nxc % S; };
+    auto k_first = [&](int u) { return range_of(u) * p.nks; }; // the k tiles of u's range
+    auto k_end = [&](int u) { return min(nkb, k_first(u) + p.nks); };
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     auto full = [&](int s) { return bar0 + 8 * s; };
     auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
@@ -318,16 +470,20 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             mbar_init(full(s),
                       CONV ? 1 + CW : 1); // the producer's arrival with the bytes (and the
                                           // converter warps')
-            mbar_init(empty(s), 8); // the consumer warps
+            mbar_init(empty(s), 8 * CL);  // the consumer warps of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    if constexpr (CL > 1)
+        cluster_sync_all(); // the other blocks' barriers are ready for this one's copies
+    else
+        __syncthreads();
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(bwg_smem);
     const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
     auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; }; // then the lo tile (high)
     auto stage_b = [&](int s) { return stage_a(s) + C::A_PARTS * C::A_BYTES; };
     const int n_cols = GATE_UP ? BN / 2 : BN; // output columns of a tile (GATE_UP: h's)
+    auto n_first = [&](int u) { return (CL * (u % nxc) + rank) * n_cols; };
     int it = 0; // the k tiles this thread's role has gone through, over all the block's tiles
     // W8: each stage's pair of block scales (bwg_convert writes it with the B tile)
     const uint32_t w8_stage_sc =
@@ -349,17 +505,43 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
                              : "memory");
         }
-        for (int t = blockIdx.x;; t += gridDim.x) {
-            const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
+        for (int u = u0;; u += du) {
+            const int2 tile = group_tile(p.offsets, p.E, row_tile(u), BWG_BM);
             if (tile.x < 0) break;
-            const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
+            const int e = tile.x, m0 = tile.y, n0 = n_first(u);
             const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
-            for (int kb = k_first(t); kb < k_end(t) && lane == 0; kb++, it++) {
+            const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
+            uint32_t a_bytes = 0; // a full half's parts, a short one's boxes, none
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int rw = bwg_half_rows(rows, h);
+                a_bytes += C::A_PARTS * (rw > tail ? 8192 : (rw + 15) / 16 * 2048);
+            }
+            for (int kb = k_first(u); kb < k_end(u) && lane == 0; kb++, it++) {
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
-                mbar_arrive_tx(full(s), CONV ? C::A_PARTS * C::A_BYTES : STAGE_BYTES);
-                tma_load_2d(stage_a(s), &ta, kx, m0, full(s));
-                if (SPLIT) tma_load_2d(stage_a(s) + C::A_BYTES, &ta, kx, p.a_lo + m0, full(s));
+                mbar_arrive_tx(full(s), a_bytes + (CONV ? 0 : C::B_BYTES));
+                // A's boxes in turn, box i by the cluster's block i % CL into all of them
+                int box = 0;
+                auto load_a = [&](uint32_t dst, const CUtensorMap *map, int row) {
+                    if (box++ % CL != rank) return;
+                    if constexpr (CL > 1)
+                        tma_load_2d_multicast(dst, map, kx, row, full(s), (1u << CL) - 1);
+                    else
+                        tma_load_2d(dst, map, kx, row, full(s));
+                };
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int rw = bwg_half_rows(rows, h), nb = (rw + 15) / 16;
+                    const uint32_t sa = stage_a(s) + h * 8192;
+                    for (int part = 0; part < C::A_PARTS; part++)
+                        if (rw > tail)
+                            load_a(sa + part * C::A_BYTES, &ta, part * p.a_lo + m0 + 64 * h);
+                        else
+                            for (int i = 0; i < nb; i++)
+                                load_a(sa + (part * nb + i) * 2048, &tt,
+                                       part * p.a_lo + m0 + 64 * h + 16 * i);
+                }
                 if (CONV) { // the converters write the B tile
                 } else if (GATE_UP) {
                     tma_load_2d(stage_b(s), &tb, kx, b_row, full(s));
@@ -370,30 +552,39 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             }
             __syncwarp(); // the other lanes wait for lane 0's copies of the tile to be issued
         }
-        return;
-    }
-    // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
-    const int wg = warp >> 2;
-    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
-    // this warp is done with stage s (its wgmma have completed): lane 0 tells the producer
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-    };
-    for (int t = blockIdx.x;; t += gridDim.x) {
-        const int2 tile = group_tile(p.offsets, p.E, t / (nx * S), BWG_BM);
-        if (tile.x < 0) break;
-        const int e = tile.x, m0 = tile.y, n0 = (t % nx) * n_cols;
-        const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
-        const int nk = k_end(t) - k_first(t); // the k tiles of the tile's range
-        if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
-            for (int kb = 0; kb < nk; kb++, it++) {
-                mbar_wait(full(it % STAGES), (it / STAGES) & 1);
-                release(it % STAGES);
+    } else {
+        // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
+        const int wg = warp >> 2;
+        const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+        // this warp is done with stage s (its wgmma have completed): lane 0 tells the producers of
+        // the cluster
+        auto release = [&](int s) { bwg_release<CL>(empty(s)); };
+        for (int u = u0;; u += du) {
+            const int2 tile = group_tile(p.offsets, p.E, row_tile(u), BWG_BM);
+            if (tile.x < 0) break;
+            const int e = tile.x, m0 = tile.y, n0 = n_first(u);
+            const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
+            const int nk = k_end(u) - k_first(u); // the k tiles of the tile's range
+            const int rw = bwg_half_rows(rows, wg);
+            if (rw == 0) { // no rows here (an expert's last, short tile): the stages only
+                for (int kb = 0; kb < nk; kb++, it++) {
+                    mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                    release(it % STAGES);
+                }
+                continue;
             }
-            continue;
-        }
-        float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
+            if (rw <= tail) {
+                if constexpr (!W8) {
+                    if (rw <= 16)
+                        bwg_short_half<SPLIT, GATE_UP, WQ, CL, 1>(p, e, m0, rows, n0, range_of(u),
+                                                                  nk, it, smem0, bar0);
+                    else
+                        bwg_short_half<SPLIT, GATE_UP, WQ, CL, 2>(p, e, m0, rows, n0, range_of(u),
+                                                                  nk, it, smem0, bar0);
+                }
+                continue;
+            }
+            float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             acc[i] = 0.0f;
@@ -421,7 +612,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             if (kb > 0) release((it - 1) % STAGES);
             if constexpr (W8) { // a 128-k block ends here: its sums into the totals, times its
                                 // weight rows' block scale (one a 64-row half of the tile)
-                if (((k_first(t) + kb) & 1) || kb == nk - 1) {
+                if (((k_first(u) + kb) & 1) || kb == nk - 1) {
                     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < BN / 2; i++) // the sums are read after the wait
@@ -485,7 +676,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             for (int hr = 0; hr < 2; hr++) {
                 const int r = hr ? r1 : r0;
                 if (r >= rows) continue;
-                float *dst = (S > 1 ? p.part + t / nx % S * p.part_stride : p.out) +
+                float *dst = (S > 1 ? p.part + range_of(u) * p.part_stride : p.out) +
                              (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
                 const float sd = W4 ? __ldg(&p.ws2[3 * e + 2]) : 1.0f; // down's tensor scale
 #pragma unroll
@@ -499,7 +690,10 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 }
             }
         }
-    }
+        }
+    } // the consumers
+    // no block leaves while another may still copy into it or arrive on its barriers
+    if constexpr (CL > 1) cluster_sync_all();
 #else
     __trap(); // not built for this device (hopper.cuh)
 #endif
@@ -534,36 +728,6 @@ template <bool SPLIT> struct bws_cfg {
     static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
     static_assert(smem <= 227 * 1024, "shared memory of one block");
 };
-
-#define BWS_D8_STR "%0, %1, %2, %3, %4, %5, %6, %7"
-#define BWS_D8_OUT(d)                                                                              \
-    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]),            \
-        "+f"((d)[6]), "+f"((d)[7])
-#define BWS_D16_STR    BWS_D8_STR ", %8, %9, %10, %11, %12, %13, %14, %15"
-#define BWS_D16_OUT(d) BWS_D8_OUT(d), BWS_D8_OUT((d) + 8)
-#define BWS_D24_STR    BWS_D16_STR ", %16, %17, %18, %19, %20, %21, %22, %23"
-#define BWS_D24_OUT(d) BWS_D16_OUT(d), BWS_D8_OUT((d) + 16)
-#define BWS_D48_STR                                                                                \
-    WGMMA_D32_STR ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
-                  "%47"
-#define BWS_D48_OUT(d) WGMMA_D32_OUT(d), BWS_D16_OUT((d) + 32)
-// d += A[64 x 16] B[N x 16]^T for the N of a chunk (16 to 64 rows, twice that in high)
-#define BWS_WGMMA(N, DSTR, DOUT, DA, DB)                                                           \
-    template <>                                                                                    \
-    __device__ __forceinline__ void bws_wgmma<N>(float(&d)[N / 2], uint64_t da, uint64_t db) {     \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DSTR "}, "       \
-                     "%" #DA ", %" #DB ", 1, 1, 1, 0, 0;\n"                                        \
-                     : DOUT(d)                                                                     \
-                     : "l"(da), "l"(db));                                                          \
-    }
-template <int N>
-__device__ __forceinline__ void bws_wgmma(float (&d)[N / 2], uint64_t da, uint64_t db);
-BWS_WGMMA(16, BWS_D8_STR, BWS_D8_OUT, 8, 9)
-BWS_WGMMA(32, BWS_D16_STR, BWS_D16_OUT, 16, 17)
-BWS_WGMMA(48, BWS_D24_STR, BWS_D24_OUT, 24, 25)
-BWS_WGMMA(64, WGMMA_D32_STR, WGMMA_D32_OUT, 32, 33)
-BWS_WGMMA(96, BWS_D48_STR, BWS_D48_OUT, 48, 49)
-BWS_WGMMA(128, WGMMA_D64_STR, WGMMA_D64_OUT, 64, 65)
 
 // The weight row of warpgroup w's A tile a (0, 1) in column block x of expert e (b [E N, K]).
 template <bool GATE_UP> __device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
@@ -741,6 +905,8 @@ static int wgmma_env() {
 #define BWG_SWAP_MIN             12
 #define BWG_SWAP_MAX             48
 #define BWG_SWAP_LONG_K          2048
+#define BWG_TAIL                 32
+#define BWG_CLUSTER              1
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -790,25 +956,68 @@ size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
 }
 
-template <bool SPLIT, bool GATE_UP, int WQ = 0, int CW = 2>
-static void bwg_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
-                       int64_t max_rows) {
-    typedef bwg_cfg<SPLIT> C;
-    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW>;
-    const size_t smem = C::smem_wq(WQ);
+// A's rows (a [rows, K]) as the kernel copies them: the halves of a tile and the short halves'
+// boxes.
+struct bwg_rows_map {
+    CUtensorMap half, box;
+    bwg_rows_map(const void *a, int64_t rows, int K) {
+        half = tma_map_rows(a, rows, (int64_t)K * 2, 64);
+        box = tma_map_rows(a, rows, (int64_t)K * 2, 16);
+    }
+};
+
+// Short halves (bwg_short_half) from MOESERVE_WGMMA_TAIL rows (0 to 32; default BWG_TAIL).
+static int g_tail = -1;
+static int bwg_tail() {
+    return std::min(cuda_env_count("MOESERVE_WGMMA_TAIL", BWG_TAIL, &g_tail), 32);
+}
+
+// Clusters of the BF16 kernel (MOESERVE_WGMMA_CLUSTER=N: the most blocks a cluster, 1 none;
+// default BWG_CLUSTER): the largest of 4, 2 and 1 up to it that divides the n-blocks nx.
+static int g_cluster = -1;
+static int bwg_cluster(int nx) {
+    const int max = cuda_env_count("MOESERVE_WGMMA_CLUSTER", BWG_CLUSTER, &g_cluster);
+    return max >= 4 && nx % 4 == 0 ? 4 : max >= 2 && nx % 2 == 0 ? 2 : 1;
+}
+
+// As many blocks as the device holds at once (in clusters of CL), or fewer where there are fewer
+// tiles.
+template <bool SPLIT, bool GATE_UP, int WQ, int CW, int CL>
+static void bwg_launch_cl(const bwg_rows_map &ta, const CUtensorMap &tb, const bwg_args &p, int nx,
+                          int64_t tiles) {
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW, CL>;
+    const size_t smem = bwg_cfg<SPLIT>::smem_wq(WQ);
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
-    static int sms = 0; // one device a process
-    if (!sms) {
-        int dev = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cuda_stream();
+    cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
+    cfg.attrs = attr;
+    cfg.numAttrs = CL > 1;
+    static int resident = 0; // clusters the device holds at once (one device a process)
+    if (!resident) {
+        cfg.gridDim = dim3((unsigned)CL);
+        CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
+        MS_ASSERT(resident > 0);
     }
-    const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
+    cfg.gridDim = dim3((unsigned)(CL * std::min<int64_t>(tiles / CL, resident)));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta.half, ta.box, tb, p, nx));
+}
+
+template <bool SPLIT, bool GATE_UP, int WQ = 0, int CW = 2>
+static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p,
+                       int64_t max_rows) {
+    const int nx = p.N / bwg_cfg<SPLIT>::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
     const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
-    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, smem, cuda_stream()>>>(ta, tb, p, nx);
-    CUDA_CHECK_LAUNCH();
+    p.tail = WQ == 8 ? 0 : bwg_tail();
+    const int cl = WQ ? 1 : bwg_cluster(nx);
+    if constexpr (WQ == 0) {
+        if (cl == 4) return bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 4>(ta, tb, p, nx, tiles);
+        if (cl == 2) return bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 2>(ta, tb, p, nx, tiles);
+    }
+    bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 1>(ta, tb, p, nx, tiles);
 }
 
 // The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
@@ -872,9 +1081,9 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
         bws_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
         return;
     }
-    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, BWG_BM);
+    const bwg_rows_map ta1(xg, parts * n_pairs, D);
     const CUtensorMap tb1 =
-        WQ ? ta1 : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
+        WQ ? ta1.half : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
     bwg_launch<SPLIT, true, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
@@ -883,8 +1092,9 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.K = F;
     p.wq = (const uint8_t *)down;
     p.wsf = down_sf;
-    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, BWG_BM);
-    const CUtensorMap tb2 = WQ ? ta2 : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
+    const bwg_rows_map ta2(h, parts * n_pairs, F);
+    const CUtensorMap tb2 =
+        WQ ? ta2.half : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
     bwg_launch<SPLIT, false, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta2, tb2, p, n_pairs);
 }
 
@@ -912,7 +1122,7 @@ void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const i
     p.part = part;
     p.part_stride = (int64_t)T * N;
     const int parts = split ? 2 : 1;
-    const CUtensorMap ta = tma_map_rows(xb, parts * (int64_t)T, (int64_t)Kd * 2, BWG_BM);
+    const bwg_rows_map ta(xb, parts * (int64_t)T, Kd);
     if (split) {
         const CUtensorMap tb = tma_map_rows(w, N, (int64_t)Kd * 2, bwg_cfg<true>::BN);
         bwg_launch<true, false>(ta, tb, p, T);
@@ -983,6 +1193,8 @@ extern "C" int cuda_moe_w8_wgmma(int on) { return swap_setting(&g_w8.on, on); }
 extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min, pairs); }
 extern "C" int cuda_moe_bf16_wgmma_min(int pairs) { return swap_setting(&g_bf16_min, pairs); }
 extern "C" int cuda_moe_bf16_swap_max(int pairs) { return swap_setting(&g_swap_max, pairs); }
+extern "C" int cuda_moe_bf16_wgmma_tail(int rows) { return swap_setting(&g_tail, rows); }
+extern "C" int cuda_moe_bf16_wgmma_cluster(int blocks) { return swap_setting(&g_cluster, blocks); }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     return g_w4.takes(n_pairs, E, D, F, split);
 }
