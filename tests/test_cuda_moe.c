@@ -241,7 +241,6 @@ int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_bf16_wgmma_min(int pairs);
 int cuda_moe_bf16_swap_max(int pairs);
 int cuda_moe_bf16_wgmma_tail(int rows);
-int cuda_moe_bf16_wgmma_cluster(int blocks);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
@@ -1076,21 +1075,16 @@ static void test_wgmma(void) {
         run_case(&m, 1000, ROUTE_RANDOM, 0.2, 64, false, NULL);
         run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
         run_case(&m, 1500, ROUTE_BALANCED, 0.1, 32, false, NULL);
-        /* halves of a tile with 1 to 32 rows as wgmma's B (bwg_short_half) and as m64 rows, in
-         * clusters of blocks sharing x's rows (multicast) and without: the same bits as the token
-         * alone either way */
-        for (int cl = 1; cl <= 4; cl += 3)
-            for (int tail = 0; tail <= 32; tail += 32) {
-                const int old_tail = cuda_moe_bf16_wgmma_tail(tail);
-                const int old_cl = cuda_moe_bf16_wgmma_cluster(cl);
-                printf("  halves of up to %d rows swapped, clusters of up to %d blocks\n", tail,
-                       cl);
-                static const int Ts[] = {210, 240, 270, 420, 470};
-                for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-                    run_case(&m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.2 : 0.0, 64, true, NULL);
-                cuda_moe_bf16_wgmma_tail(old_tail);
-                cuda_moe_bf16_wgmma_cluster(old_cl);
-            }
+        /* halves of a tile with 1 to 32 rows as wgmma's B (bwg_short_half) and as m64 rows: the
+         * same bits as the token alone either way */
+        for (int tail = 0; tail <= 32; tail += 32) {
+            const int old_tail = cuda_moe_bf16_wgmma_tail(tail);
+            printf("  halves of up to %d rows swapped\n", tail);
+            static const int Ts[] = {210, 240, 270, 420, 470};
+            for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+                run_case(&m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.2 : 0.0, 64, true, NULL);
+            cuda_moe_bf16_wgmma_tail(old_tail);
+        }
         /* the swapped kernel (weights as wgmma's A, chunks of up to 64 rows as its B) at every
          * size past the tiny path: chunks of 1 to 64 rows, experts of several chunks, one expert
          * with them all; against the CPU, and a token alone bit for bit against its batch */

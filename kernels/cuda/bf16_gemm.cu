@@ -26,7 +26,14 @@
 // Shape: a block is a persistent producer warp (TMA) and two consumer warpgroups of 64 rows each
 // on tiles of 128 rows x BN columns (medium BN 256, high 128: the accumulators of both chains must
 // fit), a ring of stages of 64 k (one 128-byte swizzled row per tile row, hopper.cuh's layout),
-// each stage's A tile (high: its hi and lo tiles) and B tile copied by TMA. A consumer issues a
+// each stage's A tile (high: its hi and lo tiles) and B tile copied by TMA, A's two 64-row halves
+// apart and only where the expert has rows. A half of 1 to 32 rows (bwg_short_half) is copied in
+// boxes of 16 rows and multiplied with the operands swapped, so that it costs its rows rounded up
+// to 16 rather than 64. Tried on the H200 and not kept: clusters of 2 or 4 blocks on neighbouring
+// n-blocks of the same rows, each copying a share of A's rows into all of them by TMA multicast
+// (A's reads from L2 divided by the cluster's size; Qwen3-30B-A3B's experts at 64 pairs an expert
+// in high 519.7 / 553.4 us against 488.9 without: every block waits for the slowest of its
+// cluster before a stage is refilled). A consumer issues a
 // stage's four wgmma k16 steps, commits, and frees the stage before it once those have
 // completed (wait_group 1), so the tensor cores always hold a stage's work. GATE_UP: the B tile's
 // first BN / 2 rows are gate rows and its last BN / 2 the matching up rows, so a thread holds the
@@ -142,6 +149,12 @@ __device__ __forceinline__ void bwg_wgmma<256>(float (&d)[128], uint64_t da, uin
     WGMMA_D32_STR ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
                   "%47"
 #define BWS_D48_OUT(d) WGMMA_D32_OUT(d), BWS_D16_OUT((d) + 32)
+#define BWS_D40_STR    WGMMA_D32_STR ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define BWS_D40_OUT(d) WGMMA_D32_OUT(d), BWS_D8_OUT((d) + 32)
+#define BWS_D80_STR                                                                                \
+    WGMMA_D64_STR ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "  \
+                  "%79"
+#define BWS_D80_OUT(d) WGMMA_D64_OUT(d), BWS_D16_OUT((d) + 64)
 // d += A[64 x 16] B[N x 16]^T, B a few grouped rows (16 to 64, twice that in high) and A 64 weight
 // rows (the swapped kernel, and the grouped kernel's short halves)
 #define BWS_WGMMA(N, DSTR, DOUT, DA, DB)                                                           \
@@ -160,6 +173,8 @@ BWS_WGMMA(48, BWS_D24_STR, BWS_D24_OUT, 24, 25)
 BWS_WGMMA(64, WGMMA_D32_STR, WGMMA_D32_OUT, 32, 33)
 BWS_WGMMA(96, BWS_D48_STR, BWS_D48_OUT, 48, 49)
 BWS_WGMMA(128, WGMMA_D64_STR, WGMMA_D64_OUT, 64, 65)
+BWS_WGMMA(80, BWS_D40_STR, BWS_D40_OUT, 40, 41)
+BWS_WGMMA(160, BWS_D80_STR, BWS_D80_OUT, 80, 81)
 
 // The kernel's arguments. Grouped row m (expert e: offsets[e] <= m < offsets[e + 1]) reads A's row
 // m (high: and row a_lo + m, its lo part) and expert e's B rows (b [E, N, K]: GATE_UP's N = 2F,
@@ -318,19 +333,6 @@ __device__ void bwg_convert(const bwg_args &p, int nx, uint32_t staging, uint32_
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// A consumer warp is done with a stage (its wgmma have completed): lane 0 arrives on the stage's
-// empty barrier in each block of the cluster (CL), whose producers all copy into it.
-template <int CL> __device__ __forceinline__ void bwg_release(uint32_t empty) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) {
-        mbar_arrive(empty);
-        const int rank = (int)(blockIdx.x % CL);
-#pragma unroll
-        for (int r = 1; r < CL; r++)
-            mbar_arrive_cluster(empty, (rank + r) % CL);
-    }
-}
-
 // The rows of 64-row half h of a tile of rows rows (0: none).
 __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
     return max(0, min(64, rows - 64 * h));
@@ -344,7 +346,7 @@ __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
 // slices are the A operands (NA = BN / 64: GATE_UP's first NA / 2 the gate rows, the rest the
 // matching up rows). A k16 step's sum of an output is the same whichever operand holds the weight,
 // so a row's outputs are the m64 path's bits. range: the tile's range of K (S > 1).
-template <bool SPLIT, bool GATE_UP, int WQ, int CL, int NB>
+template <bool SPLIT, bool GATE_UP, int WQ, int NB>
 __device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0, int rows, int n0,
                                                int range, int nk, int &it, uint32_t smem0,
                                                uint32_t bar0) {
@@ -357,7 +359,10 @@ __device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0,
 #pragma unroll
         for (int i = 0; i < NW / 2; i++)
             acc[a][i] = 0.0f;
-    auto release = [&](int s) { bwg_release<CL>(bar0 + 8 * (STAGES + s)); };
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
+    };
     for (int kb = 0; kb < nk; kb++, it++) {
         const int s = it % STAGES;
         mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
@@ -436,7 +441,7 @@ __device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0,
 // (cp.async into their own staging), decode them into the stage's BF16 B tile as moe.cu's W4A16
 // fragments decode them (wq_decode times the group scale: the same BF16 values), and each arrives
 // on the stage's full barrier with the producer's A tile; the epilogue applies the tensor scales.
-template <bool SPLIT, bool GATE_UP, int WQ, int CW = 2, int CL = 1>
+template <bool SPLIT, bool GATE_UP, int WQ, int CW = 2>
 __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     bf16_grouped_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tt,
@@ -446,22 +451,17 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
     // WQ: B's weights as codes the converter warps decode (4: NVFP4, 8: FP8), 0: BF16 by TMA
     constexpr bool W4 = WQ == 4, W8 = WQ == 8, CONV = WQ != 0;
     static_assert(!W8 || SPLIT, "W8: high precision (the fold's totals in acl)");
-    static_assert(CL == 1 || (!CONV && (CL == 2 || CL == 4)), "BF16 weights in clusters of 2, 4");
     constexpr int BN = C::BN, STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int N = p.N, nkb = p.K / BWG_BK, S = p.S;
     const int tail = W8 ? 0 : p.tail; // short halves (bwg_short_half)
-    // the blocks of a cluster take the same row tiles and ranges of K: cluster tile u is row tile
-    // u / (nxc S), range u / nxc % S, and its block of rank r n-block CL (u % nxc) + r (CL 1: the
-    // tile t = u of the comment above)
-    const int rank = (int)(blockIdx.x % CL), nxc = nx / CL, u0 = blockIdx.x / CL,
-              du = gridDim.x / CL;
-    auto row_tile = [&](int u) { return u / (nxc * S); };
-    auto range_of = [&](int u) { return u / nxc % S; };
-    auto k_first = [&](int u) { return range_of(u) * p.nks; }; // the k tiles of u's range
-    auto k_end = [&](int u) { return min(nkb, k_first(u) + p.nks); };
+    // tile t: row tile t / (nx S), range t / nx % S, n-block t % nx
+    auto row_tile = [&](int t) { return t / (nx * S); };
+    auto range_of = [&](int t) { return t / nx % S; };
+    auto k_first = [&](int t) { return range_of(t) * p.nks; }; // the k tiles of t's range
+    auto k_end = [&](int t) { return min(nkb, k_first(t) + p.nks); };
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     auto full = [&](int s) { return bar0 + 8 * s; };
     auto empty = [&](int s) { return bar0 + 8 * (STAGES + s); };
@@ -470,20 +470,17 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             mbar_init(full(s),
                       CONV ? 1 + CW : 1); // the producer's arrival with the bytes (and the
                                           // converter warps')
-            mbar_init(empty(s), 8 * CL);  // the consumer warps of the cluster
+            mbar_init(empty(s), 8);       // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (CL > 1)
-        cluster_sync_all(); // the other blocks' barriers are ready for this one's copies
-    else
-        __syncthreads();
+    __syncthreads();
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(bwg_smem);
     const uint32_t smem0 = (smem_raw + 1023u) & ~1023u;
     auto stage_a = [&](int s) { return smem0 + s * STAGE_BYTES; }; // then the lo tile (high)
     auto stage_b = [&](int s) { return stage_a(s) + C::A_PARTS * C::A_BYTES; };
     const int n_cols = GATE_UP ? BN / 2 : BN; // output columns of a tile (GATE_UP: h's)
-    auto n_first = [&](int u) { return (CL * (u % nxc) + rank) * n_cols; };
+    auto n_first = [&](int t) { return t % nx * n_cols; };
     int it = 0; // the k tiles this thread's role has gone through, over all the block's tiles
     // W8: each stage's pair of block scales (bwg_convert writes it with the B tile)
     const uint32_t w8_stage_sc =
@@ -505,10 +502,10 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
                              : "memory");
         }
-        for (int u = u0;; u += du) {
-            const int2 tile = group_tile(p.offsets, p.E, row_tile(u), BWG_BM);
+        for (int t = blockIdx.x;; t += gridDim.x) {
+            const int2 tile = group_tile(p.offsets, p.E, row_tile(t), BWG_BM);
             if (tile.x < 0) break;
-            const int e = tile.x, m0 = tile.y, n0 = n_first(u);
+            const int e = tile.x, m0 = tile.y, n0 = n_first(t);
             const int b_row = e * N + n0; // GATE_UP: the up rows from b_row + N / 2
             const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
             uint32_t a_bytes = 0; // a full half's parts, a short one's boxes, none
@@ -517,18 +514,12 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 const int rw = bwg_half_rows(rows, h);
                 a_bytes += C::A_PARTS * (rw > tail ? 8192 : (rw + 15) / 16 * 2048);
             }
-            for (int kb = k_first(u); kb < k_end(u) && lane == 0; kb++, it++) {
+            for (int kb = k_first(t); kb < k_end(t) && lane == 0; kb++, it++) {
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
                 mbar_arrive_tx(full(s), a_bytes + (CONV ? 0 : C::B_BYTES));
-                // A's boxes in turn, box i by the cluster's block i % CL into all of them
-                int box = 0;
                 auto load_a = [&](uint32_t dst, const CUtensorMap *map, int row) {
-                    if (box++ % CL != rank) return;
-                    if constexpr (CL > 1)
-                        tma_load_2d_multicast(dst, map, kx, row, full(s), (1u << CL) - 1);
-                    else
-                        tma_load_2d(dst, map, kx, row, full(s));
+                    tma_load_2d(dst, map, kx, row, full(s));
                 };
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
@@ -556,15 +547,17 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
         // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
         const int wg = warp >> 2;
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
-        // this warp is done with stage s (its wgmma have completed): lane 0 tells the producers of
-        // the cluster
-        auto release = [&](int s) { bwg_release<CL>(empty(s)); };
-        for (int u = u0;; u += du) {
-            const int2 tile = group_tile(p.offsets, p.E, row_tile(u), BWG_BM);
+        // this warp is done with stage s (its wgmma have completed): lane 0 tells the producer
+        auto release = [&](int s) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
+        };
+        for (int t = blockIdx.x;; t += gridDim.x) {
+            const int2 tile = group_tile(p.offsets, p.E, row_tile(t), BWG_BM);
             if (tile.x < 0) break;
-            const int e = tile.x, m0 = tile.y, n0 = n_first(u);
+            const int e = tile.x, m0 = tile.y, n0 = n_first(t);
             const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
-            const int nk = k_end(u) - k_first(u); // the k tiles of the tile's range
+            const int nk = k_end(t) - k_first(t); // the k tiles of the tile's range
             const int rw = bwg_half_rows(rows, wg);
             if (rw == 0) { // no rows here (an expert's last, short tile): the stages only
                 for (int kb = 0; kb < nk; kb++, it++) {
@@ -576,11 +569,11 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             if (rw <= tail) {
                 if constexpr (!W8) {
                     if (rw <= 16)
-                        bwg_short_half<SPLIT, GATE_UP, WQ, CL, 1>(p, e, m0, rows, n0, range_of(u),
-                                                                  nk, it, smem0, bar0);
+                        bwg_short_half<SPLIT, GATE_UP, WQ, 1>(p, e, m0, rows, n0, range_of(t), nk,
+                                                              it, smem0, bar0);
                     else
-                        bwg_short_half<SPLIT, GATE_UP, WQ, CL, 2>(p, e, m0, rows, n0, range_of(u),
-                                                                  nk, it, smem0, bar0);
+                        bwg_short_half<SPLIT, GATE_UP, WQ, 2>(p, e, m0, rows, n0, range_of(t), nk,
+                                                              it, smem0, bar0);
                 }
                 continue;
             }
@@ -612,7 +605,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             if (kb > 0) release((it - 1) % STAGES);
             if constexpr (W8) { // a 128-k block ends here: its sums into the totals, times its
                                 // weight rows' block scale (one a 64-row half of the tile)
-                if (((k_first(u) + kb) & 1) || kb == nk - 1) {
+                if (((k_first(t) + kb) & 1) || kb == nk - 1) {
                     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < BN / 2; i++) // the sums are read after the wait
@@ -676,7 +669,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             for (int hr = 0; hr < 2; hr++) {
                 const int r = hr ? r1 : r0;
                 if (r >= rows) continue;
-                float *dst = (S > 1 ? p.part + range_of(u) * p.part_stride : p.out) +
+                float *dst = (S > 1 ? p.part + range_of(t) * p.part_stride : p.out) +
                              (int64_t)__ldg(&p.pairs[m0 + r]) * N + n0 + c0;
                 const float sd = W4 ? __ldg(&p.ws2[3 * e + 2]) : 1.0f; // down's tensor scale
 #pragma unroll
@@ -692,8 +685,6 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
         }
         }
     } // the consumers
-    // no block leaves while another may still copy into it or arrive on its barriers
-    if constexpr (CL > 1) cluster_sync_all();
 #else
     __trap(); // not built for this device (hopper.cuh)
 #endif
@@ -701,24 +692,35 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 
 // Experts of few rows (decode sizes: up to BWG_SWAP_MAX pairs an expert on average) take the same
 // sums with the operands swapped: the weights are wgmma's A (64 weight rows a wgmma) and a chunk of
-// up to 64 of the expert's grouped rows its B, so a chunk's products cost its rows rounded up to
+// up to 80 of the expert's grouped rows its B, so a chunk's products cost its rows rounded up to
 // 16, where the kernel above rounds an expert's rows up to 64 a warpgroup (at 64 pairs an expert on
-// average, about half the experts have 65 to 80 and cost 128). High precision puts a row's hi and
+// average, about half the experts have 65 to 80 and cost 128), and an expert of up to 80 rows
+// streams its weights once (chunks of 64 read them twice for those experts: 546.5 us in high at
+// T = 1024 against 463.2 with chunks of 80). High precision puts a row's hi and
 // lo parts side by side in B (N = 2 x the chunk's rows), so one wgmma takes both chains from one
 // read of the weights; each output adds its hi and lo sums at the end as above. A k16 step's sum
 // of an output element is the same whichever operand holds the weight, so these are the kernel
 // above's sums (the test compares a token's rows bit for bit across batch sizes).
-// A block: the producer warp (TMA: four 64-row weight boxes a stage, the chunk's rows in boxes of
-// 16, each part) and two consumer warpgroups sharing the chunk; warpgroup w takes, GATE_UP, h's
-// columns 128 x + 64 w (A: their gate rows and their up rows), else out's columns 256 x + 128 w
-// (two 64-row A tiles). Tile t: chunk t / nx (group_tile with 64 rows), column block t % nx.
+// A block: a producer warpgroup whose first warp copies (TMA: four 64-row weight boxes a stage, the
+// chunk's rows in boxes of 16, each part) and two consumer warpgroups sharing the chunk; warpgroup
+// w takes, GATE_UP, h's columns 128 x + 64 w (A: their gate rows and their up rows), else out's
+// columns 256 x + 128 w (two 64-row A tiles). Tile t: chunk t / nx (group_tile with 80 rows),
+// column block t % nx. High's sums of 80 rows take 160 registers a thread: the producers give
+// theirs up (setmaxnreg), and each role runs its own loop so that the compiler allocates the
+// consumers' code to their count.
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high;
-// this kernel 546.5 us): the two warpgroups sharing one set of weight tiles, each taking half of
-// up to 128 rows (664.8 us: each wgmma of fewer rows reads the same A from shared memory), and
-// each warpgroup its own 64 weight rows over up to 112 rows, so that an expert of 65 to 128 rows
-// streams its weights once instead of twice (618.7 us: 16 KB of weights a stage, half of these,
-// leave too few bytes in flight).
-#define BWS_BT 64 /* rows of a chunk */
+// this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set of weight tiles,
+// each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the same A from
+// shared memory), and each warpgroup its own 64 weight rows over up to 112 rows, so that an expert
+// of 65 to 128 rows streams its weights once instead of twice (618.7 us: 16 KB of weights a stage,
+// half of these, leave too few bytes in flight).
+#define BWS_BT 80 /* rows of a chunk */
+#define BWS_THREADS                                                                                \
+    384 /* two consumer warpgroups and the producer warpgroup (its first warp copies) */
+// setmaxnreg: the producer warpgroup gives its registers to the consumers (high's sums of a chunk
+// of 80 rows are 160 registers a thread)
+#define BWS_PRODUCER_REGS 40
+#define BWS_CONSUMER_REGS 232
 template <bool SPLIT> struct bws_cfg {
     static constexpr int PARTS = SPLIT ? 2 : 1;
     static constexpr int A_BYTES = 4 * 64 * 128; // four 64-row weight tiles, two a warpgroup
@@ -807,7 +809,7 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
 
 // ta: the grouped rows [parts n, K] in boxes of 16 rows; tb: b [E N, K] in boxes of 64 rows.
 template <bool SPLIT, bool GATE_UP>
-__global__ void __launch_bounds__(BWG_THREADS, 1)
+__global__ void __launch_bounds__(BWS_THREADS, 1)
     bf16_swap_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                           const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
@@ -828,13 +830,21 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(bwg_smem) + 1023u) & ~1023u;
     const int nk = p.K / BWG_BK;
     int it = 0;
-    for (int t = blockIdx.x;; t += gridDim.x) {
+    // tile t: its expert, first row, column block and rows (false past the last tile)
+    auto tile_of = [&](int t, int &e, int &m0, int &x, int &rows) {
         const int2 tile = group_tile(p.offsets, p.E, t / nx, BWS_BT);
-        if (tile.x < 0) break;
-        const int e = tile.x, m0 = tile.y, x = t % nx;
-        const int rows = min(BWS_BT, __ldg(&p.offsets[e + 1]) - m0);
-        const int nb = (rows + 15) / 16; // boxes of 16 rows a part
-        if (warp == 8) {                 // the producer: lane 0 copies
+        e = tile.x;
+        m0 = tile.y;
+        x = t % nx;
+        rows = e < 0 ? 0 : min(BWS_BT, __ldg(&p.offsets[e + 1]) - m0);
+        return e >= 0;
+    };
+    int e, m0, x, rows;
+    if (warp >= 8) { // the producer: the first warp searches the tiles, its lane 0 copies
+        setmaxnreg_dec<BWS_PRODUCER_REGS>();
+        if (warp > 8) return;
+        for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+            const int nb = (rows + 15) / 16; // boxes of 16 rows a part
             if (lane == 0) {
                 const uint32_t bytes = C::A_BYTES + C::PARTS * nb * 16 * 128;
                 for (int kb = 0; kb < nk; kb++, it++) {
@@ -855,13 +865,17 @@ __global__ void __launch_bounds__(BWG_THREADS, 1)
                 }
             }
             __syncwarp();
-            continue;
         }
-        switch (nb) {
+        return;
+    }
+    setmaxnreg_inc<BWS_CONSUMER_REGS>();
+    for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+        switch ((rows + 15) / 16) {
         case 1: bws_consume<SPLIT, GATE_UP, 16>(p, m0, rows, x, it, smem0, bar0); break;
         case 2: bws_consume<SPLIT, GATE_UP, 32>(p, m0, rows, x, it, smem0, bar0); break;
         case 3: bws_consume<SPLIT, GATE_UP, 48>(p, m0, rows, x, it, smem0, bar0); break;
-        default: bws_consume<SPLIT, GATE_UP, 64>(p, m0, rows, x, it, smem0, bar0); break;
+        case 4: bws_consume<SPLIT, GATE_UP, 64>(p, m0, rows, x, it, smem0, bar0); break;
+        default: bws_consume<SPLIT, GATE_UP, 80>(p, m0, rows, x, it, smem0, bar0); break;
         }
     }
 #else
@@ -891,9 +905,12 @@ static int wgmma_env() {
 }
 
 // Pairs an expert from which the wgmma kernels take the experts: the quantized formats' (moe.cu's
-// prefill tiles from 96), BF16's, and the swapped kernel's range on shapes of long k loops (D and
-// F at least BWG_SWAP_LONG_K). H200, test_cuda_moe --timing 1024 and --timing-deepseek 2048,
-// us, medium / high (docs/benchmarks.md):
+// prefill tiles from 96), BF16's, and the swapped kernel's ranges: on shapes of long k loops (D and
+// F at least BWG_SWAP_LONG_K), and in high precision from BWG_SWAP_HIGH_MIN to BWG_SWAP_HIGH_MAX
+// on any (chunks of 80 rows: Qwen3-30B-A3B at 64 an expert 463.2 us against 493.1 on the kernel
+// above with its short halves, at 48 an expert 435.1 against 431.0; medium 405.9 against 384.8).
+// H200, test_cuda_moe --timing 1024 and --timing-deepseek 2048, us, medium / high
+// (docs/benchmarks.md; the swapped kernel's chunks were 64 rows then):
 //   Qwen3-30B-A3B, 64 an expert (T = 1024): the tiles 405.7 / 569.6, this kernel (from 24) 386.8
 //   / 515.7, swapped 452.6 / 546.5; 32 an expert (T = 512): the tiles 340.3 / 369.2, this kernel
 //   351.4 / 432.1, swapped 348.4 / 380.2.
@@ -905,8 +922,9 @@ static int wgmma_env() {
 #define BWG_SWAP_MIN             12
 #define BWG_SWAP_MAX             48
 #define BWG_SWAP_LONG_K          2048
+#define BWG_SWAP_HIGH_MIN        56
+#define BWG_SWAP_HIGH_MAX        96
 #define BWG_TAIL                 32
-#define BWG_CLUSTER              1
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -935,17 +953,21 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
 // BWG_SWAP_MAX pairs an expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and
 // 768, the tiles and the kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
-static bool bws_takes(int64_t n_pairs, int E, int D, int F) {
+static bool bws_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     if (F % 128 || D % 256) return false;
     const int max = cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", -1, &g_swap_max);
     if (max >= 0) return n_pairs <= (int64_t)max * E;
+    if (split && n_pairs > (int64_t)BWG_SWAP_HIGH_MIN * E &&
+        n_pairs <= (int64_t)BWG_SWAP_HIGH_MAX * E)
+        return true;
     return n_pairs > (int64_t)BWG_SWAP_MIN * E && n_pairs <= (int64_t)BWG_SWAP_MAX * E &&
            D >= BWG_SWAP_LONG_K && F >= BWG_SWAP_LONG_K;
 }
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     const int min = cuda_env_count("MOESERVE_WGMMA_MIN", BWG_MIN_PAIRS_BF16, &g_bf16_min);
     return bwg_takes(n_pairs, E, D, F, split, min) ||
-           (E > 0 && bws_takes(n_pairs, E, D, F) && bwg_shape_ok(D, F, split) && wgmma_env());
+           (E > 0 && bws_takes(n_pairs, E, D, F, split) && bwg_shape_ok(D, F, split) &&
+            wgmma_env());
 }
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
@@ -972,52 +994,27 @@ static int bwg_tail() {
     return std::min(cuda_env_count("MOESERVE_WGMMA_TAIL", BWG_TAIL, &g_tail), 32);
 }
 
-// Clusters of the BF16 kernel (MOESERVE_WGMMA_CLUSTER=N: the most blocks a cluster, 1 none;
-// default BWG_CLUSTER): the largest of 4, 2 and 1 up to it that divides the n-blocks nx.
-static int g_cluster = -1;
-static int bwg_cluster(int nx) {
-    const int max = cuda_env_count("MOESERVE_WGMMA_CLUSTER", BWG_CLUSTER, &g_cluster);
-    return max >= 4 && nx % 4 == 0 ? 4 : max >= 2 && nx % 2 == 0 ? 2 : 1;
-}
-
-// As many blocks as the device holds at once (in clusters of CL), or fewer where there are fewer
-// tiles.
-template <bool SPLIT, bool GATE_UP, int WQ, int CW, int CL>
-static void bwg_launch_cl(const bwg_rows_map &ta, const CUtensorMap &tb, const bwg_args &p, int nx,
-                          int64_t tiles) {
-    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW, CL>;
-    const size_t smem = bwg_cfg<SPLIT>::smem_wq(WQ);
-    static size_t attr_set = 0;
-    cuda_smem_allow(kernel, smem, &attr_set);
-    cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = cuda_stream();
-    cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
-    cfg.attrs = attr;
-    cfg.numAttrs = CL > 1;
-    static int resident = 0; // clusters the device holds at once (one device a process)
-    if (!resident) {
-        cfg.gridDim = dim3((unsigned)CL);
-        CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
-        MS_ASSERT(resident > 0);
-    }
-    cfg.gridDim = dim3((unsigned)(CL * std::min<int64_t>(tiles / CL, resident)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta.half, ta.box, tb, p, nx));
-}
-
 template <bool SPLIT, bool GATE_UP, int WQ = 0, int CW = 2>
 static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p,
                        int64_t max_rows) {
-    const int nx = p.N / bwg_cfg<SPLIT>::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
-    const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
-    p.tail = WQ == 8 ? 0 : bwg_tail();
-    const int cl = WQ ? 1 : bwg_cluster(nx);
-    if constexpr (WQ == 0) {
-        if (cl == 4) return bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 4>(ta, tb, p, nx, tiles);
-        if (cl == 2) return bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 2>(ta, tb, p, nx, tiles);
+    typedef bwg_cfg<SPLIT> C;
+    auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW>;
+    const size_t smem = C::smem_wq(WQ);
+    static size_t attr_set = 0;
+    cuda_smem_allow(kernel, smem, &attr_set);
+    static int sms = 0; // one device a process
+    if (!sms) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     }
-    bwg_launch_cl<SPLIT, GATE_UP, WQ, CW, 1>(ta, tb, p, nx, tiles);
+    const int nx = p.N / C::BN; // GATE_UP: h's F = N / 2 columns in blocks of BN / 2
+    const int64_t tiles = (int64_t)nx * p.S * ((max_rows + BWG_BM - 1) / BWG_BM + p.E);
+    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    p.tail = WQ == 8 ? 0 : bwg_tail();
+    kernel<<<grid, WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, smem, cuda_stream()>>>(ta.half, ta.box,
+                                                                                 tb, p, nx);
+    CUDA_CHECK_LAUNCH();
 }
 
 // The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
@@ -1036,7 +1033,7 @@ static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const int nx = GATE_UP ? p.N / 2 / 128 : p.N / 256;
     const int64_t tiles = (int64_t)nx * ((n_pairs + BWS_BT - 1) / BWS_BT + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, BWG_THREADS, bws_cfg<SPLIT>::smem, cuda_stream()>>>(ta, tb, p, nx);
+    kernel<<<grid, BWS_THREADS, bws_cfg<SPLIT>::smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -1069,7 +1066,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                                                                     K, parts);
     CUDA_CHECK_LAUNCH();
     p.a_lo = (int)n_pairs;
-    if (WQ == 0 && bws_takes(n_pairs, E, D, F)) { // few rows an expert: the operands swapped
+    if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
         const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16);
         const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, 64);
         bws_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
@@ -1194,7 +1191,6 @@ extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min,
 extern "C" int cuda_moe_bf16_wgmma_min(int pairs) { return swap_setting(&g_bf16_min, pairs); }
 extern "C" int cuda_moe_bf16_swap_max(int pairs) { return swap_setting(&g_swap_max, pairs); }
 extern "C" int cuda_moe_bf16_wgmma_tail(int rows) { return swap_setting(&g_tail, rows); }
-extern "C" int cuda_moe_bf16_wgmma_cluster(int blocks) { return swap_setting(&g_cluster, blocks); }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     return g_w4.takes(n_pairs, E, D, F, split);
 }
