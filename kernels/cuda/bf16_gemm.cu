@@ -338,6 +338,56 @@ __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
     return max(0, min(64, rows - 64 * h));
 }
 
+// The operands swapped (the weights as wgmma's A): the k loop of nk k tiles from the ring (it: the
+// k tiles so far), stage s's NA 64-row weight slices at its byte a_off + 8192 a times its NW rows
+// at b_off, into acc from zero; each stage freed once its products have completed. Then the sum of
+// slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is acc[a][4 j + q] (r0, c0 as
+// bws_sum takes them), high's lo sum at j + NT / 8 (NT: the rows, NW / 2 in high).
+template <int NA, int NW, int STAGES, int STAGE_BYTES>
+__device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int &it,
+                                           uint32_t smem0, uint32_t a_off, uint32_t b_off,
+                                           uint32_t bar0) {
+#pragma unroll
+    for (int a = 0; a < NA; a++)
+#pragma unroll
+        for (int i = 0; i < NW / 2; i++)
+            acc[a][i] = 0.0f;
+    auto release = [&](int s) {
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
+    };
+    for (int kb = 0; kb < nk; kb++, it++) {
+        const int s = it % STAGES;
+        mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
+        const uint32_t st = smem0 + s * STAGE_BYTES;
+        const uint64_t db = wgmma_desc_sw128(st + b_off);
+        uint64_t da[NA];
+#pragma unroll
+        for (int a = 0; a < NA; a++)
+            da[a] = wgmma_desc_sw128(st + a_off + a * 8192);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < BWG_BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
+#pragma unroll
+            for (int a = 0; a < NA; a++)
+                bws_wgmma<NW>(acc[a], da[a] + 2 * k, db + 2 * k);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (kb > 0) release((it - 1) % STAGES);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    release((it - 1) % STAGES);
+}
+
+// After bws_k_loop: the sum of acc's output (a, j, q), high's hi and lo chains added.
+template <bool SPLIT, int NA, int NW>
+__device__ __forceinline__ float bws_sum(const float (&acc)[NA][NW / 2], int a, int j, int q) {
+    if constexpr (SPLIT)
+        return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NW / 16) + q]);
+    else
+        return acc[a][4 * j + q];
+}
+
 // A short half (1 to p.tail rows; never W8, whose block scales fold the m64 sums): the operands
 // swapped, as in the swapped kernel below, so its products cost its rows rounded up to 16 instead
 // of 64 (at 64 pairs an expert on average about half the experts have 65 to 80 rows). The
@@ -354,46 +404,11 @@ __device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0,
     constexpr int NA = C::BN / 64, NT = 16 * NB, NW = C::A_PARTS * NT, STAGES = C::STAGES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     float acc[NA][NW / 2];
-#pragma unroll
-    for (int a = 0; a < NA; a++)
-#pragma unroll
-        for (int i = 0; i < NW / 2; i++)
-            acc[a][i] = 0.0f;
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
-    };
-    for (int kb = 0; kb < nk; kb++, it++) {
-        const int s = it % STAGES;
-        mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
-        const uint32_t sa = smem0 + s * C::STAGE_BYTES, sb = sa + C::A_PARTS * C::A_BYTES;
-        const uint64_t db = wgmma_desc_sw128(sa + wg * 8192);
-        uint64_t da[NA];
-#pragma unroll
-        for (int a = 0; a < NA; a++)
-            da[a] = wgmma_desc_sw128(sb + a * 8192);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < BWG_BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
-#pragma unroll
-            for (int a = 0; a < NA; a++)
-                bws_wgmma<NW>(acc[a], da[a] + 2 * k, db + 2 * k);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (kb > 0) release((it - 1) % STAGES);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    release((it - 1) % STAGES);
-
-    // acc[a][4 j + q]: row r0 + 8 (q >> 1) of slice a, the half's row 8 j + c0 + (q & 1); high: its
-    // lo sum at j + NT / 8
+    bws_k_loop<NA, NW, STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, C::A_PARTS * C::A_BYTES,
+                                               wg * 8192, bar0);
+    // acc[a][4 j + q]: row r0 + 8 (q >> 1) of slice a, the half's row 8 j + c0 + (q & 1)
     const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
-    auto sum = [&](int a, int j, int q) {
-        if constexpr (SPLIT)
-            return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NT / 8) + q]);
-        else
-            return acc[a][4 * j + q];
-    };
+    auto sum = [&](int a, int j, int q) { return bws_sum<SPLIT, NA, NW>(acc, a, j, q); };
     constexpr bool W4 = WQ == 4;
 #pragma unroll
     for (int j = 0; j < NT / 8; j++) {
@@ -746,43 +761,10 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int nk = p.K / BWG_BK;
     float acc[2][NW / 2];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int i = 0; i < NW / 2; i++)
-            acc[a][i] = 0.0f;
-    auto release = [&](int s) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
-    };
-    for (int kb = 0; kb < nk; kb++, it++) {
-        const int s = it % STAGES;
-        mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
-        const uint32_t a0 = smem0 + s * C::STAGE_BYTES + wg * 2 * 8192;
-        const uint64_t da0 = wgmma_desc_sw128(a0), da1 = wgmma_desc_sw128(a0 + 8192);
-        const uint64_t db = wgmma_desc_sw128(smem0 + s * C::STAGE_BYTES + C::A_BYTES);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < BWG_BK / 16; k++) { // + 32 bytes a k16 step: 2 in the address
-            bws_wgmma<NW>(acc[0], da0 + 2 * k, db + 2 * k);
-            bws_wgmma<NW>(acc[1], da1 + 2 * k, db + 2 * k);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (kb > 0) release((it - 1) % STAGES);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    release((it - 1) % STAGES);
-
-    // acc[a][4 j + q]: weight row r0 + 8 (q >> 1) of A tile a, chunk row 8 j + c0 + (q & 1); high:
-    // its lo sum at j + NT / 8
+    bws_k_loop<2, NW, STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, wg * 2 * 8192, C::A_BYTES, bar0);
+    // acc[a][4 j + q]: weight row r0 + 8 (q >> 1) of A tile a, chunk row 8 j + c0 + (q & 1)
     const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
-    auto sum = [&](int a, int j, int q) {
-        if constexpr (SPLIT)
-            return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NT / 8) + q]);
-        else
-            return acc[a][4 * j + q];
-    };
+    auto sum = [&](int a, int j, int q) { return bws_sum<SPLIT, 2, NW>(acc, a, j, q); };
 #pragma unroll
     for (int j = 0; j < NT / 8; j++) {
 #pragma unroll
