@@ -341,8 +341,8 @@ __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
 // The operands swapped (the weights as wgmma's A): the k loop of nk k tiles from the ring (it: the
 // k tiles so far), stage s's NA 64-row weight slices at its byte a_off + 8192 a times its NW rows
 // at b_off, into acc from zero; each stage freed once its products have completed. Then the sum of
-// slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is acc[a][4 j + q] (r0, c0 as
-// bws_sum takes them), high's lo sum at j + NT / 8 (NT: the rows, NW / 2 in high).
+// slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is acc[a][4 j + q], with r0 =
+// 16 (warp % 4) + lane / 4 and c0 = 2 (lane % 4); high's lo sum at j + NW / 16 (bws_sum).
 template <int NA, int NW, int STAGES, int STAGE_BYTES>
 __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int &it,
                                            uint32_t smem0, uint32_t a_off, uint32_t b_off,
