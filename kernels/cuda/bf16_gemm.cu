@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             mbar_init(full(s),
                       CONV ? 1 + CW : 1); // the producer's arrival with the bytes (and the
                                           // converter warps')
-            mbar_init(empty(s), 8);       // the consumer warps
+            mbar_init(empty(s), 8); // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -558,48 +558,49 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             }
             __syncwarp(); // the other lanes wait for lane 0's copies of the tile to be issued
         }
-    } else {
-        // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
-        const int wg = warp >> 2;
-        const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
-        // this warp is done with stage s (its wgmma have completed): lane 0 tells the producer
-        auto release = [&](int s) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(s));
-        };
-        for (int t = blockIdx.x;; t += gridDim.x) {
-            const int2 tile = group_tile(p.offsets, p.E, row_tile(t), BWG_BM);
-            if (tile.x < 0) break;
-            const int e = tile.x, m0 = tile.y, n0 = n_first(t);
-            const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
-            const int nk = k_end(t) - k_first(t); // the k tiles of the tile's range
-            const int rw = bwg_half_rows(rows, wg);
-            if (rw == 0) { // no rows here (an expert's last, short tile): the stages only
-                for (int kb = 0; kb < nk; kb++, it++) {
-                    mbar_wait(full(it % STAGES), (it / STAGES) & 1);
-                    release(it % STAGES);
-                }
-                continue;
+        return;
+    }
+    // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
+    const int wg = warp >> 2;
+    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+    // this warp is done with stage s (its wgmma have completed): lane 0 tells the producer
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    };
+    for (int t = blockIdx.x;; t += gridDim.x) {
+        const int2 tile = group_tile(p.offsets, p.E, row_tile(t), BWG_BM);
+        if (tile.x < 0) break;
+        const int e = tile.x, m0 = tile.y, n0 = n_first(t);
+        const int rows = min(BWG_BM, __ldg(&p.offsets[e + 1]) - m0);
+        const int nk = k_end(t) - k_first(t); // the k tiles of the tile's range
+        const int rw = bwg_half_rows(rows, wg);
+        if (rw == 0) { // no rows here (an expert's last, short tile): the stages only
+            for (int kb = 0; kb < nk; kb++, it++) {
+                mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                release(it % STAGES);
             }
-            if (rw <= tail) {
-                if constexpr (!W8) {
-                    if (rw <= 16)
-                        bwg_short_half<SPLIT, GATE_UP, WQ, 1>(p, e, m0, rows, n0, range_of(t), nk,
-                                                              it, smem0, bar0);
-                    else
-                        bwg_short_half<SPLIT, GATE_UP, WQ, 2>(p, e, m0, rows, n0, range_of(t), nk,
-                                                              it, smem0, bar0);
-                }
-                continue;
+            continue;
+        }
+        if (rw <= tail) {
+            if constexpr (!W8) {
+                if (rw <= 16)
+                    bwg_short_half<SPLIT, GATE_UP, WQ, 1>(p, e, m0, rows, n0, range_of(t), nk, it,
+                                                          smem0, bar0);
+                else
+                    bwg_short_half<SPLIT, GATE_UP, WQ, 2>(p, e, m0, rows, n0, range_of(t), nk, it,
+                                                          smem0, bar0);
             }
-            float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
+            continue;
+        }
+        float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             acc[i] = 0.0f;
         if constexpr (SPLIT) {
 #pragma unroll
-            for (int i = 0; i < BN / 2; i++)
-                acl[i] = 0.0f;
+        for (int i = 0; i < BN / 2; i++)
+            acl[i] = 0.0f;
         }
         for (int kb = 0; kb < nk; kb++, it++) {
             const int s = it % STAGES;
@@ -655,29 +656,28 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             for (int j = 0; j < BN / 16; j++) {
                 const int col = n0 + 8 * j + c0, u = 4 * (j + BN / 16);
 #pragma unroll
-                for (int hr = 0; hr < 2; hr++) {
-                    const int r = hr ? r1 : r0;
-                    if (r >= rows) continue;
-                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
-                    float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
-                    float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
-                    if constexpr (W4) { // the gate's and the up projection's tensor scales
-                        const float sg = __ldg(&p.ws2[3 * e]), su = __ldg(&p.ws2[3 * e + 1]);
-                        g0 = __fmul_rn(g0, sg);
-                        g1 = __fmul_rn(g1, sg);
-                        u0 = __fmul_rn(u0, su);
-                        u1 = __fmul_rn(u1, su);
-                    }
-                    if constexpr (SPLIT) {
-                        uint32_t hi, lo;
-                        split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
-                        *reinterpret_cast<uint32_t *>(dst) = hi;
-                        *reinterpret_cast<uint32_t *>(dst + p.h_lo) = lo;
-                    } else {
-                        *reinterpret_cast<uint32_t *>(dst) =
-                            pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-                    }
+            for (int hr = 0; hr < 2; hr++) {
+                const int r = hr ? r1 : r0;
+                if (r >= rows) continue;
+                __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
+                float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
+                float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
+                if constexpr (W4) { // the gate's and the up projection's tensor scales
+                    const float sg = __ldg(&p.ws2[3 * e]), su = __ldg(&p.ws2[3 * e + 1]);
+                    g0 = __fmul_rn(g0, sg);
+                    g1 = __fmul_rn(g1, sg);
+                    u0 = __fmul_rn(u0, su);
+                    u1 = __fmul_rn(u1, su);
                 }
+                if constexpr (SPLIT) {
+                    uint32_t hi, lo;
+                    split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
+                    *reinterpret_cast<uint32_t *>(dst) = hi;
+                    *reinterpret_cast<uint32_t *>(dst + p.h_lo) = lo;
+                } else {
+                    *reinterpret_cast<uint32_t *>(dst) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+                }
+            }
             }
         } else {
 #pragma unroll
@@ -698,8 +698,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 }
             }
         }
-        }
-    } // the consumers
+    }
 #else
     __trap(); // not built for this device (hopper.cuh)
 #endif
