@@ -155,7 +155,7 @@ __device__ __forceinline__ void bwg_wgmma<256>(float (&d)[128], uint64_t da, uin
     WGMMA_D64_STR ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "  \
                   "%79"
 #define BWS_D80_OUT(d) WGMMA_D64_OUT(d), BWS_D16_OUT((d) + 64)
-// d += A[64 x 16] B[N x 16]^T, B a few grouped rows (16 to 64, twice that in high) and A 64 weight
+// d += A[64 x 16] B[N x 16]^T, B a few grouped rows (16 to 80, twice that in high) and A 64 weight
 // rows (the swapped kernel, and the grouped kernel's short halves)
 #define BWS_WGMMA(N, DSTR, DOUT, DA, DB)                                                           \
     template <>                                                                                    \
@@ -533,20 +533,18 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                 const int s = it % STAGES, kx = kb * 128; // k in bytes
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
                 mbar_arrive_tx(full(s), a_bytes + (CONV ? 0 : C::B_BYTES));
-                auto load_a = [&](uint32_t dst, const CUtensorMap *map, int row) {
-                    tma_load_2d(dst, map, kx, row, full(s));
-                };
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int rw = bwg_half_rows(rows, h), nb = (rw + 15) / 16;
                     const uint32_t sa = stage_a(s) + h * 8192;
                     for (int part = 0; part < C::A_PARTS; part++)
                         if (rw > tail)
-                            load_a(sa + part * C::A_BYTES, &ta, part * p.a_lo + m0 + 64 * h);
+                            tma_load_2d(sa + part * C::A_BYTES, &ta, kx,
+                                        part * p.a_lo + m0 + 64 * h, full(s));
                         else
                             for (int i = 0; i < nb; i++)
-                                load_a(sa + (part * nb + i) * 2048, &tt,
-                                       part * p.a_lo + m0 + 64 * h + 16 * i);
+                                tma_load_2d(sa + (part * nb + i) * 2048, &tt, kx,
+                                            part * p.a_lo + m0 + 64 * h + 16 * i, full(s));
                 }
                 if (CONV) { // the converters write the B tile
                 } else if (GATE_UP) {
@@ -599,8 +597,8 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             acc[i] = 0.0f;
         if constexpr (SPLIT) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; i++)
-            acl[i] = 0.0f;
+            for (int i = 0; i < BN / 2; i++)
+                acl[i] = 0.0f;
         }
         for (int kb = 0; kb < nk; kb++, it++) {
             const int s = it % STAGES;
@@ -656,28 +654,29 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             for (int j = 0; j < BN / 16; j++) {
                 const int col = n0 + 8 * j + c0, u = 4 * (j + BN / 16);
 #pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                const int r = hr ? r1 : r0;
-                if (r >= rows) continue;
-                __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
-                float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
-                float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
-                if constexpr (W4) { // the gate's and the up projection's tensor scales
-                    const float sg = __ldg(&p.ws2[3 * e]), su = __ldg(&p.ws2[3 * e + 1]);
-                    g0 = __fmul_rn(g0, sg);
-                    g1 = __fmul_rn(g1, sg);
-                    u0 = __fmul_rn(u0, su);
-                    u1 = __fmul_rn(u1, su);
+                for (int hr = 0; hr < 2; hr++) {
+                    const int r = hr ? r1 : r0;
+                    if (r >= rows) continue;
+                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + r) * F + col;
+                    float g0 = sum(4 * j + 2 * hr), g1 = sum(4 * j + 2 * hr + 1);
+                    float u0 = sum(u + 2 * hr), u1 = sum(u + 2 * hr + 1);
+                    if constexpr (W4) { // the gate's and the up projection's tensor scales
+                        const float sg = __ldg(&p.ws2[3 * e]), su = __ldg(&p.ws2[3 * e + 1]);
+                        g0 = __fmul_rn(g0, sg);
+                        g1 = __fmul_rn(g1, sg);
+                        u0 = __fmul_rn(u0, su);
+                        u1 = __fmul_rn(u1, su);
+                    }
+                    if constexpr (SPLIT) {
+                        uint32_t hi, lo;
+                        split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
+                        *reinterpret_cast<uint32_t *>(dst) = hi;
+                        *reinterpret_cast<uint32_t *>(dst + p.h_lo) = lo;
+                    } else {
+                        *reinterpret_cast<uint32_t *>(dst) =
+                            pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+                    }
                 }
-                if constexpr (SPLIT) {
-                    uint32_t hi, lo;
-                    split_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1), &hi, &lo);
-                    *reinterpret_cast<uint32_t *>(dst) = hi;
-                    *reinterpret_cast<uint32_t *>(dst + p.h_lo) = lo;
-                } else {
-                    *reinterpret_cast<uint32_t *>(dst) = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-                }
-            }
             }
         } else {
 #pragma unroll
