@@ -241,12 +241,13 @@ int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_bf16_wgmma_min(int pairs);
 int cuda_moe_bf16_swap_max(int pairs);
 int cuda_moe_bf16_wgmma_tail(int rows);
+void cuda_moe_bf16_swap_na(int na);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
  * (1 on, 0 off, -1 as MOESERVE_W8A16_WGMMA says: on unless 0); returns the setting before */
 int cuda_moe_w8_wgmma(int on);
-int cuda_moe_bf16_two_chains(int D, int F);
+int cuda_moe_bf16_one_chain(int D, int F);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -629,21 +630,22 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
         /* batch invariance: the last token alone gives the same bits as its rows in the batch.
          * Where the batch's GEMM 1 ran on the FP8 tensor cores (medium precision at prefill sizes,
          * outside deterministic mode: other sums than the token alone's W8A16 tiles), or its GEMMs
-         * on wgmma in high precision (two chains, hi and lo, added at the end), it stays within
-         * the tolerance of them instead. Medium's wgmma sums are the mma.sync tiles' bit for bit.
+         * on wgmma in high precision with the tiles' fp32 add of the lo products
+         * (MOESERVE_ONE_CHAIN=0), it stays within the tolerance of them instead. Medium's wgmma
+         * sums are the mma.sync tiles' bit for bit.
          */
         if (T > 1) {
             float *one = xmalloc((size_t)K * D * sizeof(float));
             gpu_moe(m, one, x + (size_t)(T - 1) * D, ids + (size_t)(T - 1) * K, 1);
             const float *row = out + (size_t)(T - 1) * K * D;
-            const bool other_sums = (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
-                                    (!m->quantized && p == MATMUL_PRECISION_HIGH &&
-                                     !cuda_moe_bf16_two_chains(D, m->F) &&
-                                     cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
-                                    (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
-                                     cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
-                                    (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
-                                     cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
+            const bool other_sums =
+                (m->fp8_input && cuda_moe_fp8_w8a8(n_pairs, m->E, D, m->F)) ||
+                (!m->quantized && p == MATMUL_PRECISION_HIGH && !cuda_moe_bf16_one_chain(D, m->F) &&
+                 cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
+                (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
+                 cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
+                (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
+                 cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (w8a8_down) { /* h on the FP8 grid in the batch: the token alone against the CPU */
                 int n1 = 0, bad1 = 0;
                 const int last = ns - 1; /* tok[ns - 1] = T - 1 */
@@ -1085,15 +1087,20 @@ static void test_wgmma(void) {
                 run_case(&m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.2 : 0.0, 64, true, NULL);
             cuda_moe_bf16_wgmma_tail(old_tail);
         }
-        /* the swapped kernel (weights as wgmma's A, chunks of up to 64 rows as its B) at every
-         * size past the tiny path: chunks of 1 to 64 rows, experts of several chunks, one expert
-         * with them all; against the CPU, and a token alone bit for bit against its batch */
+        /* the swapped kernel (weights as wgmma's A, chunks of up to 80 rows as its B) at every
+         * size past the tiny path, with 2 and 4 weight tiles a warpgroup: chunks of 1 to 80 rows,
+         * experts of several chunks, one expert with them all; against the CPU, and a token alone
+         * bit for bit against its batch */
         const int old_min = cuda_moe_bf16_wgmma_min(0), old_max = cuda_moe_bf16_swap_max(100000);
-        printf("  on the swapped kernel\n");
-        static const int Ts[] = {9, 20, 100, 250, 400};
-        for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-            run_case(&m, Ts[i], ROUTE_RANDOM, i == 3 ? 0.25 : 0.0, 64, i == 2, NULL);
-        run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+        for (int na = 2; na <= 4; na += 2) {
+            cuda_moe_bf16_swap_na(na);
+            printf("  on the swapped kernel, %d weight tiles a warpgroup\n", na);
+            static const int Ts[] = {9, 20, 100, 250, 400};
+            for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+                run_case(&m, Ts[i], ROUTE_RANDOM, i == 3 ? 0.25 : 0.0, 64, i == 2, NULL);
+            run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+        }
+        cuda_moe_bf16_swap_na(-1);
         cuda_moe_bf16_wgmma_min(old_min);
         cuda_moe_bf16_swap_max(old_max);
     }
@@ -1101,7 +1108,7 @@ static void test_wgmma(void) {
 }
 
 /* Deterministic mode: a token's rows are the same bits at every batch size in both precisions,
- * the wgmma kernel's sizes included (in high every size then sums in two chains): T from the
+ * the wgmma kernel's sizes included (in high every size then sums in one chain): T from the
  * tiny path through the decode and middle tiles to the wgmma kernel. */
 static void test_deterministic_sizes(const char *name, int E, int D, int F, int K, const int *Ts,
                                      int nT) {

@@ -14,34 +14,34 @@
 // an mma.sync m16n8k16 on the same operands and accumulator (checked on the H200 over chains of
 // 64 and 2048 k with wide exponent ranges and cancellations, 140 cases, every output equal; the
 // test checks it through the experts), so these are moe.cu's sums bit for bit and a token's rows
-// stay the same at any batch size, deterministic mode included. High precision: two chains, the
-// hi parts' products into one accumulator and the lo parts' into another, added once at the end
-// (moe.cu's tiles add each k16 step's lo product into the one accumulator in fp32, which a wgmma
-// pipeline cannot do without waiting on every step). The error is of the same order (the lo
-// chain's own truncations are 2^-8 smaller), but the bits differ from those tiles', so moe.cu's
-// tiles sum in two chains too below this kernel's sizes (moe_tile_cfg's TWO; bf16_wgmma_two_chains:
-// always in deterministic mode, and outside it unless MOESERVE_TWO_CHAINS=0), and a token's rows
-// do not depend on the batch's size.
+// stay the same at any batch size, deterministic mode included. High precision: each k16 step's
+// hi products then its lo products into the one accumulator (two wgmma), one chain (moe.cu's
+// header says what that costs in truncation), and moe.cu's tiles sum the same way below this
+// kernel's sizes (moe_tile_cfg's ONE; bf16_wgmma_one_chain: always in deterministic mode, and
+// outside it unless MOESERVE_ONE_CHAIN=0, which puts back the tiles' fp32 add of the lo product,
+// a wait on every step that wgmma cannot afford), so a token's rows do not depend on the batch's
+// size. Until 2026-12-03 the hi and lo products ran in two chains added at the end: twice the
+// accumulators, so high's tiles had 128 columns, half of medium's, and read x's rows twice as
+// often.
 //
 // Shape: a block is a persistent producer warp (TMA) and two consumer warpgroups of 64 rows each
-// on tiles of 128 rows x BN columns (medium BN 256, high 128: the accumulators of both chains must
-// fit), a ring of stages of 64 k (one 128-byte swizzled row per tile row, hopper.cuh's layout),
-// each stage's A tile (high: its hi and lo tiles) and B tile copied by TMA, A's two 64-row halves
-// apart and only where the expert has rows. A half of 1 to 32 rows (bwg_short_half) is copied in
-// boxes of 16 rows and multiplied with the operands swapped, so that it costs its rows rounded up
-// to 16 rather than 64. Tried on the H200 and not kept: clusters of 2 or 4 blocks on neighbouring
-// n-blocks of the same rows, each copying a share of A's rows into all of them by TMA multicast
-// (A's reads from L2 divided by the cluster's size; Qwen3-30B-A3B's experts at 64 pairs an expert
-// in high 519.7 / 553.4 us against 488.9 without: every block waits for the slowest of its
-// cluster before a stage is refilled). A consumer issues a
-// stage's four wgmma k16 steps, commits, and frees the stage before it once those have
-// completed (wait_group 1), so the tensor cores always hold a stage's work. GATE_UP: the B tile's
-// first BN / 2 rows are gate rows and its last BN / 2 the matching up rows, so a thread holds the
-// gate and the up sum of the same h element (n8 groups j and j + BN / 16).
-// A's rows must be in grouped order for the TMA (it cannot gather): GEMM 1 first copies x's BF16
-// rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already. The copy costs
-// what its bytes do (H200, Qwen3-30B-A3B at T = 2048, high: 48 us at 3.2 TB/s, beside 459 us for
-// GEMM 1, ncu). Gathering the rows in GEMM 1 instead, one TMA a row (a box of one 128-byte row
+// on tiles of 128 rows x BN columns (BN 256; W8's 128, beside its scaled totals), a ring of stages
+// of 64 k (one 128-byte swizzled row per tile row, hopper.cuh's layout), each stage's A tile (high:
+// its hi and lo tiles) and B tile copied by TMA, A's two 64-row halves apart and only where the
+// expert has rows. A half of 1 to 32 rows (bwg_short_half) is copied in boxes of 16 rows and
+// multiplied with the operands swapped, so that it costs its rows rounded up to 16 rather than 64.
+// Tried on the H200 and not kept: clusters of 2 or 4 blocks on neighbouring n-blocks of the same
+// rows, each copying a share of A's rows into all of them by TMA multicast (A's reads from L2
+// divided by the cluster's size; Qwen3-30B-A3B's experts at 64 pairs an expert in high 519.7 /
+// 553.4 us against 488.9 without: every block waits for the slowest of its cluster before a stage
+// is refilled). A consumer issues a stage's four wgmma k16 steps, commits, and frees the stage
+// before it once those have completed (wait_group 1), so the tensor cores always hold a stage's
+// work. GATE_UP: the B tile's first BN / 2 rows are gate rows and its last BN / 2 the matching up
+// rows, so a thread holds the gate and the up sum of the same h element (n8 groups j and j + BN /
+// 16). A's rows must be in grouped order for the TMA (it cannot gather): GEMM 1 first copies x's
+// BF16 rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already. The copy
+// costs what its bytes do (H200, Qwen3-30B-A3B at T = 2048, high: 48 us at 3.2 TB/s, beside 459 us
+// for GEMM 1, ncu). Gathering the rows in GEMM 1 instead, one TMA a row (a box of one 128-byte row
 // at its place in the swizzled tile: correct, the swizzle follows the shared address), made
 // GEMM 1 ten times slower (4.2 ms): TMA wants few large boxes.
 //
@@ -88,21 +88,25 @@
 #define BWG_BK      64  /* k of a stage: 128 bytes of BF16 */
 #define BWG_THREADS 288 /* two consumer warpgroups and the producer warp */
 #define BWG_THREADS_W4(CW) (BWG_THREADS + 32 * (CW)) /* W4: and CW converter warps */
-// W4's converter warps by precision: medium's B tiles have 256 rows, three warps write them 1.1 to
-// 1.2 times as fast as two (H200, Qwen3-30B-A3B's experts, test_cuda_moe --nvfp4: T = 2048 681 us
-// against 764, T = 4096 980 against 1104); high's have 128, which three warps share unevenly (T =
-// 2048 1018 us against 976). Four would need more registers than 416 threads leave a consumer.
-#define BWG_CW(SPLIT)  ((SPLIT) ? 2 : 3)
-#define BWG_CS         3 /* W4: the converters' staging slots (codes requested two k tiles ahead) */
+// W4's converter warps by the B tile's rows: three write 256 rows 1.1 to 1.2 times as fast as two
+// (H200, Qwen3-30B-A3B's experts in medium, test_cuda_moe --nvfp4: T = 2048 681 us against 764, T
+// = 4096 980 against 1104); 128 rows (high's tiles until its sums took one chain) three warps
+// share unevenly (T = 2048 1018 us against 976). Four would need more registers than 416 threads
+// leave a consumer.
+#define BWG_CW(BN) ((BN) == 256 ? 3 : 2)
+#define BWG_CS     3 /* W4: the converters' staging slots (codes requested two k tiles ahead) */
 
-// The tile configuration of a precision: columns, stages (each A tile 16 KiB, high two, and a B
-// tile of BN rows of 128 bytes; 192 KiB of stages either way).
-template <bool SPLIT> struct bwg_cfg {
-    static constexpr int BN = SPLIT ? 128 : 256;
+// The tile configuration of a precision and weight format: columns, stages (each A tile 16 KiB,
+// high two, and a B tile of BN rows of 128 bytes; 192 KiB of stages either way). BN 256 but in
+// W8, whose scaled totals (a second set of accumulators) keep it at 128: high's hi and lo
+// products share one accumulator (moe.cu's header), so high has medium's columns and one stage
+// less for its lo tiles.
+template <bool SPLIT, int WQ = 0> struct bwg_cfg {
+    static constexpr int BN = WQ == 8 ? 128 : 256;
     static constexpr int A_PARTS = SPLIT ? 2 : 1;
     static constexpr int A_BYTES = BWG_BM * 128, B_BYTES = BN * 128;
     static constexpr int STAGE_BYTES = A_PARTS * A_BYTES + B_BYTES;
-    static constexpr int STAGES = 4;
+    static constexpr int STAGES = SPLIT && BN == 256 ? 3 : 4;
     static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
     // W4: the converters' staging, after the stages: codes [BWG_CS][BN][32], scales [BWG_CS][BN][4]
     static constexpr size_t W4_CODES = (size_t)BWG_CS * BN * 32,
@@ -113,8 +117,7 @@ template <bool SPLIT> struct bwg_cfg {
     static constexpr size_t W8_CODES = (size_t)BWG_CS * BN * 64, W8_SCALES = BWG_CS * 8;
     static constexpr size_t smem_w8 = smem + W8_CODES + W8_SCALES + STAGES * 8;
     static constexpr size_t smem_wq(int wq) { return wq == 8 ? smem_w8 : wq == 4 ? smem_w4 : smem; }
-    static_assert(smem_w4 <= 227 * 1024 && (!SPLIT || smem_w8 <= 227 * 1024),
-                  "shared memory of one block");
+    static_assert(smem_wq(WQ) <= 227 * 1024, "shared memory of one block");
 };
 
 // d += A[64 x 16] B[N x 16]^T, fp32 accumulators in the m64nN fragment layout (scale-d 1: the
@@ -339,18 +342,19 @@ __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
 }
 
 // The operands swapped (the weights as wgmma's A): the k loop of nk k tiles from the ring (it: the
-// k tiles so far), stage s's NA 64-row weight slices at its byte a_off + 8192 a times its NW rows
-// at b_off, into acc from zero; each stage freed once its products have completed. Then the sum of
-// slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is acc[a][4 j + q], with r0 =
-// 16 (warp % 4) + lane / 4 and c0 = 2 (lane % 4); high's lo sum at j + NW / 16 (bws_sum).
-template <int NA, int NW, int STAGES, int STAGE_BYTES>
-__device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int &it,
+// k tiles so far), stage s's NA 64-row weight slices at its byte a_off + 8192 a times its NT rows
+// at b_off (high: PARTS 2, the lo parts' NT rows right after), into acc from zero, each k16 step's
+// hi then lo products into the one sum (moe.cu's header); each stage freed once its products have
+// completed. Then the sum of slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is
+// acc[a][4 j + q], with r0 = 16 (warp % 4) + lane / 4 and c0 = 2 (lane % 4).
+template <int NA, int NT, int PARTS, int STAGES, int STAGE_BYTES>
+__device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NT / 2], int nk, int &it,
                                            uint32_t smem0, uint32_t a_off, uint32_t b_off,
                                            uint32_t bar0) {
 #pragma unroll
     for (int a = 0; a < NA; a++)
 #pragma unroll
-        for (int i = 0; i < NW / 2; i++)
+        for (int i = 0; i < NT / 2; i++)
             acc[a][i] = 0.0f;
     auto release = [&](int s) {
         __syncwarp();
@@ -360,7 +364,10 @@ __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int
         const int s = it % STAGES;
         mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
         const uint32_t st = smem0 + s * STAGE_BYTES;
-        const uint64_t db = wgmma_desc_sw128(st + b_off);
+        uint64_t db[PARTS];
+#pragma unroll
+        for (int part = 0; part < PARTS; part++)
+            db[part] = wgmma_desc_sw128(st + b_off + part * NT * 128);
         uint64_t da[NA];
 #pragma unroll
         for (int a = 0; a < NA; a++)
@@ -370,7 +377,9 @@ __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int
         for (int k = 0; k < BWG_BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
 #pragma unroll
             for (int a = 0; a < NA; a++)
-                bws_wgmma<NW>(acc[a], da[a] + 2 * k, db + 2 * k);
+#pragma unroll
+                for (int part = 0; part < PARTS; part++)
+                    bws_wgmma<NT>(acc[a], da[a] + 2 * k, db[part] + 2 * k);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         if (kb > 0) release((it - 1) % STAGES);
@@ -379,20 +388,11 @@ __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NW / 2], int nk, int
     release((it - 1) % STAGES);
 }
 
-// After bws_k_loop: the sum of acc's output (a, j, q), high's hi and lo chains added.
-template <bool SPLIT, int NA, int NW>
-__device__ __forceinline__ float bws_sum(const float (&acc)[NA][NW / 2], int a, int j, int q) {
-    if constexpr (SPLIT)
-        return __fadd_rn(acc[a][4 * j + q], acc[a][4 * (j + NW / 16) + q]);
-    else
-        return acc[a][4 * j + q];
-}
-
 // A short half (1 to p.tail rows; never W8, whose block scales fold the m64 sums): the operands
 // swapped, as in the swapped kernel below, so its products cost its rows rounded up to 16 instead
 // of 64 (at 64 pairs an expert on average about half the experts have 65 to 80 rows). The
 // producer puts the half's NB boxes of 16 rows at the half's place in the stage's A tile, high's lo
-// boxes right after its hi ones, so B is N = parts x 16 NB rows at one stride; the B tile's 64-row
+// boxes right after its hi ones (bws_k_loop's two parts); the B tile's 64-row
 // slices are the A operands (NA = BN / 64: GATE_UP's first NA / 2 the gate rows, the rest the
 // matching up rows). A k16 step's sum of an output is the same whichever operand holds the weight,
 // so a row's outputs are the m64 path's bits. range: the tile's range of K (S > 1).
@@ -400,15 +400,15 @@ template <bool SPLIT, bool GATE_UP, int WQ, int NB>
 __device__ __forceinline__ void bwg_short_half(const bwg_args &p, int e, int m0, int rows, int n0,
                                                int range, int nk, int &it, uint32_t smem0,
                                                uint32_t bar0) {
-    typedef bwg_cfg<SPLIT> C;
-    constexpr int NA = C::BN / 64, NT = 16 * NB, NW = C::A_PARTS * NT, STAGES = C::STAGES;
+    typedef bwg_cfg<SPLIT, WQ> C;
+    constexpr int NA = C::BN / 64, NT = 16 * NB, STAGES = C::STAGES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    float acc[NA][NW / 2];
-    bws_k_loop<NA, NW, STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, C::A_PARTS * C::A_BYTES,
-                                               wg * 8192, bar0);
+    float acc[NA][NT / 2];
+    bws_k_loop<NA, NT, C::A_PARTS, STAGES, C::STAGE_BYTES>(
+        acc, nk, it, smem0, C::A_PARTS * C::A_BYTES, wg * 8192, bar0);
     // acc[a][4 j + q]: row r0 + 8 (q >> 1) of slice a, the half's row 8 j + c0 + (q & 1)
     const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
-    auto sum = [&](int a, int j, int q) { return bws_sum<SPLIT, NA, NW>(acc, a, j, q); };
+    auto sum = [&](int a, int j, int q) { return acc[a][4 * j + q]; };
     constexpr bool W4 = WQ == 4;
 #pragma unroll
     for (int j = 0; j < NT / 8; j++) {
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
                              const __grid_constant__ CUtensorMap tt,
                              const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
-    typedef bwg_cfg<SPLIT> C;
+    typedef bwg_cfg<SPLIT, WQ> C;
     // WQ: B's weights as codes the converter warps decode (4: NVFP4, 8: FP8), 0: BF16 by TMA
     constexpr bool W4 = WQ == 4, W8 = WQ == 8, CONV = WQ != 0;
     static_assert(!W8 || SPLIT, "W8: high precision (the fold's totals in acl)");
@@ -591,11 +591,11 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
             }
             continue;
         }
-        float acc[BN / 2], acl[SPLIT ? BN / 2 : 1];
+        float acc[BN / 2], acl[W8 ? BN / 2 : 1]; // W8: acl the scaled totals
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
             acc[i] = 0.0f;
-        if constexpr (SPLIT) {
+        if constexpr (W8) {
 #pragma unroll
             for (int i = 0; i < BN / 2; i++)
                 acl[i] = 0.0f;
@@ -610,8 +610,8 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 #pragma unroll
             for (int k = 0; k < BWG_BK / 16; k++) { // + 32 bytes a k16 step: 2 in the address
                 bwg_wgmma<BN>(acc, da + 2 * k, db + 2 * k);
-                // (W8: the lo products into the same sum, the 128-k block's; acl the totals)
-                if constexpr (SPLIT) bwg_wgmma<BN>(W8 ? acc : acl, dl + 2 * k, db + 2 * k);
+                // high: the lo products into the same sum (W8: the 128-k block's)
+                if constexpr (SPLIT) bwg_wgmma<BN>(acc, dl + 2 * k, db + 2 * k);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // the k tile before this one has completed: its stage is free
@@ -643,8 +643,6 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
         auto sum = [&](int i) {
             if constexpr (W8)
                 return acl[i]; // the totals
-            else if constexpr (SPLIT)
-                return __fadd_rn(acc[i], acl[i]);
             else
                 return acc[i];
         };
@@ -709,60 +707,66 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // 16, where the kernel above rounds an expert's rows up to 64 a warpgroup (at 64 pairs an expert on
 // average, about half the experts have 65 to 80 and cost 128), and an expert of up to 80 rows
 // streams its weights once (chunks of 64 read them twice for those experts: 546.5 us in high at
-// T = 1024 against 463.2 with chunks of 80). High precision puts a row's hi and
-// lo parts side by side in B (N = 2 x the chunk's rows), so one wgmma takes both chains from one
-// read of the weights; each output adds its hi and lo sums at the end as above. A k16 step's sum
-// of an output element is the same whichever operand holds the weight, so these are the kernel
-// above's sums (the test compares a token's rows bit for bit across batch sizes).
-// A block: a producer warpgroup whose first warp copies (TMA: four 64-row weight boxes a stage, the
-// chunk's rows in boxes of 16, each part) and two consumer warpgroups sharing the chunk; warpgroup
-// w takes, GATE_UP, h's columns 128 x + 64 w (A: their gate rows and their up rows), else out's
-// columns 256 x + 128 w (two 64-row A tiles). Tile t: chunk t / nx (group_tile with 80 rows),
-// column block t % nx. High's sums of 80 rows take 160 registers a thread: the producers give
-// theirs up (setmaxnreg), and each role runs its own loop so that the compiler allocates the
-// consumers' code to their count.
-// Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high;
-// this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set of weight tiles,
-// each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the same A from
-// shared memory), and each warpgroup its own 64 weight rows over up to 112 rows, so that an expert
-// of 65 to 128 rows streams its weights once instead of twice (618.7 us: 16 KB of weights a stage,
-// half of these, leave too few bytes in flight).
+// T = 1024 against 463.2 with chunks of 80). High precision puts a row's lo parts after the hi
+// ones in B, and each k16 step takes the hi then the lo products into the one sum, as above. A k16
+// step's sum of an output element is the same whichever operand holds the weight, so these are
+// the kernel above's sums (the test compares a token's rows bit for bit across batch sizes).
+// A block: a producer warpgroup whose first warp copies (TMA: 2 NA 64-row weight boxes a stage,
+// the chunk's rows in boxes of 16, each part) and two consumer warpgroups sharing the chunk, each
+// on NA 64-row A tiles: warpgroup w takes, GATE_UP, h's columns 64 NA x + 32 NA w .. (A: their
+// gate rows, then their up rows), else out's columns 128 NA x + 64 NA w ... Tile t: chunk t / nx
+// (group_tile with 80 rows), column block t % nx. Every column block reads the chunk's rows again
+// (from L2), so the more weight rows a block takes, the fewer those reads: NA 4 halves them
+// against NA 2, for 84 KB stages in high (two of them) instead of 52 KB (four). Two stages leave
+// too few bytes in flight (H200, Qwen3-30B-A3B's experts at 64 pairs an expert, high: 612.4 us
+// against 442.8 with NA 2; medium with three stages 415.0 against the kernel above's 383.9), so
+// NA is 2 by default. The sums of NA 4 tiles of 80 rows are 160 registers a thread: the producers
+// give theirs up (setmaxnreg), and each role runs its own loop so that the compiler allocates the
+// consumers' code to their count. Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64
+// pairs an expert, T = 1024, high; this kernel with chunks of 64 rows 546.5 us): the two warpgroups
+// sharing one set of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of
+// fewer rows reads the same A from shared memory), and each warpgroup its own 64 weight rows over
+// up to 112 rows, so that an expert of 65 to 128 rows streams its weights once instead of twice
+// (618.7 us: 16 KB of weights a stage, half of these, leave too few bytes in flight).
 #define BWS_BT 80 /* rows of a chunk */
 #define BWS_THREADS                                                                                \
     384 /* two consumer warpgroups and the producer warpgroup (its first warp copies) */
-// setmaxnreg: the producer warpgroup gives its registers to the consumers (high's sums of a chunk
-// of 80 rows are 160 registers a thread)
+// setmaxnreg: the producer warpgroup gives its registers to the consumers (the sums of NA 4 tiles
+// of a chunk of 80 rows are 160 registers a thread)
 #define BWS_PRODUCER_REGS 40
 #define BWS_CONSUMER_REGS 232
-template <bool SPLIT> struct bws_cfg {
+template <bool SPLIT, int NA> struct bws_cfg {
     static constexpr int PARTS = SPLIT ? 2 : 1;
-    static constexpr int A_BYTES = 4 * 64 * 128; // four 64-row weight tiles, two a warpgroup
+    static constexpr int A_BYTES = 2 * NA * 64 * 128; // NA 64-row weight tiles a warpgroup
     static constexpr int B_BYTES = PARTS * BWS_BT * 128;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int STAGES = SPLIT ? 4 : 5;
+    static constexpr int STAGES = std::min(5, (226 * 1024) / STAGE_BYTES);
     static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
-    static_assert(smem <= 227 * 1024, "shared memory of one block");
+    static_assert(STAGES >= 2 && smem <= 227 * 1024, "shared memory of one block");
 };
 
-// The weight row of warpgroup w's A tile a (0, 1) in column block x of expert e (b [E N, K]).
-template <bool GATE_UP> __device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
-    return GATE_UP ? e * N + a * (N / 2) + 128 * x + 64 * w : e * N + 256 * x + 128 * w + 64 * a;
+// The weight row of warpgroup w's A tile a in column block x of expert e (b [E N, K]).
+template <bool GATE_UP, int NA>
+__device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
+    if constexpr (GATE_UP)
+        return e * N + (a >= NA / 2 ? N / 2 : 0) + 64 * NA * x + 32 * NA * w + 64 * (a % (NA / 2));
+    else
+        return e * N + 128 * NA * x + 64 * NA * w + 64 * a;
 }
 
 // One warpgroup's tile of a chunk of rows (NT: its rows rounded up to 16): the k loop over the
 // ring, then the epilogue. it: the k tiles this thread has gone through.
-template <bool SPLIT, bool GATE_UP, int NT>
-__device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows, int x, int &it,
-                                            uint32_t smem0, uint32_t bar0) {
-    typedef bws_cfg<SPLIT> C;
-    constexpr int NW = C::PARTS * NT, STAGES = C::STAGES; // the wgmma's N
+template <bool SPLIT, bool GATE_UP, int NA, int NT>
+__device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, int rows, int x,
+                                            int &it, uint32_t smem0, uint32_t bar0) {
+    typedef bws_cfg<SPLIT, NA> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int nk = p.K / BWG_BK;
-    float acc[2][NW / 2];
-    bws_k_loop<2, NW, STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, wg * 2 * 8192, C::A_BYTES, bar0);
+    float acc[NA][NT / 2];
+    bws_k_loop<NA, NT, C::PARTS, C::STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, wg * NA * 8192,
+                                                            C::A_BYTES, bar0);
     // acc[a][4 j + q]: weight row r0 + 8 (q >> 1) of A tile a, chunk row 8 j + c0 + (q & 1)
     const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
-    auto sum = [&](int a, int j, int q) { return bws_sum<SPLIT, 2, NW>(acc, a, j, q); };
 #pragma unroll
     for (int j = 0; j < NT / 8; j++) {
 #pragma unroll
@@ -771,29 +775,34 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
             if (c >= rows) continue;
             if constexpr (GATE_UP) {
                 const int F = p.N / 2;
-                __nv_bfloat16 *dst = p.h + (int64_t)(m0 + c) * F + 128 * x + 64 * wg + r;
-                const float v = __fmul_rn(silu(sum(0, j, q)), sum(1, j, q));
-                const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-                *dst = hi;
-                if constexpr (SPLIT)
-                    dst[p.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+#pragma unroll
+                for (int a = 0; a < NA / 2; a++) {
+                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + c) * F +
+                                         (bws_wrow<true, NA>(p.N, e, x, wg, a) - e * p.N) + r;
+                    const float v = __fmul_rn(silu(acc[a][4 * j + q]), acc[a + NA / 2][4 * j + q]);
+                    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+                    *dst = hi;
+                    if constexpr (SPLIT)
+                        dst[p.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                }
             } else {
-                float *dst =
-                    p.out + (int64_t)__ldg(&p.pairs[m0 + c]) * p.N + 256 * x + 128 * wg + r;
-                dst[0] = sum(0, j, q);
-                dst[64] = sum(1, j, q);
+                float *dst = p.out + (int64_t)__ldg(&p.pairs[m0 + c]) * p.N +
+                             (bws_wrow<false, NA>(p.N, e, x, wg, 0) - e * p.N) + r;
+#pragma unroll
+                for (int a = 0; a < NA; a++)
+                    dst[64 * a] = acc[a][4 * j + q];
             }
         }
     }
 }
 
 // ta: the grouped rows [parts n, K] in boxes of 16 rows; tb: b [E N, K] in boxes of 64 rows.
-template <bool SPLIT, bool GATE_UP>
+template <bool SPLIT, bool GATE_UP, int NA>
 __global__ void __launch_bounds__(BWS_THREADS, 1)
     bf16_swap_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                           const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
-    typedef bws_cfg<SPLIT> C;
+    typedef bws_cfg<SPLIT, NA> C;
     constexpr int STAGES = C::STAGES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -835,9 +844,9 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
 #pragma unroll
                     for (int w = 0; w < 2; w++)
 #pragma unroll
-                        for (int a = 0; a < 2; a++)
-                            tma_load_2d(sa + (2 * w + a) * 8192, &tb, kx,
-                                        bws_wrow<GATE_UP>(p.N, e, x, w, a), full);
+                        for (int a = 0; a < NA; a++)
+                            tma_load_2d(sa + (NA * w + a) * 8192, &tb, kx,
+                                        bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
                     for (int part = 0; part < C::PARTS; part++)
                         for (int i = 0; i < nb; i++)
                             tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 128, &ta, kx,
@@ -851,11 +860,11 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     setmaxnreg_inc<BWS_CONSUMER_REGS>();
     for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
         switch ((rows + 15) / 16) {
-        case 1: bws_consume<SPLIT, GATE_UP, 16>(p, m0, rows, x, it, smem0, bar0); break;
-        case 2: bws_consume<SPLIT, GATE_UP, 32>(p, m0, rows, x, it, smem0, bar0); break;
-        case 3: bws_consume<SPLIT, GATE_UP, 48>(p, m0, rows, x, it, smem0, bar0); break;
-        case 4: bws_consume<SPLIT, GATE_UP, 64>(p, m0, rows, x, it, smem0, bar0); break;
-        default: bws_consume<SPLIT, GATE_UP, 80>(p, m0, rows, x, it, smem0, bar0); break;
+        case 1: bws_consume<SPLIT, GATE_UP, NA, 16>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 2: bws_consume<SPLIT, GATE_UP, NA, 32>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 3: bws_consume<SPLIT, GATE_UP, NA, 48>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 4: bws_consume<SPLIT, GATE_UP, NA, 64>(p, e, m0, rows, x, it, smem0, bar0); break;
+        default: bws_consume<SPLIT, GATE_UP, NA, 80>(p, e, m0, rows, x, it, smem0, bar0); break;
         }
     }
 #else
@@ -905,6 +914,8 @@ static int wgmma_env() {
 #define BWG_SWAP_HIGH_MIN        56
 #define BWG_SWAP_HIGH_MAX        96
 #define BWG_TAIL                 32
+#define BWS_NA_HIGH              2
+#define BWS_NA_MEDIUM            2
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -912,12 +923,11 @@ static bool bwg_shape_ok(int D, int F, bool split) {
     return D > 0 && F > 0 && D % BN == 0 && F % (BN / 2) == 0 && F % BWG_BK == 0 && D % BWG_BK == 0;
 }
 
-bool bf16_wgmma_two_chains(int D, int F) {
-    // outside the mode too unless MOESERVE_TWO_CHAINS=0 (docs/benchmarks.md: the decode steps
-    // 0.7 to 2.3% faster than with the one-chain tiles, and a token's rows the same bits at any
-    // batch size in high precision as well)
+bool bf16_wgmma_one_chain(int D, int F) {
+    // outside the mode too unless MOESERVE_ONE_CHAIN=0 (a token's rows the same bits at any batch
+    // size in high precision as well)
     static int off_mode = -1;
-    return (ops_cuda_deterministic() || cuda_env_on("MOESERVE_TWO_CHAINS", &off_mode)) &&
+    return (ops_cuda_deterministic() || cuda_env_on("MOESERVE_ONE_CHAIN", &off_mode)) &&
            bwg_shape_ok(D, F, true) && wgmma_env();
 }
 
@@ -933,8 +943,17 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
 // BWG_SWAP_MAX pairs an expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and
 // 768, the tiles and the kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
+// The swapped kernel's A tiles a warpgroup (MOESERVE_WGMMA_SWAP_NA, 2 or 4; default BWS_NA_HIGH in
+// high precision, BWS_NA_MEDIUM in medium).
+static int g_swap_na[2] = {-1, -1};
+static int bws_na(bool split) {
+    const int na = cuda_env_count("MOESERVE_WGMMA_SWAP_NA", split ? BWS_NA_HIGH : BWS_NA_MEDIUM,
+                                  &g_swap_na[split]);
+    return na == 4 ? 4 : 2;
+}
 static bool bws_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    if (F % 128 || D % 256) return false;
+    const int na = bws_na(split); // a block's columns: F in 64 NA, D in 128 NA
+    if (F % (64 * na) || D % (128 * na)) return false;
     const int max = cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", -1, &g_swap_max);
     if (max >= 0) return n_pairs <= (int64_t)max * E;
     if (split && n_pairs > (int64_t)BWG_SWAP_HIGH_MIN * E &&
@@ -952,7 +971,7 @@ bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split) {
 extern "C" int cuda_moe_bf16_wgmma(int64_t n_pairs, int E, int D, int F, int high) {
     return bf16_wgmma_takes(n_pairs, E, D, F, high != 0);
 }
-extern "C" int cuda_moe_bf16_two_chains(int D, int F) { return bf16_wgmma_two_chains(D, F); }
+extern "C" int cuda_moe_bf16_one_chain(int D, int F) { return bf16_wgmma_one_chain(D, F); }
 
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split) {
     return (split ? 2 : 1) * (size_t)n_pairs * D * sizeof(__nv_bfloat16);
@@ -977,7 +996,7 @@ static int bwg_tail() {
 template <bool SPLIT, bool GATE_UP, int WQ = 0, int CW = 2>
 static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p,
                        int64_t max_rows) {
-    typedef bwg_cfg<SPLIT> C;
+    typedef bwg_cfg<SPLIT, WQ> C;
     auto kernel = bf16_grouped_gemm_kernel<SPLIT, GATE_UP, WQ, CW>;
     const size_t smem = C::smem_wq(WQ);
     static size_t attr_set = 0;
@@ -998,23 +1017,40 @@ static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p
 }
 
 // The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
-template <bool SPLIT, bool GATE_UP>
+template <bool SPLIT, bool GATE_UP, int NA>
 static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t n_pairs) {
-    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP>;
+    typedef bws_cfg<SPLIT, NA> C;
+    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP, NA>;
     static size_t attr_set = 0;
-    cuda_smem_allow(kernel, bws_cfg<SPLIT>::smem, &attr_set);
+    cuda_smem_allow(kernel, C::smem, &attr_set);
     static int sms = 0; // one device a process
     if (!sms) {
         int dev = 0;
         CUDA_CHECK(cudaGetDevice(&dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     }
-    const int nx = GATE_UP ? p.N / 2 / 128 : p.N / 256;
+    const int nx = GATE_UP ? p.N / 2 / (64 * NA) : p.N / (128 * NA);
     const int64_t tiles = (int64_t)nx * ((n_pairs + BWS_BT - 1) / BWS_BT + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, BWS_THREADS, bws_cfg<SPLIT>::smem, cuda_stream()>>>(ta, tb, p, nx);
+    kernel<<<grid, BWS_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
+}
+
+// Both GEMMs on the swapped kernel, NA tiles a warpgroup (p: GEMM 1's arguments).
+template <bool SPLIT, int NA>
+static void bws_experts(bwg_args p, float *out, const __nv_bfloat16 *xg, const void *gate_up,
+                        const void *down, __nv_bfloat16 *h, int D, int F, int64_t n_pairs) {
+    const int parts = SPLIT ? 2 : 1;
+    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16);
+    const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64);
+    bws_launch<SPLIT, true, NA>(ta1, tb1, p, n_pairs);
+    p.out = out;
+    p.N = D;
+    p.K = F;
+    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16);
+    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64);
+    bws_launch<SPLIT, false, NA>(ta2, tb2, p, n_pairs);
 }
 
 // WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor
@@ -1025,7 +1061,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
                         const int32_t *offsets, int K, const void *gate_up, const void *down,
                         const uint8_t *gate_up_sf, const uint8_t *down_sf, const float *s2, int E,
                         int D, int F, int64_t n_pairs, __nv_bfloat16 *h, __nv_bfloat16 *xg) {
-    typedef bwg_cfg<SPLIT> C;
+    typedef bwg_cfg<SPLIT, WQ> C;
     const int parts = C::A_PARTS;
     bwg_args p = {};
     p.S = 1;
@@ -1047,21 +1083,16 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     CUDA_CHECK_LAUNCH();
     p.a_lo = (int)n_pairs;
     if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
-        const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16);
-        const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, 64);
-        bws_launch<SPLIT, true>(ta1, tb1, p, n_pairs);
-        p.out = out;
-        p.N = D;
-        p.K = F;
-        const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16);
-        const CUtensorMap tb2 = tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, 64);
-        bws_launch<SPLIT, false>(ta2, tb2, p, n_pairs);
+        if (bws_na(SPLIT) == 4)
+            bws_experts<SPLIT, 4>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        else
+            bws_experts<SPLIT, 2>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         return;
     }
     const bwg_rows_map ta1(xg, parts * n_pairs, D);
     const CUtensorMap tb1 =
         WQ ? ta1.half : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
-    bwg_launch<SPLIT, true, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta1, tb1, p, n_pairs);
+    bwg_launch<SPLIT, true, WQ, WQ ? BWG_CW(C::BN) : 2>(ta1, tb1, p, n_pairs);
     // GEMM 2: A = h [parts n, F], B = down [E D, F] in boxes of BN rows
     p.out = out;
     p.a_lo = (int)n_pairs;
@@ -1072,7 +1103,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     const bwg_rows_map ta2(h, parts * n_pairs, F);
     const CUtensorMap tb2 =
         WQ ? ta2.half : tma_map_rows(down, (int64_t)E * D, (int64_t)F * 2, C::BN);
-    bwg_launch<SPLIT, false, WQ, WQ ? BWG_CW(SPLIT) : 2>(ta2, tb2, p, n_pairs);
+    bwg_launch<SPLIT, false, WQ, WQ ? BWG_CW(C::BN) : 2>(ta2, tb2, p, n_pairs);
 }
 
 bool bf16_wgmma_linear_takes(int N, int Kd, bool split) {
@@ -1171,6 +1202,9 @@ extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min,
 extern "C" int cuda_moe_bf16_wgmma_min(int pairs) { return swap_setting(&g_bf16_min, pairs); }
 extern "C" int cuda_moe_bf16_swap_max(int pairs) { return swap_setting(&g_swap_max, pairs); }
 extern "C" int cuda_moe_bf16_wgmma_tail(int rows) { return swap_setting(&g_tail, rows); }
+// tests: the swapped kernel's A tiles a warpgroup in both precisions (2, 4; -1: the variable or
+// the defaults)
+extern "C" void cuda_moe_bf16_swap_na(int na) { g_swap_na[0] = g_swap_na[1] = na; }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     return g_w4.takes(n_pairs, E, D, F, split);
 }

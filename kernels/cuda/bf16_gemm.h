@@ -12,14 +12,14 @@
 // weights (D hidden, F expert width) take the wgmma kernels: more than 48 pairs an expert on
 // average (MOESERVE_WGMMA_MIN), or on shapes of long k loops (D and F from 2048) from 12 to 48 on
 // the kernel with the operands swapped (MOESERVE_WGMMA_SWAP_MAX; bf16_gemm.cu says when); D and F
-// multiples of the tiles (medium: D % 256, F % 128; high (split): D % 128, F % 64), unless
+// multiples of the tiles (D % 256, F % 128 in either precision), unless
 // MOESERVE_WGMMA=0.
 bool bf16_wgmma_takes(int64_t n_pairs, int E, int D, int F, bool split);
-// Whether high-precision experts of this shape sum in two chains at every size (the wgmma
-// kernel's sums, moe.cu's TWO tiles below its sizes), so a token's rows are the same bits at any
-// batch size: for the shapes the kernel takes in high, unless MOESERVE_WGMMA=0; outside
-// deterministic mode also unless MOESERVE_TWO_CHAINS=0.
-bool bf16_wgmma_two_chains(int D, int F);
+// Whether high-precision experts of this shape sum the hi and lo products in one chain at every
+// size (the wgmma kernel's sums, moe.cu's ONE tiles below its sizes), so a token's rows are the
+// same bits at any batch size: for the shapes the kernel takes in high, unless MOESERVE_WGMMA=0;
+// outside deterministic mode also unless MOESERVE_ONE_CHAIN=0.
+bool bf16_wgmma_one_chain(int D, int F);
 // The scratch bf16_wgmma_experts needs: x's BF16 rows (high: and their lo parts) in grouped order.
 size_t bf16_wgmma_scratch_bytes(int64_t n_pairs, int D, bool split);
 // Both GEMMs from moe.cu's prepared inputs: xb [AP, T, D] (x in BF16, split: then its lo parts),
@@ -62,7 +62,7 @@ bool bf16_wgmma_linear_takes(int N, int Kd, bool split);
 // of 64), from the prepare kernel's xb [AP, T, Kd] (x in BF16, split: then its lo parts), rows
 // (row m's output row, m itself) and offsets {0, T}; with more than one range each range's sums
 // go to part [S, T, N] (the caller adds them in order), else to out. Medium: the mma.sync tiles'
-// sums; high: each range in two chains, the hi and the lo products, added at its end.
+// sums; high: each range's hi and lo products in one chain.
 void bf16_wgmma_linear(float *out, float *part, const __nv_bfloat16 *xb, const int32_t *rows,
                        const int32_t *offsets, const __nv_bfloat16 *w, int T, int N, int Kd, int L,
                        bool split);

@@ -33,7 +33,7 @@
 //   does in medium.
 // - Either precision, BF16 weights, opt-in until timed (tiles_min_t): moe.cu's tiles
 //   (cuda_linear_tiles), the deterministic mode's kernels with k ranges chosen by T; in high the
-//   hi and lo products in two chains, within the same 2^-16 S.
+//   hi and lo products in one chain through the tensor cores' accumulator (moe.cu's header).
 // - F32 weights, either precision: an fp32 GEMM with CUBLAS_COMPUTE_32F, which excludes TF32.
 // - Block FP8 weights (DTYPE_F8_E4M3, cuda_prepare_linear_fp8): at a few rows outside
 //   deterministic mode (fp8_decode_max_t) the decode kernel below, fp32 x times each weight

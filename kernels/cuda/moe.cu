@@ -18,12 +18,19 @@
 //           error, this way it stays as in medium and the lo products cost an unbiased rounding.
 //           Decode reads the same weight bytes (H200, Qwen3-30B-A3B's experts: 1.0 to 1.17 times
 //           medium's time for T = 1 to 256); prefill does twice the tensor work (1.8 times at
-//           T = 4096). BF16 weights of a shape the wgmma kernel takes sum the hi and the lo
-//           products in two chains instead, added at the end: that kernel at prefill sizes
-//           (bf16_gemm.cu), and every BF16 tile below them (moe_tile_cfg's TWO), so a token's
-//           rows are the same bits at any batch (MOESERVE_TWO_CHAINS=0: one chain outside
-//           deterministic mode, as before 2026-12-01).
-//
+//           T = 4096). BF16 weights of a shape the wgmma kernel takes sum the lo products
+//           through the tensor cores' accumulator too: per k16 step acc = hi w + acc, then
+//           acc = lo w + acc, one chain (moe_tile_cfg's ONE). That is the wgmma kernel's way at
+//           prefill sizes (bf16_gemm.cu: a wgmma pipeline cannot add a fresh product in fp32
+//           without waiting on every step), and every BF16 tile below them sums the same way,
+//           so a token's rows are the same bits at any batch (MOESERVE_ONE_CHAIN=0: the fp32
+//           add outside deterministic mode). The truncations then come twice a step, so their
+//           biased part doubles (at most 2^-23 |acc| a step each, about 2^-16 |acc| over
+//           2048 k against 2^-17), still far below medium's 2^-8 of the inputs; the sums need
+//           no second set of accumulators, which lets the wgmma kernels take medium's tiles.
+//           (Until 2026-12-03 the hi and lo products ran in two chains added at the end:
+//           twice the accumulators, half the columns a tile, x's rows read twice as often.)
+
 // moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream:
 //   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D], in
 //      high also its remainders xb_lo[T, D]):
@@ -103,8 +110,8 @@
 //
 // BF16 experts at prefill sizes (more than 48 pairs an expert, bf16_gemm.h) run both GEMMs on
 // wgmma instead (kernels/cuda/bf16_gemm.cu), after the same prepare kernel: in medium the same
-// bits as the tiles here (a wgmma k16 step is an mma.sync k16 step bit for bit), in high two
-// chains (hi, lo) added at the end (with the tiles below its sizes in two chains too,
+// bits as the tiles here (a wgmma k16 step is an mma.sync k16 step bit for bit), in high the
+// hi and lo products in one chain (with the tiles below its sizes in one chain too,
 // moe_experts_path). H200, Qwen3-30B-A3B's experts at T = 4096 (balanced): 701 /
 // 1162 us against 1163 / 2016 on the tiles here.
 //
@@ -824,15 +831,15 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
 // block takes the copy for its own count, so the loop is straight-line code without the per-tile
 // branches, and in medium the mma.sync asm is not volatile (the compiler may move products past
 // the next fragment loads). Neither changes an instruction's operands or the order of any sum.
-// TWO: high precision's hi and lo products in two chains (two sets of accumulators, added at the
-// end), the sums of the wgmma kernel (bf16_gemm.cu); deterministic mode's BF16 experts, so that
-// their rows are the same bits at every size (see moe_experts_path).
+// ONE: high precision's hi and lo products in one chain through the tensor cores' accumulator
+// (acc = lo w + (hi w + acc) a k16 step), the sums of the wgmma kernels (bf16_gemm.cu), so that
+// a token's rows are the same bits at every size (see moe_experts_path).
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SPLIT_,
-          bool BUSY_STATIC_ = false, bool TWO_ = false>
+          bool BUSY_STATIC_ = false, bool ONE_ = false>
 struct moe_tile_cfg {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
                          STAGES = STAGES_;
-    static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_, TWO = TWO_;
+    static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_, ONE = ONE_;
     static constexpr int A_PARTS = SPLIT ? 2 : 1; // activation tiles per stage
     // high with few output tiles per warp (decode): fragments double-buffered across k16 steps
     static constexpr bool PIPE_FRAGS = SPLIT && (BM_ / WARPS_M_ / 16) * (BN_ / WARPS_N_ / 8) <= 4;
@@ -847,7 +854,7 @@ struct moe_tile_cfg {
     static_assert(BK % 16 == 0 && CPR >= 8 && threads % CPR == 0, "k tile");
     static_assert(BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0, "load passes");
     static_assert(STAGES >= 2, "pipeline");
-    static_assert(!TWO || SPLIT, "two chains: high precision");
+    static_assert(!ONE || SPLIT, "one chain: high precision");
     static_assert(smem <= 227 * 1024, "shared memory of one block");
 };
 
@@ -1355,9 +1362,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
     };
 
-    // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. TWO:
-    // acc the hi products' chain, tot the lo products'.
-    static_assert(!C::TWO || (!W8 && !W4), "two chains: BF16 weights");
+    // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. ONE:
+    // the lo products into acc too (tot unused).
+    static_assert(!C::ONE || (!W8 && !W4), "one chain: BF16 weights");
     float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -1557,9 +1564,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                         if (mi < mb)
 #pragma unroll
                             for (int ni = 0; ni < NI; ni++) {
-                                if constexpr (C::TWO) {
+                                if constexpr (C::ONE) {
                                     mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
-                                    mma_acc<NV>(tot[mi][ni], fa[1][mi], fb[ni]);
+                                    mma_acc<NV>(acc[mi][ni], fa[1][mi], fb[ni]);
                                     continue;
                                 }
                                 float t[4];
@@ -1599,8 +1606,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                 for (int ni = 0; ni < NI; ni++) {
                                     if (part == 0) {
                                         mma_acc<NV>(acc[mi][ni], af[mi], bfr[ni]);
-                                    } else if constexpr (C::TWO) {
-                                        mma_acc<NV>(tot[mi][ni], af[mi], bfr[ni]);
+                                    } else if constexpr (C::ONE) {
+                                        mma_acc<NV>(acc[mi][ni], af[mi], bfr[ni]);
                                     } else {
                                         float t[4];
                                         mma_zero<NV>(t, af[mi], bfr[ni]);
@@ -1644,15 +1651,6 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
                     acc[mi][ni][q] = tot[mi][ni][q];
-    }
-    if constexpr (C::TWO) { // the two chains' sums
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int ni = 0; ni < NI; ni++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], tot[mi][ni][q]);
     }
     if constexpr (BI) {
         if (in_cluster) { // its sums after x's rows (bi_run_small's shared memory)
@@ -1967,10 +1965,10 @@ static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, co
 // GEMM 1 reads x itself, so its stages hold only weights: the same four in both precisions.
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, false> moe_cfg_tiny1;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
-// Deterministic mode's high BF16 experts: the same shapes in two chains
-typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true, false, true> moe_cfg_tiny1_two;
-typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_two;
-typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_two;
+// High BF16 experts of the wgmma kernel's shapes: the same shapes in one chain
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true, false, true> moe_cfg_tiny1_one;
+typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_one;
+typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_one;
 
 // The blocks of GEMM kernel `kernel` (dynamic shared memory smem) resident on the device at once.
 template <typename K> static int64_t resident_blocks(K kernel, int threads, size_t smem) {
@@ -2038,7 +2036,7 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
     const int tiles2 = std::min(n, (n + busy * (C2::BM - 1)) / C2::BM);
     typedef moe_tile_cfg<C2::BM, C2::BN, C2::BK, C2::WARPS_M, C2::WARPS_N, 2, C2::SPLIT,
-                         C2::BUSY_STATIC, C2::TWO>
+                         C2::BUSY_STATIC, C2::ONE>
         C2_2;
     if constexpr (WF == WF_BF16) {
         if (tiny_two_stages<C2, C2_2>((int64_t)tiles2 * g.n_col_blocks)) {
@@ -2057,16 +2055,16 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
-    // High, BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_two_chains): every size
-    // sums in two chains, the wgmma kernel's way, so that it can take the prefill sizes with the
+    // High, BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_one_chain): every size
+    // sums in one chain, the wgmma kernel's way, so that it can take the prefill sizes with the
     // same bits (the choice depends on the mode and the shapes alone, never on T).
     if constexpr (WF == WF_BF16) {
-        if (!medium && bf16_wgmma_two_chains(D, F)) {
+        if (!medium && bf16_wgmma_one_chain(D, F)) {
             if ((int64_t)T * K <= MOE_TINY_PAIRS)
-                moe_run_tiny<moe_cfg_tiny1_two, moe_cfg_decode_two, WF>(out, x, topk_ids, w, T, K,
+                moe_run_tiny<moe_cfg_tiny1_one, moe_cfg_decode_one, WF>(out, x, topk_ids, w, T, K,
                                                                         D, F, n_rows);
             else // prefill sizes: the wgmma kernel (moe_run)
-                moe_dispatch<moe_cfg_decode_two, moe_cfg_mid_two, moe_cfg_mid_two,
+                moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one,
                              moe_cfg_prefill_high, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
             return;
         }
@@ -2182,8 +2180,8 @@ void cuda_moe_experts_q(float *out, float *xq, const float *x, const int32_t *to
 // reduction kernel's adds (bi_cluster_epilogue), with no fp32 scratch and no second launch; where
 // such clusters cannot run (or MOESERVE_BI_CLUSTER=0) the reduction kernel follows with PDL.
 // Prefill sizes (T > 96) of weights the wgmma kernel takes (bf16_gemm.cu; N % 256 in medium,
-// N % 128 in high) run there, range by range: in medium the tiles' sums; in high each range in
-// two chains (hi, lo), and the tiles below those sizes too (moe_cfg_decode_two, _mid_two), so
+// N % 256 in high too) run there, range by range: in medium the tiles' sums; in high each range
+// in one chain (hi, lo), and the tiles below those sizes too (moe_cfg_decode_one, _mid_one), so
 // a weight's rows are the same bits at every T either way.
 // H200, Qwen3-30B-A3B dummy weights, a batch-1 decode step in deterministic mode (graphs, high):
 // 4.46 ms with the prepare kernel, 3.71 without, 3.50 with the cluster (3.17 to 3.21 with the
@@ -2331,7 +2329,7 @@ static void bi_run(float *out, const float *x, const void *w, const float *wsf, 
 // Prefill sizes on the wgmma kernel (bf16_gemm.cu): the prepare kernel (x in BF16, split: and its
 // lo parts; every row to expert 0 in row order), the ranges of L into part, then their sums in
 // order (bi_reduce). The same ranges and adds as bi_run's; within a range the wgmma kernel's sums
-// (medium: the mma.sync tiles'; high: two chains, as the TWO tiles').
+// (medium: the mma.sync tiles'; high: one chain, as the ONE tiles').
 static void bi_run_wgmma(float *out, const float *x, const void *w, int T, int N, int Kd, int L,
                          bool split) {
     const int S = (Kd + L - 1) / L, max_tiles = (T + 127) / 128;
@@ -2371,7 +2369,7 @@ static void bi_run_by(float *out, const float *x, const void *w, int T, int N, i
 
 // The tile shape follows T as moe_dispatch's does with one expert; with fixed ranges the bits do
 // not depend on it. High precision with weights the wgmma kernel takes (bf16_wgmma_linear_takes:
-// a matter of the shape alone) sums in two chains at every T, so that the kernel can take the
+// a matter of the shape alone) sums in one chain at every T, so that the kernel can take the
 // prefill sizes.
 static void linear_tiles(float *out, const float *x, const void *w, int T, int N, int Kd,
                          bool fixed) {
@@ -2394,9 +2392,9 @@ static void linear_tiles(float *out, const float *x, const void *w, int T, int N
             bi_run_by<moe_cfg_prefill>(out, x, w, T, N, Kd, fixed);
     } else if (wg) {
         if (T <= 12)
-            bi_run_by<moe_cfg_decode_two>(out, x, w, T, N, Kd, fixed);
+            bi_run_by<moe_cfg_decode_one>(out, x, w, T, N, Kd, fixed);
         else
-            bi_run_by<moe_cfg_mid_two>(out, x, w, T, N, Kd, fixed);
+            bi_run_by<moe_cfg_mid_one>(out, x, w, T, N, Kd, fixed);
     } else {
         if (T <= 12)
             bi_run_by<moe_cfg_decode_high>(out, x, w, T, N, Kd, fixed);
