@@ -1087,8 +1087,8 @@ static void test_wgmma(void) {
                 run_case(&m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.2 : 0.0, 64, true, NULL);
             cuda_moe_bf16_wgmma_tail(old_tail);
         }
-        /* the swapped kernel (weights as wgmma's A, chunks of up to 80 rows as its B) at every
-         * size past the tiny path, with 2 and 4 weight tiles a warpgroup: chunks of 1 to 80 rows,
+        /* the swapped kernel (weights as wgmma's A, chunks of up to 96 rows as its B) at every
+         * size past the tiny path, with 2 and 4 weight tiles a warpgroup: chunks of 1 to 96 rows,
          * experts of several chunks, one expert with them all; against the CPU, and a token alone
          * bit for bit against its batch */
         const int old_min = cuda_moe_bf16_wgmma_min(0), old_max = cuda_moe_bf16_swap_max(100000);

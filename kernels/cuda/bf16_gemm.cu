@@ -341,13 +341,14 @@ __device__ __forceinline__ int bwg_half_rows(int rows, int h) {
     return max(0, min(64, rows - 64 * h));
 }
 
-// The operands swapped (the weights as wgmma's A): the k loop of nk k tiles from the ring (it: the
-// k tiles so far), stage s's NA 64-row weight slices at its byte a_off + 8192 a times its NT rows
+// The operands swapped (the weights as wgmma's A): the k loop of nk k tiles of BK (64: 128-byte
+// rows, the 128-byte swizzle; 32: 64-byte rows, the 64-byte swizzle) from the ring (it: the k
+// tiles so far), stage s's NA 64-row weight slices at its byte a_off + 128 BK a times its NT rows
 // at b_off (high: PARTS 2, the lo parts' NT rows right after), into acc from zero, each k16 step's
 // hi then lo products into the one sum (moe.cu's header); each stage freed once its products have
 // completed. Then the sum of slice a's weight row r0 + 8 (q >> 1) and row 8 j + c0 + (q & 1) is
 // acc[a][4 j + q], with r0 = 16 (warp % 4) + lane / 4 and c0 = 2 (lane % 4).
-template <int NA, int NT, int PARTS, int STAGES, int STAGE_BYTES>
+template <int NA, int NT, int PARTS, int STAGES, int STAGE_BYTES, int BK = BWG_BK>
 __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NT / 2], int nk, int &it,
                                            uint32_t smem0, uint32_t a_off, uint32_t b_off,
                                            uint32_t bar0) {
@@ -364,17 +365,20 @@ __device__ __forceinline__ void bws_k_loop(float (&acc)[NA][NT / 2], int nk, int
         const int s = it % STAGES;
         mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
         const uint32_t st = smem0 + s * STAGE_BYTES;
+        auto desc = [](uint32_t addr) {
+            return BK == 64 ? wgmma_desc_sw128(addr) : wgmma_desc_sw64(addr);
+        };
         uint64_t db[PARTS];
 #pragma unroll
         for (int part = 0; part < PARTS; part++)
-            db[part] = wgmma_desc_sw128(st + b_off + part * NT * 128);
+            db[part] = desc(st + b_off + part * NT * BK * 2);
         uint64_t da[NA];
 #pragma unroll
         for (int a = 0; a < NA; a++)
-            da[a] = wgmma_desc_sw128(st + a_off + a * 8192);
+            da[a] = desc(st + a_off + a * 128 * BK);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int k = 0; k < BWG_BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
+        for (int k = 0; k < BK / 16; k++) // + 32 bytes a k16 step: 2 in the address
 #pragma unroll
             for (int a = 0; a < NA; a++)
 #pragma unroll
@@ -703,44 +707,55 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 
 // Experts of few rows (decode sizes: up to BWG_SWAP_MAX pairs an expert on average) take the same
 // sums with the operands swapped: the weights are wgmma's A (64 weight rows a wgmma) and a chunk of
-// up to 80 of the expert's grouped rows its B, so a chunk's products cost its rows rounded up to
-// 16, where the kernel above rounds an expert's rows up to 64 a warpgroup (at 64 pairs an expert on
-// average, about half the experts have 65 to 80 and cost 128), and an expert of up to 80 rows
-// streams its weights once (chunks of 64 read them twice for those experts: 546.5 us in high at
-// T = 1024 against 463.2 with chunks of 80). High precision puts a row's lo parts after the hi
-// ones in B, and each k16 step takes the hi then the lo products into the one sum, as above. A k16
-// step's sum of an output element is the same whichever operand holds the weight, so these are
-// the kernel above's sums (the test compares a token's rows bit for bit across batch sizes).
+// up to BT (80; 96 in high from BWS_BT_WIDE_MIN pairs an expert) of the expert's grouped rows its
+// B, so a chunk's products cost its rows rounded up to 16, where the kernel above rounds an
+// expert's rows up to 64 a warpgroup (at 64 pairs an expert on average, about half the experts
+// have 65 to 80 and cost 128), and an expert of up to BT rows streams its weights once (chunks of
+// 64 read them twice for those experts: 546.5 us in high at T = 1024 against 463.2 with chunks of
+// 80). High precision puts a row's lo parts after the hi ones in B, and each k16 step takes the
+// hi then the lo products into the one sum, as above. A k16 step's sum of an output element is
+// the same whichever operand holds the weight, so these are the kernel above's sums (the test
+// compares a token's rows bit for bit across batch sizes).
 // A block: a producer warpgroup whose first warp copies (TMA: 2 NA 64-row weight boxes a stage,
 // the chunk's rows in boxes of 16, each part) and two consumer warpgroups sharing the chunk, each
 // on NA 64-row A tiles: warpgroup w takes, GATE_UP, h's columns 64 NA x + 32 NA w .. (A: their
 // gate rows, then their up rows), else out's columns 128 NA x + 64 NA w ... Tile t: chunk t / nx
-// (group_tile with 80 rows), column block t % nx. Every column block reads the chunk's rows again
-// (from L2), so the more weight rows a block takes, the fewer those reads: NA 4 halves them
-// against NA 2, for 84 KB stages in high (two of them) instead of 52 KB (four). Two stages leave
-// too few bytes in flight (H200, Qwen3-30B-A3B's experts at 64 pairs an expert, high: 612.4 us
-// against 442.8 with NA 2; medium with three stages 415.0 against the kernel above's 383.9), so
-// NA is 2 by default. The sums of NA 4 tiles of 80 rows are 160 registers a thread: the producers
-// give theirs up (setmaxnreg), and each role runs its own loop so that the compiler allocates the
-// consumers' code to their count. Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64
-// pairs an expert, T = 1024, high; this kernel with chunks of 64 rows 546.5 us): the two warpgroups
-// sharing one set of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of
-// fewer rows reads the same A from shared memory), and each warpgroup its own 64 weight rows over
-// up to 112 rows, so that an expert of 65 to 128 rows streams its weights once instead of twice
-// (618.7 us: 16 KB of weights a stage, half of these, leave too few bytes in flight).
-#define BWS_BT 80 /* rows of a chunk */
+// (group_tile with BT rows), column block t % nx. The producers give their registers to the
+// consumers (setmaxnreg), and each role runs its own loop so that the compiler allocates the
+// consumers' code to their count.
+// Every column block reads the chunk's rows again (from L2), so the more weight rows a block
+// takes, the fewer those reads. NA 4 halves them against NA 2, but its stages are larger: with
+// 128-byte rows two of 84 KB in high (H200, Qwen3-30B-A3B's experts at 64 pairs an expert, high:
+// 612.4 us against 442.8 with NA 2), with 64-byte rows (k tiles of 32, the 64-byte swizzle, as NA
+// 4 has them now) five of 42 KB (489.6 against 443.0); medium with NA 4 took 426.9 us against the
+// kernel above's 383.3. So NA is 2 by default (MOESERVE_WGMMA_SWAP_NA). Chunks of 96 rows in high
+// were slower at 64 pairs an expert (471.5 us against 443.0, the same call) and faster from 72
+// (484.1 against 492.2; at 80 512.6 against 581.9), hence BWS_BT_WIDE_MIN. ncu at 64 pairs an
+// expert, high, chunks of 96 (`ncu --clock-control none -k regex:bf16_swap --launch-count 2
+// --section SpeedOfLight --section MemoryWorkloadAnalysis build/tests/test_cuda_moe --bf16-timing
+// 1024`): GEMM 1 272.6 us, DRAM at 69% of its peak, L2 at 81%, SM 45%; GEMM 2 145.3 us, 70%, 82%,
+// 43%: neither memory saturated.
+// Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
+// two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
+// of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the
+// same A from shared memory), and each warpgroup its own 64 weight rows over up to 112 rows, so
+// that an expert of 65 to 128 rows streams its weights once instead of twice (618.7 us: 16 KB of
+// weights a stage, half of these, leave too few bytes in flight).
+#define BWS_BT      80 /* rows of a chunk (BWS_BT_WIDE from BWS_BT_WIDE_MIN pairs an expert in high) */
+#define BWS_BT_WIDE 96
 #define BWS_THREADS                                                                                \
     384 /* two consumer warpgroups and the producer warpgroup (its first warp copies) */
 // setmaxnreg: the producer warpgroup gives its registers to the consumers (the sums of NA 4 tiles
 // of a chunk of 80 rows are 160 registers a thread)
 #define BWS_PRODUCER_REGS 40
 #define BWS_CONSUMER_REGS 232
-template <bool SPLIT, int NA> struct bws_cfg {
+template <bool SPLIT, int NA, int BT = BWS_BT> struct bws_cfg {
     static constexpr int PARTS = SPLIT ? 2 : 1;
-    static constexpr int A_BYTES = 2 * NA * 64 * 128; // NA 64-row weight tiles a warpgroup
-    static constexpr int B_BYTES = PARTS * BWS_BT * 128;
+    static constexpr int BK = NA == 4 ? 32 : BWG_BK;    // k of a stage, 2 BK bytes a row
+    static constexpr int A_BYTES = 2 * NA * 128 * BK;   // NA 64-row weight tiles a warpgroup
+    static constexpr int B_BYTES = PARTS * BT * 2 * BK; // BT rows of a chunk
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int STAGES = std::min(5, (226 * 1024) / STAGE_BYTES);
+    static constexpr int STAGES = std::min(6, (226 * 1024) / STAGE_BYTES);
     static constexpr size_t smem = (size_t)STAGES * STAGE_BYTES + 1024; // + alignment
     static_assert(STAGES >= 2 && smem <= 227 * 1024, "shared memory of one block");
 };
@@ -756,15 +771,15 @@ __device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
 
 // One warpgroup's tile of a chunk of rows (NT: its rows rounded up to 16): the k loop over the
 // ring, then the epilogue. it: the k tiles this thread has gone through.
-template <bool SPLIT, bool GATE_UP, int NA, int NT>
+template <bool SPLIT, bool GATE_UP, int NA, int BT, int NT>
 __device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, int rows, int x,
                                             int &it, uint32_t smem0, uint32_t bar0) {
-    typedef bws_cfg<SPLIT, NA> C;
+    typedef bws_cfg<SPLIT, NA, BT> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int nk = p.K / BWG_BK;
+    const int nk = p.K / C::BK;
     float acc[NA][NT / 2];
-    bws_k_loop<NA, NT, C::PARTS, C::STAGES, C::STAGE_BYTES>(acc, nk, it, smem0, wg * NA * 8192,
-                                                            C::A_BYTES, bar0);
+    bws_k_loop<NA, NT, C::PARTS, C::STAGES, C::STAGE_BYTES, C::BK>(
+        acc, nk, it, smem0, wg * NA * 128 * C::BK, C::A_BYTES, bar0);
     // acc[a][4 j + q]: weight row r0 + 8 (q >> 1) of A tile a, chunk row 8 j + c0 + (q & 1)
     const int r0 = (warp & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
 #pragma unroll
@@ -797,12 +812,12 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, in
 }
 
 // ta: the grouped rows [parts n, K] in boxes of 16 rows; tb: b [E N, K] in boxes of 64 rows.
-template <bool SPLIT, bool GATE_UP, int NA>
+template <bool SPLIT, bool GATE_UP, int NA, int BT>
 __global__ void __launch_bounds__(BWS_THREADS, 1)
     bf16_swap_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                           const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
-    typedef bws_cfg<SPLIT, NA> C;
+    typedef bws_cfg<SPLIT, NA, BT> C;
     constexpr int STAGES = C::STAGES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -817,15 +832,15 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     }
     __syncthreads();
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(bwg_smem) + 1023u) & ~1023u;
-    const int nk = p.K / BWG_BK;
+    const int nk = p.K / C::BK;
     int it = 0;
     // tile t: its expert, first row, column block and rows (false past the last tile)
     auto tile_of = [&](int t, int &e, int &m0, int &x, int &rows) {
-        const int2 tile = group_tile(p.offsets, p.E, t / nx, BWS_BT);
+        const int2 tile = group_tile(p.offsets, p.E, t / nx, BT);
         e = tile.x;
         m0 = tile.y;
         x = t % nx;
-        rows = e < 0 ? 0 : min(BWS_BT, __ldg(&p.offsets[e + 1]) - m0);
+        rows = e < 0 ? 0 : min(BT, __ldg(&p.offsets[e + 1]) - m0);
         return e >= 0;
     };
     int e, m0, x, rows;
@@ -835,9 +850,9 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
         for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
             const int nb = (rows + 15) / 16; // boxes of 16 rows a part
             if (lane == 0) {
-                const uint32_t bytes = C::A_BYTES + C::PARTS * nb * 16 * 128;
+                const uint32_t bytes = C::A_BYTES + C::PARTS * nb * 16 * 2 * C::BK;
                 for (int kb = 0; kb < nk; kb++, it++) {
-                    const int s = it % STAGES, kx = kb * 128; // k in bytes
+                    const int s = it % STAGES, kx = kb * 2 * C::BK; // k in bytes
                     const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
                     mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
                     mbar_arrive_tx(full, bytes);
@@ -845,12 +860,12 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
                     for (int w = 0; w < 2; w++)
 #pragma unroll
                         for (int a = 0; a < NA; a++)
-                            tma_load_2d(sa + (NA * w + a) * 8192, &tb, kx,
+                            tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
                                         bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
                     for (int part = 0; part < C::PARTS; part++)
                         for (int i = 0; i < nb; i++)
-                            tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 128, &ta, kx,
-                                        part * p.a_lo + m0 + 16 * i, full);
+                            tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 2 * C::BK,
+                                        &ta, kx, part * p.a_lo + m0 + 16 * i, full);
                 }
             }
             __syncwarp();
@@ -860,11 +875,15 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     setmaxnreg_inc<BWS_CONSUMER_REGS>();
     for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
         switch ((rows + 15) / 16) {
-        case 1: bws_consume<SPLIT, GATE_UP, NA, 16>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 2: bws_consume<SPLIT, GATE_UP, NA, 32>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 3: bws_consume<SPLIT, GATE_UP, NA, 48>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 4: bws_consume<SPLIT, GATE_UP, NA, 64>(p, e, m0, rows, x, it, smem0, bar0); break;
-        default: bws_consume<SPLIT, GATE_UP, NA, 80>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 1: bws_consume<SPLIT, GATE_UP, NA, BT, 16>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 2: bws_consume<SPLIT, GATE_UP, NA, BT, 32>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 3: bws_consume<SPLIT, GATE_UP, NA, BT, 48>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 4: bws_consume<SPLIT, GATE_UP, NA, BT, 64>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 5: bws_consume<SPLIT, GATE_UP, NA, BT, 80>(p, e, m0, rows, x, it, smem0, bar0); break;
+        default:
+            if constexpr (BT > 80)
+                bws_consume<SPLIT, GATE_UP, NA, BT, 96>(p, e, m0, rows, x, it, smem0, bar0);
+            break;
         }
     }
 #else
@@ -895,11 +914,16 @@ static int wgmma_env() {
 
 // Pairs an expert from which the wgmma kernels take the experts: the quantized formats' (moe.cu's
 // prefill tiles from 96), BF16's, and the swapped kernel's ranges: on shapes of long k loops (D and
-// F at least BWG_SWAP_LONG_K), and in high precision from BWG_SWAP_HIGH_MIN to BWG_SWAP_HIGH_MAX
-// on any (chunks of 80 rows: Qwen3-30B-A3B at 64 an expert 463.2 us against 493.1 on the kernel
-// above with its short halves, at 48 an expert 435.1 against 431.0; medium 405.9 against 384.8).
-// H200, test_cuda_moe --timing 1024 and --timing-deepseek 2048, us, medium / high
-// (docs/benchmarks.md; the swapped kernel's chunks were 64 rows then):
+// F at least BWG_SWAP_LONG_K), and in high precision above BWG_SWAP_HIGH_MIN up to
+// BWG_SWAP_HIGH_MAX on any. High with the hi and lo products in one chain (H200, Qwen3-30B-A3B's
+// experts, test_cuda_moe --bf16-timing T with MOESERVE_WGMMA_MIN=0 and MOESERVE_WGMMA_SWAP_MAX 0
+// then 200, us): at 24 / 32 / 40 / 48 / 64 / 72 / 80 / 88 / 96 pairs an expert the kernel above
+// 390.8 / 399.4 / 408.8 / 422.1 / 530.0 / 570.2 / 581.3 / 593.5 / 596.7, swapped in chunks of 80
+// 364.6 / 372.7 / 385.4 / 410.7 / 443.0 / 492.2 / 581.9 / 676.1 / 722.3 and of 96 (from 72)
+// 484.1 / 512.6 / 551.8 / 653.4, the tiles (up to 48) 342.5 / 362.3 / 384.6. Medium keeps the
+// kernel above (at 80 pairs an expert 406.5 us against 491.1 swapped). H200, test_cuda_moe --timing
+// 1024 and --timing-deepseek 2048, us, medium / high (docs/benchmarks.md; the swapped kernel's
+// chunks were 64 rows then):
 //   Qwen3-30B-A3B, 64 an expert (T = 1024): the tiles 405.7 / 569.6, this kernel (from 24) 386.8
 //   / 515.7, swapped 452.6 / 546.5; 32 an expert (T = 512): the tiles 340.3 / 369.2, this kernel
 //   351.4 / 432.1, swapped 348.4 / 380.2.
@@ -911,8 +935,9 @@ static int wgmma_env() {
 #define BWG_SWAP_MIN             12
 #define BWG_SWAP_MAX             48
 #define BWG_SWAP_LONG_K          2048
-#define BWG_SWAP_HIGH_MIN        56
-#define BWG_SWAP_HIGH_MAX        96
+#define BWG_SWAP_HIGH_MIN        40
+#define BWG_SWAP_HIGH_MAX        88
+#define BWS_BT_WIDE_MIN          68
 #define BWG_TAIL                 32
 #define BWS_NA_HIGH              2
 #define BWS_NA_MEDIUM            2
@@ -1017,11 +1042,11 @@ static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p
 }
 
 // The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
-template <bool SPLIT, bool GATE_UP, int NA>
+template <bool SPLIT, bool GATE_UP, int NA, int BT>
 static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t n_pairs) {
-    typedef bws_cfg<SPLIT, NA> C;
-    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP, NA>;
+    typedef bws_cfg<SPLIT, NA, BT> C;
+    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP, NA, BT>;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, C::smem, &attr_set);
     static int sms = 0; // one device a process
@@ -1031,26 +1056,27 @@ static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     }
     const int nx = GATE_UP ? p.N / 2 / (64 * NA) : p.N / (128 * NA);
-    const int64_t tiles = (int64_t)nx * ((n_pairs + BWS_BT - 1) / BWS_BT + p.E);
+    const int64_t tiles = (int64_t)nx * ((n_pairs + BT - 1) / BT + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
     kernel<<<grid, BWS_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
     CUDA_CHECK_LAUNCH();
 }
 
-// Both GEMMs on the swapped kernel, NA tiles a warpgroup (p: GEMM 1's arguments).
-template <bool SPLIT, int NA>
+// Both GEMMs on the swapped kernel, NA tiles a warpgroup, chunks of BT rows (p: GEMM 1's
+// arguments).
+template <bool SPLIT, int NA, int BT>
 static void bws_experts(bwg_args p, float *out, const __nv_bfloat16 *xg, const void *gate_up,
                         const void *down, __nv_bfloat16 *h, int D, int F, int64_t n_pairs) {
-    const int parts = SPLIT ? 2 : 1;
-    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16);
-    const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64);
-    bws_launch<SPLIT, true, NA>(ta1, tb1, p, n_pairs);
+    const int parts = SPLIT ? 2 : 1, bb = 2 * bws_cfg<SPLIT, NA>::BK; // a box's bytes a row
+    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16, bb);
+    const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64, bb);
+    bws_launch<SPLIT, true, NA, BT>(ta1, tb1, p, n_pairs);
     p.out = out;
     p.N = D;
     p.K = F;
-    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16);
-    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64);
-    bws_launch<SPLIT, false, NA>(ta2, tb2, p, n_pairs);
+    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16, bb);
+    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64, bb);
+    bws_launch<SPLIT, false, NA, BT>(ta2, tb2, p, n_pairs);
 }
 
 // WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor
@@ -1084,9 +1110,11 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.a_lo = (int)n_pairs;
     if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
         if (bws_na(SPLIT) == 4)
-            bws_experts<SPLIT, 4>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+            bws_experts<SPLIT, 4, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        else if (SPLIT && n_pairs > (int64_t)BWS_BT_WIDE_MIN * E)
+            bws_experts<SPLIT, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         else
-            bws_experts<SPLIT, 2>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+            bws_experts<SPLIT, 2, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         return;
     }
     const bwg_rows_map ta1(xg, parts * n_pairs, D);

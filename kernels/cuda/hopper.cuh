@@ -44,6 +44,12 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
+// The same for 64-byte rows with the 64-byte swizzle (chunk c of row r at chunk c ^ (r / 2 % 4),
+// the tile 512-byte aligned): stride 512 >> 4, layout type 2.
+__device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 |
+           (uint64_t)2 << 62;
+}
 
 // The accumulator operands of a wgmma m64nN (N / 2 fp32 registers a thread, d[0 .. N / 2 - 1]):
 // WGMMA_Dk_STR the placeholders %0 .. %(k-1) for the asm string, WGMMA_Dk_OUT(d) the matching
@@ -165,10 +171,11 @@ template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 // The tensor map of a row-major byte matrix [rows, row_bytes] (row_bytes % 128 == 0, 16-byte
-// aligned) in boxes of 128 bytes x box_rows rows with the 128-byte swizzle; rows past the last
-// read as zeros. (A BF16 matrix is a byte matrix of twice its width: a box holds 64 of its k.)
+// aligned) in boxes of 128 bytes x box_rows rows with the 128-byte swizzle (box_bytes 64: 64-byte
+// boxes, the 64-byte swizzle); rows past the last read as zeros. (A BF16 matrix is a byte matrix
+// of twice its width: a box holds 64 of its k.)
 static inline CUtensorMap tma_map_rows(const void *base, int64_t rows, int64_t row_bytes,
-                                       int box_rows) {
+                                       int box_rows, int box_bytes = 128) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
     if (!encode) {
         void *fn = NULL;
@@ -184,10 +191,11 @@ static inline CUtensorMap tma_map_rows(const void *base, int64_t rows, int64_t r
     CUtensorMap map;
     const cuuint64_t dim[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows};
     const cuuint64_t stride[1] = {(cuuint64_t)row_bytes};
-    const cuuint32_t box[2] = {128, (cuuint32_t)box_rows}, unit[2] = {1, 1};
+    const cuuint32_t box[2] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows}, unit[2] = {1, 1};
     const CUresult r =
         encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dim, stride, box,
-               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         char msg[96];
