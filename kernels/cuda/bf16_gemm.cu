@@ -760,20 +760,25 @@ template <bool SPLIT, int NA, int BT = BWS_BT> struct bws_cfg {
     static_assert(STAGES >= 2 && smem <= 227 * 1024, "shared memory of one block");
 };
 
-// The weight row of warpgroup w's A tile a in column block x of expert e (b [E N, K]).
+// The first output column of warpgroup w's A tile a in column block x: GATE_UP h's (gate and up
+// tiles a and a + NA / 2 share it), else out's.
+template <bool GATE_UP, int NA> __device__ __forceinline__ int bws_col(int x, int w, int a) {
+    if constexpr (GATE_UP)
+        return 64 * NA * x + 32 * NA * w + 64 * (a % (NA / 2));
+    else
+        return 128 * NA * x + 64 * NA * w + 64 * a;
+}
+// The weight row of that tile in expert e (b [E N, K]; GATE_UP: F = N / 2 gate rows, then up).
 template <bool GATE_UP, int NA>
 __device__ __forceinline__ int bws_wrow(int N, int e, int x, int w, int a) {
-    if constexpr (GATE_UP)
-        return e * N + (a >= NA / 2 ? N / 2 : 0) + 64 * NA * x + 32 * NA * w + 64 * (a % (NA / 2));
-    else
-        return e * N + 128 * NA * x + 64 * NA * w + 64 * a;
+    return e * N + (GATE_UP && a >= NA / 2 ? N / 2 : 0) + bws_col<GATE_UP, NA>(x, w, a);
 }
 
 // One warpgroup's tile of a chunk of rows (NT: its rows rounded up to 16): the k loop over the
 // ring, then the epilogue. it: the k tiles this thread has gone through.
 template <bool SPLIT, bool GATE_UP, int NA, int BT, int NT>
-__device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, int rows, int x,
-                                            int &it, uint32_t smem0, uint32_t bar0) {
+__device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows, int x, int &it,
+                                            uint32_t smem0, uint32_t bar0) {
     typedef bws_cfg<SPLIT, NA, BT> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int nk = p.K / C::BK;
@@ -792,8 +797,8 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, in
                 const int F = p.N / 2;
 #pragma unroll
                 for (int a = 0; a < NA / 2; a++) {
-                    __nv_bfloat16 *dst = p.h + (int64_t)(m0 + c) * F +
-                                         (bws_wrow<true, NA>(p.N, e, x, wg, a) - e * p.N) + r;
+                    __nv_bfloat16 *dst =
+                        p.h + (int64_t)(m0 + c) * F + bws_col<true, NA>(x, wg, a) + r;
                     const float v = __fmul_rn(silu(acc[a][4 * j + q]), acc[a + NA / 2][4 * j + q]);
                     const __nv_bfloat16 hi = __float2bfloat16_rn(v);
                     *dst = hi;
@@ -802,7 +807,7 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int e, int m0, in
                 }
             } else {
                 float *dst = p.out + (int64_t)__ldg(&p.pairs[m0 + c]) * p.N +
-                             (bws_wrow<false, NA>(p.N, e, x, wg, 0) - e * p.N) + r;
+                             bws_col<false, NA>(x, wg, 0) + r;
 #pragma unroll
                 for (int a = 0; a < NA; a++)
                     dst[64 * a] = acc[a][4 * j + q];
@@ -875,14 +880,14 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     setmaxnreg_inc<BWS_CONSUMER_REGS>();
     for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
         switch ((rows + 15) / 16) {
-        case 1: bws_consume<SPLIT, GATE_UP, NA, BT, 16>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 2: bws_consume<SPLIT, GATE_UP, NA, BT, 32>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 3: bws_consume<SPLIT, GATE_UP, NA, BT, 48>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 4: bws_consume<SPLIT, GATE_UP, NA, BT, 64>(p, e, m0, rows, x, it, smem0, bar0); break;
-        case 5: bws_consume<SPLIT, GATE_UP, NA, BT, 80>(p, e, m0, rows, x, it, smem0, bar0); break;
+        case 1: bws_consume<SPLIT, GATE_UP, NA, BT, 16>(p, m0, rows, x, it, smem0, bar0); break;
+        case 2: bws_consume<SPLIT, GATE_UP, NA, BT, 32>(p, m0, rows, x, it, smem0, bar0); break;
+        case 3: bws_consume<SPLIT, GATE_UP, NA, BT, 48>(p, m0, rows, x, it, smem0, bar0); break;
+        case 4: bws_consume<SPLIT, GATE_UP, NA, BT, 64>(p, m0, rows, x, it, smem0, bar0); break;
+        case 5: bws_consume<SPLIT, GATE_UP, NA, BT, 80>(p, m0, rows, x, it, smem0, bar0); break;
         default:
             if constexpr (BT > 80)
-                bws_consume<SPLIT, GATE_UP, NA, BT, 96>(p, e, m0, rows, x, it, smem0, bar0);
+                bws_consume<SPLIT, GATE_UP, NA, BT, 96>(p, m0, rows, x, it, smem0, bar0);
             break;
         }
     }
@@ -1111,10 +1116,10 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
         if (bws_na(SPLIT) == 4)
             bws_experts<SPLIT, 4, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
-        else if (SPLIT && n_pairs > (int64_t)BWS_BT_WIDE_MIN * E)
-            bws_experts<SPLIT, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
-        else
+        else if (!SPLIT || n_pairs <= (int64_t)BWS_BT_WIDE_MIN * E)
             bws_experts<SPLIT, 2, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        else if constexpr (SPLIT) // chunks of 96 rows: high only
+            bws_experts<SPLIT, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         return;
     }
     const bwg_rows_map ta1(xg, parts * n_pairs, D);
