@@ -242,6 +242,7 @@ int cuda_moe_bf16_wgmma_min(int pairs);
 int cuda_moe_bf16_swap_max(int pairs);
 int cuda_moe_bf16_wgmma_tail(int rows);
 void cuda_moe_bf16_swap_na(int na);
+int cuda_moe_bf16_swap_gather(int on);
 int cuda_moe_w4_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 /* kernels/cuda/bf16_gemm.cu: the FP8 experts on the wgmma kernel in high precision from now on
@@ -1092,13 +1093,22 @@ static void test_wgmma(void) {
          * experts of several chunks, one expert with them all; against the CPU, and a token alone
          * bit for bit against its batch */
         const int old_min = cuda_moe_bf16_wgmma_min(0), old_max = cuda_moe_bf16_swap_max(100000);
-        for (int na = 2; na <= 4; na += 2) {
-            cuda_moe_bf16_swap_na(na);
-            printf("  on the swapped kernel, %d weight tiles a warpgroup\n", na);
-            static const int Ts[] = {9, 20, 100, 250, 400};
-            for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-                run_case(&m, Ts[i], ROUTE_RANDOM, i == 3 ? 0.25 : 0.0, 64, i == 2, NULL);
-            run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+        for (int gather = 1; gather >= 0; gather--) {
+            const int old_gather = cuda_moe_bf16_swap_gather(gather);
+            static const int nas[] = {42, 2, 4}; /* 42: GEMM 1's 4 tiles, GEMM 2's 2 */
+            for (int ni = 0; ni < 3; ni++) {
+                const int na = nas[ni];
+                cuda_moe_bf16_swap_na(na);
+                printf("  on the swapped kernel, %d and %d weight tiles a warpgroup (GEMM 1, 2), "
+                       "x's rows %s\n",
+                       na == 42 ? 4 : na, na == 42 ? 2 : na,
+                       gather ? "copied by GEMM 1" : "from their grouped copy");
+                static const int Ts[] = {9, 20, 100, 250, 400};
+                for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+                    run_case(&m, Ts[i], ROUTE_RANDOM, i == 3 ? 0.25 : 0.0, 64, i == 2, NULL);
+                run_case(&m, 333, ROUTE_ONE, 0.0, 32, true, NULL);
+            }
+            cuda_moe_bf16_swap_gather(old_gather);
         }
         cuda_moe_bf16_swap_na(-1);
         cuda_moe_bf16_wgmma_min(old_min);

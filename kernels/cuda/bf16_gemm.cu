@@ -39,7 +39,8 @@
 // work. GATE_UP: the B tile's first BN / 2 rows are gate rows and its last BN / 2 the matching up
 // rows, so a thread holds the gate and the up sum of the same h element (n8 groups j and j + BN /
 // 16). A's rows must be in grouped order for the TMA (it cannot gather): GEMM 1 first copies x's
-// BF16 rows into grouped order (bwg_gather_kernel); GEMM 2's A is h, grouped already. The copy
+// BF16 rows into grouped order (bwg_gather_kernel; the swapped kernel below may copy them
+// itself); GEMM 2's A is h, grouped already. The copy
 // costs what its bytes do (H200, Qwen3-30B-A3B at T = 2048, high: 48 us at 3.2 TB/s, beside 459 us
 // for GEMM 1, ncu). Gathering the rows in GEMM 1 instead, one TMA a row (a box of one 128-byte row
 // at its place in the swizzled tile: correct, the swizzle follows the shared address), made
@@ -205,6 +206,10 @@ typedef struct {
     // a 64-row half of a tile with 1 to tail rows takes them as wgmma's B, the weights as A (the
     // grouped kernel's short halves, below; 0: never)
     int tail;
+    // the swapped kernel's GEMM 1 with GATHER: grouped row m's A row is token pairs[m] / topk's
+    // row of xb [parts T, K] (high: its lo part T rows on), copied by the kernel itself
+    const __nv_bfloat16 *xb;
+    int T, topk;
 } bwg_args;
 
 // The CW converter warps (W4 and W8; the kernel's warps 9 on): ct = the thread among them, rows
@@ -717,7 +722,8 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // the same whichever operand holds the weight, so these are the kernel above's sums (the test
 // compares a token's rows bit for bit across batch sizes).
 // A block: a producer warpgroup whose first warp copies (TMA: 2 NA 64-row weight boxes a stage,
-// the chunk's rows in boxes of 16, each part) and two consumer warpgroups sharing the chunk, each
+// the chunk's rows in boxes of 16, each part; GATHER: its other warps copy the rows) and two
+// consumer warpgroups sharing the chunk, each
 // on NA 64-row A tiles: warpgroup w takes, GATE_UP, h's columns 64 NA x + 32 NA w .. (A: their
 // gate rows, then their up rows), else out's columns 128 NA x + 64 NA w ... Tile t: chunk t / nx
 // (group_tile with BT rows), column block t % nx. The producers give their registers to the
@@ -728,13 +734,27 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // 128-byte rows two of 84 KB in high (H200, Qwen3-30B-A3B's experts at 64 pairs an expert, high:
 // 612.4 us against 442.8 with NA 2), with 64-byte rows (k tiles of 32, the 64-byte swizzle, as NA
 // 4 has them now) five of 42 KB (489.6 against 443.0); medium with NA 4 took 426.9 us against the
-// kernel above's 383.3. So NA is 2 by default (MOESERVE_WGMMA_SWAP_NA). Chunks of 96 rows in high
-// were slower at 64 pairs an expert (471.5 us against 443.0, the same call) and faster from 72
-// (484.1 against 492.2; at 80 512.6 against 581.9), hence BWS_BT_WIDE_MIN. ncu at 64 pairs an
-// expert, high, chunks of 96 (`ncu --clock-control none -k regex:bf16_swap --launch-count 2
+// kernel above's 383.3. So NA is 2 by default (MOESERVE_WGMMA_SWAP_NA; but see GATHER below).
+// Chunks of 96 rows in high were slower at 64 pairs an expert (471.5 us against 443.0, the same
+// call) and faster from 72 (484.1 against 492.2; at 80 512.6 against 581.9), hence BWS_BT_WIDE_MIN.
+// ncu at 64 pairs an expert, high, chunks of 96 (`ncu --clock-control none -k regex:bf16_swap
+// --launch-count 2
 // --section SpeedOfLight --section MemoryWorkloadAnalysis build/tests/test_cuda_moe --bf16-timing
 // 1024`): GEMM 1 272.6 us, DRAM at 69% of its peak, L2 at 81%, SM 45%; GEMM 2 145.3 us, 70%, 82%,
 // 43%: neither memory saturated.
+// GEMM 1 may copy the chunk's rows of x itself (GATHER: three more producer warps, cp.async from
+// xb by the pairs' tokens, each thread's copies arriving on the stage's full barrier as they
+// land), so that the grouped copy of x is not made. H200, Qwen3-30B-A3B's experts at 64 pairs an
+// expert, high (ncu, us): the copy kernel 23.4 and GEMM 1 with NA 2 254.9; GEMM 1 with NA 2 and
+// GATHER 296.4 (the copies of a stage slow each chunk's k loop more than the copy kernel costs),
+// with NA 4 and GATHER 262.6 (half the column blocks, so half the copies); GEMM 2 145.1 with NA
+// 2, 164.1 with NA 4. So high at more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert takes
+// GEMM 1 with NA 4 and GATHER, GEMM 2 with NA 2: test_cuda_moe --bf16-timing 1024 425.1 / 424.9
+// us against 443.7 / 443.2 (67.3% of the copy rate against 64.5%). At 48 and 68 pairs an expert
+// the same pair lost (414.2 against 410.0 us, 507.2 against 485.0), as did GATHER with NA 2 at 64
+// (450.5 against 441.5) and 80 (541.1 against 512.8). Both GEMMs are launched with programmatic
+// dependent launch: GEMM 2's copying lane requests its first stages' weights before it waits
+// for GEMM 1 (no measurable change at 64 pairs an expert: 441.4 us against 441.5).
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
 // two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
 // of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the
@@ -816,8 +836,19 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
     }
 }
 
-// ta: the grouped rows [parts n, K] in boxes of 16 rows; tb: b [E N, K] in boxes of 64 rows.
-template <bool SPLIT, bool GATE_UP, int NA, int BT>
+// GATHER (GEMM 1): the producer warpgroup's other three warps copy the chunk's rows of x from xb
+// themselves (bws_gather), and the grouped copy of x's rows is not made.
+#define BWS_GATHER_THREADS 96
+// The byte offset off of a tile of rows of 2 BK bytes (BK 64: 128-byte rows, the 128-byte
+// swizzle; 32: the 64-byte one), swizzled as TMA and the wgmma descriptors have it (the tile
+// 1024-byte aligned): its 16-byte unit's bits xor the row's bits above 128 bytes.
+template <int BK> __device__ __forceinline__ uint32_t bws_swizzle(uint32_t off) {
+    return off ^ (((off >> 7) & (BK == 64 ? 7u : 3u)) << 4);
+}
+
+// ta: the grouped rows [parts n, K] in boxes of 16 rows (not read with GATHER); tb: b [E N, K] in
+// boxes of 64 rows.
+template <bool SPLIT, bool GATE_UP, int NA, int BT, bool GATHER>
 __global__ void __launch_bounds__(BWS_THREADS, 1)
     bf16_swap_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                           const __grid_constant__ CUtensorMap tb, const bwg_args p, int nx) {
@@ -826,11 +857,14 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     constexpr int STAGES = C::STAGES;
     extern __shared__ __align__(16) unsigned char bwg_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
+    __shared__ int src_row[BT];                        // GATHER: the chunk's rows' tokens
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(bar0 + 8 * s, 1);            // the producer's arrival with the bytes
+            // the producer's arrival with the bytes (GATHER: and each copying thread's, as its
+            // copies land)
+            mbar_init(bar0 + 8 * s, 1 + (GATHER ? BWS_GATHER_THREADS : 0));
             mbar_init(bar0 + 8 * (STAGES + s), 8); // the consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -849,28 +883,84 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
         return e >= 0;
     };
     int e, m0, x, rows;
+    // Launched after the kernel before it has triggered (cuda_launch_pdl). GEMM 1's kernel before
+    // is the prepare kernel: every thread waits for it first. GEMM 2's is GEMM 1, which triggers
+    // only after its own wait, so the tile table (the prepare kernel's) can be read at once: the
+    // copying lane requests its first tile's first k tiles of weights (pre of them, counted on
+    // the full barriers without an arrival), then waits for h.
+    int pre = 0; // (tile_of is a warp's search: warp 8 takes it, lane 0 copies)
+    if (!GATE_UP && warp == 8 && tile_of(blockIdx.x, e, m0, x, rows) && lane == 0) {
+        pre = min(STAGES, nk);
+        for (int kb = 0; kb < pre; kb++) {
+            const uint32_t sa = smem0 + kb * C::STAGE_BYTES, full = bar0 + 8 * kb;
+            asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(full),
+                         "r"((uint32_t)C::A_BYTES)
+                         : "memory");
+            for (int w = 0; w < 2; w++)
+                for (int a = 0; a < NA; a++)
+                    tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kb * 2 * C::BK,
+                                bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
     if (warp >= 8) { // the producer: the first warp searches the tiles, its lane 0 copies
         setmaxnreg_dec<BWS_PRODUCER_REGS>();
+        if (GATHER && warp > 8) {
+            // warps 9 to 11: a stage's rows of the chunk, each row's k tile in 16-byte units
+            // (thread g: unit g % U of rows g / U, g / U + 96 / U, ...), the rows past the chunk's
+            // as zeros; each thread's copies arrive on the full barrier as they land
+            constexpr int U = C::BK / 8, RS = BWS_GATHER_THREADS / U;
+            const int g = tid - 9 * 32, u = g % U;
+            for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+                const int nr = 16 * ((rows + 15) / 16); // rows a part
+                asm volatile("bar.sync 1, %0;\n" ::"n"(BWS_GATHER_THREADS) : "memory");
+                for (int i = g; i < rows; i += BWS_GATHER_THREADS)
+                    src_row[i] = __ldg(&p.pairs[m0 + i]) / p.topk;
+                asm volatile("bar.sync 1, %0;\n" ::"n"(BWS_GATHER_THREADS) : "memory");
+                for (int kb = 0; kb < nk; kb++, it++) {
+                    const int s = it % STAGES;
+                    const uint32_t b = smem0 + s * C::STAGE_BYTES + C::A_BYTES;
+                    mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
+                    for (int part = 0; part < C::PARTS; part++)
+                        for (int i = g / U; i < nr; i += RS) {
+                            const int r = i < rows ? src_row[i] : 0;
+                            const __nv_bfloat16 *src =
+                                p.xb + ((int64_t)part * p.T + r) * p.K + kb * C::BK + 8 * u;
+                            const uint32_t off = (uint32_t)((part * nr + i) * 2 * C::BK + 16 * u);
+                            cp_async16(b + bws_swizzle<C::BK>(off), src, i < rows ? 16 : 0);
+                        }
+                    asm volatile(
+                        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar0 + 8 * s)
+                        : "memory");
+                }
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            return;
+        }
         if (warp > 8) return;
         for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
             const int nb = (rows + 15) / 16; // boxes of 16 rows a part
             if (lane == 0) {
-                const uint32_t bytes = C::A_BYTES + C::PARTS * nb * 16 * 2 * C::BK;
+                const uint32_t bytes = C::A_BYTES + (GATHER ? 0 : C::PARTS * nb * 16 * 2 * C::BK);
                 for (int kb = 0; kb < nk; kb++, it++) {
                     const int s = it % STAGES, kx = kb * 2 * C::BK; // k in bytes
                     const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
                     mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
-                    mbar_arrive_tx(full, bytes);
+                    const bool early = it < pre; // its weights requested before the wait
+                    mbar_arrive_tx(full, bytes - (early ? C::A_BYTES : 0));
+                    if (!early)
 #pragma unroll
-                    for (int w = 0; w < 2; w++)
+                        for (int w = 0; w < 2; w++)
 #pragma unroll
-                        for (int a = 0; a < NA; a++)
-                            tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
-                                        bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
-                    for (int part = 0; part < C::PARTS; part++)
-                        for (int i = 0; i < nb; i++)
-                            tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 2 * C::BK,
-                                        &ta, kx, part * p.a_lo + m0 + 16 * i, full);
+                            for (int a = 0; a < NA; a++)
+                                tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
+                                            bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
+                    if constexpr (!GATHER)
+                        for (int part = 0; part < C::PARTS; part++)
+                            for (int i = 0; i < nb; i++)
+                                tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 2 * C::BK,
+                                            &ta, kx, part * p.a_lo + m0 + 16 * i, full);
                 }
             }
             __syncwarp();
@@ -944,8 +1034,8 @@ static int wgmma_env() {
 #define BWG_SWAP_HIGH_MAX        88
 #define BWS_BT_WIDE_MIN          68
 #define BWG_TAIL                 32
-#define BWS_NA_HIGH              2
-#define BWS_NA_MEDIUM            2
+#define BWS_MIX_MIN              60 /* high: GEMM 1 NA 4 with the gather, GEMM 2 NA 2, from */
+#define BWS_MIX_MAX              64 /* more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert */
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
 static bool bwg_shape_ok(int D, int F, bool split) {
@@ -973,17 +1063,33 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
 // BWG_SWAP_MAX pairs an expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and
 // 768, the tiles and the kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
-// The swapped kernel's A tiles a warpgroup (MOESERVE_WGMMA_SWAP_NA, 2 or 4; default BWS_NA_HIGH in
-// high precision, BWS_NA_MEDIUM in medium).
+// The swapped kernel's A tiles a warpgroup, GEMM 1's and GEMM 2's, for n_pairs over E experts
+// (MOESERVE_WGMMA_SWAP_NA=2 or 4: both; 42: GEMM 1's 4, GEMM 2's 2). By default 2 and 2 but in
+// high precision from more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert: 4 (its rows
+// gathered by the kernel, bws_gather) and 2.
 static int g_swap_na[2] = {-1, -1};
-static int bws_na(bool split) {
-    const int na = cuda_env_count("MOESERVE_WGMMA_SWAP_NA", split ? BWS_NA_HIGH : BWS_NA_MEDIUM,
-                                  &g_swap_na[split]);
-    return na == 4 ? 4 : 2;
+static int2 bws_nas(bool split, int64_t n_pairs, int E) {
+    const int na = cuda_env_count("MOESERVE_WGMMA_SWAP_NA", 0, &g_swap_na[split]);
+    if (na == 2 || na == 4) return make_int2(na, na);
+    const bool mix = na == 42 || (na == 0 && split && n_pairs > (int64_t)BWS_MIX_MIN * E &&
+                                  n_pairs <= (int64_t)BWS_MIX_MAX * E);
+    return make_int2(mix ? 4 : 2, 2);
+}
+// Whether the swapped kernel's GEMM 1 of na1 tiles a warpgroup copies x's rows itself
+// (MOESERVE_WGMMA_SWAP_GATHER=1, 0: from the grouped copy; by default with 4 tiles, not 2).
+static int g_swap_gather = -1, g_wide_min = -1;
+static bool bws_gather(int na1) {
+    const int g = cuda_env_count("MOESERVE_WGMMA_SWAP_GATHER", 2, &g_swap_gather);
+    return g == 2 ? na1 == 4 : g == 1;
+}
+// High's pairs an expert above which the swapped kernel's chunks are BWS_BT_WIDE rows
+// (MOESERVE_WGMMA_SWAP_WIDE_MIN, default BWS_BT_WIDE_MIN), where both GEMMs take 2 tiles.
+static int bws_wide_min() {
+    return cuda_env_count("MOESERVE_WGMMA_SWAP_WIDE_MIN", BWS_BT_WIDE_MIN, &g_wide_min);
 }
 static bool bws_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    const int na = bws_na(split); // a block's columns: F in 64 NA, D in 128 NA
-    if (F % (64 * na) || D % (128 * na)) return false;
+    const int2 na = bws_nas(split, n_pairs, E); // a block's columns: F in 64 NA, D in 128 NA
+    if (F % (64 * na.x) || D % (128 * na.x) || F % (64 * na.y) || D % (128 * na.y)) return false;
     const int max = cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", -1, &g_swap_max);
     if (max >= 0) return n_pairs <= (int64_t)max * E;
     if (split && n_pairs > (int64_t)BWG_SWAP_HIGH_MIN * E &&
@@ -1047,11 +1153,11 @@ static void bwg_launch(const bwg_rows_map &ta, const CUtensorMap &tb, bwg_args p
 }
 
 // The swapped kernel's launch: a block a multiprocessor, or fewer where there are fewer tiles.
-template <bool SPLIT, bool GATE_UP, int NA, int BT>
+template <bool SPLIT, bool GATE_UP, int NA, int BT, bool GATHER = false>
 static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_args &p,
                        int64_t n_pairs) {
     typedef bws_cfg<SPLIT, NA, BT> C;
-    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP, NA, BT>;
+    auto kernel = bf16_swap_gemm_kernel<SPLIT, GATE_UP, NA, BT, GATHER>;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, C::smem, &attr_set);
     static int sms = 0; // one device a process
@@ -1063,25 +1169,33 @@ static void bws_launch(const CUtensorMap &ta, const CUtensorMap &tb, const bwg_a
     const int nx = GATE_UP ? p.N / 2 / (64 * NA) : p.N / (128 * NA);
     const int64_t tiles = (int64_t)nx * ((n_pairs + BT - 1) / BT + p.E);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
-    kernel<<<grid, BWS_THREADS, C::smem, cuda_stream()>>>(ta, tb, p, nx);
-    CUDA_CHECK_LAUNCH();
+    cuda_launch_pdl(kernel, dim3(grid), dim3(BWS_THREADS), C::smem, ta, tb, p, nx);
 }
 
 // Both GEMMs on the swapped kernel, NA tiles a warpgroup, chunks of BT rows (p: GEMM 1's
-// arguments).
-template <bool SPLIT, int NA, int BT>
-static void bws_experts(bwg_args p, float *out, const __nv_bfloat16 *xg, const void *gate_up,
+// arguments). GEMM 1 copies x's rows from p.xb itself (GATHER) where bws_gather says so, else
+// from their grouped copy xg.
+template <bool SPLIT, int NA1, int NA2, int BT>
+static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *gate_up,
                         const void *down, __nv_bfloat16 *h, int D, int F, int64_t n_pairs) {
-    const int parts = SPLIT ? 2 : 1, bb = 2 * bws_cfg<SPLIT, NA>::BK; // a box's bytes a row
-    const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16, bb);
+    const int parts = SPLIT ? 2 : 1; // a box's bytes a row: 2 BK of the GEMM's NA
+    const int bb = 2 * bws_cfg<SPLIT, NA1>::BK, bb2 = 2 * bws_cfg<SPLIT, NA2>::BK;
     const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64, bb);
-    bws_launch<SPLIT, true, NA, BT>(ta1, tb1, p, n_pairs);
+    if (bws_gather(NA1)) {
+        bws_launch<SPLIT, true, NA1, BT, true>(tb1, tb1, p, n_pairs);
+    } else {
+        bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(
+            xg, p.xb, p.T, D, p.pairs, p.offsets, p.E, p.topk, parts);
+        CUDA_CHECK_LAUNCH();
+        const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16, bb);
+        bws_launch<SPLIT, true, NA1, BT>(ta1, tb1, p, n_pairs);
+    }
     p.out = out;
     p.N = D;
     p.K = F;
-    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16, bb);
-    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64, bb);
-    bws_launch<SPLIT, false, NA, BT>(ta2, tb2, p, n_pairs);
+    const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16, bb2);
+    const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64, bb2);
+    bws_launch<SPLIT, false, NA2, BT>(ta2, tb2, p, n_pairs);
 }
 
 // WQ 4: gate_up and down are NVFP4 codes with their scales gate_up_sf, down_sf and the tensor
@@ -1109,19 +1223,26 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.K = D;
     p.wq = (const uint8_t *)gate_up;
     p.wsf = gate_up_sf;
+    p.xb = xb;
+    p.T = T;
+    p.topk = K;
+    p.a_lo = (int)n_pairs;
+    if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
+        const int2 na = bws_nas(SPLIT, n_pairs, E);
+        if (na.x == 4 && na.y == 4)
+            bws_experts<SPLIT, 4, 4, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        else if (!SPLIT || n_pairs <= (int64_t)bws_wide_min() * E) {
+            if (na.x == 4)
+                bws_experts<SPLIT, 4, 2, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+            else
+                bws_experts<SPLIT, 2, 2, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        } else if constexpr (SPLIT) // chunks of 96 rows: high only, 2 tiles a warpgroup
+            bws_experts<SPLIT, 2, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
+        return;
+    }
     bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
                                                                     K, parts);
     CUDA_CHECK_LAUNCH();
-    p.a_lo = (int)n_pairs;
-    if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
-        if (bws_na(SPLIT) == 4)
-            bws_experts<SPLIT, 4, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
-        else if (!SPLIT || n_pairs <= (int64_t)BWS_BT_WIDE_MIN * E)
-            bws_experts<SPLIT, 2, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
-        else if constexpr (SPLIT) // chunks of 96 rows: high only
-            bws_experts<SPLIT, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
-        return;
-    }
     const bwg_rows_map ta1(xg, parts * n_pairs, D);
     const CUtensorMap tb1 =
         WQ ? ta1.half : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);
@@ -1235,9 +1356,12 @@ extern "C" int cuda_moe_w4_wgmma_min(int pairs) { return swap_setting(&g_w4.min,
 extern "C" int cuda_moe_bf16_wgmma_min(int pairs) { return swap_setting(&g_bf16_min, pairs); }
 extern "C" int cuda_moe_bf16_swap_max(int pairs) { return swap_setting(&g_swap_max, pairs); }
 extern "C" int cuda_moe_bf16_wgmma_tail(int rows) { return swap_setting(&g_tail, rows); }
-// tests: the swapped kernel's A tiles a warpgroup in both precisions (2, 4; -1: the variable or
-// the defaults)
+// tests: the swapped kernel's A tiles a warpgroup in both precisions (2, 4, 42: as
+// MOESERVE_WGMMA_SWAP_NA; -1: the variable or the defaults)
 extern "C" void cuda_moe_bf16_swap_na(int na) { g_swap_na[0] = g_swap_na[1] = na; }
+// tests: the swapped kernel's GEMM 1 copying x's rows itself (1), from their grouped copy (0), as
+// MOESERVE_WGMMA_SWAP_GATHER says (-1); the old setting
+extern "C" int cuda_moe_bf16_swap_gather(int on) { return swap_setting(&g_swap_gather, on); }
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split) {
     return g_w4.takes(n_pairs, E, D, F, split);
 }
