@@ -1089,7 +1089,8 @@ static void test_wgmma(void) {
             cuda_moe_bf16_wgmma_tail(old_tail);
         }
         /* the swapped kernel (weights as wgmma's A, chunks of up to 96 rows as its B) at every
-         * size past the tiny path, with 2 and 4 weight tiles a warpgroup: chunks of 1 to 96 rows,
+         * size past the tiny path, with 2 and 4 weight tiles a warpgroup in both GEMMs and 4 then
+         * 2, GEMM 1 copying x's rows itself and from their grouped copy: chunks of 1 to 96 rows,
          * experts of several chunks, one expert with them all; against the CPU, and a token alone
          * bit for bit against its batch */
         const int old_min = cuda_moe_bf16_wgmma_min(0), old_max = cuda_moe_bf16_swap_max(100000);
