@@ -1063,16 +1063,20 @@ static bool bwg_takes(int64_t n_pairs, int E, int D, int F, bool split, int min_
 // BWG_SWAP_MAX pairs an expert on shapes of long k loops (above; on Qwen3-30B-A3B's, K 2048 and
 // 768, the tiles and the kernel above were faster).
 static int g_bf16_min = -1, g_swap_max = -1;
-// The swapped kernel's A tiles a warpgroup, GEMM 1's and GEMM 2's, for n_pairs over E experts
-// (MOESERVE_WGMMA_SWAP_NA=2 or 4: both; 42: GEMM 1's 4, GEMM 2's 2). By default 2 and 2 but in
-// high precision from more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert: 4 (its rows
-// gathered by the kernel, bws_gather) and 2.
+// The swapped kernel's A tiles a warpgroup, GEMM 1's and GEMM 2's, for n_pairs over E experts of
+// width F (MOESERVE_WGMMA_SWAP_NA=2 or 4: both; 42: GEMM 1's 4, GEMM 2's 2). By default 2 and 2
+// but in high precision from more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert on experts
+// narrower than BWG_SWAP_LONG_K (the shape it was measured on): 4 (its rows gathered by the
+// kernel, bws_gather) and 2. (Our reading of its loss at 68 pairs an expert: GEMM 1's 3 column
+// blocks a chunk make about 393 tiles at 64, three waves of the H200's 132 blocks, and the
+// experts of more than 80 rows at 68 add a fourth.)
 static int g_swap_na[2] = {-1, -1};
-static int2 bws_nas(bool split, int64_t n_pairs, int E) {
+static int2 bws_nas(bool split, int64_t n_pairs, int E, int F) {
     const int na = cuda_env_count("MOESERVE_WGMMA_SWAP_NA", 0, &g_swap_na[split]);
     if (na == 2 || na == 4) return make_int2(na, na);
-    const bool mix = na == 42 || (na == 0 && split && n_pairs > (int64_t)BWS_MIX_MIN * E &&
-                                  n_pairs <= (int64_t)BWS_MIX_MAX * E);
+    const bool mix =
+        na == 42 || (na == 0 && split && F < BWG_SWAP_LONG_K &&
+                     n_pairs > (int64_t)BWS_MIX_MIN * E && n_pairs <= (int64_t)BWS_MIX_MAX * E);
     return make_int2(mix ? 4 : 2, 2);
 }
 // Whether the swapped kernel's GEMM 1 of na1 tiles a warpgroup copies x's rows itself
@@ -1088,7 +1092,7 @@ static int bws_wide_min() {
     return cuda_env_count("MOESERVE_WGMMA_SWAP_WIDE_MIN", BWS_BT_WIDE_MIN, &g_wide_min);
 }
 static bool bws_takes(int64_t n_pairs, int E, int D, int F, bool split) {
-    const int2 na = bws_nas(split, n_pairs, E); // a block's columns: F in 64 NA, D in 128 NA
+    const int2 na = bws_nas(split, n_pairs, E, F); // a block's columns: F in 64 NA, D in 128 NA
     if (F % (64 * na.x) || D % (128 * na.x) || F % (64 * na.y) || D % (128 * na.y)) return false;
     const int max = cuda_env_count("MOESERVE_WGMMA_SWAP_MAX", -1, &g_swap_max);
     if (max >= 0) return n_pairs <= (int64_t)max * E;
@@ -1228,7 +1232,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
     p.topk = K;
     p.a_lo = (int)n_pairs;
     if (WQ == 0 && bws_takes(n_pairs, E, D, F, SPLIT)) { // few rows an expert: the operands swapped
-        const int2 na = bws_nas(SPLIT, n_pairs, E);
+        const int2 na = bws_nas(SPLIT, n_pairs, E, F);
         if (na.x == 4 && na.y == 4)
             bws_experts<SPLIT, 4, 4, BWS_BT>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         else if (!SPLIT || n_pairs <= (int64_t)bws_wide_min() * E) {
