@@ -753,8 +753,8 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // us against 443.7 / 443.2 (67.3% of the copy rate against 64.5%). At 48 and 68 pairs an expert
 // the same pair lost (414.2 against 410.0 us, 507.2 against 485.0), as did GATHER with NA 2 at 64
 // (450.5 against 441.5) and 80 (541.1 against 512.8). Both GEMMs are launched with programmatic
-// dependent launch: GEMM 2's copying lane requests its first stages' weights before it waits
-// for GEMM 1 (no measurable change at 64 pairs an expert: 441.4 us against 441.5).
+// dependent launch. Measured with GEMM 2 requesting its first stages' weights before its wait, it
+// changed nothing at 64 pairs an expert (441.4 us against 441.5), so that request was taken out.
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
 // two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
 // of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the
@@ -839,13 +839,6 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
 // GATHER (GEMM 1): the producer warpgroup's other three warps copy the chunk's rows of x from xb
 // themselves (bws_gather), and the grouped copy of x's rows is not made.
 #define BWS_GATHER_THREADS 96
-// The byte offset off of a tile of rows of 2 BK bytes (BK 64: 128-byte rows, the 128-byte
-// swizzle; 32: the 64-byte one), swizzled as TMA and the wgmma descriptors have it (the tile
-// 1024-byte aligned): its 16-byte unit's bits xor the row's bits above 128 bytes.
-template <int BK> __device__ __forceinline__ uint32_t bws_swizzle(uint32_t off) {
-    return off ^ (((off >> 7) & (BK == 64 ? 7u : 3u)) << 4);
-}
-
 // ta: the grouped rows [parts n, K] in boxes of 16 rows (not read with GATHER); tb: b [E N, K] in
 // boxes of 64 rows.
 template <bool SPLIT, bool GATE_UP, int NA, int BT, bool GATHER>
@@ -883,25 +876,9 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
         return e >= 0;
     };
     int e, m0, x, rows;
-    // Launched after the kernel before it has triggered (cuda_launch_pdl). GEMM 1's kernel before
-    // is the prepare kernel: every thread waits for it first. GEMM 2's is GEMM 1, which triggers
-    // only after its own wait, so the tile table (the prepare kernel's) can be read at once: the
-    // copying lane requests its first tile's first k tiles of weights (pre of them, counted on
-    // the full barriers without an arrival), then waits for h.
-    int pre = 0; // (tile_of is a warp's search: warp 8 takes it, lane 0 copies)
-    if (!GATE_UP && warp == 8 && tile_of(blockIdx.x, e, m0, x, rows) && lane == 0) {
-        pre = min(STAGES, nk);
-        for (int kb = 0; kb < pre; kb++) {
-            const uint32_t sa = smem0 + kb * C::STAGE_BYTES, full = bar0 + 8 * kb;
-            asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(full),
-                         "r"((uint32_t)C::A_BYTES)
-                         : "memory");
-            for (int w = 0; w < 2; w++)
-                for (int a = 0; a < NA; a++)
-                    tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kb * 2 * C::BK,
-                                bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
-        }
-    }
+    // Launched with programmatic dependent launch (cuda_launch_pdl): the blocks may be resident
+    // while the kernel before finishes, and every thread waits for it before it reads the tile
+    // table (the prepare kernel's) or x, h.
     pdl_wait();
     pdl_trigger();
     if (warp >= 8) { // the producer: the first warp searches the tiles, its lane 0 copies
@@ -928,7 +905,7 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
                             const __nv_bfloat16 *src =
                                 p.xb + ((int64_t)part * p.T + r) * p.K + kb * C::BK + 8 * u;
                             const uint32_t off = (uint32_t)((part * nr + i) * 2 * C::BK + 16 * u);
-                            cp_async16(b + bws_swizzle<C::BK>(off), src, i < rows ? 16 : 0);
+                            cp_async16(b + swizzled<2 * C::BK>(off), src, i < rows ? 16 : 0);
                         }
                     asm volatile(
                         "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar0 + 8 * s)
@@ -947,15 +924,13 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
                     const int s = it % STAGES, kx = kb * 2 * C::BK; // k in bytes
                     const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
                     mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
-                    const bool early = it < pre; // its weights requested before the wait
-                    mbar_arrive_tx(full, bytes - (early ? C::A_BYTES : 0));
-                    if (!early)
+                    mbar_arrive_tx(full, bytes);
 #pragma unroll
-                        for (int w = 0; w < 2; w++)
+                    for (int w = 0; w < 2; w++)
 #pragma unroll
-                            for (int a = 0; a < NA; a++)
-                                tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
-                                            bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
+                        for (int a = 0; a < NA; a++)
+                            tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
+                                        bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
                     if constexpr (!GATHER)
                         for (int part = 0; part < C::PARTS; part++)
                             for (int i = 0; i < nb; i++)
@@ -1000,6 +975,13 @@ __global__ void bwg_gather_kernel(__nv_bfloat16 *xg, const __nv_bfloat16 *xb, in
         for (int i = threadIdx.x; i < D / 8; i += blockDim.x)
             dst[i] = __ldg(&src[i]);
     }
+}
+
+// GEMM 1's A rows in grouped order (p: GEMM 1's arguments, K = D).
+static void bwg_gather(__nv_bfloat16 *xg, const bwg_args &p, int parts, int64_t n_pairs) {
+    bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, p.xb, p.T, p.K, p.pairs,
+                                                                    p.offsets, p.E, p.topk, parts);
+    CUDA_CHECK_LAUNCH();
 }
 
 static int wgmma_env() {
@@ -1188,9 +1170,7 @@ static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *g
     if (bws_gather(NA1)) {
         bws_launch<SPLIT, true, NA1, BT, true>(tb1, tb1, p, n_pairs);
     } else {
-        bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(
-            xg, p.xb, p.T, D, p.pairs, p.offsets, p.E, p.topk, parts);
-        CUDA_CHECK_LAUNCH();
+        bwg_gather(xg, p, parts, n_pairs);
         const CUtensorMap ta1 = tma_map_rows(xg, parts * n_pairs, (int64_t)D * 2, 16, bb);
         bws_launch<SPLIT, true, NA1, BT>(ta1, tb1, p, n_pairs);
     }
@@ -1244,9 +1224,7 @@ static void bwg_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
             bws_experts<SPLIT, 2, 2, BWS_BT_WIDE>(p, out, xg, gate_up, down, h, D, F, n_pairs);
         return;
     }
-    bwg_gather_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(xg, xb, T, D, pairs, offsets, E,
-                                                                    K, parts);
-    CUDA_CHECK_LAUNCH();
+    bwg_gather(xg, p, parts, n_pairs);
     const bwg_rows_map ta1(xg, parts * n_pairs, D);
     const CUtensorMap tb1 =
         WQ ? ta1.half : tma_map_rows(gate_up, (int64_t)E * 2 * F, (int64_t)D * 2, C::BN / 2);

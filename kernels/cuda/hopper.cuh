@@ -50,6 +50,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 |
            (uint64_t)2 << 62;
 }
+// Byte offset off in a tile of rows of ROW_BYTES (128: the 128-byte swizzle, 64: the 64-byte
+// one), swizzled as TMA writes it and the descriptors above read it (the tile 1024-byte
+// aligned): its 16-byte unit's bits xor the bits of off above 128 bytes.
+template <int ROW_BYTES> __device__ __forceinline__ uint32_t swizzled(uint32_t off) {
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "a swizzle of 128 or 64 bytes");
+    return off ^ (((off >> 7) & (ROW_BYTES == 128 ? 7u : 3u)) << 4);
+}
 
 // The accumulator operands of a wgmma m64nN (N / 2 fp32 registers a thread, d[0 .. N / 2 - 1]):
 // WGMMA_Dk_STR the placeholders %0 .. %(k-1) for the asm string, WGMMA_Dk_OUT(d) the matching
