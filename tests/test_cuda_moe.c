@@ -1646,6 +1646,15 @@ int main(int argc, char **argv) {
         print_timings();
         CHECK_SUMMARY();
     }
+    if (argc > 2 && strcmp(argv[1], "--deepseek-timing") == 0) { /* one size, DeepSeek-V3's shape */
+        model m;
+        model_init(&m, "deepseek-v3-like", 256, 7168, 2048, 8, DTYPE_BF16);
+        copy_gbs = measure_copy_bandwidth();
+        if (model_prepare(&m) == 0) time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 10);
+        model_free(&m);
+        print_timings();
+        CHECK_SUMMARY();
+    }
     /* --fp8 [C], --fp8-timing T [C]: with the FP8 x FP8 GEMM's tile configuration C */
     if (argc > 1 && strncmp(argv[1], "--fp8", 5) == 0 && argc > (argv[1][5] ? 3 : 2))
         cuda_fp8_grouped_gemm_config(atoi(argv[argv[1][5] ? 3 : 2]));

@@ -752,7 +752,12 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // GEMM 1 with NA 4 and GATHER, GEMM 2 with NA 2: test_cuda_moe --bf16-timing 1024 425.1 / 424.9
 // us against 443.7 / 443.2 (67.3% of the copy rate against 64.5%). At 48 and 68 pairs an expert
 // the same pair lost (414.2 against 410.0 us, 507.2 against 485.0), as did GATHER with NA 2 at 64
-// (450.5 against 441.5) and 80 (541.1 against 512.8). Both GEMMs are launched with programmatic
+// (450.5 against 441.5) and 80 (541.1 against 512.8). Between them it won at every size measured
+// (MOESERVE_WGMMA_SWAP_NA=42 against =2, us: 50 pairs an expert 414.6 / 420.4, 56 428.9 / 432.9,
+// 60 419.8 / 437.4, 62 420.6 / 440.9, 64 420.5 / 440.1; 66 lost, 493.8 / 471.3)
+// (test_cuda_moe --bf16-timing T). On DeepSeek-V3's shape (E 256, D 7168, F 2048) at 64 pairs an
+// expert two calls disagreed (test_cuda_moe --deepseek-timing 2048: 6464 against 6772 us, then
+// 7093 against 6916), so it keeps 2 and 2 there. Both GEMMs are launched with programmatic
 // dependent launch. Measured with GEMM 2 requesting its first stages' weights before its wait, it
 // changed nothing at 64 pairs an expert (441.4 us against 441.5), so that request was taken out.
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
@@ -1016,7 +1021,7 @@ static int wgmma_env() {
 #define BWG_SWAP_HIGH_MAX        88
 #define BWS_BT_WIDE_MIN          68
 #define BWG_TAIL                 32
-#define BWS_MIX_MIN              60 /* high: GEMM 1 NA 4 with the gather, GEMM 2 NA 2, from */
+#define BWS_MIX_MIN              48 /* high: GEMM 1 NA 4 with the gather, GEMM 2 NA 2, from */
 #define BWS_MIX_MAX              64 /* more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert */
 
 // The shapes the tiles take: D and F multiples of the tile's columns and of a stage's k.
@@ -1048,8 +1053,8 @@ static int g_bf16_min = -1, g_swap_max = -1;
 // The swapped kernel's A tiles a warpgroup, GEMM 1's and GEMM 2's, for n_pairs over E experts of
 // width F (MOESERVE_WGMMA_SWAP_NA=2 or 4: both; 42: GEMM 1's 4, GEMM 2's 2). By default 2 and 2
 // but in high precision from more than BWS_MIX_MIN up to BWS_MIX_MAX pairs an expert on experts
-// narrower than BWG_SWAP_LONG_K (the shape it was measured on): 4 (its rows gathered by the
-// kernel, bws_gather) and 2. (Our reading of its loss at 68 pairs an expert: GEMM 1's 3 column
+// narrower than BWG_SWAP_LONG_K (the shape it was measured to win on): 4 (its rows gathered by
+// the kernel, bws_gather) and 2. (Our reading of its loss at 68 pairs an expert: GEMM 1's 3 column
 // blocks a chunk make about 393 tiles at 64, three waves of the H200's 132 blocks, and the
 // experts of more than 80 rows at 68 add a fourth.)
 static int g_swap_na[2] = {-1, -1};

@@ -35,7 +35,8 @@
 //           (Until 2026-12-03 the hi and lo products ran in two chains added at the end:
 //           twice the accumulators, half the columns a tile, x's rows read twice as often.)
 
-// moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream:
+// moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream
+// (four from T = 512 at D = 2048, where x's conversion is a kernel of its own after the count):
 //   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D], in
 //      high also its remainders xb_lo[T, D]):
 //      count the (t, k) pairs per expert, prefix sums into offsets[E + 1], scatter the pair ids
@@ -644,8 +645,14 @@ int cuda_prepare_experts_fp8(moe_experts *w, const uint8_t *gate_up_q, const flo
 // ---------------------------------------------------------------------------------------------
 
 #define MOE_PREP_THREADS   1024
-#define MOE_PREP_SMEM_INTS 12000 /* dynamic shared memory of block 0, under the 48 KB default */
+#define MOE_PREP_SMEM_INTS    12000 /* block 0's counts and offsets, at most (shared memory) */
 #define PREP_IDS           8     /* rounds of 32 pairs whose expert ids a warp loads at once */
+#define MOE_PREP_STAGE        16384 /* pairs up to which block 0 groups the rows in shared memory */
+#define MOE_PREP_AFTER_BLOCKS 128   /* conversion blocks from which moe_convert_kernel converts */
+
+// The prepare kernel's row of counts a segment: E rounded up to odd, so that a warp reading one
+// expert's counts of 32 segments meets 32 banks.
+static __host__ __device__ __forceinline__ int prep_row_stride(int E) { return E | 1; }
 
 typedef struct {
     int32_t *offsets;        // [E + 1] first grouped row of each expert; offsets[E] = n
@@ -661,82 +668,111 @@ typedef struct {
     int E, BM, S;            // S: warps that each count and scatter one segment of the pairs
     const int32_t *n_rows;   // NULL, or the rows to group (device; pairs of later rows skipped)
     int K;
+    int convert_after; // 1: x is converted by moe_convert_kernel, launched after the count
 } moe_prep_args;
 
-// Exclusive prefix sum of v over the block's threads in thread order; *sum = the block's total.
-// Every thread must call it.
-__device__ int block_exclusive_scan(int v, int *scratch /* [33] */, int *sum) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+// The lanes of the warp whose e equals this lane's (e < 2^bits, or negative: the lanes of any
+// negative e), from a ballot a bit. The same as __match_any_sync, whose cost on the H200 grew
+// with the distinct values of the warp (the grouping's scatter at 8192 pairs over 128 experts
+// spent about 7 us in 256 of them).
+__device__ __forceinline__ unsigned warp_match(int e, int bits) {
+    const unsigned valid = __ballot_sync(0xffffffffu, e >= 0);
+    unsigned same = e >= 0 ? valid : ~valid;
+    for (int j = 0; j < bits; j++) {
+        const bool set = (e >> j) & 1;
+        const unsigned b = __ballot_sync(0xffffffffu, set);
+        same &= set ? b : ~b;
+    }
+    return same;
+}
+
+// x [T, D] into xb (high: and its lo part), 8 values a thread a step, block b of nb.
+__device__ __forceinline__ void prep_convert(const moe_prep_args &a, int b, int nb) {
+    const int64_t step = (int64_t)nb * blockDim.x;
+    for (int64_t i = (int64_t)b * blockDim.x + threadIdx.x; i < a.n_x8; i += step) {
+        const float4 p = reinterpret_cast<const float4 *>(a.x)[2 * i];
+        const float4 q = reinterpret_cast<const float4 *>(a.x)[2 * i + 1];
+        uint4 v;
+        if (a.xb_lo) {
+            uint4 r;
+            split_bf16x2(p.x, p.y, &v.x, &r.x);
+            split_bf16x2(p.z, p.w, &v.y, &r.y);
+            split_bf16x2(q.x, q.y, &v.z, &r.z);
+            split_bf16x2(q.z, q.w, &v.w, &r.w);
+            reinterpret_cast<uint4 *>(a.xb_lo)[i] = r;
+        } else {
+            v.x = pack_bf16x2(p.x, p.y);
+            v.y = pack_bf16x2(p.z, p.w);
+            v.z = pack_bf16x2(q.x, q.y);
+            v.w = pack_bf16x2(q.z, q.w);
+        }
+        reinterpret_cast<uint4 *>(a.xb)[i] = v;
+    }
+}
+
+// The conversion of x after the count (convert_after): launched with programmatic dependent
+// launch behind the prepare kernel, whose one block lets it start once its expert ids are in (so
+// that their loads do not queue behind the conversion's); it waits for the grouping at its end,
+// so GEMM 1, waiting for this grid, sees both. (It writes xb before that wait: nothing the
+// prepare kernel or any kernel still running reads; the prepare kernel itself was launched the
+// ordinary way, after every kernel before it.)
+__global__ void __launch_bounds__(MOE_PREP_THREADS) moe_convert_kernel(moe_prep_args a) {
+    pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for this grid
+    prep_convert(a, blockIdx.x, gridDim.x);
+    pdl_wait();
+}
+
+// Exclusive prefix sum over the warp's lanes in lane order; *sum = the warp's total.
+__device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
+    const int lane = threadIdx.x & 31;
     int inc = v;
     for (int o = 1; o < 32; o <<= 1) {
         const int n = __shfl_up_sync(0xffffffffu, inc, o);
         if (lane >= o) inc += n;
     }
-    if (lane == 31) scratch[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        const int s = lane < nw ? scratch[lane] : 0;
-        int si = s;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, si, o);
-            if (lane >= o) si += n;
-        }
-        if (lane < nw) scratch[lane] = si - s;
-        if (lane == 31) scratch[32] = si;
-    }
-    __syncthreads();
-    const int r = scratch[warp] + inc - v;
-    *sum = scratch[32];
-    __syncthreads(); // scratch is reused by the next call
-    return r;
+    *sum = __shfl_sync(0xffffffffu, inc, 31);
+    return inc - v;
 }
 
 // Block 0 groups the pairs by expert; blocks 1.. convert x to BF16 meanwhile (high: also x_lo).
-__global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_args a) {
-    pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for this grid
+// The grouping is a stable counting sort with a segment of the pairs a warp: count per (segment,
+// expert) by shared atomics; per expert, the segments' bases by a warp's scan over them; the
+// offsets and tiles by one warp's scan over the experts; then each warp walks its segment again,
+// the lanes of one expert taking consecutive rows in lane order (warp_match). Up to
+// MOE_PREP_STAGE pairs the rows are placed in shared memory and copied out in order. Where the
+// conversion comes after (convert_after), only block 0 runs, and it lets moe_convert_kernel start
+// once it has counted. (Its registers, over 32 a thread, leave no room on block 0's
+// multiprocessor for a block of that kernel; blocks 1.. convert only up to
+// MOE_PREP_AFTER_BLOCKS of them, one wave at a block an SM.)
+// H200, Qwen3-30B-A3B's experts at T = 1024 (8192 pairs), high, the block's clock in a call
+// (globaltimer, us from the launch): before, the count ended at 4.5 (its ids' loads queued
+// behind the conversion's 16 MB), the scatter took 8.2 and the block ended at 16.2; with the
+// ballots and the staged rows the scatter took 3.3 to 4.4, with the conversion after the count
+// the count ended at 1.9 to 2.1, and GEMM 1 started at 11.9 to 12.6 (16.7 to 17.4 before).
+__global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_prep_args a) {
+    if (!a.convert_after) pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for us
     if (blockIdx.x > 0) {
-        const int64_t step = (int64_t)(gridDim.x - 1) * blockDim.x;
-        for (int64_t i = (int64_t)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < a.n_x8;
-             i += step) {
-            const float4 p = reinterpret_cast<const float4 *>(a.x)[2 * i];
-            const float4 q = reinterpret_cast<const float4 *>(a.x)[2 * i + 1];
-            uint4 v;
-            if (a.xb_lo) {
-                uint4 r;
-                split_bf16x2(p.x, p.y, &v.x, &r.x);
-                split_bf16x2(p.z, p.w, &v.y, &r.y);
-                split_bf16x2(q.x, q.y, &v.z, &r.z);
-                split_bf16x2(q.z, q.w, &v.w, &r.w);
-                reinterpret_cast<uint4 *>(a.xb_lo)[i] = r;
-            } else {
-                v.x = pack_bf16x2(p.x, p.y);
-                v.y = pack_bf16x2(p.z, p.w);
-                v.z = pack_bf16x2(q.x, q.y);
-                v.w = pack_bf16x2(q.z, q.w);
-            }
-            reinterpret_cast<uint4 *>(a.xb)[i] = v;
-        }
+        prep_convert(a, blockIdx.x - 1, gridDim.x - 1);
         return;
     }
     extern __shared__ int sm[];
-    __shared__ int scratch[33];
-    const int E = a.E, S = a.S, tid = threadIdx.x, nthr = blockDim.x;
-    const int lane = tid & 31, warp = tid >> 5;
+    const int E = a.E, S = a.S, RS = prep_row_stride(E), tid = threadIdx.x, nthr = blockDim.x;
+    const int lane = tid & 31, warp = tid >> 5, bits = E > 1 ? 32 - __clz(E - 1) : 0;
     // moe_experts_n: the pairs of rows 0..*n_rows-1 only (the rest are as skipped slots)
     const int n_pairs = a.n_rows ? min(a.n_pairs, max(0, __ldcg(a.n_rows)) * a.K) : a.n_pairs;
-    int *cnt = sm;             // [S, E] pairs of segment s for expert e, then its first row
-    int *off = cnt + S * E;    // [E + 1] pairs per expert, then first row per expert
-    int *toff = off + E + 1;   // [E + 1] first tile per expert
-    for (int i = tid; i < S * E; i += nthr)
-        cnt[i] = 0;
-    __syncthreads();
+    int *cnt = sm;              // [S, RS] pairs of segment s for expert e, then its next row
+    int *off = cnt + S * RS;    // [E + 1] pairs per expert, then first row per expert
+    int *toff = off + E + 1;    // [E + 1] first tile per expert
+    int *rows_s = toff + E + 1; // [n_pairs] the grouped pair ids, when staged
+    const bool stage = a.n_pairs <= MOE_PREP_STAGE;
 
-    // 1. count per (segment, expert)
-    const int seg = (a.n_pairs + S - 1) / S;
-    const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
     // the expert ids of pairs base + lane, + 32, ... (PREP_IDS of them, -1 past s1), requested at
     // once: one wait for memory a PREP_IDS rounds, not one a round (H200, 8192 pairs: the
-    // grouping took 20 us with a load a round)
+    // grouping took 20 us with a load a round); a segment's first are requested before the
+    // counts are cleared, and kept for the scatter when they are the whole segment
+    const int seg = (a.n_pairs + S - 1) / S;
+    const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
+    const bool one_load = seg <= 32 * PREP_IDS;
     int ids[PREP_IDS];
     auto load_ids = [&](int base) {
 #pragma unroll
@@ -745,85 +781,93 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_prepare_kernel(moe_prep_
             ids[j] = i < s1 ? (a.topk_ids ? a.topk_ids[i] : 0) : -1;
         }
     };
+    if (warp < S) load_ids(s0);
+    for (int i = tid; i < S * RS; i += nthr)
+        cnt[i] = 0;
+    __syncthreads();
+
+    // 1. count per (segment, expert)
     if (warp < S)
         for (int base = s0; base < s1; base += 32 * PREP_IDS) {
-            load_ids(base);
+            if (base != s0) load_ids(base);
 #pragma unroll
             for (int j = 0; j < PREP_IDS; j++) {
                 const int e = ids[j];
                 if (e >= 0) {
                     if (e >= E) __trap(); // broken invariant: ids index the local experts
-                    atomicAdd(&cnt[warp * E + e], 1);
+                    atomicAdd(&cnt[warp * RS + e], 1);
                 }
             }
         }
     __syncthreads();
+    if (a.convert_after) pdl_trigger(); // the conversion of x may start
 
-    // 2. per expert: segment bases (exclusive, in segment order), then prefix sums over experts
-    for (int e = tid; e < E; e += nthr) {
-        int run = 0;
-        for (int s = 0; s < S; s++) {
-            const int c = cnt[s * E + e];
-            cnt[s * E + e] = run;
-            run += c;
-        }
-        off[e] = run;
+    // 2. per expert (a warp each): the segments' bases, exclusive in segment order (RS is odd, so
+    //    the lanes' rows fall in distinct banks), and the expert's total
+    for (int e = warp; e < E; e += nthr / 32) {
+        int total;
+        const int c = lane < S ? cnt[lane * RS + e] : 0;
+        const int b = warp_exclusive_scan(c, &total);
+        if (lane < S) cnt[lane * RS + e] = b;
+        if (lane == 0) off[e] = total;
     }
     __syncthreads();
-    int carry_rows = 0, carry_tiles = 0;
-    for (int e0 = 0; e0 < E; e0 += nthr) {
-        const int e = e0 + tid;
-        const int c = e < E ? off[e] : 0;
+    // 3. warp 0: the first row and the first tile of each expert, lane l over a run of experts
+    if (warp == 0) {
+        const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+        int rows = 0, tiles = 0;
+        for (int e = e0; e < e1; e++) {
+            rows += off[e];
+            tiles += (off[e] + a.BM - 1) / a.BM;
+        }
         int sum_rows, sum_tiles;
-        const int pr = block_exclusive_scan(c, scratch, &sum_rows);
-        const int pt = block_exclusive_scan((c + a.BM - 1) / a.BM, scratch, &sum_tiles);
-        if (e < E) {
-            off[e] = carry_rows + pr;
-            toff[e] = carry_tiles + pt;
+        rows = warp_exclusive_scan(rows, &sum_rows);
+        tiles = warp_exclusive_scan(tiles, &sum_tiles);
+        for (int e = e0; e < e1; e++) {
+            const int c = off[e];
+            off[e] = rows;
+            toff[e] = tiles;
+            rows += c;
+            tiles += (c + a.BM - 1) / a.BM;
         }
-        carry_rows += sum_rows;
-        carry_tiles += sum_tiles;
-    }
-    if (tid == 0) {
-        off[E] = carry_rows;
-        toff[E] = carry_tiles;
+        if (lane == 0) {
+            off[E] = sum_rows;
+            toff[E] = sum_tiles;
+            *a.n_tiles = sum_tiles;
+        }
     }
     __syncthreads();
+    // 4. the offsets and the tile table: expert e's tiles of BM rows from its first row
     for (int e = tid; e <= E; e += nthr)
         a.offsets[e] = off[e];
-    if (tid == 0) *a.n_tiles = toff[E];
-
-    // 3. the tile table: tile i belongs to the last expert whose first tile is <= i
-    const int n_tiles = toff[E];
-    for (int i = tid; i < n_tiles; i += nthr) {
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (toff[mid] <= i)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        const int r0 = off[lo] + (i - toff[lo]) * a.BM;
-        a.tiles[i] = make_int4(lo, r0, min(r0 + a.BM, off[lo + 1]), 0);
+    for (int e = tid; e < E; e += nthr) {
+        const int r1 = off[e + 1];
+        for (int r0 = off[e], t = toff[e]; r0 < r1; r0 += a.BM, t++)
+            a.tiles[t] = make_int4(e, r0, min(r0 + a.BM, r1), 0);
     }
 
-    // 4. scatter: each warp walks its segment in order, 32 pairs at a time; lanes with the same
-    //    expert take consecutive rows in lane order (a stable counting sort)
+    // 5. scatter: each warp walks its segment in the same rounds; the lanes of one expert take
+    //    consecutive rows in lane order
+    int *dst = stage ? rows_s : a.pairs;
     if (warp < S)
-        for (int base0 = s0; base0 < s1; base0 += 32 * PREP_IDS) {
-            load_ids(base0);
+        for (int base = s0; base < s1; base += 32 * PREP_IDS) {
+            if (!one_load) load_ids(base);
 #pragma unroll
             for (int j = 0; j < PREP_IDS; j++) {
-                const int i = base0 + 32 * j + lane, e = ids[j];
-                const unsigned same = __match_any_sync(0xffffffffu, e);
+                const int e = ids[j];
+                const unsigned same = warp_match(e, bits);
                 const int rank = __popc(same & ((1u << lane) - 1u));
-                if (e >= 0) a.pairs[off[e] + cnt[warp * E + e] + rank] = i;
+                if (e >= 0) dst[off[e] + cnt[warp * RS + e] + rank] = base + 32 * j + lane;
                 __syncwarp();
-                if (e >= 0 && rank == 0) cnt[warp * E + e] += __popc(same);
+                if (e >= 0 && rank == 0) cnt[warp * RS + e] += __popc(same);
                 __syncwarp();
             }
         }
+    if (stage) { // the grouped rows out in order
+        __syncthreads();
+        for (int i = tid; i < off[E]; i += nthr)
+            a.pairs[i] = rows_s[i];
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1822,6 +1866,13 @@ static moe_prep_layout prep_layout(int E, int64_t n_pairs, int max_tiles, size_t
     return l;
 }
 
+// Whether x's conversion is a kernel of its own after the count (MOESERVE_PREP_CONVERT_AFTER=1;
+// 0: blocks 1.. of the prepare kernel; by default from MOE_PREP_AFTER_BLOCKS blocks of it, T of
+// 512 and more at D = 2048. H200, Qwen3-30B-A3B's experts, test_cuda_moe --bf16-timing T, high,
+// after against not: T = 64 294.1 against 293.8 us (medium 305.8 against 302.0: the launch),
+// 512 369.8 against 370.9, 1024 423.9 / 422.3 against 425.4 / 423.7.)
+static int g_convert_after = -1;
+
 // The prepare kernel on l's buffers in ws: x [T, D] into xb (split: and its lo part; x NULL: no
 // copy), the pairs of topk_ids [T, K] (NULL: every pair to expert 0) grouped by expert into tiles
 // of BM rows.
@@ -1845,14 +1896,24 @@ static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bo
     p.n_rows = n_rows;
     p.K = K;
     // Segments of about 64 pairs (one per warp, at most 32), within the shared memory.
-    const int s_fit = (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / E;
+    const int s_fit = (MOE_PREP_SMEM_INTS - 2 * (E + 1)) / prep_row_stride(E);
     MS_ASSERT(s_fit >= 1); // E up to ~4000 local experts
     p.S = (int)std::min<int64_t>({32, (int64_t)s_fit, (n_pairs + 63) / 64});
     const int conv_blocks =
         (int)std::min<int64_t>((p.n_x8 + MOE_PREP_THREADS - 1) / MOE_PREP_THREADS, 264);
-    const size_t prep_smem = (size_t)(p.S * E + 2 * (E + 1)) * sizeof(int);
-    moe_prepare_kernel<<<1 + conv_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
+    const int after = cuda_env_count("MOESERVE_PREP_CONVERT_AFTER", 2, &g_convert_after);
+    p.convert_after =
+        conv_blocks > 0 && (after == 2 ? conv_blocks >= MOE_PREP_AFTER_BLOCKS : after == 1);
+    const size_t prep_smem = (size_t)(p.S * prep_row_stride(E) + 2 * (E + 1) +
+                                      (n_pairs <= MOE_PREP_STAGE ? n_pairs : 0)) *
+                             sizeof(int);
+    static size_t smem_set = 0;
+    cuda_smem_allow(moe_prepare_kernel, prep_smem, &smem_set);
+    moe_prepare_kernel<<<p.convert_after ? 1 : 1 + conv_blocks, MOE_PREP_THREADS, prep_smem,
+                         cuda_stream()>>>(p);
     CUDA_CHECK_LAUNCH();
+    if (p.convert_after)
+        cuda_launch_pdl(moe_convert_kernel, dim3(conv_blocks), dim3(MOE_PREP_THREADS), 0, p);
     return p;
 }
 
