@@ -1637,20 +1637,17 @@ int main(int argc, char **argv) {
         print_timings();
         CHECK_SUMMARY();
     }
-    if (argc > 2 && strcmp(argv[1], "--bf16-timing") == 0) { /* one size, for a profiler */
+    /* --bf16-timing T (Qwen3-30B-A3B's experts), --deepseek-timing T: one size, for a profiler */
+    const bool ds_timing = argc > 2 && strcmp(argv[1], "--deepseek-timing") == 0;
+    if (ds_timing || (argc > 2 && strcmp(argv[1], "--bf16-timing") == 0)) {
         model m;
-        model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
+        if (ds_timing)
+            model_init(&m, "deepseek-v3-like", 256, 7168, 2048, 8, DTYPE_BF16);
+        else
+            model_init(&m, "qwen3-30b-a3b", 128, 2048, 768, 8, DTYPE_BF16);
         copy_gbs = measure_copy_bandwidth();
-        if (model_prepare(&m) == 0) time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
-        model_free(&m);
-        print_timings();
-        CHECK_SUMMARY();
-    }
-    if (argc > 2 && strcmp(argv[1], "--deepseek-timing") == 0) { /* one size, DeepSeek-V3's shape */
-        model m;
-        model_init(&m, "deepseek-v3-like", 256, 7168, 2048, 8, DTYPE_BF16);
-        copy_gbs = measure_copy_bandwidth();
-        if (model_prepare(&m) == 0) time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 10);
+        if (model_prepare(&m) == 0)
+            time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, ds_timing ? 10 : 50);
         model_free(&m);
         print_timings();
         CHECK_SUMMARY();
