@@ -210,6 +210,7 @@ typedef struct {
     // row of xb [parts T, K] (high: its lo part T rows on), copied by the kernel itself
     const __nv_bfloat16 *xb;
     int T, topk;
+    int pre; // the swapped kernel: k tiles of its first tile's weights requested before its wait
 } bwg_args;
 
 // The CW converter warps (W4 and W8; the kernel's warps 9 on): ct = the thread among them, rows
@@ -725,8 +726,10 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // the chunk's rows in boxes of 16, each part; GATHER: its other warps copy the rows) and two
 // consumer warpgroups sharing the chunk, each
 // on NA 64-row A tiles: warpgroup w takes, GATE_UP, h's columns 64 NA x + 32 NA w .. (A: their
-// gate rows, then their up rows), else out's columns 128 NA x + 64 NA w ... Tile t: chunk t / nx
-// (group_tile with BT rows), column block t % nx. The producers give their registers to the
+// gate rows, then their up rows), else out's columns 128 NA x + 64 NA w ... Tile t: chunk t / nx,
+// column block t % nx, the first E chunks each expert's first (bws_tile), so that a block knows
+// its first tile's expert before the grouping is in and requests its weights' first k tiles
+// before its wait (p.pre of them). The producers give their registers to the
 // consumers (setmaxnreg), and each role runs its own loop so that the compiler allocates the
 // consumers' code to their count.
 // Every column block reads the chunk's rows again (from L2), so the more weight rows a block
@@ -758,8 +761,16 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // (test_cuda_moe --bf16-timing T). On DeepSeek-V3's shape (E 256, D 7168, F 2048) at 64 pairs an
 // expert two calls disagreed (test_cuda_moe --deepseek-timing 2048: 6464 against 6772 us, then
 // 7093 against 6916), so it keeps 2 and 2 there. Both GEMMs are launched with programmatic
-// dependent launch. Measured with GEMM 2 requesting its first stages' weights before its wait, it
-// changed nothing at 64 pairs an expert (441.4 us against 441.5), so that request was taken out.
+// dependent launch, and GEMM 2 requests its first tile's weights, a ring of them, before its wait
+// (MOESERVE_WGMMA_SWAP_PRE2; its blocks take the multiprocessors GEMM 1's leave as its last tiles
+// run): Qwen3-30B-A3B's experts, high, T = 1024 412.1 to 412.9 us against 413.9 to 415.0
+// without, T = 900 410.8 against 412.5 (test_cuda_moe --bf16-timing T, the same call). GEMM 1
+// does not (MOESERVE_WGMMA_SWAP_PRE1): two k tiles 412.7 to 413.2, a ring of them 415.1 to 419.3
+// at T = 1024 (our reading: the weights' lines, promoted to 256 bytes in L2, push x's BF16 rows
+// out of it just before GEMM 1 reads them). Tried and not kept: GEMM 1's producer warps copying
+// x's rows from x in fp32, splitting them as the prepare kernel does (no conversion before it,
+// so its blocks could be resident during the grouping): 522 us at T = 1024 against 419 (each
+// copying thread waits for its loads before it can write the stage, where cp.async does not).
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
 // two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
 // of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the
@@ -842,8 +853,29 @@ __device__ __forceinline__ void bws_consume(const bwg_args &p, int m0, int rows,
 }
 
 // GATHER (GEMM 1): the producer warpgroup's other three warps copy the chunk's rows of x from xb
-// themselves (bws_gather), and the grouped copy of x's rows is not made.
+// themselves, and the grouped copy of x's rows is not made.
 #define BWS_GATHER_THREADS 96
+
+// Tile t: chunk t / nx, column block x = t % nx. Chunk c < E is expert c's first BT rows (rows 0:
+// it has none), the chunks after them each expert's further BT rows in expert order. False past
+// the last tile. A warp's call (group_tile).
+__device__ __forceinline__ bool bws_tile(const bwg_args &p, int nx, int BT, int t, int &e, int &m0,
+                                         int &x, int &rows) {
+    const int c = t / nx;
+    x = t % nx;
+    if (c < p.E) {
+        e = c;
+        m0 = __ldg(&p.offsets[c]);
+    } else {
+        const int2 tile = group_tile(p.offsets, p.E, c - p.E, BT, 1);
+        if (tile.x < 0) return false;
+        e = tile.x;
+        m0 = tile.y;
+    }
+    rows = min(BT, __ldg(&p.offsets[e + 1]) - m0);
+    return true;
+}
+
 // ta: the grouped rows [parts n, K] in boxes of 16 rows (not read with GATHER); tb: b [E N, K] in
 // boxes of 64 rows.
 template <bool SPLIT, bool GATE_UP, int NA, int BT, bool GATHER>
@@ -870,23 +902,47 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     __syncthreads();
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(bwg_smem) + 1023u) & ~1023u;
     const int nk = p.K / C::BK;
-    int it = 0;
-    // tile t: its expert, first row, column block and rows (false past the last tile)
-    auto tile_of = [&](int t, int &e, int &m0, int &x, int &rows) {
-        const int2 tile = group_tile(p.offsets, p.E, t / nx, BT);
-        e = tile.x;
-        m0 = tile.y;
-        x = t % nx;
-        rows = e < 0 ? 0 : min(BT, __ldg(&p.offsets[e + 1]) - m0);
-        return e >= 0;
+    // k tile kb of tile (e, x) into stage s by TMA on its full barrier: the NA weight tiles of each
+    // warpgroup; the chunk's nb boxes of 16 rows a part from grouped row m0 (not GATHER)
+    auto load_w = [&](int s, int e, int x, int kb) {
+        const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
+#pragma unroll
+        for (int w = 0; w < 2; w++)
+#pragma unroll
+            for (int a = 0; a < NA; a++)
+                tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kb * 2 * C::BK,
+                            bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
     };
-    int e, m0, x, rows;
+    auto load_rows = [&](int s, int m0, int nb, int kb) {
+        const uint32_t sb = smem0 + s * C::STAGE_BYTES + C::A_BYTES, full = bar0 + 8 * s;
+        for (int part = 0; part < C::PARTS; part++)
+            for (int i = 0; i < nb; i++)
+                tma_load_2d(sb + (part * 16 * nb + 16 * i) * 2 * C::BK, &ta, kb * 2 * C::BK,
+                            part * p.a_lo + m0 + 16 * i, full);
+    };
+    // The block's first tile's k tiles 0 .. pre - 1 of weights, requested before the wait (they do
+    // not depend on the kernel before; a fresh ring): the bytes announced without the producer's
+    // arrival (GATHER: with it; the copying threads' arrivals come after the wait), so that no
+    // phase completes before the rows are in.
+    const int pre = (int)blockIdx.x < nx * p.E ? min(p.pre, min(STAGES, nk)) : 0;
+    if (warp == 8 && lane == 0)
+        for (int kb = 0; kb < pre; kb++) {
+            if (GATHER)
+                mbar_arrive_tx(bar0 + 8 * kb, C::A_BYTES);
+            else
+                mbar_expect_tx(bar0 + 8 * kb, C::A_BYTES);
+            load_w(kb, blockIdx.x / nx, blockIdx.x % nx, kb);
+        }
     // Launched with programmatic dependent launch (cuda_launch_pdl): the blocks may be resident
-    // while the kernel before finishes, and every thread waits for it before it reads the tile
-    // table (the prepare kernel's) or x, h.
+    // while the kernel before finishes, and every thread waits for it before it reads the offsets
+    // (the prepare kernel's) or x, h.
     pdl_wait();
     pdl_trigger();
-    if (warp >= 8) { // the producer: the first warp searches the tiles, its lane 0 copies
+    // a tile's k tiles: all, or where it has no rows none, but the block's first tile's requested
+    // ones (each role goes through those stages without a product)
+    auto tile_nk = [&](int t, int rows) { return rows > 0 ? nk : t == (int)blockIdx.x ? pre : 0; };
+    int e, m0, x, rows, it = 0;
+    if (warp >= 8) { // the producer: the first warp's lane 0 requests (GATHER: the others copy)
         setmaxnreg_dec<BWS_PRODUCER_REGS>();
         if (GATHER && warp > 8) {
             // warps 9 to 11: a stage's rows of the chunk, each row's k tile in 16-byte units
@@ -894,13 +950,13 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
             // as zeros; each thread's copies arrive on the full barrier as they land
             constexpr int U = C::BK / 8, RS = BWS_GATHER_THREADS / U;
             const int g = tid - 9 * 32, u = g % U;
-            for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+            for (int t = blockIdx.x; bws_tile(p, nx, BT, t, e, m0, x, rows); t += gridDim.x) {
                 const int nr = 16 * ((rows + 15) / 16); // rows a part
                 asm volatile("bar.sync 1, %0;\n" ::"n"(BWS_GATHER_THREADS) : "memory");
                 for (int i = g; i < rows; i += BWS_GATHER_THREADS)
                     src_row[i] = __ldg(&p.pairs[m0 + i]) / p.topk;
                 asm volatile("bar.sync 1, %0;\n" ::"n"(BWS_GATHER_THREADS) : "memory");
-                for (int kb = 0; kb < nk; kb++, it++) {
+                for (int kb = 0, n_k = tile_nk(t, rows); kb < n_k; kb++, it++) {
                     const int s = it % STAGES;
                     const uint32_t b = smem0 + s * C::STAGE_BYTES + C::A_BYTES;
                     mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
@@ -921,34 +977,38 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
             return;
         }
         if (warp > 8) return;
-        for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+        for (int t = blockIdx.x; bws_tile(p, nx, BT, t, e, m0, x, rows); t += gridDim.x) {
+            const int n_k = tile_nk(t, rows), k0 = t == (int)blockIdx.x ? pre : 0;
             const int nb = (rows + 15) / 16; // boxes of 16 rows a part
-            if (lane == 0) {
-                const uint32_t bytes = C::A_BYTES + (GATHER ? 0 : C::PARTS * nb * 16 * 2 * C::BK);
-                for (int kb = 0; kb < nk; kb++, it++) {
-                    const int s = it % STAGES, kx = kb * 2 * C::BK; // k in bytes
-                    const uint32_t sa = smem0 + s * C::STAGE_BYTES, full = bar0 + 8 * s;
-                    mbar_wait(bar0 + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
-                    mbar_arrive_tx(full, bytes);
-#pragma unroll
-                    for (int w = 0; w < 2; w++)
-#pragma unroll
-                        for (int a = 0; a < NA; a++)
-                            tma_load_2d(sa + (NA * w + a) * 128 * C::BK, &tb, kx,
-                                        bws_wrow<GATE_UP, NA>(p.N, e, x, w, a), full);
-                    if constexpr (!GATHER)
-                        for (int part = 0; part < C::PARTS; part++)
-                            for (int i = 0; i < nb; i++)
-                                tma_load_2d(sa + C::A_BYTES + (part * 16 * nb + 16 * i) * 2 * C::BK,
-                                            &ta, kx, part * p.a_lo + m0 + 16 * i, full);
+            const uint32_t rows_bytes = GATHER ? 0 : C::PARTS * nb * 16 * 2 * C::BK;
+            if (lane == 0)
+                for (int kb = 0; kb < n_k; kb++) {
+                    const int s = (it + kb) % STAGES;
+                    if (kb < k0) { // its weights requested before the wait
+                        if (!GATHER) mbar_arrive_tx(bar0 + 8 * s, rows_bytes);
+                    } else {
+                        mbar_wait(bar0 + 8 * (STAGES + s), (((it + kb) / STAGES) & 1) ^ 1);
+                        mbar_arrive_tx(bar0 + 8 * s, C::A_BYTES + rows_bytes);
+                        load_w(s, e, x, kb);
+                    }
+                    if constexpr (!GATHER) load_rows(s, m0, nb, kb);
                 }
-            }
+            it += n_k;
             __syncwarp();
         }
         return;
     }
     setmaxnreg_inc<BWS_CONSUMER_REGS>();
-    for (int t = blockIdx.x; tile_of(t, e, m0, x, rows); t += gridDim.x) {
+    for (int t = blockIdx.x; bws_tile(p, nx, BT, t, e, m0, x, rows); t += gridDim.x) {
+        if (rows == 0) { // the stages requested for a tile without rows: freed unused
+            for (int kb = tile_nk(t, rows); kb > 0; kb--, it++) {
+                const int s = it % STAGES;
+                mbar_wait(bar0 + 8 * s, (it / STAGES) & 1);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar0 + 8 * (STAGES + s));
+            }
+            continue;
+        }
         switch ((rows + 15) / 16) {
         case 1: bws_consume<SPLIT, GATE_UP, NA, BT, 16>(p, m0, rows, x, it, smem0, bar0); break;
         case 2: bws_consume<SPLIT, GATE_UP, NA, BT, 32>(p, m0, rows, x, it, smem0, bar0); break;
@@ -1073,6 +1133,9 @@ static bool bws_gather(int na1) {
     const int g = cuda_env_count("MOESERVE_WGMMA_SWAP_GATHER", 2, &g_swap_gather);
     return g == 2 ? na1 == 4 : g == 1;
 }
+// The k tiles of weights GEMM 1 and GEMM 2 of the swapped kernel request before their wait
+// (MOESERVE_WGMMA_SWAP_PRE1, MOESERVE_WGMMA_SWAP_PRE2; at most the ring's stages).
+static int g_swap_pre[2] = {-1, -1};
 // High's pairs an expert above which the swapped kernel's chunks are BWS_BT_WIDE rows
 // (MOESERVE_WGMMA_SWAP_WIDE_MIN, default BWS_BT_WIDE_MIN), where both GEMMs take 2 tiles.
 static int bws_wide_min() {
@@ -1172,6 +1235,7 @@ static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *g
     const int parts = SPLIT ? 2 : 1; // a box's bytes a row: 2 BK of the GEMM's NA
     const int bb = 2 * bws_cfg<SPLIT, NA1>::BK, bb2 = 2 * bws_cfg<SPLIT, NA2>::BK;
     const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64, bb);
+    p.pre = cuda_env_count("MOESERVE_WGMMA_SWAP_PRE1", 0, &g_swap_pre[0]);
     if (bws_gather(NA1)) {
         bws_launch<SPLIT, true, NA1, BT, true>(tb1, tb1, p, n_pairs);
     } else {
@@ -1182,6 +1246,7 @@ static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *g
     p.out = out;
     p.N = D;
     p.K = F;
+    p.pre = cuda_env_count("MOESERVE_WGMMA_SWAP_PRE2", 8, &g_swap_pre[1]);
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16, bb2);
     const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64, bb2);
     bws_launch<SPLIT, false, NA2, BT>(ta2, tb2, p, n_pairs);

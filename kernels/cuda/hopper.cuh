@@ -90,16 +90,18 @@ template <int ROW_BYTES> __device__ __forceinline__ uint32_t swizzled(uint32_t o
 #define WGMMA_D128_OUT(d) WGMMA_D64_OUT(d), WGMMA_D64_OUT((d) + 64)
 
 // A warp's search for tile y of the experts' tiles, in expert order, each expert's rows cut into
-// tiles of bm: {expert, its first grouped row} in every lane, or expert -1 past the last tile.
-// It counts the experts' tiles 32 experts at a time.
-__device__ __forceinline__ int2 group_tile(const int32_t *offsets, int E, int y, int bm) {
+// tiles of bm, its first skip tiles left out: {expert, its first grouped row} in every lane, or
+// expert -1 past the last tile. It counts the experts' tiles 32 experts at a time.
+__device__ __forceinline__ int2 group_tile(const int32_t *offsets, int E, int y, int bm,
+                                           int skip = 0) {
     const int lane = threadIdx.x & 31;
     for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
         int lo = 0, n = 0;
         if (e < E) {
             lo = __ldg(&offsets[e]);
-            n = (__ldg(&offsets[e + 1]) - lo + bm - 1) / bm;
+            n = max(0, (__ldg(&offsets[e + 1]) - lo + bm - 1) / bm - skip);
+            lo += skip * bm;
         }
         int incl = n; // tiles of experts e0 .. e
         for (int o = 1; o < 32; o <<= 1) {
@@ -121,6 +123,11 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// bytes the phase waits for, announced without an arrival
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
 }
 // one arrival that also announces bytes the phase waits for
 __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {

@@ -40,10 +40,11 @@
 //   1. prepare (one block; the other blocks of the same launch convert x to BF16 xb[T, D], in
 //      high also its remainders xb_lo[T, D]):
 //      count the (t, k) pairs per expert, prefix sums into offsets[E + 1], scatter the pair ids
-//      grouped by expert into pairs[n] (within an expert in (t, k) order, by a stable counting sort
-//      with per-warp segments, so nothing depends on thread timing), and cut each expert's rows
-//      into tiles of BM rows: tiles[i] = {expert, first row, end row}, n_tiles. All of it stays on
-//      the device.
+//      grouped by expert into pairs[n] (a counting sort with per-warp segments: within an expert
+//      by segment, and within a segment in the order the count's shared atomics gave out ranks,
+//      so nothing depends on the timing between warps; a row's sums do not depend on its place),
+//      and cut each expert's rows into tiles of BM rows: tiles[i] = {expert, first row, end row},
+//      n_tiles. All of it stays on the device.
 //   2. GEMM 1: h[n, F] = silu(xb_e gate_e^T) * (xb_e up_e^T) in BF16 (high: h and h_lo). A block
 //      is one (tile, N-block); it reads its expert and rows from the tile table and exits when its
 //      tile is past n_tiles. The grid is the host's upper bound on the tile count (from T*K, E and
@@ -712,14 +713,15 @@ __device__ __forceinline__ void prep_convert(const moe_prep_args &a, int b, int 
 
 // The conversion of x after the count (convert_after): launched with programmatic dependent
 // launch behind the prepare kernel, whose one block lets it start once its expert ids are in (so
-// that their loads do not queue behind the conversion's); it waits for the grouping at its end,
-// so GEMM 1, waiting for this grid, sees both. (It writes xb before that wait: nothing the
-// prepare kernel or any kernel still running reads; the prepare kernel itself was launched the
-// ordinary way, after every kernel before it.)
+// that their loads do not queue behind the conversion's); its block 0 waits for the grouping at
+// its end, so this grid completes after it and GEMM 1, waiting for this grid, sees both, while
+// the other blocks leave their multiprocessors to GEMM 1 as soon as they have converted. (It
+// writes xb before that wait: nothing the prepare kernel or any kernel still running reads; the
+// prepare kernel itself was launched the ordinary way, after every kernel before it.)
 __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_convert_kernel(moe_prep_args a) {
     pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for this grid
     prep_convert(a, blockIdx.x, gridDim.x);
-    pdl_wait();
+    if (blockIdx.x == 0) pdl_wait();
 }
 
 // Exclusive prefix sum over the warp's lanes in lane order; *sum = the warp's total.
@@ -735,11 +737,14 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
 }
 
 // Block 0 groups the pairs by expert; blocks 1.. convert x to BF16 meanwhile (high: also x_lo).
-// The grouping is a stable counting sort with a segment of the pairs a warp: count per (segment,
-// expert) by shared atomics; per expert, the segments' bases by a warp's scan over them; the
-// offsets and tiles by one warp's scan over the experts; then each warp walks its segment again,
-// the lanes of one expert taking consecutive rows in lane order (warp_match). Up to
-// MOE_PREP_STAGE pairs the rows are placed in shared memory and copied out in order. Where the
+// The grouping is a counting sort with a segment of the pairs a warp: count per (segment,
+// expert) by shared atomics, whose return values rank each pair among its expert's of the
+// segment; per expert, the segments' bases by a warp's scan over them; the offsets and tiles by
+// one warp's scan over the experts; then each pair's row is its expert's first plus its
+// segment's base plus its rank. (Where a segment is more than one load of ids, PREP_IDS rounds,
+// its ranks are not kept: the warp walks its segment again, the lanes of one expert taking
+// consecutive rows in lane order, warp_match.) Up to MOE_PREP_STAGE pairs the rows are placed in
+// shared memory and copied out in order. Where the
 // conversion comes after (convert_after), only block 0 runs, and it lets moe_convert_kernel start
 // once it has counted. (Its registers, over 32 a thread, leave no room on block 0's
 // multiprocessor for a block of that kernel; blocks 1.. convert only up to
@@ -749,6 +754,9 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
 // behind the conversion's 16 MB), the scatter took 8.2 and the block ended at 16.2; with the
 // ballots and the staged rows the scatter took 3.3 to 4.4, with the conversion after the count
 // the count ended at 1.9 to 2.1, and GEMM 1 started at 11.9 to 12.6 (16.7 to 17.4 before).
+// The ranks from the count's atomics in place of the second walk: test_cuda_moe --bf16-timing
+// 1024, medium 375.0 to 378.3 us against 380.3 to 382.9 (the same call; high 414.4 to 415.8
+// against 416.5 to 418.1, with the swapped kernel's tiles in their new order).
 __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_prep_args a) {
     if (!a.convert_after) pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for us
     if (blockIdx.x > 0) {
@@ -774,6 +782,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_pr
     const int s0 = warp * seg, s1 = min(n_pairs, s0 + seg);
     const bool one_load = seg <= 32 * PREP_IDS;
     int ids[PREP_IDS];
+    int rank[PREP_IDS]; // one_load: each pair's place among its expert's pairs of the segment
     auto load_ids = [&](int base) {
 #pragma unroll
         for (int j = 0; j < PREP_IDS; j++) {
@@ -793,9 +802,10 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_pr
 #pragma unroll
             for (int j = 0; j < PREP_IDS; j++) {
                 const int e = ids[j];
+                rank[j] = 0;
                 if (e >= 0) {
                     if (e >= E) __trap(); // broken invariant: ids index the local experts
-                    atomicAdd(&cnt[warp * RS + e], 1);
+                    rank[j] = atomicAdd(&cnt[warp * RS + e], 1);
                 }
             }
         }
@@ -846,10 +856,17 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_pr
             a.tiles[t] = make_int4(e, r0, min(r0 + a.BM, r1), 0);
     }
 
-    // 5. scatter: each warp walks its segment in the same rounds; the lanes of one expert take
-    //    consecutive rows in lane order
+    // 5. scatter: a pair's row is its expert's first, plus its segment's base, plus its rank
+    //    (one_load: the count's); else each warp walks its segment again in the same rounds and
+    //    the lanes of one expert take consecutive rows in lane order
     int *dst = stage ? rows_s : a.pairs;
-    if (warp < S)
+    if (warp < S && one_load) {
+#pragma unroll
+        for (int j = 0; j < PREP_IDS; j++) {
+            const int e = ids[j];
+            if (e >= 0) dst[off[e] + cnt[warp * RS + e] + rank[j]] = s0 + 32 * j + lane;
+        }
+    } else if (warp < S)
         for (int base = s0; base < s1; base += 32 * PREP_IDS) {
             if (!one_load) load_ids(base);
 #pragma unroll
