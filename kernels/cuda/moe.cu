@@ -755,7 +755,7 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
 // ballots and the staged rows the scatter took 3.3 to 4.4, with the conversion after the count
 // the count ended at 1.9 to 2.1, and GEMM 1 started at 11.9 to 12.6 (16.7 to 17.4 before).
 // The ranks from the count's atomics in place of the second walk: test_cuda_moe --bf16-timing
-// 1024, medium 375.0 to 378.3 us against 380.3 to 382.9 (the same call; high 414.4 to 415.8
+// 1024, medium 375.0 to 377.6 us against 380.5 to 382.9 (the same call; high 414.4 to 415.8
 // against 416.5 to 418.1, with the swapped kernel's tiles in their new order).
 __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_prep_args a) {
     if (!a.convert_after) pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for us
