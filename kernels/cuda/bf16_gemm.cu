@@ -766,10 +766,10 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // run): Qwen3-30B-A3B's experts, high, T = 1024 412.1 to 412.9 us against 413.9 to 415.0
 // without, T = 900 410.8 against 412.5 (test_cuda_moe --bf16-timing T, the same call). GEMM 1
 // does not (MOESERVE_WGMMA_SWAP_PRE1): two k tiles 412.7 to 413.2, a ring of them 415.1 to 419.3
-// at T = 1024 (our reading: the weights' lines, promoted to 256 bytes in L2, push x's BF16 rows
-// out of it just before GEMM 1 reads them). Tried and not kept: GEMM 1's producer warps copying
-// x's rows from x in fp32, splitting them as the prepare kernel does (no conversion before it,
-// so its blocks could be resident during the grouping): 522 us at T = 1024 against 419 (each
+// at T = 1024: a globaltimer timeline showed the early requests slowing x's conversion, still
+// running then, by 5 us, and GEMM 1 waits for it. Tried and not kept: GEMM 1's producer warps
+// copying x's rows from x in fp32, splitting them as the prepare kernel does (no conversion before
+// it, so its blocks could be resident during the grouping): 522 us at T = 1024 against 419 (each
 // copying thread waits for its loads before it can write the stage, where cp.async does not).
 // Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
 // two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
