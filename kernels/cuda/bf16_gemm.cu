@@ -765,18 +765,18 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // (MOESERVE_WGMMA_SWAP_PRE2; its blocks take the multiprocessors GEMM 1's leave as its last tiles
 // run): Qwen3-30B-A3B's experts, high, T = 1024 412.1 to 412.9 us against 413.9 to 415.0
 // without, T = 900 410.8 against 412.5 (test_cuda_moe --bf16-timing T, the same call). GEMM 1
-// does not (MOESERVE_WGMMA_SWAP_PRE1): two k tiles 412.7 to 413.2, a ring of them 415.1 to 419.3
-// at T = 1024: a globaltimer timeline showed the early requests slowing x's conversion, still
-// running then, by 5 us, and GEMM 1 waits for it. Tried and not kept: GEMM 1's producer warps
-// copying x's rows from x in fp32, splitting them as the prepare kernel does (no conversion before
-// it, so its blocks could be resident during the grouping): 522 us at T = 1024 against 419 (each
-// copying thread waits for its loads before it can write the stage, where cp.async does not).
-// Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an expert, T = 1024, high,
-// two chains then; this kernel with chunks of 64 rows 546.5 us): the two warpgroups sharing one set
-// of weight tiles, each taking half of up to 128 rows (664.8 us: each wgmma of fewer rows reads the
-// same A from shared memory), and each warpgroup its own 64 weight rows over up to 112 rows, so
-// that an expert of 65 to 128 rows streams its weights once instead of twice (618.7 us: 16 KB of
-// weights a stage, half of these, leave too few bytes in flight).
+// does not (measured with a switch since taken out): two k tiles 412.7 to 413.2, a ring of them
+// 415.1 to 419.3 at T = 1024: a globaltimer timeline showed the early requests slowing x's
+// conversion, still running then, by 5 us, and GEMM 1 waits for it. Tried and not kept: GEMM 1's
+// producer warps copying x's rows from x in fp32, splitting them as the prepare kernel does (no
+// conversion before it, so its blocks could be resident during the grouping): 522 us at T = 1024
+// against 419 (each copying thread waits for its loads before it can write the stage, where
+// cp.async does not). Tried on the H200 and not kept (Qwen3-30B-A3B's experts at 64 pairs an
+// expert, T = 1024, high, two chains then; this kernel with chunks of 64 rows 546.5 us): the two
+// warpgroups sharing one set of weight tiles, each taking half of up to 128 rows (664.8 us: each
+// wgmma of fewer rows reads the same A from shared memory), and each warpgroup its own 64 weight
+// rows over up to 112 rows, so that an expert of 65 to 128 rows streams its weights once instead of
+// twice (618.7 us: 16 KB of weights a stage, half of these, leave too few bytes in flight).
 #define BWS_BT      80 /* rows of a chunk (BWS_BT_WIDE from BWS_BT_WIDE_MIN pairs an expert in high) */
 #define BWS_BT_WIDE 96
 #define BWS_THREADS                                                                                \
@@ -922,15 +922,13 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
     };
     // The block's first tile's k tiles 0 .. pre - 1 of weights, requested before the wait (they do
     // not depend on the kernel before; a fresh ring): the bytes announced without the producer's
-    // arrival (GATHER: with it; the copying threads' arrivals come after the wait), so that no
-    // phase completes before the rows are in.
+    // arrival, which comes after the wait (with the rows' bytes, or none with GATHER), so that no
+    // phase completes before the rows are in. (GEMM 2 only, p.pre: GEMM 1's requests slowed x's
+    // conversion, which it waits for.)
     const int pre = (int)blockIdx.x < nx * p.E ? min(p.pre, min(STAGES, nk)) : 0;
     if (warp == 8 && lane == 0)
         for (int kb = 0; kb < pre; kb++) {
-            if (GATHER)
-                mbar_arrive_tx(bar0 + 8 * kb, C::A_BYTES);
-            else
-                mbar_expect_tx(bar0 + 8 * kb, C::A_BYTES);
+            mbar_expect_tx(bar0 + 8 * kb, C::A_BYTES);
             load_w(kb, blockIdx.x / nx, blockIdx.x % nx, kb);
         }
     // Launched with programmatic dependent launch (cuda_launch_pdl): the blocks may be resident
@@ -985,7 +983,7 @@ __global__ void __launch_bounds__(BWS_THREADS, 1)
                 for (int kb = 0; kb < n_k; kb++) {
                     const int s = (it + kb) % STAGES;
                     if (kb < k0) { // its weights requested before the wait
-                        if (!GATHER) mbar_arrive_tx(bar0 + 8 * s, rows_bytes);
+                        mbar_arrive_tx(bar0 + 8 * s, rows_bytes);
                     } else {
                         mbar_wait(bar0 + 8 * (STAGES + s), (((it + kb) / STAGES) & 1) ^ 1);
                         mbar_arrive_tx(bar0 + 8 * s, C::A_BYTES + rows_bytes);
@@ -1133,9 +1131,9 @@ static bool bws_gather(int na1) {
     const int g = cuda_env_count("MOESERVE_WGMMA_SWAP_GATHER", 2, &g_swap_gather);
     return g == 2 ? na1 == 4 : g == 1;
 }
-// The k tiles of weights GEMM 1 and GEMM 2 of the swapped kernel request before their wait
-// (MOESERVE_WGMMA_SWAP_PRE1, MOESERVE_WGMMA_SWAP_PRE2; at most the ring's stages).
-static int g_swap_pre[2] = {-1, -1};
+// The k tiles of weights GEMM 2 of the swapped kernel requests before its wait
+// (MOESERVE_WGMMA_SWAP_PRE2; at most the ring's stages).
+static int g_swap_pre2 = -1;
 // High's pairs an expert above which the swapped kernel's chunks are BWS_BT_WIDE rows
 // (MOESERVE_WGMMA_SWAP_WIDE_MIN, default BWS_BT_WIDE_MIN), where both GEMMs take 2 tiles.
 static int bws_wide_min() {
@@ -1235,7 +1233,6 @@ static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *g
     const int parts = SPLIT ? 2 : 1; // a box's bytes a row: 2 BK of the GEMM's NA
     const int bb = 2 * bws_cfg<SPLIT, NA1>::BK, bb2 = 2 * bws_cfg<SPLIT, NA2>::BK;
     const CUtensorMap tb1 = tma_map_rows(gate_up, (int64_t)p.E * 2 * F, (int64_t)D * 2, 64, bb);
-    p.pre = cuda_env_count("MOESERVE_WGMMA_SWAP_PRE1", 0, &g_swap_pre[0]);
     if (bws_gather(NA1)) {
         bws_launch<SPLIT, true, NA1, BT, true>(tb1, tb1, p, n_pairs);
     } else {
@@ -1246,7 +1243,7 @@ static void bws_experts(bwg_args p, float *out, __nv_bfloat16 *xg, const void *g
     p.out = out;
     p.N = D;
     p.K = F;
-    p.pre = cuda_env_count("MOESERVE_WGMMA_SWAP_PRE2", 8, &g_swap_pre[1]);
+    p.pre = cuda_env_count("MOESERVE_WGMMA_SWAP_PRE2", 8, &g_swap_pre2);
     const CUtensorMap ta2 = tma_map_rows(h, parts * n_pairs, (int64_t)F * 2, 16, bb2);
     const CUtensorMap tb2 = tma_map_rows(down, (int64_t)p.E * D, (int64_t)F * 2, 64, bb2);
     bws_launch<SPLIT, false, NA2, BT>(ta2, tb2, p, n_pairs);

@@ -744,19 +744,18 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
 // segment's base plus its rank. (Where a segment is more than one load of ids, PREP_IDS rounds,
 // its ranks are not kept: the warp walks its segment again, the lanes of one expert taking
 // consecutive rows in lane order, warp_match.) Up to MOE_PREP_STAGE pairs the rows are placed in
-// shared memory and copied out in order. Where the
-// conversion comes after (convert_after), only block 0 runs, and it lets moe_convert_kernel start
-// once it has counted. (Its registers, over 32 a thread, leave no room on block 0's
-// multiprocessor for a block of that kernel; blocks 1.. convert only up to
-// MOE_PREP_AFTER_BLOCKS of them, one wave at a block an SM.)
-// H200, Qwen3-30B-A3B's experts at T = 1024 (8192 pairs), high, the block's clock in a call
-// (globaltimer, us from the launch): before, the count ended at 4.5 (its ids' loads queued
-// behind the conversion's 16 MB), the scatter took 8.2 and the block ended at 16.2; with the
-// ballots and the staged rows the scatter took 3.3 to 4.4, with the conversion after the count
-// the count ended at 1.9 to 2.1, and GEMM 1 started at 11.9 to 12.6 (16.7 to 17.4 before).
-// The ranks from the count's atomics in place of the second walk: test_cuda_moe --bf16-timing
-// 1024, medium 375.0 to 377.6 us against 380.5 to 382.9 (the same call; high 414.4 to 415.8
-// against 416.5 to 418.1, with the swapped kernel's tiles in their new order).
+// shared memory and copied out in order. Where the conversion comes after (convert_after), only
+// block 0 runs, and it lets moe_convert_kernel start once it has counted. (Its registers, over 32 a
+// thread, leave no room on block 0's multiprocessor for a block of that kernel; blocks 1.. convert
+// only up to MOE_PREP_AFTER_BLOCKS of them, one wave at a block an SM.) H200, Qwen3-30B-A3B's
+// experts at T = 1024 (8192 pairs), high, the block's clock in a call (globaltimer, us from the
+// launch): before, the count ended at 4.5 (its ids' loads queued behind the conversion's 16 MB),
+// the scatter took 8.2 and the block ended at 16.2; with the ballots and the staged rows the
+// scatter took 3.3 to 4.4, with the conversion after the count the count ended at 1.9 to 2.1, and
+// GEMM 1 started at 11.9 to 12.6 (16.7 to 17.4 before). The ranks from the count's atomics in place
+// of the second walk: test_cuda_moe --bf16-timing 1024, medium 375.0 to 377.6 us against 380.5 to
+// 382.9 (the same call; high 414.4 to 415.8 against 416.5 to 418.1, with the swapped kernel's tiles
+// in their new order).
 __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_prep_args a) {
     if (!a.convert_after) pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for us
     if (blockIdx.x > 0) {
@@ -868,7 +867,7 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_pr
         }
     } else if (warp < S)
         for (int base = s0; base < s1; base += 32 * PREP_IDS) {
-            if (!one_load) load_ids(base);
+            load_ids(base);
 #pragma unroll
             for (int j = 0; j < PREP_IDS; j++) {
                 const int e = ids[j];
