@@ -149,6 +149,15 @@ $(BUILD)/bench_a2a_cuda: $(BUILD)/scripts/bench_a2a_cuda.o $(LIB_OBJS) $(A2A_CU_
 $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
+# The rate at which the wgmma kernels' TMA box shapes stream a weight matrix, no arithmetic, against a
+# device copy (a Hopper device; docs/benchmarks.md).
+ifneq ($(CU_OBJS),)
+all: $(BUILD)/bench_stream
+endif
+$(BUILD)/scripts/bench_stream.o: NVCCFLAGS += $(MPI_CFLAGS)
+$(BUILD)/bench_stream: $(BUILD)/scripts/bench_stream.o $(LIB_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
+
 # Teacher-forced KL of the FP8 and NVFP4 models against BF16 (issue 8's measure).
 $(BUILD)/quant_kl: $(BUILD)/scripts/quant_kl.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
