@@ -42,7 +42,13 @@ __device__ __forceinline__ void split_bf16x2(float a0, float a1, uint32_t *hi, u
     *lo = pack_bf16x2(__fsub_rn(a0, hf.x), __fsub_rn(a1, hf.y));
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+// silu(g) = g / (1 + e^-g), the division by the approximate reciprocal (__fdividef: 2 ulp, no
+// branch): the IEEE division's check for its slow path put a branch around every output, so a
+// GEMM's epilogue ran its silu one at a time (the swapped kernel's GEMM 1: 35 instructions an
+// output behind convergence barriers, while its weights' stream waited). Every GPU kernel of the
+// experts takes this one, so their h is the same bits whichever computes it; the CPU's
+// (kernels/cpu) differs from it within the tests' tolerances.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + expf(-g)); }
 
 // NVFP4 weights in the W4A16 layout (moe.cu's nvfp4_pack_kernel), decoded as both moe.cu's tiles
 // and bf16_gemm.cu's converters decode them, so both see the same BF16 weights.
