@@ -744,7 +744,11 @@ __global__ void __launch_bounds__(WQ ? BWG_THREADS_W4(CW) : BWG_THREADS, 1)
 // --launch-count 2
 // --section SpeedOfLight --section MemoryWorkloadAnalysis build/tests/test_cuda_moe --bf16-timing
 // 1024`): GEMM 1 272.6 us, DRAM at 69% of its peak, L2 at 81%, SM 45%; GEMM 2 145.3 us, 70%, 82%,
-// 43%: neither memory saturated.
+// 43%: neither memory saturated. What holds it is the epilogues: while both consumer warpgroups
+// store a tile, no stage is freed and the block's weights stop once the ring is full. Taken out
+// (a scratch build, times only) at 64 pairs an expert in high: 343 us against 395 (GEMM 1's alone
+// 369, GEMM 2's 369); clusters sharing the chunk's rows by TMA multicast changed nothing
+// (docs/benchmarks.md, "the experts' epilogues").
 // GEMM 1 may copy the chunk's rows of x itself (GATHER: three more producer warps, cp.async from
 // xb by the pairs' tokens, each thread's copies arriving on the stage's full barrier as they
 // land), so that the grouped copy of x is not made. H200, Qwen3-30B-A3B's experts at 64 pairs an
