@@ -59,15 +59,15 @@
  * the time of a device copy moving as many bytes (half read, half written: what fixed costs leave
  * of the copy rate at that size); routings rotate among 8 sets so the weights do not sit in L2.
  * Sizes: T = 1, 2, 4, 8, then mean pairs per expert 1, 2, ..., 64 (T = E / K * 2^i), random
- * routing, for Qwen3-30B-A3B and the DeepSeek-V3-like shape. For T = 4096 with balanced routing: TFLOP/s
- * (6 T K D F flops, the useful ones: high does twice the tensor work for them) beside cuBLAS run
- * per expert on the same grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then down, 2 E
- * launches; it gets its tokens pre-gathered and does no SiLU, gather or scatter).
+ * routing, for Qwen3-30B-A3B and the DeepSeek-V3-like shape. For T = 4096 with balanced routing:
+ * TFLOP/s (6 T K D F flops, the useful ones: high does twice the tensor work for them) beside
+ * cuBLAS run per expert on the same grouping (cublasGemmEx BF16 in, fp32 accumulate: gate_up then
+ * down, 2 E launches; it gets its tokens pre-gathered and does no SiLU, gather or scatter).
  *
  *   test_cuda_moe           everything
  *   test_cuda_moe --small   only the small and tiny shapes (quick; for compute-sanitizer)
- *   test_cuda_moe --timing [MAX_T]           only the Qwen3 timings up to MAX_T tokens, no comparisons
- *                                            (quick; for a profiler)
+ *   test_cuda_moe --timing [MAX_T]           only the Qwen3 timings up to MAX_T tokens, no
+ *                                            comparisons (quick; for a profiler)
  *   test_cuda_moe --timing-deepseek [MAX_T]  the same for the DeepSeek-V3-like shape
  *   test_cuda_moe --decode                   only the Qwen3 comparisons up to T = 64
  *   test_cuda_moe --nvfp4                    only the NVFP4 comparisons, and their timings
@@ -75,6 +75,12 @@
  *   test_cuda_moe --fp8 [C]                  only the FP8 comparisons, and their timings
  *   test_cuda_moe --fp8-timing T [C]         the Qwen3 FP8 timing at T tokens alone
  *                                            (C: the FP8 x FP8 GEMM's tile configuration)
+ *   test_cuda_moe --deepseek-q-timing E T..  FP8 and NVFP4 experts of DeepSeek-V3's shape (E of
+ *                                            them, top-8; fewer than 256 keep the host's fp32
+ *                                            copies small) timed at each T
+ *   test_cuda_moe --deepseek-fp8-timing E T..
+ *                                            FP8 alone, in the FP8 x FP8 GEMM's configuration
+ *                                            $FP8G_CONFIG
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -1648,6 +1654,26 @@ int main(int argc, char **argv) {
         copy_gbs = measure_copy_bandwidth();
         if (model_prepare(&m) == 0)
             time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, ds_timing ? 10 : 50);
+        model_free(&m);
+        print_timings();
+        CHECK_SUMMARY();
+    }
+    /* issue 8's decode sizes on DeepSeek-V3's shape; --deepseek-fp8-timing: FP8 alone, in the
+     * FP8 x FP8 GEMM's configuration $FP8G_CONFIG (default -1) */
+    const bool ds_fp8 = argc > 3 && strcmp(argv[1], "--deepseek-fp8-timing") == 0;
+    if (ds_fp8 || (argc > 3 && strcmp(argv[1], "--deepseek-q-timing") == 0)) {
+        copy_gbs = measure_copy_bandwidth();
+        const int E = atoi(argv[2]);
+        const char *cfg = getenv("FP8G_CONFIG");
+        if (cfg) cuda_fp8_grouped_gemm_config(atoi(cfg));
+        model m;
+        if (model_fp8(&m, "deepseek-v3-like fp8", E, 7168, 2048, 8) == 0)
+            for (int i = 3; i < argc; i++)
+                time_moe(&m, atoi(argv[i]), ROUTE_RANDOM, 8, 10);
+        model_free(&m);
+        if (!ds_fp8 && model_nvfp4(&m, "deepseek-v3-like nvfp4", E, 7168, 2048, 8) == 0)
+            for (int i = 3; i < argc; i++)
+                time_moe(&m, atoi(argv[i]), ROUTE_RANDOM, 8, 10);
         model_free(&m);
         print_timings();
         CHECK_SUMMARY();

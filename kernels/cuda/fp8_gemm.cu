@@ -616,22 +616,32 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows;
-// -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (the test's
-// figures: 192-row tiles gain 4 to 6% on large experts and lose 3 to 8% at 128 and 256 rows an
-// expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in medium, both GEMMs, against 5: 198.5
-// against 232.0 us at 16 rows an expert, 221.1 against 253.3 at 32, 300.9 both at 64, 451.2
-// against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at 256). The experts' GEMM 1
-// (128 columns only) takes 4 to 8 as they are (after copying its rows into grouped order), 1 as
-// it is and the others as 0.
+// -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
+// experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
+// lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
+// medium, both GEMMs, against 5: 198.5 against 232.0 us at 16 rows an expert, 221.1 against 253.3
+// at 32, 300.9 both at 64, 451.2 against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at
+// 256). The experts' GEMM 1 (128 columns only) takes 4 to 8 as they are (after copying its rows
+// into grouped order), 1 as it is and the others as 0. Experts of N K from FP8G_LARGE weights
+// (DeepSeek-V3's, 29M and 15M a GEMM, against Qwen3-30B-A3B's 3.1M and 1.6M) take the larger tiles
+// from fewer rows: 64-row tiles up to 48 rows an expert, 192-row tiles from 96. Random routing
+// spreads an expert's rows around the mean, so a tile of about the mean leaves half the experts a
+// second, nearly empty tile, and those experts' long k loops make it cost. H200, DeepSeek-V3's
+// shape in medium (test_cuda_moe --deepseek-fp8-timing with $FP8G_CONFIG, 32 experts, both
+// GEMMs, us): 32 rows an expert 390.5 (8) against 412.3 (5) and 443.9 (7); 64 rows 457.2 (5)
+// against 511.7 (8) and 489.2 (7); 128 rows 613.7 (7) against 697.1 (5) and 789.0 (8).
 static int g_fp8g_config = -1;
 #define FP8G_WG1_MAX 128 /* rows an expert on average, at most, for 64-row tiles */
+#define FP8G_LARGE   (8 << 20) /* weights an expert's matrix from which the thresholds are lower */
 
-// the configuration for M rows over E experts
-static int fp8g_config_for(int64_t M, int E) {
-    return g_fp8g_config >= 0              ? g_fp8g_config
-           : M >= 384 * (int64_t)E         ? 7
-           : M > FP8G_WG1_MAX * (int64_t)E ? 5
-                                           : 8;
+// the configuration for M rows over E experts of N x K weights
+static int fp8g_config_for(int64_t M, int E, int N, int K) {
+    const bool large = (int64_t)N * K >= FP8G_LARGE;
+    const int64_t wg1_max = large ? 48 : FP8G_WG1_MAX, wg3_min = large ? 96 : 384;
+    return g_fp8g_config >= 0          ? g_fp8g_config
+           : M >= wg3_min * (int64_t)E ? 7
+           : M > wg1_max * (int64_t)E  ? 5
+                                       : 8;
 }
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
@@ -643,7 +653,7 @@ extern "C" int cuda_fp8_grouped_gemm_config(int config) {
 // The fp32 output's form (out, not GATE_UP's h) over a's max_rows rows, in the configuration for
 // them: cuda_fp8_grouped_gemm's, and the experts' GEMM 2.
 static void fp8g_launch_out(const fp8g_args &p, int64_t max_rows) {
-    switch (fp8g_config_for(max_rows, p.E)) {
+    switch (fp8g_config_for(max_rows, p.E, p.N, p.K)) {
     case 1: fp8_grouped_gemm_launch<3, 128, false>(p, max_rows); break;
     case 2: fp8_grouped_gemm_launch<4, 64, false>(p, max_rows); break;
     case 3: fp8_grouped_gemm_launch<6, 64, false>(p, max_rows); break;
@@ -805,7 +815,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
                    .E = E,
                    .N = 2 * F,
                    .K = D};
-    const int config = fp8g_config_for(n_pairs, E);
+    const int config = fp8g_config_for(n_pairs, E, 2 * F, D);
     if (config >= 4) {
         fp8_rows_group_kernel<<<(unsigned)n_pairs, 128, 0, cuda_stream()>>>(qg, sg, q, s, T, pairs,
                                                                             offsets, E, K, D);
