@@ -1380,22 +1380,32 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
 
 // The quantized formats' switches: on unless a variable is 0 (or a test hook's setting), from more
 // than a number of pairs an expert on average by another, outside deterministic mode.
-//   NVFP4: on unless MOESERVE_W4A16_WGMMA=0; MOESERVE_W4A16_WGMMA_MIN, default BF16's 96 (on the
-//          H200 the NVFP4 tiles were faster at 64 pairs an expert in medium, the wgmma kernel from
-//          128 in both precisions).
+//   NVFP4: on unless MOESERVE_W4A16_WGMMA=0; MOESERVE_W4A16_WGMMA_MIN, default BF16's 96 in medium
+//          and 56 in high. H200, tiles against the wgmma kernel, us: Qwen3-30B-A3B's experts at 16
+//          pairs an expert 260.9 / 335.3 (medium / high) against 384.9 / 532.8, at 64 409.7 / 722.0
+//          against 444.5 / 640.6, at 128 963.0 / 1555.6 against 681.0 / 976.2; DeepSeek-V3's
+//          shape in high at 16 696.2 against 871.8, at 32 886.2 against 899.6, at 64 1578.6
+//          against 1078.5 (docs/benchmarks.md).
 //   FP8:   high precision only, on unless MOESERVE_W8A16_WGMMA=0; MOESERVE_W8A16_WGMMA_MIN,
-//          default 96 (on the H200 the tiles were faster at 16 and 64 pairs an expert).
+//          default 96 (on the H200 the tiles were faster at 16 and 64 pairs an expert, and on
+//          DeepSeek-V3's shape at 16 and 32, even at 64 and 128).
+#define BWG_MIN_UNSET (1 << 30) /* the variable is not set: the defaults */
 struct bwg_switch {
     int on, min; // -1: from the variables
     const char *on_var, *min_var;
+    int min_high; // the default minimum in high precision (medium: BWG_MIN_PAIRS_PER_EXPERT)
     bool takes(int64_t n_pairs, int E, int D, int F, bool split) {
+        const int m = cuda_env_count(min_var, BWG_MIN_UNSET, &min);
         return cuda_env_on(on_var, &on) && !ops_cuda_deterministic() &&
                bwg_takes(n_pairs, E, D, F, split,
-                         cuda_env_count(min_var, BWG_MIN_PAIRS_PER_EXPERT, &min));
+                         m != BWG_MIN_UNSET ? m
+                         : split            ? min_high
+                                            : BWG_MIN_PAIRS_PER_EXPERT);
     }
 };
-static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN"};
-static bwg_switch g_w8 = {-1, -1, "MOESERVE_W8A16_WGMMA", "MOESERVE_W8A16_WGMMA_MIN"};
+static bwg_switch g_w4 = {-1, -1, "MOESERVE_W4A16_WGMMA", "MOESERVE_W4A16_WGMMA_MIN", 56};
+static bwg_switch g_w8 = {-1, -1, "MOESERVE_W8A16_WGMMA", "MOESERVE_W8A16_WGMMA_MIN",
+                          BWG_MIN_PAIRS_PER_EXPERT};
 static int swap_setting(int *v, int to) { // the test hooks: the new setting in, the old one out
     const int old = *v;
     *v = to;

@@ -32,10 +32,10 @@ void bf16_wgmma_experts(float *out, const __nv_bfloat16 *xb, int T, const int32_
 
 // NVFP4 experts (W4A16) on the same kernel unless MOESERVE_W4A16_WGMMA=0, outside deterministic
 // mode, for the shapes bf16_wgmma_takes takes and more than MOESERVE_W4A16_WGMMA_MIN pairs an
-// expert (default 96, as BF16): the weights as moe.cu's W4A16 tiles read them (codes, scales and
-// tensor scales s2 [E, 3] of cuda_prepare_experts_nvfp4), decoded into BF16 tiles in shared memory
-// by two or three more warps with the tiles' own decode, the tensor scales applied in the
-// epilogues.
+// expert (default 96 in medium, 56 in high): the weights as moe.cu's W4A16 tiles read them (codes,
+// scales and tensor scales s2 [E, 3] of cuda_prepare_experts_nvfp4), decoded into BF16 tiles in
+// shared memory by two or three more warps with the tiles' own decode, the tensor scales applied
+// in the epilogues.
 bool bf16_wgmma_w4_takes(int64_t n_pairs, int E, int D, int F, bool split);
 void bf16_wgmma_experts_w4(float *out, const __nv_bfloat16 *xb, int T, const int32_t *pairs,
                            const int32_t *offsets, int K, const uint8_t *gate_up,
