@@ -1662,6 +1662,11 @@ int main(int argc, char **argv) {
      * FP8 x FP8 GEMM's configuration $FP8G_CONFIG (default -1) */
     const bool ds_fp8 = argc > 3 && strcmp(argv[1], "--deepseek-fp8-timing") == 0;
     if (ds_fp8 || (argc > 3 && strcmp(argv[1], "--deepseek-q-timing") == 0)) {
+        if (argc - 3 > (int)(sizeof rows / sizeof rows[0]) / 2) {
+            fprintf(stderr, "%s: at most %d sizes\n", argv[1],
+                    (int)(sizeof rows / sizeof rows[0]) / 2);
+            return 2;
+        }
         copy_gbs = measure_copy_bandwidth();
         const int E = atoi(argv[2]);
         const char *cfg = getenv("FP8G_CONFIG");
