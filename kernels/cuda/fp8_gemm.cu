@@ -39,10 +39,12 @@
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
 //   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
-//   rows an expert on average, else 5;
+//   rows an expert on average, else 5 (experts of 8M weights or more: 7 from 96, so that last
+//   case, 128 rows an expert balanced, takes 7; with random routing 7 was the faster there,
+//   fp8g_config_for);
 // - configuration 8 (one consumer warpgroup, tiles of 64 rows, two blocks a multiprocessor): 741
-//   to 760 there, but the experts' both GEMMs at 16 to 128 rows an expert 2 to 14% faster than 5
-//   (fp8g_config_for);
+//   to 760 there, but the experts' both GEMMs at 16 to 128 rows an expert (to 48 for experts of 8M
+//   weights or more) 2 to 14% faster than 5 (fp8g_config_for);
 // - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 487
 //   to 594; 64-column tiles and other depths no better.
 // The promotion was the largest cost: with a scale per column (16 shared loads and 64 products
