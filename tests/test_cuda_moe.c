@@ -81,6 +81,10 @@
  *   test_cuda_moe --deepseek-fp8-timing E T..
  *                                            FP8 alone, in the FP8 x FP8 GEMM's configuration
  *                                            $FP8G_CONFIG
+ *   test_cuda_moe --deepseek-nvfp4-timing E T..
+ *                                            NVFP4 alone
+ * With MOE_TIMING_PROFILE set, each timing is one warm-up call and one timed call, without the
+ * chain of calls: four launches of the experts' GEMMs a size and precision, for a profiler.
  *
  * Without a CUDA build or a usable GPU: "skipped: <reason>", 0 passed, 0 failed. */
 #include <math.h>
@@ -850,14 +854,16 @@ static timing_row *time_moe(const model *m, int T, int mode, int n_sets, int ite
         gpu->dev_free(cc.dst);
         gpu->dev_free(cc.src);
     }
+    const bool profile = getenv("MOE_TIMING_PROFILE") != NULL;
     for (int p = 0; p < N_PRECISIONS; p++) {
         set_precision((matmul_precision)p);
-        const float ms = time_median(moe_once, &c, 3, iters);
+        const float ms =
+            profile ? time_median(moe_once, &c, 1, 1) : time_median(moe_once, &c, 3, iters);
         r->us[p] = ms * 1e3;
         r->gbs[p] = r->weight_gb / (ms * 1e-3);
         r->pct[p] = 100.0 * r->gbs[p] / copy_gbs;
         r->tflops[p] = 6.0 * T * K * (double)D * m->F / (ms * 1e-3) / 1e12;
-        if (T <= 64 && n_sets >= 8) r->chain_us[p] = time_moe_chain(&c);
+        if (T <= 64 && n_sets >= 8 && !profile) r->chain_us[p] = time_moe_chain(&c);
     }
     set_precision(MATMUL_PRECISION_HIGH);
     gpu->dev_free(c.out);
@@ -1661,7 +1667,8 @@ int main(int argc, char **argv) {
     /* issue 8's decode sizes on DeepSeek-V3's shape; --deepseek-fp8-timing: FP8 alone, in the
      * FP8 x FP8 GEMM's configuration $FP8G_CONFIG (default -1) */
     const bool ds_fp8 = argc > 3 && strcmp(argv[1], "--deepseek-fp8-timing") == 0;
-    if (ds_fp8 || (argc > 3 && strcmp(argv[1], "--deepseek-q-timing") == 0)) {
+    const bool ds_nvfp4 = argc > 3 && strcmp(argv[1], "--deepseek-nvfp4-timing") == 0;
+    if (ds_fp8 || ds_nvfp4 || (argc > 3 && strcmp(argv[1], "--deepseek-q-timing") == 0)) {
         if (argc - 3 > (int)(sizeof rows / sizeof rows[0]) / 2) {
             fprintf(stderr, "%s: at most %d sizes\n", argv[1],
                     (int)(sizeof rows / sizeof rows[0]) / 2);
@@ -1672,7 +1679,8 @@ int main(int argc, char **argv) {
         const char *cfg = getenv("FP8G_CONFIG");
         if (cfg) cuda_fp8_grouped_gemm_config(atoi(cfg));
         model m;
-        if (model_fp8(&m, "deepseek-v3-like fp8", E, 7168, 2048, 8) == 0)
+        memset(&m, 0, sizeof m);
+        if (!ds_nvfp4 && model_fp8(&m, "deepseek-v3-like fp8", E, 7168, 2048, 8) == 0)
             for (int i = 3; i < argc; i++)
                 time_moe(&m, atoi(argv[i]), ROUTE_RANDOM, 8, 10);
         model_free(&m);

@@ -55,12 +55,27 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + exp
 // A group scale byte c stands for the BF16 bits (c << 4) + WQ_SF_BIAS: the scale times 2^119.
 #define WQ_SF_BIAS 0x7600u /* 236 << 7: c = 8 is 2^-9 2^119 */
 #define WQ_SF_EXP  119     /* the decoded weights carry 2^-126 2^119: the tensor scale 2^7 */
-// Fragment register j (0..3) of a packed code word as two BF16 values: the E2M1 nibble s e1 e0 m
-// at bits 12 - 4j (and 28 - 4j) becomes s at bit 15, e1 e0 m at bits 8..6: BF16 bits whose value
-// is e2m1 2^-126 (0.5 a subnormal), exactly.
+// Fragment register j (0..3) of a packed code word as two BF16 values: the E2M1 codes s e1 e0 m
+// of its two halves become s at bits 15 and 31, e1 e0 m at bits 8..6 and 24..22, BF16 bits whose
+// value is e2m1 2^-126 (0.5 a subnormal), exactly. moe.cu's nvfp4_pack_kernel puts each code's
+// bits where a left rotation of the word by wq_rot(j, false) brings its magnitude and one by
+// wq_rot(j, true) its sign (wq_code_pos): register 0 takes a mask, 2 a rotation and a mask, 1 and
+// 3 two rotations and two masks; 11 instructions a word, where codes as nibbles at 4-bit steps
+// took 15. (An exhaustive search finds no placement that gives every register one rotation.)
+#define WQ_MAG_MASK  0x01C001C0u
+#define WQ_SIGN_MASK 0x80008000u
+__device__ __host__ constexpr int wq_rot(int j, bool sign) {
+    return j == 0 ? 0 : j == 1 ? (sign ? 1 : 3) : j == 2 ? 6 : (sign ? 5 : 11);
+}
+// bit b (0 m, 1 e0, 2 e1, 3 s) of half h's code of register j: its position in the packed word
+__device__ __host__ constexpr int wq_code_pos(int j, int h, int b) {
+    return ((b == 3 ? 15 : 6 + b) + 16 * h - wq_rot(j, b == 3)) & 31;
+}
 __device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
-    const uint32_t mag = 4 * j >= 6 ? q << (4 * j - 6) : q >> (6 - 4 * j);
-    return (mag & 0x01C001C0u) | ((q << (4 * j)) & 0x80008000u);
+    const int rm = wq_rot(j, false), rs = wq_rot(j, true);
+    const uint32_t m = rm ? __funnelshift_l(q, q, rm) : q;
+    if (rm == rs) return m & (WQ_MAG_MASK | WQ_SIGN_MASK);
+    return (m & WQ_MAG_MASK) | ((rs ? __funnelshift_l(q, q, rs) : q) & WQ_SIGN_MASK);
 }
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
     uint32_t d;

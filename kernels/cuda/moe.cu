@@ -378,9 +378,9 @@ int cuda_prepare_experts(moe_experts *w, char *err, size_t errlen) {
 // 64 k of a row (32 code bytes, 4 group scales).
 //  - Codes: lane t (of a quad) of the mma B fragment takes the row's k 16s + 2t + {0, 1} (b0)
 //    and 16s + 8 + 2t + {0, 1} (b1) at k16 step s, so its 16 values of the chunk become its own
-//    8 bytes [8t, 8t + 8): word w (steps 2w, 2w + 1) holds fragment register j = 2 (s - 2w) + b
-//    as the nibbles at bits 12 - 4j (even k) and 28 - 4j (odd k), where a shift and two masks
-//    put sign and magnitude in place for BF16 (wq_decode).
+//    8 bytes [8t, 8t + 8): word w (steps 2w, 2w + 1) holds fragment register j = 2 (s - 2w) + b,
+//    its even k's code in the low half, each code bit where wq_code_pos puts it, so that
+//    rotations and masks put sign and magnitude in place for BF16 (wq_decode).
 //  - Group scales: E4M3 s becomes u8 c with (c << 4) + WQ_SF_BIAS the BF16 bits of s 2^119
 //    (exact: 3 mantissa bits; subnormal s made normal). A zero scale becomes c = 0 and its
 //    group's codes +0, so the products are 0 as e2m1(q) 0 is (up to the sign of a zero).
@@ -412,7 +412,8 @@ __global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int
                 for (int l = 0; l < 2; l++) {
                     const int s = 2 * w + j / 2, k = 16 * s + 8 * (j % 2) + 2 * t + l;
                     const uint32_t nib = zero[s] ? 0u : (in[k / 8] >> (4 * (k % 8))) & 15u;
-                    out[2 * t + w] |= nib << (16 * l + 12 - 4 * j);
+                    for (int b = 0; b < 4; b++)
+                        out[2 * t + w] |= ((nib >> b) & 1u) << wq_code_pos(j, l, b);
                 }
     qp[0] = make_uint4(out[0], out[1], out[2], out[3]);
     qp[1] = make_uint4(out[4], out[5], out[6], out[7]);
