@@ -1404,9 +1404,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     // LEAN (the quantized formats' decode tiles in high precision, whose issue rate bounds them):
     // where a k tile lies inside Kd (every one but a short last tile), the copies take their
-    // sources without a guard each: a slot past the last column or row copies 0 bytes from its
-    // expert's first row at the same k (in bounds; read as nothing), so each copy is an address
-    // and the instruction. H200: 3 to 5% faster in high; in medium as fast or slower (FP8 at T =
+    // sources without a guard each: a slot past the last column or row copies 0 bytes from the
+    // first row of its operand at the same k (the expert's, for the weights: in bounds, and read
+    // as nothing), so each copy is an address and the instruction. H200: 3 to 5% faster in high; in medium as fast or slower (FP8 at T =
     // 1 on DeepSeek-V3's experts 6% slower), and in the larger tiles the extra path spilled.
     auto or_first = [](const auto *p, const auto *first) { return p ? p : first; };
     auto load_b = [&](int slot, int kt) {
