@@ -58,9 +58,10 @@
 // NVFP4 experts (W4A16, cuda_prepare_experts_nvfp4: E2M1 codes two a byte, an E4M3 scale per 16,
 // a tensor scale per weight): every path and tile shape above with WQ, where a stage carries the
 // codes and scales (9/32 of the BF16 bytes) and each lane decodes its own B fragments from them
-// in registers (wq_frag: a shift and two masks put a nibble's sign and magnitude into BF16 bits,
-// one bf16x2 product applies the group scale, exactly), rearranged once at load so that a lane's
-// codes are one word (nvfp4_pack_kernel). The tensor scale multiplies the sums in the epilogue.
+// in registers (wq_frag: rotations and masks put a code's sign and magnitude into BF16 bits,
+// gemm_common.cuh's wq_decode; one bf16x2 product applies the group scale, exactly), rearranged
+// once at load so that a lane's codes are one word and each code's bits sit where the rotations
+// take them (nvfp4_pack_kernel). The tensor scale multiplies the sums in the epilogue.
 // The same k16 order, so a token's rows are the same bits at any batch here too.
 // H200, Qwen3-30B-A3B experts, tests/test_cuda_moe --nvfp4 (medium / high; weight bytes of the
 // experts touched over time against the 1 GiB copy rate):
@@ -78,6 +79,12 @@
 //   - the m16 tile known busy at compile time (one straight run of code per k tile), products
 //     not volatile: 23.3 / 189 us
 //   - more stages (up to 16, every k tile of a block in flight): no better, fewer blocks an SM.
+//   - (2026-12-04; DeepSeek-V3's experts, 32 of them, T = 1, medium / high) each code's bits
+//     placed for rotations, 11 instructions a word of codes instead of 15: 114.2 / 146.7 ->
+//     110.0 / 139.7 us; in high the copies inside Kd without a guard each (LEAN): 131.6 us.
+//   - tried, not kept: the weights streamed straight into registers, no stages (bit for bit the
+//     same; 9% fewer instructions, slower at T = 1), and k tiles of 256 (the same instructions a
+//     weight). docs/benchmarks.md has the figures.
 //
 // FP8 experts (W8A16, cuda_prepare_experts_fp8: E4M3 codes, a fp32 scale per 128 x 128 block as
 // DeepSeek-V3 ships them): every path with WF_FP8, where a stage carries the codes (half the BF16
