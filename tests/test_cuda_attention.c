@@ -485,8 +485,8 @@ static void test_paths(const char *what, int H, int Hkv, int Dh, int S, int n_de
  * itself alone and each batch against the slice and chunk kernels, bit for bit. The last batches
  * hold three positions of one sequence (rows the batch itself stores) and a decode of another. */
 static void test_small_batches(const char *what, int H, int Hkv, int Dh, int S) {
-    enum { N = 9 };
-    const int len[N] = {40000, 1, 2049, 257, 1024, 33, 8192, 512, 4097};
+    enum { N = 11 };
+    const int len[N] = {40000, 1, 2049, 257, 1024, 33, 8192, 512, 4097, 20, 256};
     int max_pages = 0;
     for (int s = 0; s < N; s++)
         if ((len[s] + S - 1) / S > max_pages) max_pages = (len[s] + S - 1) / S;
@@ -838,6 +838,31 @@ static void bench(void) {
                        1e6 * time_calls(dout, dq, kvb, &ab, H, Hkv, Dh, scale, iters, e0, e1));
             printf("\n");
         }
+
+    /* short contexts at small batches: one slice (32 positions), one chunk (256) and just past it
+     */
+    {
+        const int sctx[] = {16, 32, 200, 256, 257};
+        for (int ci = 0; ci < 5; ci++)
+            for (int bi = 0; bi < 3; bi++) {
+                const int B = batches[bi], ctx = sctx[ci];
+                for (int t = 0; t < B; t++) {
+                    hseq[t] = t;
+                    hpos[t] = ctx - 1;
+                }
+                gpu->to_device(dpos, hpos, B * sizeof(int32_t));
+                gpu->to_device(dseq, hseq, B * sizeof(int32_t));
+                attn_batch ab = {.T = B,
+                                 .pos = dpos,
+                                 .seq = dseq,
+                                 .page_table = dpt,
+                                 .max_pages = max_pages,
+                                 .page_size = S};
+                printf("decode B=%-3d ctx=%-5d %9.1f us | BF16 KV %8.1f us\n", B, ctx,
+                       1e6 * time_calls(dout, dq, kv, &ab, H, Hkv, Dh, scale, 500, e0, e1),
+                       1e6 * time_calls(dout, dq, kvb, &ab, H, Hkv, Dh, scale, 500, e0, e1));
+            }
+    }
 
     /* decode again with page tables of 2560 pages a sequence (the graphs of a server for 40960
      * positions): the grids are sized from that bound. Sequence t's first pages are those of the
