@@ -168,6 +168,14 @@
 //   - The router's top-k in the tiny GEMMs (each block routing its token from the logits, the
 //     same bits; no top-k kernel): router + experts 35.1 / 33.2 us against 32.8 / 30.2 with the
 //     top-k kernel before (high / medium), a batch-1 step 3.40 ms against 3.25.
+//   - Kd cut into S k ranges whose blocks form a thread-block cluster and add their sums in range
+//     order through each other's shared memory before the epilogue (2026-12-04; other sums than
+//     the one chain, so never in deterministic mode). FP8 at T = 1, single call, medium / high:
+//     S = 1 25.0 / 27.9 us; GEMM 1 in 2 ranges 25.1 / 28.3, in 4 29.8 / 33.6; both GEMMs in 2
+//     28.3 / 32.6; NVFP4 and BF16 slower the same way; batch-1 steps 3.23 -> 3.69 ms (FP8, 4 and
+//     2 ranges). ncu on the FP8 GEMM 1 (high, cold caches): about a third of the warps' stall
+//     samples fall before the k loop (warp 0 grouping topk_ids while the others wait at the
+//     barrier, then x's fp32 rows on their way from memory), and a range keeps all of that.
 //   - Other stage counts (T = 1, medium / high): GEMM 2 with all six k tiles of its weights
 //     requested before it waits for h (7 stages) 32.4 / 33.1 us against 26.5 / 29.2; GEMM 2 with
 //     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
