@@ -259,7 +259,7 @@ int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
  * (1 on, 0 off, -1 as MOESERVE_W8A16_WGMMA says: on unless 0); returns the setting before */
 int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_one_chain(int D, int F);
-int cuda_moe_fp8_one_chain(void);
+int cuda_moe_q_one_chain(void);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -655,9 +655,9 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                 (!m->quantized && p == MATMUL_PRECISION_HIGH && !cuda_moe_bf16_one_chain(D, m->F) &&
                  cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
                 (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
-                 cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
+                 !cuda_moe_q_one_chain() && cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
                 (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
-                 !cuda_moe_fp8_one_chain() && cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
+                 !cuda_moe_q_one_chain() && cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (w8a8_down) { /* h on the FP8 grid in the batch: the token alone against the CPU */
                 int n1 = 0, bad1 = 0;
                 const int last = ns - 1; /* tok[ns - 1] = T - 1 */

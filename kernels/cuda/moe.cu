@@ -34,14 +34,17 @@
 //           466.4.
 //           (Until 2026-12-03 the hi and lo products ran in two chains added at the end:
 //           twice the accumulators, half the columns a tile, x's rows read twice as often.)
-//           FP8 weights (W8A16) sum the same way in high precision at every size since
-//           2026-12-04 (fp8_one_chain): each 128-k block's hi and lo products in one chain from
-//           zero, then tot += scale x acc, the W8A16 wgmma kernel's sums at prefill sizes, so a
-//           token's FP8 rows are the same bits at any batch too (tests/test_cuda_moe checks
-//           it bit for bit up to the wgmma sizes). H200, Qwen3-30B-A3B's experts, high, against
-//           the fp32 add: T = 1 in a chain 22.7 us against 23.6, T = 8 110.8 against 104.7,
-//           T = 1024 625 against 697; FP8 batch-1 steps 3.15-3.16 ms against 3.20-3.21,
-//           batch 64 20.07 against 19.80.
+//           FP8 and NVFP4 weights sum the same way in high precision at every size since
+//           2026-12-04 (q_one_chain; MOESERVE_ONE_CHAIN=0 as for BF16): FP8 each 128-k block's
+//           hi and lo products in one chain from zero, then tot += scale x acc; NVFP4 as BF16,
+//           its tensor scale on the sums. Those are the W8A16 and W4A16 wgmma kernels' sums at
+//           prefill sizes, so a token's quantized rows are the same bits at any batch too
+//           (tests/test_cuda_moe checks it bit for bit up to the wgmma sizes). H200,
+//           Qwen3-30B-A3B's experts, high, against the fp32 add: FP8 T = 1 in a chain 22.7 us
+//           against 23.6, T = 8 110.8 against 104.7, T = 1024 625 against 697, batch-1 steps
+//           3.15-3.16 ms against 3.20-3.21, batch 64 20.07 against 19.80; NVFP4 T = 1 23.1
+//           against 23.6, T = 256 296.6 against 320.5, steps at batch 1 3.174 ms against 3.215,
+//           batch 64 18.81 against 19.13.
 
 // moe_experts(out[T, K, D], x[T, D], topk_ids[T, K]) is three launches on the backend's stream
 // (four from T = 512 at D = 2048, where x's conversion is a kernel of its own after the count):
@@ -1498,7 +1501,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. ONE:
     // the lo products into acc too (BF16: tot unused; W8: acc from zero each 128-k block, as the
     // W8A16 wgmma kernel's).
-    static_assert(!C::ONE || !W4, "one chain: BF16 or FP8 weights");
+    // W4: as BF16 (the group scales are in the decoded weights, the tensor scale on the sums).
     float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -2127,6 +2130,7 @@ typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true> moe_cfg_tiny1_high;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true, false, true> moe_cfg_tiny1_one;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_one;
 typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_one;
+typedef moe_tile_cfg<128, 256, 64, 2, 4, 3, true, false, true> moe_cfg_prefill_one;
 
 // The blocks of GEMM kernel `kernel` (dynamic shared memory smem) resident on the device at once.
 template <typename K> static int64_t resident_blocks(K kernel, int threads, size_t smem) {
@@ -2205,14 +2209,15 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     launch_gemm<C2, false, true, false, WF>(g, tiles2);
 }
 
-// Whether high precision's FP8 experts sum the hi and lo products in one chain (moe_tile_cfg's
-// ONE) at every size: in deterministic mode, and outside it unless MOESERVE_ONE_CHAIN=0 (the
-// tiles' fp32 add of the lo products, other sums than the W8A16 wgmma kernel's at prefill sizes).
-static int g_fp8_one = -1;
-static bool fp8_one_chain() {
-    return ops_cuda_deterministic() || cuda_env_on("MOESERVE_ONE_CHAIN", &g_fp8_one);
+// Whether high precision's FP8 and NVFP4 experts sum the hi and lo products in one chain
+// (moe_tile_cfg's ONE) at every size: in deterministic mode, and outside it unless
+// MOESERVE_ONE_CHAIN=0 (the tiles' fp32 add of the lo products, other sums than the W8A16 and
+// W4A16 wgmma kernels' at prefill sizes).
+static int g_q_one = -1;
+static bool q_one_chain() {
+    return ops_cuda_deterministic() || cuda_env_on("MOESERVE_ONE_CHAIN", &g_q_one);
 }
-extern "C" int cuda_moe_fp8_one_chain(void) { return fp8_one_chain(); }
+extern "C" int cuda_moe_q_one_chain(void) { return q_one_chain(); }
 
 // The path and tile shapes by size and precision, the weights BF16, NVFP4 or FP8. FP8 keeps the
 // middle shape for larger sizes: its second set of accumulators (the scaled totals) would not fit
@@ -2236,17 +2241,20 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
             return;
         }
     }
-    // High, FP8 weights: every size sums in one chain too, as the W8A16 wgmma kernel does at
-    // prefill sizes (bf16_gemm.cu), so a token's rows are the same bits at any batch
-    // (fp8_one_chain).
-    if constexpr (WF == WF_FP8) {
-        if (!medium && fp8_one_chain()) {
+    // High, FP8 or NVFP4 weights: every size sums in one chain too, as the W8A16 and W4A16 wgmma
+    // kernels do at prefill sizes (bf16_gemm.cu), so a token's rows are the same bits at any
+    // batch (q_one_chain). FP8 keeps the middle shape for larger sizes (below).
+    if constexpr (WF != WF_BF16) {
+        if (!medium && q_one_chain()) {
             if ((int64_t)T * K <= MOE_TINY_PAIRS)
                 moe_run_tiny<moe_cfg_tiny1_one, moe_cfg_decode_one, WF>(out, x, topk_ids, w, T, K,
                                                                         D, F, n_rows);
-            else
+            else if constexpr (WF == WF_FP8)
                 moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one, moe_cfg_mid_one,
                              WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+            else
+                moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one,
+                             moe_cfg_prefill_one, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
             return;
         }
     }
