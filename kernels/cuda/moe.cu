@@ -127,8 +127,10 @@
 // In high precision at prefill sizes both GEMMs run on the wgmma kernel instead (unless
 // MOESERVE_W8A16_WGMMA=0; bf16_gemm.h's bf16_wgmma_w8_takes): the codes decoded into BF16 tiles
 // by converter warps, each 128-k block's hi and lo products in one fp32 sum, folded into the
-// totals times the block's scale; other sums than these tiles' (a token's rows then depend on the
-// batch's size, as with W8A8), never in deterministic mode. H200, Qwen3-30B-A3B's experts, high:
+// totals times the block's scale: since 2026-12-04 the tiles' own sums in high precision (their
+// one chain, below), so a token's rows do not depend on the batch's size (with
+// MOESERVE_ONE_CHAIN=0 the tiles add the lo products in fp32, other sums). Deterministic mode
+// keeps the tiles at every size (bf16_gemm.cu's bwg_switch). H200, Qwen3-30B-A3B's experts, high:
 // T = 2048 1100.8 us against the tiles' 1244.9, T = 4096 1642.1 against 2150.9; at T = 256 and
 // 1024 (16 and 64 pairs an expert) it was 1.75 and 1.02 times the tiles' time, hence its minimum.
 //
