@@ -750,6 +750,24 @@ static double time_calls(float *dout, const float *dq, kv_layer kv, const attn_b
     return event_ms(e0, e1) / 1e3 / iters;
 }
 
+/* B sequences 0..B-1 of one decode token each at position ctx - 1, staged on the device (dpos,
+ * dseq from hpos, hseq), over page table dpt of max_pages pages a sequence. */
+static attn_batch decode_batch(int B, int ctx, int32_t *hpos, int32_t *hseq, int32_t *dpos,
+                               int32_t *dseq, const int32_t *dpt, int max_pages, int S) {
+    for (int t = 0; t < B; t++) {
+        hseq[t] = t;
+        hpos[t] = ctx - 1;
+    }
+    gpu->to_device(dpos, hpos, B * sizeof(int32_t));
+    gpu->to_device(dseq, hseq, B * sizeof(int32_t));
+    return (attn_batch){.T = B,
+                        .pos = dpos,
+                        .seq = dseq,
+                        .page_table = dpt,
+                        .max_pages = max_pages,
+                        .page_size = S};
+}
+
 static void bench(void) {
     const int H = 32, Hkv = 4, Dh = 128, S = 16, max_len = 8192, max_b = 256;
     const int max_pages = max_len / S, P = max_b * max_pages;
@@ -811,14 +829,7 @@ static void bench(void) {
     for (int ci = 0; ci < 3; ci++)
         for (int bi = 0; bi < 6; bi++) {
             const int B = batches[bi], ctx = ctxs[ci];
-            for (int t = 0; t < B; t++) {
-                hseq[t] = t;
-                hpos[t] = ctx - 1;
-            }
-            gpu->to_device(dpos, hpos, B * sizeof(int32_t));
-            gpu->to_device(dseq, hseq, B * sizeof(int32_t));
-            attn_batch ab = {.T = B, .pos = dpos, .seq = dseq, .page_table = dpt,
-                             .max_pages = max_pages, .page_size = S};
+            attn_batch ab = decode_batch(B, ctx, hpos, hseq, dpos, dseq, dpt, max_pages, S);
             const double bytes = (double)B * ctx * Hkv * Dh * sizeof(float) * 2;
             int iters = (int)(3e-2 * 4e12 / bytes);
             iters = iters < 10 ? 10 : iters > 2000 ? 2000 : iters;
@@ -846,18 +857,7 @@ static void bench(void) {
         for (int ci = 0; ci < 5; ci++)
             for (int bi = 0; bi < 3; bi++) {
                 const int B = batches[bi], ctx = sctx[ci];
-                for (int t = 0; t < B; t++) {
-                    hseq[t] = t;
-                    hpos[t] = ctx - 1;
-                }
-                gpu->to_device(dpos, hpos, B * sizeof(int32_t));
-                gpu->to_device(dseq, hseq, B * sizeof(int32_t));
-                attn_batch ab = {.T = B,
-                                 .pos = dpos,
-                                 .seq = dseq,
-                                 .page_table = dpt,
-                                 .max_pages = max_pages,
-                                 .page_size = S};
+                attn_batch ab = decode_batch(B, ctx, hpos, hseq, dpos, dseq, dpt, max_pages, S);
                 printf("decode B=%-3d ctx=%-5d %9.1f us | BF16 KV %8.1f us\n", B, ctx,
                        1e6 * time_calls(dout, dq, kv, &ab, H, Hkv, Dh, scale, 500, e0, e1),
                        1e6 * time_calls(dout, dq, kvb, &ab, H, Hkv, Dh, scale, 500, e0, e1));
@@ -878,18 +878,7 @@ static void bench(void) {
     for (int ci = 0; ci < 2; ci++)
         for (int bi = 0; bi < 6; bi++) {
             const int B = batches[bi], ctx = ctxs[ci];
-            for (int t = 0; t < B; t++) {
-                hseq[t] = t;
-                hpos[t] = ctx - 1;
-            }
-            gpu->to_device(dpos, hpos, B * sizeof(int32_t));
-            gpu->to_device(dseq, hseq, B * sizeof(int32_t));
-            attn_batch ab = {.T = B,
-                             .pos = dpos,
-                             .seq = dseq,
-                             .page_table = dpt_room,
-                             .max_pages = room,
-                             .page_size = S};
+            attn_batch ab = decode_batch(B, ctx, hpos, hseq, dpos, dseq, dpt_room, room, S);
             const int iters = B >= 64 ? 50 : 500;
             printf("decode B=%-3d ctx=%-5d room %d", B, ctx, room * S);
             for (int k = -1; k < n_forced; k++) {
