@@ -1501,9 +1501,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     };
 
     // W8: acc holds the sums of the current 128 k, tot the scaled sums of the earlier ones. ONE:
-    // the lo products into acc too (BF16: tot unused; W8: acc from zero each 128-k block, as the
-    // W8A16 wgmma kernel's).
-    // W4: as BF16 (the group scales are in the decoded weights, the tensor scale on the sums).
+    // the lo products into acc too (BF16 and W4: tot unused, W4's group scales being in its
+    // decoded weights and its tensor scale on the sums; W8: acc from zero each 128-k block, as
+    // the W8A16 wgmma kernel's).
     float acc[MI][NI][4], tot[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -2229,36 +2229,25 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
-    // High, BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_one_chain): every size
-    // sums in one chain, the wgmma kernel's way, so that it can take the prefill sizes with the
-    // same bits (the choice depends on the mode and the shapes alone, never on T).
-    if constexpr (WF == WF_BF16) {
-        if (!medium && bf16_wgmma_one_chain(D, F)) {
-            if ((int64_t)T * K <= MOE_TINY_PAIRS)
-                moe_run_tiny<moe_cfg_tiny1_one, moe_cfg_decode_one, WF>(out, x, topk_ids, w, T, K,
-                                                                        D, F, n_rows);
-            else // prefill sizes: the wgmma kernel (moe_run)
-                moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one,
-                             moe_cfg_prefill_high, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
-            return;
-        }
-    }
-    // High, FP8 or NVFP4 weights: every size sums in one chain too, as the W8A16 and W4A16 wgmma
-    // kernels do at prefill sizes (bf16_gemm.cu), so a token's rows are the same bits at any
-    // batch (q_one_chain). FP8 keeps the middle shape for larger sizes (below).
-    if constexpr (WF != WF_BF16) {
-        if (!medium && q_one_chain()) {
-            if ((int64_t)T * K <= MOE_TINY_PAIRS)
-                moe_run_tiny<moe_cfg_tiny1_one, moe_cfg_decode_one, WF>(out, x, topk_ids, w, T, K,
-                                                                        D, F, n_rows);
-            else if constexpr (WF == WF_FP8)
-                moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one, moe_cfg_mid_one,
-                             WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
-            else
-                moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one,
-                             moe_cfg_prefill_one, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
-            return;
-        }
+    // High precision, one chain at every size, the wgmma kernels' way, so that they can take the
+    // prefill sizes with the same bits (the choice depends on the mode and the shapes alone, never
+    // on T): BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_one_chain), FP8 and NVFP4
+    // weights always (q_one_chain). The prefill slot: BF16's sizes there are the wgmma kernel's
+    // (moe_run), FP8 keeps the middle shape (below), NVFP4's tiles take the shapes wgmma does not.
+    if (!medium && (WF == WF_BF16 ? bf16_wgmma_one_chain(D, F) : q_one_chain())) {
+        if ((int64_t)T * K <= MOE_TINY_PAIRS)
+            moe_run_tiny<moe_cfg_tiny1_one, moe_cfg_decode_one, WF>(out, x, topk_ids, w, T, K, D, F,
+                                                                    n_rows);
+        else if constexpr (WF == WF_FP8)
+            moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one, moe_cfg_mid_one, WF>(
+                out, x, topk_ids, w, T, K, D, F, n_rows);
+        else if constexpr (WF == WF_NVFP4)
+            moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one, moe_cfg_prefill_one,
+                         WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        else
+            moe_dispatch<moe_cfg_decode_one, moe_cfg_mid_one, moe_cfg_mid_one, moe_cfg_prefill_high,
+                         WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        return;
     }
     if ((int64_t)T * K <= MOE_TINY_PAIRS) {
         if (medium)
