@@ -145,8 +145,22 @@
 // groups the at most 32 ids itself with warp votes (tiny_group: busy experts in order of their
 // first pair, pairs in (t, k) order), h is indexed by pair id, and GEMM 1 converts its rows of x
 // (one at T = 1) into shared memory for the whole of D while its first weight stages are in
-// flight. The same k16 order into one fp32 accumulator and the same conversion: the same bits as
-// the grouped path (the test runs a token alone, tiny, against the same token in larger batches).
+// flight (NVFP4, and FP8 in medium: x's rows requested before the weights, so that they do not
+// queue behind them, which put 1.6 us on the stamped build's FP8 call at T = 1 in medium; H200,
+// Qwen3-30B-A3B's experts in a chain of calls, T = 1, 20.1 -> 19.7 us; T = 2, 31.5 -> 29.9 us
+// for FP8 in medium, 31.0 -> 29.5 and 35.8 -> 34.4 for NVFP4; batch-2 steps 2 to 3% faster). The
+// same k16 order into one fp32 accumulator and the same conversion: the same bits as the grouped
+// path (the test runs a token alone, tiny, against the same token in larger batches).
+// Where the time goes (a timeline of globaltimer stamps per block, a scratch build whose stamps
+// cost about 4 us a call; FP8, medium, T = 1, in a chain, us from GEMM 1's first block; the
+// x order of the time): GEMM 1's grouping done at 1.5, its first k
+// tile in shared memory at 4.8, k loop 10.5 (8.2 on a multiprocessor with one block, 10.8 with
+// two), done at 16.4; GEMM 2 released at 17.0, k loop 5.7, done at 23.8. With the products and
+// the decode skipped (wrong sums, as a bound) the k loops take 4.7 and 2.1: at decode sizes the
+// quantized tiles' pace is their warps' instructions, not the bytes (about 5.4 instructions a
+// weight in GEMM 1, 1.5 warps a scheduler, issue slots 30% busy: ncu), while BF16's loop is the
+// bytes' (10.4 without products, 12.0 with). That is why the three formats take about the same
+// time at T = 1 though they read 75, 39 and 21 MB.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
@@ -194,6 +208,12 @@
 //     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
 //     leave fewer GEMM 2 blocks resident during GEMM 1. GEMM 1 with 2 stages: slower at T = 1
 //     and 2. (GEMM 2 with 2 stages where that fits its grid in one wave: tiny_two_stages.)
+//   - (2026-12-04) x's rows requested by all four warps before the grouping (x_first's loads one
+//     step earlier): warp 0's read of topk_ids then waited behind them and the grouping finished
+//     1 us later; FP8 at T = 1 in a chain 20.1 / 22.6 -> 20.3 / 23.2 us.
+//   - (2026-12-04) the fragment pipeline of high's decode tiles (PIPE_FRAGS: step kk + 1's
+//     fragments loaded while step kk's products run) in medium's too: FP8's GEMM 1 k loop at T = 1
+//     10.5 us either way, BF16 at T = 64 288.5 -> 296.7 us.
 // In a decode step the two GEMMs run in a chain of launches (tests/test_cuda_moe times that too):
 // T = 1 23.5 / 25.7 us (76% / 69% of the copy rate), GEMM 1 alone 16.0 / 17.1, GEMM 2 alone
 // 8.8 / 9.2: each streams about as a device copy of its size, and they overlap by about 1 us.
@@ -1522,6 +1542,45 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         cp_async_commit();
         pdl_wait();
     }
+    // A_FULL: x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high:
+    // hi then lo), zero past Kd, loaded in batches of CB 16-byte chunks a thread (all of a batch's
+    // loads issued before any is used) and converted into shared memory while the weight stages
+    // are in flight. The main loop's first barrier publishes them.
+    const int R1 = a.tile_rows;
+    const int cpr = nk * (BK / 8); // 16-byte chunks per row
+    constexpr int CB = C::threads >= 128 ? 8 : 4;
+    auto x_load = [&](int i0, float4(&p)[CB], float4(&q)[CB]) {
+#pragma unroll
+        for (int j = 0; j < CB; j++) {
+            const int i = i0 + j * C::threads + tid, r = i / cpr;
+            const int k = kt0 * BK + (i % cpr) * 8;
+            p[j] = q[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < rows * cpr && k < a.Kd) {
+                const int xr = BI ? r : s_pair[r] / a.topk;
+                const float4 *src = reinterpret_cast<const float4 *>(a.x + (int64_t)xr * a.Kd + k);
+                p[j] = __ldcg(src);
+                q[j] = __ldcg(src + 1);
+            }
+        }
+    };
+    auto x_store = [&](int i0, const float4(&p)[CB], const float4(&q)[CB]) {
+#pragma unroll
+        for (int j = 0; j < CB; j++) {
+            const int i = i0 + j * C::threads + tid;
+            if (i >= rows * cpr) break;
+            a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, p[j], q[j]);
+        }
+    };
+    // NVFP4's TINY GEMM 1, and FP8's in medium, with the tile's x rows in one batch (up to
+    // threads x CB chunks: one row of D up to 8192, two of 2048): the batch requested before the
+    // weights. Requested after them, it queued behind them (H200, Qwen3-30B-A3B's FP8 experts in
+    // medium at T = 1: x's conversion put 1.6 us on a call in a chain). BF16, and FP8 in high,
+    // gained nothing alone and lost about 1% in batch-1 steps this way (the header).
+    constexpr bool X_FIRST = TINY && GATE_UP && (W4 || (W8 && !C::SPLIT));
+    const bool x_first = X_FIRST && rows * cpr <= C::threads * CB;
+    float4 xf_p[X_FIRST ? CB : 1], xf_q[X_FIRST ? CB : 1];
+    if constexpr (X_FIRST)
+        if (x_first) x_load(0, xf_p, xf_q);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nk) {
@@ -1530,36 +1589,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         }
         cp_async_commit();
     }
-    const int R1 = a.tile_rows;
     if constexpr (A_FULL) {
-        // x's rows of this tile for the block's k tiles (all of Kd but in BI), in BF16 (high: hi
-        // then lo), zero past Kd; the weight stages above are in flight meanwhile. The main loop's
-        // first barrier publishes it.
-        const int cpr = nk * (BK / 8); // 16-byte chunks per row
-        const int k_first = kt0 * BK;
-        // loads in batches of CB chunks per thread, all issued before any is used
-        constexpr int CB = C::threads >= 128 ? 8 : 4;
-        for (int i0 = 0; i0 < rows * cpr; i0 += C::threads * CB) {
+        if constexpr (X_FIRST)
+            if (x_first) x_store(0, xf_p, xf_q);
+        for (int i0 = X_FIRST && x_first ? rows * cpr : 0; i0 < rows * cpr; i0 += C::threads * CB) {
             float4 p[CB], q[CB];
-#pragma unroll
-            for (int j = 0; j < CB; j++) {
-                const int i = i0 + j * C::threads + tid, r = i / cpr;
-                const int k = k_first + (i % cpr) * 8;
-                p[j] = q[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (i < rows * cpr && k < a.Kd) {
-                    const int xr = BI ? r : s_pair[r] / a.topk;
-                    const float4 *src =
-                        reinterpret_cast<const float4 *>(a.x + (int64_t)xr * a.Kd + k);
-                    p[j] = __ldcg(src);
-                    q[j] = __ldcg(src + 1);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < CB; j++) {
-                const int i = i0 + j * C::threads + tid;
-                if (i >= rows * cpr) break;
-                a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, p[j], q[j]);
-            }
+            x_load(i0, p, q);
+            x_store(i0, p, q);
         }
     }
     // mbc: std::integral_constant with the busy m16 row tiles (BUSY_STATIC), else -1 (mi_busy)
