@@ -146,21 +146,23 @@
 // first pair, pairs in (t, k) order), h is indexed by pair id, and GEMM 1 converts its rows of x
 // (one at T = 1) into shared memory for the whole of D while its first weight stages are in
 // flight (NVFP4, and FP8 in medium: x's rows requested before the weights, so that they do not
-// queue behind them, which put 1.6 us on the stamped build's FP8 call at T = 1 in medium; H200,
-// Qwen3-30B-A3B's experts in a chain of calls, T = 1, 20.1 -> 19.7 us; T = 2, 31.5 -> 29.9 us
-// for FP8 in medium, 31.0 -> 29.5 and 35.8 -> 34.4 for NVFP4; batch-2 steps 2 to 3% faster). The
-// same k16 order into one fp32 accumulator and the same conversion: the same bits as the grouped
-// path (the test runs a token alone, tiny, against the same token in larger batches).
-// Where the time goes (a timeline of globaltimer stamps per block, a scratch build whose stamps
-// cost about 4 us a call; FP8, medium, T = 1, in a chain, us from GEMM 1's first block; the
-// x order of the time): GEMM 1's grouping done at 1.5, its first k
+// queue behind them, as they did before, 1.6 us of the stamped build's FP8 call below. H200,
+// Qwen3-30B-A3B's experts in a chain of calls: FP8 in medium 20.1 -> 19.7 us at T = 1, 31.5 ->
+// 29.9 at T = 2; NVFP4 19.9 -> 19.3 at T = 1 in medium, 31.0 -> 29.5 / 35.8 -> 34.4 at T = 2 in
+// medium / high; batch-2 steps 1 to 3% faster). The same k16 order into one fp32 accumulator and
+// the same conversion: the same bits as the grouped path (the test runs a token alone, tiny,
+// against the same token in larger batches).
+//
+// Where the tiny path's time goes: a timeline of globaltimer stamps per block (a scratch build
+// whose stamps cost about 4 us a call; FP8, medium, T = 1, in a chain, x's rows still requested
+// after the weights; us from the first block of GEMM 1). GEMM 1: grouping done at 1.5, first k
 // tile in shared memory at 4.8, k loop 10.5 (8.2 on a multiprocessor with one block, 10.8 with
-// two), done at 16.4; GEMM 2 released at 17.0, k loop 5.7, done at 23.8. With the products and
+// two), done at 16.4. GEMM 2: released at 17.0, k loop 5.7, done at 23.8. With the products and
 // the decode skipped (wrong sums, as a bound) the k loops take 4.7 and 2.1: at decode sizes the
 // quantized tiles' pace is their warps' instructions, not the bytes (about 5.4 instructions a
 // weight in GEMM 1, 1.5 warps a scheduler, issue slots 30% busy: ncu), while BF16's loop is the
-// bytes' (10.4 without products, 12.0 with). That is why the three formats take about the same
-// time at T = 1 though they read 75, 39 and 21 MB.
+// bytes' (10.4 without products, 12.0 with). So the three formats take about the same time at
+// T = 1 though they read 75, 39 and 21 MB.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
@@ -1575,7 +1577,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // threads x CB chunks: one row of D up to 8192, two of 2048): the batch requested before the
     // weights. Requested after them, it queued behind them (H200, Qwen3-30B-A3B's FP8 experts in
     // medium at T = 1: x's conversion put 1.6 us on a call in a chain). BF16, and FP8 in high,
-    // gained nothing alone and lost about 1% in batch-1 steps this way (the header).
+    // gained nothing alone and lost 1 to 2% in batch-1 steps this way (the header).
     constexpr bool X_FIRST = TINY && GATE_UP && (W4 || (W8 && !C::SPLIT));
     const bool x_first = X_FIRST && rows * cpr <= C::threads * CB;
     float4 xf_p[X_FIRST ? CB : 1], xf_q[X_FIRST ? CB : 1];
