@@ -1594,7 +1594,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     if constexpr (A_FULL) {
         if constexpr (X_FIRST)
             if (x_first) x_store(0, xf_p, xf_q);
-        for (int i0 = X_FIRST && x_first ? rows * cpr : 0; i0 < rows * cpr; i0 += C::threads * CB) {
+        for (int i0 = x_first ? rows * cpr : 0; i0 < rows * cpr; i0 += C::threads * CB) {
             float4 p[CB], q[CB];
             x_load(i0, p, q);
             x_store(i0, p, q);
