@@ -10,9 +10,13 @@
  * Qwen3-30B-A3B's and DeepSeek-V3's expert shapes; every pipeline depth and the warp-specialized
  * form give the same bits at the same tile width.
  *
+ * GEMM 1's form (h = silu(gate) up in BF16) against the plain form's sums of the same
+ * configuration.
+ *
  * Figures: cuBLASLt's FP8 GEMM (E4M3 in, BF16 out) at 8192^3, the peak the issue measures against,
  * and at the grouped shapes' total (8 experts x 4096 tokens as one GEMM); the grouped GEMM at
- * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak.
+ * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak, in
+ * each configuration (fp32 out) and as the experts run those shapes (GEMM 1: N = 2F, h in BF16).
  *
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
  *                             prints "skipped: <reason>" and "0 passed, 0 failed"
@@ -27,6 +31,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +50,11 @@ cudaStream_t cuda_stream(void);
  * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows, 8 of
  * 64 rows; -1, the default, 7, 5 or 8 by the rows an expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
+
+/* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 1's form (b's rows per expert F gate rows
+ * then F up rows, N = 2F) into h [M, F] BF16 = silu(gate sums) * (up sums), device pointers */
+void cuda_fp8_grouped_gemm_h(uint16_t *h, const uint8_t *a, const float *sa, const uint8_t *b,
+                             const float *sb, const int32_t *offsets, int E, int M, int N, int K);
 
 /* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 2 on the FP8 tensor cores
  * (fp8_w8a8_down), device pointers */
@@ -117,8 +127,9 @@ static void case_free(fp8_case *c) {
     free(c->sb);
 }
 
-/* The GPU's out [M, N] for c with the given tile configuration (host copy, caller frees). */
-static float *gpu_run(const fp8_case *c, int config) {
+/* The GPU's out [M, N] for c with the given tile configuration (host copy, caller frees); with h,
+ * also GEMM 1's form into *h [M, N / 2] (host copy, caller frees). */
+static float *gpu_run(const fp8_case *c, int config, uint16_t **h) {
     const int nkb = c->K / 128;
     void *da = dev_copy(c->a, (size_t)c->M * c->K),
          *db = dev_copy(c->b, (size_t)c->E * c->N * c->K);
@@ -137,6 +148,17 @@ static float *gpu_run(const fp8_case *c, int config) {
     cudaMemset(dout, 0xff, ob); /* NaN */
     const int old = cuda_fp8_grouped_gemm_config(config);
     cuda_fp8_grouped_gemm(dout, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
+    if (h) {
+        const size_t hb = sizeof(uint16_t) * (size_t)c->M * (c->N / 2);
+        uint16_t *dh = NULL;
+        MS_ASSERT(cudaMalloc((void **)&dh, hb ? hb : 16) == cudaSuccess);
+        cudaMemset(dh, 0xff, hb); /* NaN */
+        cuda_fp8_grouped_gemm_h(dh, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
+        *h = malloc(hb ? hb : 16);
+        MS_ASSERT(cudaStreamSynchronize(cuda_stream()) == cudaSuccess);
+        if (hb) MS_ASSERT(cudaMemcpy(*h, dh, hb, cudaMemcpyDeviceToHost) == cudaSuccess);
+        cudaFree(dh);
+    }
     cuda_fp8_grouped_gemm_config(old);
     float *out = malloc(ob ? ob : 16);
     MS_ASSERT(cudaStreamSynchronize(cuda_stream()) == cudaSuccess);
@@ -148,6 +170,43 @@ static float *gpu_run(const fp8_case *c, int config) {
     cudaFree(doff);
     cudaFree(dout);
     return out;
+}
+
+/* GEMM 1's form (cuda_fp8_grouped_gemm_h) against the plain form's sums out [M, N] of the same
+ * configuration (the same tensor-core sums: the tile's width changes none): h = silu(gate) * up
+ * rounded to BF16, within 2^-7 of it (BF16's rounding, the kernel's approximate reciprocal and
+ * exponential) plus 2^-20 of h's rms for values near 0; every element written. */
+static void check_gate_up(const char *name, const fp8_case *c, int cf, const float *out,
+                          const uint16_t *h) {
+    const int F = c->N / 2;
+    const int64_t n = (int64_t)c->M * F;
+    double sq = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double g = out[i / F * c->N + i % F], u = out[i / F * c->N + F + i % F];
+        const double r = g / (1.0 + exp(-g)) * u;
+        sq += r * r;
+    }
+    const double rms = n ? sqrt(sq / n) : 0.0;
+    int64_t bad = 0;
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double g = out[i / F * c->N + i % F], u = out[i / F * c->N + F + i % F];
+        const double r = g / (1.0 + exp(-g)) * u, v = bf16_to_f32(h[i]);
+        const double err = fabs(v - r), tol = 0x1p-7 * fabs(r) + 0x1p-20 * rms;
+        if (!(err <= tol)) {
+            if (bad < 3)
+                fprintf(stderr, "  %s, configuration %d: h[%lld, %lld] = %.9g, want %.9g\n", name,
+                        cf, (long long)(i / F), (long long)(i % F), v, r);
+            bad++;
+        }
+        if (tol > 0 && err / tol > worst) worst = err / tol;
+    }
+    CHECK(bad == 0,
+          "fp8 grouped GEMM %s, configuration %d, GEMM 1's form: %lld of %lld h values "
+          "off silu(gate) up",
+          name, cf, (long long)bad, (long long)n);
+    printf("  %-24s configuration %d, GEMM 1's form (h in BF16): worst err / bound %.2e\n", name,
+           cf, worst);
 }
 
 static void check_case(const char *name, int E, const int *rows, int N, int K) {
@@ -189,7 +248,10 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
     float *got[MAX_CONFIGS];
     for (int ci = 0; ci < n_configs; ci++) {
         const int cf = configs[ci];
-        got[ci] = gpu_run(&c, cf);
+        uint16_t *h = NULL;
+        got[ci] = gpu_run(&c, cf, width(cf) == 128 ? &h : NULL);
+        if (h) check_gate_up(name, &c, cf, got[ci], h);
+        free(h);
         double worst = 0.0, max_err = 0.0;
         int64_t bad = 0;
         for (int64_t i = 0; i < n; i++) {
@@ -392,7 +454,9 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
 }
 
 /* Seconds per call of the grouped GEMM, E experts of T tokens each. */
-static double time_grouped(int E, int T, int N, int K, int config) {
+/* Seconds a call of the grouped GEMM over E experts of T rows, N x K: the plain form (fp32 out
+ * [E T, N]), or with gate_up GEMM 1's (h [E T, N / 2] BF16). */
+static double time_grouped(int E, int T, int N, int K, int config, bool gate_up) {
     const int M = E * T, nkb = K / 128;
     void *a = NULL, *b = NULL, *sa = NULL, *sb = NULL, *off = NULL, *o = NULL;
     MS_ASSERT(cudaMalloc(&a, (size_t)M * K) == cudaSuccess &&
@@ -400,7 +464,7 @@ static double time_grouped(int E, int T, int N, int K, int config) {
               cudaMalloc(&sa, sizeof(float) * (size_t)M * nkb) == cudaSuccess &&
               cudaMalloc(&sb, sizeof(float) * (size_t)E * nkb * N) == cudaSuccess &&
               cudaMalloc(&off, sizeof(int32_t) * (E + 1)) == cudaSuccess &&
-              cudaMalloc(&o, sizeof(float) * (size_t)M * N) == cudaSuccess);
+              cudaMalloc(&o, (gate_up ? 1 : 2) * sizeof(uint16_t) * (size_t)M * N) == cudaSuccess);
     cudaMemset(a, 0x38, (size_t)M * K);
     cudaMemset(b, 0x38, (size_t)E * N * K);
     cudaMemset(sa, 0, sizeof(float) * (size_t)M * nkb);
@@ -417,7 +481,10 @@ static double time_grouped(int E, int T, int N, int K, int config) {
     const int warm = 2, reps = 10;
     for (int r = 0; r < warm + reps; r++) {
         if (r == warm) cudaEventRecord(e0, cuda_stream());
-        cuda_fp8_grouped_gemm(o, a, sa, b, sb, off, E, M, N, K);
+        if (gate_up)
+            cuda_fp8_grouped_gemm_h(o, a, sa, b, sb, off, E, M, N, K);
+        else
+            cuda_fp8_grouped_gemm(o, a, sa, b, sb, off, E, M, N, K);
     }
     cudaEventRecord(e1, cuda_stream());
     cudaEventSynchronize(e1);
@@ -460,10 +527,17 @@ static void figures(void) {
             E, T, N, K, E * T, cb * 1e6, fl / cb / 1e12);
         for (int ci = 0; ci < n_configs; ci++) {
             const int cf = configs[ci];
-            const double g = time_grouped(E, T, N, K, cf);
+            const double g = time_grouped(E, T, N, K, cf, false);
             printf("    grouped, configuration %d: %7.1f us %4.0f TFLOP/s, %3.0f%% of the peak\n",
                    cf, g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
         }
+        /* as the experts run these shapes (N = 2F: GEMM 1): h = silu(gate) up in BF16, a quarter
+         * of the fp32 form's output bytes, in the default configuration */
+        const double g = time_grouped(E, T, N, K, -1, true);
+        printf(
+            "    GEMM 1's form (h in BF16, N / 2 columns), default configuration: %7.1f us %4.0f "
+            "TFLOP/s, %3.0f%% of the peak\n",
+            g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
     }
     cudaFree(ws);
 }
@@ -490,7 +564,7 @@ int main(int argc, char **argv) {
             configs[n_configs++] = atoi(c);
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
-        const double g = time_grouped(8, 4096, 4096, 7168, atoi(argv[2]));
+        const double g = time_grouped(8, 4096, 4096, 7168, atoi(argv[2]), false);
         printf("configuration %s: 8 experts x 4096 tokens, N 4096 K 7168: %.1f us\n", argv[2],
                g * 1e6);
         return 0;

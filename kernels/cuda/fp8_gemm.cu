@@ -687,6 +687,43 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     fp8g_launch_out(p, M);
 }
 
+// GATE_UP's form (h, BF16) over a's max_rows rows in configuration `config` (the 64-column ones
+// take 0's form): the experts' GEMM 1, and cuda_fp8_grouped_gemm_h.
+static void fp8g_launch_h(const fp8g_args &p, int64_t max_rows, int config) {
+    switch (config) {
+    case 1: fp8_grouped_gemm_launch<3, 128, true>(p, max_rows); break;
+    case 4: fp8_grouped_gemm_ws_launch<6, true, 1>(p, max_rows); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, max_rows); break;
+    case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, max_rows); break;
+    case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, max_rows); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 1>(p, max_rows); break;
+    default: fp8_grouped_gemm_launch<4, 128, true>(p, max_rows); break;
+    }
+}
+
+// For tests (test_cuda_fp8_gemm): cuda_fp8_grouped_gemm's operands, b's rows per expert F gate
+// rows then F up rows (N = 2F), into h [M, F] BF16 = silu(gate sums) * (up sums), grouped row m
+// at h's row m: the experts' GEMM 1 on codes already in grouped order.
+extern "C" void cuda_fp8_grouped_gemm_h(uint16_t *h, const uint8_t *a, const float *sa,
+                                        const uint8_t *b, const float *sb, const int32_t *offsets,
+                                        int E, int M, int N, int K) {
+    if (M <= 0 || N <= 0 || E <= 0) return;
+    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0 && cuda_wgmma_device());
+    MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
+              ((uintptr_t)h & 3) == 0);
+    const fp8g_args p = {.h = reinterpret_cast<__nv_bfloat16 *>(h),
+                         .a = a,
+                         .sa = sa,
+                         .sa_rows = M,
+                         .b = b,
+                         .sb = sb,
+                         .offsets = offsets,
+                         .E = E,
+                         .N = N,
+                         .K = K};
+    fp8g_launch_h(p, M, fp8g_config_for(M, E, N, K));
+}
+
 // ---- the experts' GEMM 1 (fp8_gemm.h) ----
 
 // x [T, D] (D % 128 == 0; fp32, or BF16 for the experts' h) to E4M3 codes q [T, D], packed per 64
@@ -827,15 +864,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
         p.sa_rows = n_pairs;
         p.a_rows = NULL;
     }
-    switch (config) {
-    case 1: fp8_grouped_gemm_launch<3, 128, true>(p, n_pairs); break;
-    case 4: fp8_grouped_gemm_ws_launch<6, true, 1>(p, n_pairs); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, n_pairs); break;
-    case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, n_pairs); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, n_pairs); break;
-    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 1>(p, n_pairs); break;
-    default: fp8_grouped_gemm_launch<4, 128, true>(p, n_pairs); break;
-    }
+    fp8g_launch_h(p, n_pairs, config);
 }
 
 void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, const int32_t *pairs,
