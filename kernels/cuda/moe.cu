@@ -159,10 +159,14 @@
 // tile in shared memory at 4.8, k loop 10.5 (8.2 on a multiprocessor with one block, 10.8 with
 // two), done at 16.4. GEMM 2: released at 17.0, k loop 5.7, done at 23.8. With the products and
 // the decode skipped (wrong sums, as a bound) the k loops take 4.7 and 2.1: at decode sizes the
-// quantized tiles' pace is their warps' instructions, not the bytes (about 5.4 instructions a
-// weight in GEMM 1, 1.5 warps a scheduler, issue slots 30% busy: ncu), while BF16's loop is the
-// bytes' (10.4 without products, 12.0 with). So the three formats take about the same time at
-// T = 1 though they read 75, 39 and 21 MB.
+// quantized tiles' pace is not their bytes (about 5.4 instructions a weight in GEMM 1, 1.5 warps
+// a scheduler, issue slots 30% busy: ncu), while BF16's loop is the bytes' (10.4 without
+// products, 12.0 with). So the three formats take about the same time at T = 1 though they read
+// 75, 39 and 21 MB. Nor is it the decode's instructions or the products' chains: FP8 codes
+// converted by the hardware (FP8 activations, two instructions a word of codes instead of nine)
+// or each 128-k block's products over two accumulators left T = 1 where it was (docs/
+// benchmarks.md, 2026-12-04, fifth session). Both kept each k tile's wait, barrier and
+// shared-memory reads.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
