@@ -166,7 +166,12 @@
 // converted by the hardware (FP8 activations, two instructions a word of codes instead of nine)
 // or each 128-k block's products over two accumulators left T = 1 where it was (docs/
 // benchmarks.md, 2026-12-04, fifth session). Both kept each k tile's wait, barrier and
-// shared-memory reads.
+// shared-memory reads. The barrier is one of them: with each warp copying its own weight rows
+// (PRIV in the kernel, FP8's GEMM 1 in medium), a k tile waits for the warp's copies and no
+// other warp's, the same sums: H200, DeepSeek-V3's experts (test_cuda_moe --deepseek-fp8-timing
+// 32 1, three runs alternating) 128.4 -> 118.6 us (66.9% -> 72.5% of the copy rate; in a chain
+// 125.1 -> 117.4, 73.2%), Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as
+// before. GEMM 2 (x's rows in stages all warps share), NVFP4, BF16 and high: not tried yet.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
@@ -1415,11 +1420,20 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         else
             return BL::QC == 8 ? c ^ ((r & 1) << 2) : c;
     };
+    // PRIV (FP8's tiny GEMM 1 in medium; the header): each warp copies the B rows it reads (its WN
+    // rows' codes and scales), so that a k tile waits for the warp's own copies alone, not for the
+    // block's barrier (x's rows are the only shared operand, written once before the loop)
+    constexpr bool PRIV = TINY && GATE_UP && W8 && !C::SPLIT && C::WARPS_M == 1;
+    static_assert(!PRIV || C::WN <= 32, "PRIV: a lane a row's scale");
     if constexpr (WQ) {
         constexpr int QC = BL::QC;
+        static_assert(!PRIV || QI * 32 >= C::WN * QC, "PRIV: a warp's rows in QI passes");
 #pragma unroll
         for (int it = 0; it < QI; it++) {
-            const int i = tid + it * C::threads, r = i / QC, c = i % QC;
+            const int j = it * 32 + lane; // PRIV: chunk j of the warp's rows
+            const int i = PRIV ? (j < C::WN * QC ? wn * C::WN * QC + j : BN * QC)
+                               : tid + it * C::threads,
+                      r = i / QC, c = i % QC;
             const int wrow = i < BN * QC ? b_row(r) : -1;
             wq_src[it] = wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / KPB) + kt0 * BK / KPB + c * 16
                                    : nullptr;
@@ -1450,7 +1464,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         r8_first = s_e;
 #pragma unroll
         for (int it = 0; it < S8I; it++) {
-            const int r = tid + it * C::threads;
+            const int r =
+                PRIV ? (it == 0 && lane < C::WN ? wn * C::WN + lane : BN) : tid + it * C::threads;
             const int wrow = r < BN ? b_row(r) : -1;
             r8_src[it] = wrow >= 0 ? s_e + wrow : nullptr;
             r8_off[it] = r < BN ? BN * BL::QROW + r * 4 : -1;
@@ -1614,9 +1629,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         // in high the tiles of 128 rows spilled with volatile products already: kept as timed
         // (WQ's products are not volatile in either precision: no spill, the same times)
         constexpr bool NV = (C::BUSY_STATIC && !C::SPLIT) || WQ;
+        if constexpr (PRIV) __syncthreads(); // x's rows, once
         for (int kt = 0; kt < nk; kt++) {
             cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
-            __syncthreads();             // ... for every thread; slot (kt - 1) % STAGES is free
+            if constexpr (PRIV)
+                __syncwarp(); // ... for the warp, whose rows alone it reads
+            else
+                __syncthreads(); // ... for every thread; slot (kt - 1) % STAGES is free
             const int nxt = kt + STAGES - 1;
             if (nxt < nk) {
                 load_a(nxt % STAGES, nxt);
