@@ -171,7 +171,7 @@
 // other warp's, the same sums: H200, DeepSeek-V3's experts (test_cuda_moe --deepseek-fp8-timing
 // 32 1, three runs alternating) 128.4 -> 118.6 us (66.9% -> 72.5% of the copy rate; in a chain
 // 125.1 -> 117.4, 73.2%), Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as
-// before. GEMM 2 (x's rows in stages all warps share), NVFP4, BF16 and high: not tried yet.
+// before. GEMM 2 (its h rows in stages that all warps read), NVFP4, BF16 and high: not tried.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
