@@ -166,11 +166,11 @@
 // converted by the hardware (FP8 activations, two instructions a word of codes instead of nine)
 // or each 128-k block's products over two accumulators left T = 1 where it was (docs/
 // benchmarks.md, 2026-12-04, fifth session). Both kept each k tile's wait, barrier and
-// shared-memory reads. The barrier is one of them: with each warp copying its own weight rows
+// shared-memory reads. The barrier is part of it: with each warp copying its own weight rows
 // (PRIV in the kernel, FP8's GEMM 1 in medium), a k tile waits for the warp's copies and no
 // other warp's, the same sums: H200, DeepSeek-V3's experts (test_cuda_moe --deepseek-fp8-timing
 // 32 1, three runs alternating) 128.4 -> 118.6 us (66.9% -> 72.5% of the copy rate; in a chain
-// 125.1 -> 117.4, 73.2%), Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as
+// 125.2 -> 117.4, 73.2%), Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as
 // before. GEMM 2 (its h rows in stages that all warps read), NVFP4, BF16 and high: not tried.
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
