@@ -453,7 +453,6 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
     return s;
 }
 
-/* Seconds per call of the grouped GEMM, E experts of T tokens each. */
 /* Seconds a call of the grouped GEMM over E experts of T rows, N x K: the plain form (fp32 out
  * [E T, N]), or with gate_up GEMM 1's (h [E T, N / 2] BF16). */
 static double time_grouped(int E, int T, int N, int K, int config, bool gate_up) {
@@ -464,7 +463,7 @@ static double time_grouped(int E, int T, int N, int K, int config, bool gate_up)
               cudaMalloc(&sa, sizeof(float) * (size_t)M * nkb) == cudaSuccess &&
               cudaMalloc(&sb, sizeof(float) * (size_t)E * nkb * N) == cudaSuccess &&
               cudaMalloc(&off, sizeof(int32_t) * (E + 1)) == cudaSuccess &&
-              cudaMalloc(&o, (gate_up ? 1 : 2) * sizeof(uint16_t) * (size_t)M * N) == cudaSuccess);
+              cudaMalloc(&o, sizeof(float) * (size_t)M * N) == cudaSuccess);
     cudaMemset(a, 0x38, (size_t)M * K);
     cudaMemset(b, 0x38, (size_t)E * N * K);
     cudaMemset(sa, 0, sizeof(float) * (size_t)M * nkb);
