@@ -668,22 +668,30 @@ static void fp8g_launch_out(const fp8g_args &p, int64_t max_rows) {
     }
 }
 
+// cuda_fp8_grouped_gemm's and cuda_fp8_grouped_gemm_h's operands, checked (out: the output,
+// aligned to out_align bytes), as the kernel's arguments without the output.
+static fp8g_args fp8g_grouped_args(const void *out, uintptr_t out_align, const uint8_t *a,
+                                   const float *sa, const uint8_t *b, const float *sb,
+                                   const int32_t *offsets, int E, int M, int N, int K) {
+    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0 && cuda_wgmma_device());
+    MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
+              ((uintptr_t)out & (out_align - 1)) == 0);
+    return {.a = a,
+            .sa = sa,
+            .sa_rows = M,
+            .b = b,
+            .sb = sb,
+            .offsets = offsets,
+            .E = E,
+            .N = N,
+            .K = K};
+}
+
 void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const uint8_t *b,
                            const float *sb, const int32_t *offsets, int E, int M, int N, int K) {
     if (M <= 0 || N <= 0 || E <= 0) return;
-    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0 && cuda_wgmma_device());
-    MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
-              ((uintptr_t)out & 7) == 0);
-    const fp8g_args p = {.out = out,
-                         .a = a,
-                         .sa = sa,
-                         .sa_rows = M,
-                         .b = b,
-                         .sb = sb,
-                         .offsets = offsets,
-                         .E = E,
-                         .N = N,
-                         .K = K};
+    fp8g_args p = fp8g_grouped_args(out, 8, a, sa, b, sb, offsets, E, M, N, K);
+    p.out = out;
     fp8g_launch_out(p, M);
 }
 
@@ -708,19 +716,8 @@ extern "C" void cuda_fp8_grouped_gemm_h(uint16_t *h, const uint8_t *a, const flo
                                         const uint8_t *b, const float *sb, const int32_t *offsets,
                                         int E, int M, int N, int K) {
     if (M <= 0 || N <= 0 || E <= 0) return;
-    MS_ASSERT(K % FP8G_BK == 0 && N % 128 == 0 && K > 0 && cuda_wgmma_device());
-    MS_ASSERT(((uintptr_t)a & 15) == 0 && ((uintptr_t)b & 15) == 0 && ((uintptr_t)sb & 15) == 0 &&
-              ((uintptr_t)h & 3) == 0);
-    const fp8g_args p = {.h = reinterpret_cast<__nv_bfloat16 *>(h),
-                         .a = a,
-                         .sa = sa,
-                         .sa_rows = M,
-                         .b = b,
-                         .sb = sb,
-                         .offsets = offsets,
-                         .E = E,
-                         .N = N,
-                         .K = K};
+    fp8g_args p = fp8g_grouped_args(h, 4, a, sa, b, sb, offsets, E, M, N, K);
+    p.h = reinterpret_cast<__nv_bfloat16 *>(h);
     fp8g_launch_h(p, M, fp8g_config_for(M, E, N, K));
 }
 
