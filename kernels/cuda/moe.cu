@@ -1769,20 +1769,20 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
                                     for (int ni = 0; ni < NI; ni++)
                                         mma_acc<NV>(acc[mi][ni], fa[part][mi], fb[ni]);
-                        return;
+                    } else {
+#pragma unroll
+                        for (int mi = 0; mi < MI; mi++)
+                            if (mi < mb)
+#pragma unroll
+                                for (int ni = 0; ni < NI; ni++) {
+                                    float t[4];
+                                    mma_zero<NV>(t, fa[1][mi], fb[ni]);
+                                    mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
+#pragma unroll
+                                    for (int q = 0; q < 4; q++)
+                                        acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
+                                }
                     }
-#pragma unroll
-                    for (int mi = 0; mi < MI; mi++)
-                        if (mi < mb)
-#pragma unroll
-                            for (int ni = 0; ni < NI; ni++) {
-                                float t[4];
-                                mma_zero<NV>(t, fa[1][mi], fb[ni]);
-                                mma_acc<NV>(acc[mi][ni], fa[0][mi], fb[ni]);
-#pragma unroll
-                                for (int q = 0; q < 4; q++)
-                                    acc[mi][ni][q] = __fadd_rn(acc[mi][ni][q], t[q]);
-                            }
                 };
                 uint32_t fa[2][AP][MI][4], fb[2][NI][2]; // two buffers: step kk in kk & 1
                 load_frags(fa[0], fb[0], 0);
