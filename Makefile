@@ -158,6 +158,14 @@ $(BUILD)/scripts/bench_stream.o: NVCCFLAGS += $(MPI_CFLAGS)
 $(BUILD)/bench_stream: $(BUILD)/scripts/bench_stream.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
+# The same with the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu; docs/benchmarks.md).
+ifneq ($(CU_OBJS),)
+all: $(BUILD)/bench_stream_rows
+endif
+$(BUILD)/scripts/bench_stream_rows.o: NVCCFLAGS += $(MPI_CFLAGS)
+$(BUILD)/bench_stream_rows: $(BUILD)/scripts/bench_stream_rows.o $(LIB_OBJS)
+	$(CC) -o $@ $^ $(LDLIBS)
+
 # Teacher-forced KL of the FP8 and NVFP4 models against BF16 (issue 8's measure).
 $(BUILD)/quant_kl: $(BUILD)/scripts/quant_kl.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)

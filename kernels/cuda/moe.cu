@@ -94,8 +94,15 @@
 //     placed for rotations, 11 instructions a word of codes instead of 15: 114.2 / 146.7 ->
 //     110.0 / 139.7 us; in high the copies inside Kd without a guard each (LEAN): 131.6 us.
 //   - tried, not kept: the weights streamed straight into registers, no stages (bit for bit the
-//     same; 9% fewer instructions, slower at T = 1), and k tiles of 256 (the same instructions a
-//     weight). docs/benchmarks.md has the figures.
+//     same; 9% fewer instructions, slower at T = 1). docs/benchmarks.md has the figures.
+//   - (2026-12-04, sixth session) the tiny path in k tiles of 256 (tiny_shape), 128 bytes of codes
+//     a weight row a stage instead of 64. Not the instructions but the reads' width held it: a
+//     block reading 64 bytes from each of 64 rows 3.5 KB apart a stage streams at 2.6 TB/s (63%
+//     of the copy rate) with no arithmetic at all, 128 bytes a row at 3.9 TB/s (91%; build/
+//     bench_stream_rows, docs/benchmarks.md). In a chain of calls, medium / high: Qwen3-30B-A3B's
+//     experts at T = 1 19.4 / 22.8 -> 18.0 / 20.6 us, T = 2 29.4 / 34.3 -> 26.6 / 30.9;
+//     DeepSeek-V3's (32 experts) at T = 1 106.9 / 125.6 -> 89.9 / 118.0 (44% -> 52% of the copy
+//     rate in medium). The same sums (each output's k16 products in order).
 //
 // FP8 experts (W8A16, cuda_prepare_experts_fp8: E4M3 codes, a fp32 scale per 128 x 128 block as
 // DeepSeek-V3 ships them): every path with WF_FP8, where a stage carries the codes (half the BF16
@@ -167,11 +174,21 @@
 // or each 128-k block's products over two accumulators left T = 1 where it was (docs/
 // benchmarks.md, 2026-12-04, fifth session). Both kept each k tile's wait, barrier and
 // shared-memory reads. The barrier is part of it: with each warp copying its own weight rows
-// (PRIV in the kernel, FP8's GEMM 1 in medium), a k tile waits for the warp's copies and no
-// other warp's, the same sums: H200, DeepSeek-V3's experts (test_cuda_moe --deepseek-fp8-timing
-// 32 1, three runs alternating) 128.4 -> 118.6 us (66.9% -> 72.5% of the copy rate; in a chain
-// 125.2 -> 117.4, 73.2%), Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as
-// before. GEMM 2 (its h rows in stages that all warps read), NVFP4, BF16 and high: not tried.
+// (PRIV in the kernel), a k tile waits for the warp's copies and no other warp's, the same sums:
+// H200, DeepSeek-V3's experts (test_cuda_moe --deepseek-fp8-timing 32 1, three runs alternating)
+// 128.4 -> 118.6 us (66.9% -> 72.5% of the copy rate; in a chain 125.2 -> 117.4, 73.2%),
+// Qwen3-30B-A3B's at T = 1 and 2 and their batch-1 and batch-2 steps as before. First in FP8's
+// GEMM 1 in medium; since the sixth session in both GEMMs of every format and precision, GEMM 2
+// with each warp copying the tile's rows of h (up to four; more take the block's copies and
+// barrier) into its own rows of the stage. That second step (H200, in a chain, medium / high,
+// us): BF16 at T = 1 23.5 / 24.4 against 23.3 / 25.0, at T = 2 38.6 / 38.6 against 38.8 /
+// 39.6; FP8 in high 1.5 to 3% faster (DeepSeek-V3's at T = 1 128.0 -> 124.0), NVFP4 within
+// 1.5% either way, medium as before. (NVFP4's pace was partly the width of its reads, not its
+// instructions: k tiles of 256 since the sixth session, above.)
+// FP8 in medium since then also takes four stages of codes instead of six where that fits a
+// grid in one wave that six do not (tiny_fewer_stages): DeepSeek-V3's experts at T = 1 116.0 ->
+// 101.4 us (74.5% -> 85.3% of the copy rate; in a chain 112.2 -> 98.0, 88.2%), Qwen3-30B-A3B's
+// at T = 2 33.8 -> 30.3 (GEMM 2; a batch-2 step 3.60 -> 3.50 ms).
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
@@ -218,7 +235,7 @@
 //     requested before it waits for h (7 stages) 32.4 / 33.1 us against 26.5 / 29.2; GEMM 2 with
 //     5 stages 27.7 / 33.9; GEMM 1 with 3 or 6 stages 26.6 / 29.0, 26.9 / 30.5. Larger blocks
 //     leave fewer GEMM 2 blocks resident during GEMM 1. GEMM 1 with 2 stages: slower at T = 1
-//     and 2. (GEMM 2 with 2 stages where that fits its grid in one wave: tiny_two_stages.)
+//     and 2. (GEMM 2 with 2 stages where that fits its grid in one wave: tiny_fewer_stages.)
 //   - (2026-12-04) x's rows requested by all four warps before the grouping (x_first's loads one
 //     step earlier): warp 0's read of topk_ids then waited behind them and the grouping finished
 //     1 us later; FP8 at T = 1 in a chain 20.1 / 22.6 -> 20.3 / 23.2 us.
@@ -1344,12 +1361,28 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     const uint32_t sB = A_FULL ? smem0 : sA + STAGES * AP * BM * BK * 2;
     const uint32_t sAf = smem0 + (uint32_t)BL::bytes;
 
-    // This thread's load slots: chunk column kc of rows r, r + ROWS_PER_PASS, ...
+    // PRIV (the tiny path; the header): each warp copies the B rows it reads (its WN rows'
+    // weights, codes and scales), so that a k tile waits for the warp's own copies alone, not for
+    // the block's barrier. GEMM 1's x rows are written once before the loop; GEMM 2's tile of up
+    // to PR rows (priv_a) is copied by each warp into its own PR rows of the activation stage
+    // (rows past the tile read as row 0; more rows: the block's copies and barrier).
+    constexpr bool PRIV = TINY && C::WARPS_M == 1;
+    constexpr int PR = BM / C::WARPS_N;
+    const bool priv_a = PRIV && (GATE_UP || rows <= PR);
+    static_assert(!PRIV || C::WN <= 32, "PRIV: a lane a row's scale");
+    static_assert(!PRIV || C::B_ITERS * 32 == C::WN * C::CPR, "PRIV: a warp's rows in B_ITERS");
+    static_assert(!PRIV || (32 % C::CPR == 0 && C::A_ITERS * 32 == PR * C::CPR),
+                  "PRIV: a warp's activation rows in A_ITERS, one chunk column a lane");
+    // This thread's load slots: chunk column kc of stage rows a_r[i] (r_first + i ROWS_PER_PASS,
+    // or with priv_a the warp's), from tile rows ...
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
     const bf16 *a_src[C::A_ITERS];
+    int a_r[C::A_ITERS];
 #pragma unroll
     for (int i = 0; i < C::A_ITERS; i++) {
-        const int r = r_first + i * C::ROWS_PER_PASS;
+        const int pr = (i * 32 + lane) / C::CPR; // priv_a: the warp's row pr
+        const int r = priv_a ? pr : r_first + i * C::ROWS_PER_PASS;
+        a_r[i] = priv_a ? wn * PR + pr : r;
         a_src[i] = nullptr;
         if (!A_FULL && r < rows) {
             const int64_t src_row = GATE_UP ? pair_of(r) / a.topk : h_row(r);
@@ -1384,8 +1417,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 for (int part = 0; part < AP; part++)
 #pragma unroll
                     for (int i = 0; i < C::A_ITERS; i++) {
-                        const int r = r_first + i * C::ROWS_PER_PASS;
-                        cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(r, kc)) * 2,
+                        cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(a_r[i], kc)) * 2,
                                    (a_src[i] ? a_src[i] : a.act) + part * a.act_lo + k,
                                    a_src[i] ? 16 : 0);
                     }
@@ -1396,9 +1428,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             for (int part = 0; part < AP; part++)
 #pragma unroll
                 for (int i = 0; i < C::A_ITERS; i++) {
-                    const int r = r_first + i * C::ROWS_PER_PASS;
                     const bool ok = k_ok && a_src[i];
-                    cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(r, kc)) * 2,
+                    cp_async16(sA + ((slot * AP + part) * BM * BK + swz<BK>(a_r[i], kc)) * 2,
                                ok ? a_src[i] + part * a.act_lo + k : a.act, ok ? 16 : 0);
                 }
         }
@@ -1408,23 +1439,19 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // block's first k tile (NULL past the last column: zeros), offset in the stage, k within the
     // tile. Kd % 64 == 0, so each is whole inside Kd or past it. Swizzles, so that the fragment
     // reads of eight rows fall in distinct banks: NVFP4 with 4 chunks a row, rows r with r & 2
-    // swap their halves (wq_frag's 8-byte reads); FP8 with 8 chunks a row (BK 128), odd rows swap
-    // their halves (w8_frag's 16-byte reads, two rows a phase).
+    // swap their halves (wq_frag's 8-byte reads); with 8 (BK 256), row r's pairs of chunks XOR
+    // (r & 3) (four rows' 32 bytes in distinct banks); FP8 with 8 chunks a row (BK 128), odd rows
+    // swap their halves (w8_frag's 16-byte reads, two rows a phase).
     constexpr int QI = (BN * BL::QC + C::threads - 1) / C::threads;
     constexpr int SI = (BN * (BK / 64) + C::threads - 1) / C::threads;
     const uint8_t *wq_src[WQ ? QI : 1], *ws_src[W4 ? SI : 1];
     int wq_off[WQ ? QI : 1], wq_k[WQ ? QI : 1], ws_off[W4 ? SI : 1], ws_k[W4 ? SI : 1];
     auto q_swz = [&](int r, int c) -> int {
         if constexpr (W4)
-            return BL::QC == 4 ? c ^ (r & 2) : c;
+            return BL::QC == 4 ? c ^ (r & 2) : BL::QC == 8 ? c ^ ((r & 3) << 1) : c;
         else
             return BL::QC == 8 ? c ^ ((r & 1) << 2) : c;
     };
-    // PRIV (FP8's tiny GEMM 1 in medium; the header): each warp copies the B rows it reads (its WN
-    // rows' codes and scales), so that a k tile waits for the warp's own copies alone, not for the
-    // block's barrier (x's rows are the only shared operand, written once before the loop)
-    constexpr bool PRIV = TINY && GATE_UP && W8 && !C::SPLIT && C::WARPS_M == 1;
-    static_assert(!PRIV || C::WN <= 32, "PRIV: a lane a row's scale");
     if constexpr (WQ) {
         constexpr int QC = BL::QC;
         static_assert(!PRIV || QI * 32 >= C::WN * QC, "PRIV: a warp's rows in QI passes");
@@ -1443,9 +1470,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     if constexpr (W4) {
         constexpr int SC = BK / 64;
+        static_assert(!PRIV || SI * 32 >= C::WN * SC, "PRIV: a warp's scales in SI passes");
 #pragma unroll
         for (int it = 0; it < SI; it++) {
-            const int i = tid + it * C::threads, r = i / SC, c = i % SC;
+            const int j = it * 32 + lane; // PRIV: scale piece j of the warp's rows
+            const int i = PRIV ? (j < C::WN * SC ? wn * C::WN * SC + j : BN * SC)
+                               : tid + it * C::threads,
+                      r = i / SC, c = i % SC;
             const int wrow = i < BN * SC ? b_row(r) : -1;
             ws_src[it] = wrow >= 0 ? wsf_e + (int64_t)wrow * (a.Kd / 16) + kt0 * BK / 16 + c * 4
                                    : nullptr;
@@ -1527,17 +1558,17 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                              : reinterpret_cast<const float *>(a.wsf),
                           ok ? 4 : 0);
             }
-            return;
-        }
-        const int k = (kt0 + kt) * BK + kc * 8;
-        const bool k_ok = k < a.Kd;
+        } else {
 #pragma unroll
-        for (int i = 0; i < C::B_ITERS; i++) {
-            const int r = r_first + i * C::ROWS_PER_PASS;
-            const int wrow = b_row(r);
-            const bool ok = k_ok && wrow >= 0;
-            cp_async16(sB + (slot * BN * BK + swz<BK>(r, kc)) * 2,
-                       ok ? w_e + (int64_t)wrow * a.Kd + k : a.w, ok ? 16 : 0);
+            for (int i = 0; i < C::B_ITERS; i++) {
+                const int j = i * 32 + lane; // PRIV: chunk j of the warp's rows
+                const int r = PRIV ? wn * C::WN + j / C::CPR : r_first + i * C::ROWS_PER_PASS;
+                const int c = PRIV ? j % C::CPR : kc, k = (kt0 + kt) * BK + c * 8;
+                const int wrow = b_row(r);
+                const bool ok = k < a.Kd && wrow >= 0;
+                cp_async16(sB + (slot * BN * BK + swz<BK>(r, c)) * 2,
+                           ok ? w_e + (int64_t)wrow * a.Kd + k : a.w, ok ? 16 : 0);
+            }
         }
     };
 
@@ -1629,10 +1660,10 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         // in high the tiles of 128 rows spilled with volatile products already: kept as timed
         // (WQ's products are not volatile in either precision: no spill, the same times)
         constexpr bool NV = (C::BUSY_STATIC && !C::SPLIT) || WQ;
-        if constexpr (PRIV) __syncthreads(); // x's rows, once
+        if constexpr (PRIV && A_FULL) __syncthreads(); // x's rows, once
         for (int kt = 0; kt < nk; kt++) {
             cp_async_wait<STAGES - 2>(); // k tile kt has landed (for this thread) ...
-            if constexpr (PRIV)
+            if (priv_a)
                 __syncwarp(); // ... for the warp, whose rows alone it reads
             else
                 __syncthreads(); // ... for every thread; slot (kt - 1) % STAGES is free
@@ -1676,8 +1707,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                     const int ch = (kk >> 2) * 2 + (t >> 1);
                     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
                                  : "=r"(wq_q[ni][0]), "=r"(wq_q[ni][1])
-                                 : "r"(q0 + r * BL::QROW + (BL::QC == 4 ? ch ^ (r & 2) : ch) * 16 +
-                                       (t & 1) * 8));
+                                 : "r"(q0 + r * BL::QROW + q_swz(r, ch) * 16 + (t & 1) * 8));
                     asm volatile("ld.shared.u32 %0, [%1];\n"
                                  : "=r"(wq_s[ni])
                                  : "r"(s0 + r * BL::SROW + (kk >> 2) * 4));
@@ -1711,8 +1741,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 if constexpr (A_FULL) {
                     const int rr = r < rows ? r : 0; // rows past the tile: any data, results unused
                     return sAf + ((part * nk + kt) * R1 * BK + swz<BK>(rr, ch)) * 2;
-                } else {
-                    return a_base + (part * BM * BK + swz<BK>(r, ch)) * 2;
+                } else { // priv_a: the warp's rows (past the tile: any data, results unused)
+                    const int rr = priv_a ? wn * PR + (r < PR ? r : 0) : r;
+                    return a_base + (part * BM * BK + swz<BK>(rr, ch)) * 2;
                 }
             };
             // the weight fragments fb[ni] of k16 step kk: decoded (WQ) or by ldmatrix, two n8
@@ -2195,36 +2226,66 @@ typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_one
 typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_one;
 typedef moe_tile_cfg<128, 256, 64, 2, 4, 3, true, false, true> moe_cfg_prefill_one;
 
-// The blocks of GEMM kernel `kernel` (dynamic shared memory smem) resident on the device at once.
-template <typename K> static int64_t resident_blocks(K kernel, int threads, size_t smem) {
+// A tile shape with another k tile and stage count. Neither changes a sum: the stages only pace
+// the loads, and every output sums its k16 products in increasing k whatever BK is (FP8: BK
+// within a 128-k block, whose scale applies to its sums).
+template <class C, int BK, int STAGES>
+using moe_cfg_with = moe_tile_cfg<C::BM, C::BN, BK, C::WARPS_M, C::WARPS_N, STAGES, C::SPLIT,
+                                  C::BUSY_STATIC, C::ONE>;
+
+// The blocks of the tiny path's GEMM (C, GATE_UP, WF) resident on the device at once with smem
+// bytes of dynamic shared memory (one device a process; the answers for a few sizes kept).
+template <class C, bool GATE_UP, int WF> static int64_t tiny_resident(size_t smem) {
+    static size_t key[4];
+    static int64_t val[4];
+    static int n = 0;
+    for (int i = 0; i < n; i++)
+        if (key[i] == smem) return val[i];
+    gemm_allow_smem<C, GATE_UP, true, false, WF>(smem);
     int dev = 0, sms = 0, per_sm = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-    return (int64_t)per_sm * sms;
-}
-
-// The tiny path's GEMM 2 with two stages (C2_2) instead of C2's where C2's blocks would take two
-// waves and two stages' fit in one (the same sums: the stages only pace the loads). H200,
-// Qwen3-30B-A3B's experts in a chain of calls (tests/test_cuda_moe), medium / high: T = 2 (512
-// blocks) 39.4 / 40.4 us against 40.3 / 43.8 with C2, a batch-2 step 4.21 ms against 4.36; at
-// T = 1 (256 blocks, one wave either way) C2's deeper prefetch wins, 23.4 / 25.6 against 24.8 /
-// 26.6.
-template <class C2, class C2_2> static bool tiny_two_stages(int64_t blocks) {
-    static int64_t deep = -1, two = -1; // resident blocks of each (one device per process)
-    if (deep < 0) {
-        deep = resident_blocks(moe_gemm_kernel<C2, false, true, false, WF_BF16>, C2::threads,
-                               moe_b_layout<C2, WF_BF16>::smem);
-        two = resident_blocks(moe_gemm_kernel<C2_2, false, true, false, WF_BF16>, C2_2::threads,
-                              moe_b_layout<C2_2, WF_BF16>::smem);
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, moe_gemm_kernel<C, GATE_UP, true, false, WF>, C::threads, smem));
+    const int64_t v = (int64_t)per_sm * sms;
+    if (n < 4) {
+        key[n] = smem;
+        val[n++] = v;
     }
-    return blocks > deep && blocks <= two;
+    return v;
 }
 
-template <class C1, class C2, int WF = WF_BF16>
+// Whether the tiny path's GEMM takes the shallower shape Cs (shared memory smem_s) instead of C
+// (smem): where C's blocks would take two waves and Cs's fit in one.
+// - GEMM 2 of BF16 with two stages (the BF16 shapes' three or four): H200, Qwen3-30B-A3B's
+//   experts in a chain of calls (tests/test_cuda_moe), medium / high: T = 2 (512 blocks) 39.4 /
+//   40.4 us against 40.3 / 43.8 with C2, a batch-2 step 4.21 ms against 4.36; at T = 1 (256
+//   blocks, one wave either way) C2's deeper prefetch wins, 23.4 / 25.6 against 24.8 / 26.6.
+// - FP8 in medium with four stages of codes instead of six (the BF16 shape's room for three
+//   stages, not four), the header's figures: GEMM 1 on DeepSeek-V3's experts at T = 1 (512
+//   blocks: three an SM with six stages, four with four), GEMM 2 on Qwen3-30B-A3B's at T = 2
+//   (512 blocks). At T = 1 (256 blocks) GEMM 2 with four stages took a batch-1 step 3.11 ms
+//   against 3.03 with six, though alone it was faster.
+template <class C, class Cs, bool GATE_UP, int WF>
+static bool tiny_fewer_stages(int64_t blocks, size_t smem, size_t smem_s) {
+    return blocks > tiny_resident<C, GATE_UP, WF>(smem) &&
+           blocks <= tiny_resident<Cs, GATE_UP, WF>(smem_s);
+}
+
+// The tiny path's shapes by format (C: the BF16 shape): NVFP4 in k tiles of 256 (128 bytes of
+// codes a weight row a stage; with 64 the weights streamed at about 63% of the copy rate whatever
+// the arithmetic, the header) and half the stages.
+template <class C, int WF> struct tiny_shape {
+    typedef moe_cfg_with<C, WF == WF_NVFP4 ? 256 : C::BK,
+                         WF == WF_NVFP4 ? (C::STAGES / 2 < 2 ? 2 : C::STAGES / 2) : C::STAGES>
+        type;
+};
+
+template <class C1_, class C2_, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
+    typedef typename tiny_shape<C1_, WF>::type C1;
+    typedef typename tiny_shape<C2_, WF>::type C2;
     static_assert(C1::SPLIT == C2::SPLIT, "one precision");
     const int n = T * K, AP = C1::A_PARTS, busy = std::min(w->E, n);
     unsigned char *ws = moe_workspace((size_t)AP * n * F * 2);
@@ -2249,8 +2310,17 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.N = F;
     g.tile_rows = R1;
     g.n_col_blocks = (F + C1::BN / 2 - 1) / (C1::BN / 2);
-    launch_gemm<C1, true, true, false, WF>(g, std::min(n, (n + busy * (R1 - 1)) / R1),
-                                           moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes);
+    const int tiles1 = std::min(n, (n + busy * (R1 - 1)) / R1);
+    const size_t smem1 = moe_b_layout<C1, WF>::bytes + (size_t)R1 * row_bytes;
+    bool fewer = false;
+    if constexpr (WF == WF_FP8 && !C1::SPLIT) {
+        typedef moe_cfg_with<C1, C1::BK, C1::STAGES - 1> C1s;
+        const size_t smem1s = moe_b_layout<C1s, WF>::bytes + (size_t)R1 * row_bytes;
+        fewer =
+            tiny_fewer_stages<C1, C1s, true, WF>((int64_t)tiles1 * g.n_col_blocks, smem1, smem1s);
+        if (fewer) launch_gemm<C1s, true, true, false, WF>(g, tiles1, smem1s);
+    }
+    if (!fewer) launch_gemm<C1, true, true, false, WF>(g, tiles1, smem1);
 
     g.act = g.h;
     g.act_lo = g.h_lo;
@@ -2260,12 +2330,12 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     g.tile_rows = C2::BM;
     g.n_col_blocks = (D + C2::BN - 1) / C2::BN;
     const int tiles2 = std::min(n, (n + busy * (C2::BM - 1)) / C2::BM);
-    typedef moe_tile_cfg<C2::BM, C2::BN, C2::BK, C2::WARPS_M, C2::WARPS_N, 2, C2::SPLIT,
-                         C2::BUSY_STATIC, C2::ONE>
-        C2_2;
-    if constexpr (WF == WF_BF16) {
-        if (tiny_two_stages<C2, C2_2>((int64_t)tiles2 * g.n_col_blocks)) {
-            launch_gemm<C2_2, false, true, false, WF>(g, tiles2);
+    if constexpr (WF == WF_BF16 || (WF == WF_FP8 && !C2::SPLIT)) {
+        typedef moe_cfg_with<C2, C2::BK, WF == WF_BF16 ? 2 : C2::STAGES - 1> C2s;
+        if (tiny_fewer_stages<C2, C2s, false, WF>((int64_t)tiles2 * g.n_col_blocks,
+                                                  moe_b_layout<C2, WF>::smem,
+                                                  moe_b_layout<C2s, WF>::smem)) {
+            launch_gemm<C2s, false, true, false, WF>(g, tiles2);
             return;
         }
     }
