@@ -1644,6 +1644,7 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && strcmp(argv[1], "--nvfp4-timing") == 0) { /* one size, for a profiler */
         model m;
+        copy_gbs = measure_copy_bandwidth();
         if (model_nvfp4(&m, "qwen3-30b-a3b nvfp4", 128, 2048, 768, 8) == 0)
             time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
         model_free(&m);
@@ -1704,6 +1705,7 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && strcmp(argv[1], "--fp8-timing") == 0) { /* one size, for a profiler */
         model m;
+        copy_gbs = measure_copy_bandwidth();
         if (model_fp8(&m, "qwen3-30b-a3b fp8", 128, 2048, 768, 8) == 0)
             time_moe(&m, atoi(argv[2]), ROUTE_RANDOM, 8, 50);
         model_free(&m);
