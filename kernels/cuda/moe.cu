@@ -1373,8 +1373,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     static_assert(!PRIV || C::B_ITERS * 32 == C::WN * C::CPR, "PRIV: a warp's rows in B_ITERS");
     static_assert(!PRIV || (32 % C::CPR == 0 && C::A_ITERS * 32 == PR * C::CPR),
                   "PRIV: a warp's activation rows in A_ITERS, one chunk column a lane");
-    // This thread's load slots: chunk column kc of stage rows a_r[i] (r_first + i ROWS_PER_PASS,
-    // or with priv_a the warp's), from tile rows ...
+    // This thread's activation load slots: chunk column kc of stage rows a_r[i] (r_first + i
+    // ROWS_PER_PASS, or with priv_a the warp's PR rows), each from its tile row's row of act
+    // (a_src; NULL past the tile's rows: zeros)
     const int kc = tid % C::CPR, r_first = tid / C::CPR;
     const bf16 *a_src[C::A_ITERS];
     int a_r[C::A_ITERS];
