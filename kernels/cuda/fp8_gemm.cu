@@ -652,19 +652,21 @@ extern "C" int cuda_fp8_grouped_gemm_config(int config) {
     return old;
 }
 
-// The fp32 output's form (out, not GATE_UP's h) over a's max_rows rows, in the configuration for
-// them: cuda_fp8_grouped_gemm's, and the experts' GEMM 2.
-static void fp8g_launch_out(const fp8g_args &p, int64_t max_rows) {
-    switch (fp8g_config_for(max_rows, p.E, p.N, p.K)) {
-    case 1: fp8_grouped_gemm_launch<3, 128, false>(p, max_rows); break;
-    case 2: fp8_grouped_gemm_launch<4, 64, false>(p, max_rows); break;
-    case 3: fp8_grouped_gemm_launch<6, 64, false>(p, max_rows); break;
-    case 4: fp8_grouped_gemm_ws_launch<6, false, 1>(p, max_rows); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, false, 1>(p, max_rows); break;
-    case 6: fp8_grouped_gemm_ws_launch<4, false, 2>(p, max_rows); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, false, 1, 3>(p, max_rows); break;
-    case 8: fp8_grouped_gemm_ws_launch<4, false, 1, 1>(p, max_rows); break;
-    default: fp8_grouped_gemm_launch<4, 128, false>(p, max_rows); break; // 0
+// Configuration `config`'s kernel over a's max_rows rows, in the fp32 output's form (out) or
+// GATE_UP's (H: h in BF16, whose tiles are 128 columns, 64 gate and 64 up: the 64-column
+// configurations 2 and 3 take 0's form there).
+template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, int config) {
+    constexpr int BN64 = H ? 128 : 64;
+    switch (config) {
+    case 1: fp8_grouped_gemm_launch<3, 128, H>(p, max_rows); break;
+    case 2: fp8_grouped_gemm_launch<4, BN64, H>(p, max_rows); break;
+    case 3: fp8_grouped_gemm_launch<H ? 4 : 6, BN64, H>(p, max_rows); break;
+    case 4: fp8_grouped_gemm_ws_launch<6, H, 1>(p, max_rows); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, H, 1>(p, max_rows); break;
+    case 6: fp8_grouped_gemm_ws_launch<4, H, 2>(p, max_rows); break;
+    case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
+    case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
+    default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
 
@@ -692,21 +694,7 @@ void cuda_fp8_grouped_gemm(float *out, const uint8_t *a, const float *sa, const 
     if (M <= 0 || N <= 0 || E <= 0) return;
     fp8g_args p = fp8g_grouped_args(out, 8, a, sa, b, sb, offsets, E, M, N, K);
     p.out = out;
-    fp8g_launch_out(p, M);
-}
-
-// GATE_UP's form (h, BF16) over a's max_rows rows in configuration `config` (the 64-column ones
-// take 0's form): the experts' GEMM 1, and cuda_fp8_grouped_gemm_h.
-static void fp8g_launch_h(const fp8g_args &p, int64_t max_rows, int config) {
-    switch (config) {
-    case 1: fp8_grouped_gemm_launch<3, 128, true>(p, max_rows); break;
-    case 4: fp8_grouped_gemm_ws_launch<6, true, 1>(p, max_rows); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, true, 1>(p, max_rows); break;
-    case 6: fp8_grouped_gemm_ws_launch<4, true, 2>(p, max_rows); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, true, 1, 3>(p, max_rows); break;
-    case 8: fp8_grouped_gemm_ws_launch<4, true, 1, 1>(p, max_rows); break;
-    default: fp8_grouped_gemm_launch<4, 128, true>(p, max_rows); break;
-    }
+    fp8g_launch<false>(p, M, fp8g_config_for(M, E, N, K));
 }
 
 // For tests (test_cuda_fp8_gemm): cuda_fp8_grouped_gemm's operands, b's rows per expert F gate
@@ -718,7 +706,7 @@ extern "C" void cuda_fp8_grouped_gemm_h(uint16_t *h, const uint8_t *a, const flo
     if (M <= 0 || N <= 0 || E <= 0) return;
     fp8g_args p = fp8g_grouped_args(h, 4, a, sa, b, sb, offsets, E, M, N, K);
     p.h = reinterpret_cast<__nv_bfloat16 *>(h);
-    fp8g_launch_h(p, M, fp8g_config_for(M, E, N, K));
+    fp8g_launch<true>(p, M, fp8g_config_for(M, E, N, K));
 }
 
 // ---- the experts' GEMM 1 (fp8_gemm.h) ----
@@ -861,7 +849,7 @@ void fp8_w8a8_gate_up(__nv_bfloat16 *h, const float *x, int T, int D, int F, con
         p.sa_rows = n_pairs;
         p.a_rows = NULL;
     }
-    fp8g_launch_h(p, n_pairs, config);
+    fp8g_launch<true>(p, n_pairs, config);
 }
 
 void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, const int32_t *pairs,
@@ -885,7 +873,7 @@ void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, cons
                          .E = E,
                          .N = D,
                          .K = F};
-    fp8g_launch_out(p, n_pairs);
+    fp8g_launch<false>(p, n_pairs, fp8g_config_for(n_pairs, E, D, F));
 }
 
 // For tests (test_cuda_fp8_gemm): fp8_w8a8_down on device buffers with a scratch of its own; h
