@@ -95,7 +95,7 @@
 //     110.0 / 139.7 us; in high the copies inside Kd without a guard each (LEAN): 131.6 us.
 //   - tried, not kept: the weights streamed straight into registers, no stages (bit for bit the
 //     same; 9% fewer instructions, slower at T = 1). docs/benchmarks.md has the figures.
-//   - (2026-12-04, sixth session) the tiny path in k tiles of 256 (tiny_shape), 128 bytes of codes
+//   - (2026-12-04, sixth session) the tiny path in k tiles of 256 (q_shape), 128 bytes of codes
 //     a weight row a stage instead of 64. Not the instructions but the reads' width held it: a
 //     block reading 64 bytes from each of 64 rows 3.5 KB apart a stage streams at 2.6 TB/s (63%
 //     of the copy rate) with no arithmetic at all, 128 bytes a row at 3.9 TB/s (91%; build/
@@ -103,6 +103,15 @@
 //     experts at T = 1 19.4 / 22.8 -> 18.0 / 20.6 us, T = 2 29.4 / 34.3 -> 26.6 / 30.9;
 //     DeepSeek-V3's (32 experts) at T = 1 106.9 / 125.6 -> 89.9 / 118.0 (44% -> 52% of the copy
 //     rate in medium). The same sums (each output's k16 products in order).
+//   - (seventh session) the decode shape in k tiles of 256 as well, and the middle shape (BM 64)
+//     in k tiles of 128 (FP8 in high too), q_shape. DeepSeek-V3's experts (32), single calls,
+//     medium / high, us: 2 pairs an expert 363.7 / 457.8 -> 356.6 / 390.9, 8 pairs 402.6 / 498.1
+//     -> 406.2 / 421.1, 16 pairs 497.2 / 623.2 -> 429.5 / 590.0, 32 pairs 576.3 / 768.2 ->
+//     504.2 / 751.6; Qwen3-30B-A3B's at T = 256 (16 pairs an expert) 242.7 / 292.5 -> 212.5 /
+//     277.8. FP8 in high, 16 pairs an expert: 706.0 -> 630.6 (DeepSeek-V3), Qwen3 T = 256 325.1 ->
+//     296.1. Tried: medium's wide middle shape (BM 128) in k tiles of 128, slower (T = 256 on
+//     DeepSeek-V3's, 64 pairs an expert: 786.4 -> 1106.1); the middle shape in k tiles of 256
+//     (medium: 587.6 at 16 pairs) or with three stages of codes in high (748.6).
 //
 // FP8 experts (W8A16, cuda_prepare_experts_fp8: E4M3 codes, a fp32 scale per 128 x 128 block as
 // DeepSeek-V3 ships them): every path with WF_FP8, where a stage carries the codes (half the BF16
@@ -975,11 +984,12 @@ __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_pr
 // ONE: high precision's hi and lo products in one chain through the tensor cores' accumulator
 // (acc = lo w + (hi w + acc) a k16 step), the sums of the wgmma kernels (bf16_gemm.cu), so that
 // a token's rows are the same bits at every size (see moe_experts_path).
+// QSTAGES: the FP8 and NVFP4 weights' stage count (0: from the shared memory, moe_b_layout).
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool SPLIT_,
-          bool BUSY_STATIC_ = false, bool ONE_ = false>
+          bool BUSY_STATIC_ = false, bool ONE_ = false, int QSTAGES_ = 0>
 struct moe_tile_cfg {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
-                         STAGES = STAGES_;
+                         STAGES = STAGES_, QSTAGES = QSTAGES_;
     static constexpr bool SPLIT = SPLIT_, BUSY_STATIC = BUSY_STATIC_, ONE = ONE_;
     static constexpr int A_PARTS = SPLIT ? 2 : 1; // activation tiles per stage
     // high with few output tiles per warp (decode): fragments double-buffered across k16 steps
@@ -1019,6 +1029,13 @@ typedef moe_tile_cfg<128, 256, 64, 2, 4, 4, false> moe_cfg_prefill;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true> moe_cfg_decode_high;
 typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true> moe_cfg_mid_high;
 typedef moe_tile_cfg<128, 256, 64, 2, 4, 3, true> moe_cfg_prefill_high;
+
+// A tile shape with another k tile and stage counts. None changes a sum: the stages only pace
+// the loads, and every output sums its k16 products in increasing k whatever BK is (FP8: BK
+// within a 128-k block, whose scale applies to its sums).
+template <class C, int BK, int STAGES, int QSTAGES = C::QSTAGES>
+using moe_cfg_with = moe_tile_cfg<C::BM, C::BN, BK, C::WARPS_M, C::WARPS_N, STAGES, C::SPLIT,
+                                  C::BUSY_STATIC, C::ONE, QSTAGES>;
 
 typedef struct {
     const bf16 *act;       // GATE_UP: xb [T, Kd] (rows gathered through pairs); else h [n, Kd]
@@ -1139,12 +1156,14 @@ template <class C, int WF> struct moe_b_layout {
     static constexpr int QC = QROW / 16;                           // 16-byte code chunks a row
     static constexpr int QSTAGE = C::BN * (QROW + SROW);
     static constexpr size_t A_STAGE = (size_t)C::A_PARTS * C::BM * C::BK * 2;
-    // WQ: as many stages as the BF16 shape's shared memory holds, up to twice its count: a stage
-    // carries about half of the bytes or less, and at decode sizes the bytes in flight set the rate
-    static constexpr int STAGES =
-        WQ ? (int)(C::smem / (A_STAGE + QSTAGE) < 2 * C::STAGES ? C::smem / (A_STAGE + QSTAGE)
-                                                                  : 2 * C::STAGES)
-           : C::STAGES;
+    // WQ: C::QSTAGES where the shape sets it, else as many stages as the BF16 shape's shared
+    // memory holds, up to twice its count: a stage carries about half of the bytes or less, and at
+    // decode sizes the bytes in flight set the rate
+    static constexpr int STAGES = !WQ          ? C::STAGES
+                                  : C::QSTAGES ? C::QSTAGES
+                                               : (int)(C::smem / (A_STAGE + QSTAGE) < 2 * C::STAGES
+                                                           ? C::smem / (A_STAGE + QSTAGE)
+                                                           : 2 * C::STAGES);
     // the B stages
     static constexpr size_t bytes =
         WQ ? (size_t)STAGES * QSTAGE : (size_t)STAGES * C::BN * C::BK * 2;
@@ -2197,14 +2216,32 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
 // expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
 // 32.
 // (With n_rows the shape follows the bound T: the result does not depend on it either.)
+// The shapes of the tiny, decode and middle sizes by format (C: the BF16 shape), so that the
+// stages hold 128 bytes of codes a weight row (narrower rows stream slower whatever the
+// arithmetic: 64 bytes at about 63% of the copy rate, the header):
+// - NVFP4 at BK 128 (the tiny and decode shapes): k tiles of 256, half the stages;
+// - the middle shape (BM 64, BK 64) with NVFP4, or FP8 in high: k tiles of 128, two BF16 stages'
+//   room. High keeps two stages of codes (41 or 49 KB each, so two blocks an SM; three were
+//   slower), NVFP4 in medium three (25 KB). FP8 in medium keeps its shape: outside deterministic
+//   mode its middle sizes go to the FP8 x FP8 GEMM, and it was not measured.
+template <class C, int WF> struct q_shape {
+    static constexpr bool W4_DECODE = WF == WF_NVFP4 && C::BK == 128,
+                          MID = C::BM == 64 && C::BK == 64 &&
+                                (WF == WF_NVFP4 || (WF == WF_FP8 && C::SPLIT));
+    typedef typename std::conditional<
+        W4_DECODE, moe_cfg_with<C, 256, C::STAGES / 2 < 2 ? 2 : C::STAGES / 2>,
+        typename std::conditional<MID, moe_cfg_with<C, 128, 2, C::SPLIT ? 2 : 3>, C>::type>::type
+        type;
+};
+
 template <class DECODE, class MID, class MID_WIDE, class PREFILL, int WF = WF_BF16>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
     const int64_t n_pairs = (int64_t)T * K, E = w->E;
     if (n_pairs <= 12 * E)
-        moe_run<DECODE, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<typename q_shape<DECODE, WF>::type, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 48 * E)
-        moe_run<MID, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
+        moe_run<typename q_shape<MID, WF>::type, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else if (n_pairs <= 96 * E)
         moe_run<MID_WIDE, WF>(out, x, topk_ids, w, T, K, D, F, n_rows);
     else
@@ -2226,13 +2263,6 @@ typedef moe_tile_cfg<16, 64, 128, 1, 4, 4, true, false, true> moe_cfg_tiny1_one;
 typedef moe_tile_cfg<16, 64, 128, 1, 4, 3, true, false, true> moe_cfg_decode_one;
 typedef moe_tile_cfg<64, 128, 64, 1, 4, 3, true, true, true> moe_cfg_mid_one;
 typedef moe_tile_cfg<128, 256, 64, 2, 4, 3, true, false, true> moe_cfg_prefill_one;
-
-// A tile shape with another k tile and stage count. Neither changes a sum: the stages only pace
-// the loads, and every output sums its k16 products in increasing k whatever BK is (FP8: BK
-// within a 128-k block, whose scale applies to its sums).
-template <class C, int BK, int STAGES>
-using moe_cfg_with = moe_tile_cfg<C::BM, C::BN, BK, C::WARPS_M, C::WARPS_N, STAGES, C::SPLIT,
-                                  C::BUSY_STATIC, C::ONE>;
 
 // The blocks of the tiny path's GEMM (C, GATE_UP, WF) resident on the device at once with smem
 // bytes of dynamic shared memory (one device a process; the answers for a few sizes kept).
@@ -2273,20 +2303,11 @@ static bool tiny_fewer_stages(int64_t blocks, size_t smem, size_t smem_s) {
            blocks <= tiny_resident<Cs, GATE_UP, WF>(smem_s);
 }
 
-// The tiny path's shapes by format (C: the BF16 shape): NVFP4 in k tiles of 256 (128 bytes of
-// codes a weight row a stage; with 64 the weights streamed at about 63% of the copy rate whatever
-// the arithmetic, the header) and half the stages.
-template <class C, int WF> struct tiny_shape {
-    typedef moe_cfg_with<C, WF == WF_NVFP4 ? 256 : C::BK,
-                         WF == WF_NVFP4 ? (C::STAGES / 2 < 2 ? 2 : C::STAGES / 2) : C::STAGES>
-        type;
-};
-
 template <class C1_, class C2_, int WF = WF_BF16>
 static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
-    typedef typename tiny_shape<C1_, WF>::type C1;
-    typedef typename tiny_shape<C2_, WF>::type C2;
+    typedef typename q_shape<C1_, WF>::type C1;
+    typedef typename q_shape<C2_, WF>::type C2;
     static_assert(C1::SPLIT == C2::SPLIT, "one precision");
     const int n = T * K, AP = C1::A_PARTS, busy = std::min(w->E, n);
     unsigned char *ws = moe_workspace((size_t)AP * n * F * 2);
