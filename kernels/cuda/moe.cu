@@ -197,7 +197,9 @@
 // FP8 in medium since then also takes four stages of codes instead of six where that fits a
 // grid in one wave that six do not (tiny_fewer_stages): DeepSeek-V3's experts at T = 1 116.0 ->
 // 101.4 us (74.5% -> 85.3% of the copy rate; in a chain 112.2 -> 98.0, 88.2%), Qwen3-30B-A3B's
-// at T = 2 33.8 -> 30.3 (GEMM 2; a batch-2 step 3.60 -> 3.50 ms).
+// at T = 2 33.8 -> 30.3 (GEMM 2; a batch-2 step 3.60 -> 3.50 ms). Since the seventh session FP8
+// in high and NVFP4 too, one or two stages of codes fewer (launch_tiny_fewer): FP8 in high on
+// DeepSeek-V3's experts at T = 1 124.4 -> 113.3 us in a chain (69.5% -> 76.4%).
 //
 // Decode at T = 1 (H200, Qwen3-30B-A3B's experts: 8 experts, 75.5 MB of weights, medium / high;
 // the 1 GiB device copy runs at 4.23 TB/s, a copy moving the same 75.5 MB takes 21.8 us, 82% of
