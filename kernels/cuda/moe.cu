@@ -2213,19 +2213,16 @@ static void moe_run(float *out, const float *x, const int32_t *topk_ids, const m
     launch_gemm<C, false, false, false, WF>(g, max_tiles);
 }
 
-// The tile shape follows the mean pairs per expert; the result does not depend on it. Limits
-// from the H200 (see the header): the middle shape beat the decode one by 10-20% at 16 pairs per
-// expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
-// 32.
-// (With n_rows the shape follows the bound T: the result does not depend on it either.)
 // The shapes of the tiny, decode and middle sizes by format (C: the BF16 shape), so that the
-// stages hold 128 bytes of codes a weight row (narrower rows stream slower whatever the
-// arithmetic: 64 bytes at about 63% of the copy rate, the header):
-// - NVFP4 at BK 128 (the tiny and decode shapes): k tiles of 256, half the stages;
-// - the middle shape (BM 64, BK 64) with NVFP4, or FP8 in high: k tiles of 128, two BF16 stages'
-//   room. High keeps two stages of codes (41 or 49 KB each, so two blocks an SM; three were
-//   slower), NVFP4 in medium three (25 KB). FP8 in medium keeps its shape: outside deterministic
-//   mode its middle sizes go to the FP8 x FP8 GEMM, and it was not measured.
+// stages hold wider rows of codes (narrow rows stream slower whatever the arithmetic: 64 bytes a
+// row at about 63% of the copy rate, 128 at 91%, the header):
+// - NVFP4 at BK 128 (the tiny and decode shapes): k tiles of 256 (128 bytes a row), half the
+//   stages;
+// - the middle shape (BM 64, BK 64) with NVFP4, or FP8 in high: k tiles of 128 (64 and 128 bytes
+//   a row; NVFP4 at 256 was slower), two BF16 stages' room. High keeps two stages of codes (41 or
+//   49 KB each, so two blocks an SM; three were slower), NVFP4 in medium three (25 KB). FP8 in
+//   medium keeps its shape: outside deterministic mode the FP8 x FP8 GEMM takes its sizes from
+//   15 pairs an expert, and it was not measured.
 template <class C, int WF> struct q_shape {
     static constexpr bool W4_DECODE = WF == WF_NVFP4 && C::BK == 128,
                           MID = C::BM == 64 && C::BK == 64 &&
@@ -2236,6 +2233,11 @@ template <class C, int WF> struct q_shape {
         type;
 };
 
+// The tile shape follows the mean pairs per expert; the result does not depend on it. Limits
+// from the H200 (see the header): the middle shape beat the decode one by 10-20% at 16 pairs per
+// expert; medium's wide one beat it from 64 (DeepSeek-V3 shape 87% of copy against 72%), lost at
+// 32.
+// (With n_rows the shape follows the bound T: the result does not depend on it either.)
 template <class DECODE, class MID, class MID_WIDE, class PREFILL, int WF = WF_BF16>
 static void moe_dispatch(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows) {
