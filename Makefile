@@ -149,21 +149,15 @@ $(BUILD)/bench_a2a_cuda: $(BUILD)/scripts/bench_a2a_cuda.o $(LIB_OBJS) $(A2A_CU_
 $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
-# The rate at which the wgmma kernels' TMA box shapes stream a weight matrix, no arithmetic, against a
-# device copy (a Hopper device; docs/benchmarks.md).
+# The rate at which a weight matrix streams with no arithmetic, against a device copy (a Hopper
+# device; docs/benchmarks.md): bench_stream in the wgmma kernels' TMA box shapes, bench_stream_rows
+# in the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu).
+STREAM_BENCHES := $(BUILD)/bench_stream $(BUILD)/bench_stream_rows
 ifneq ($(CU_OBJS),)
-all: $(BUILD)/bench_stream
+all: $(STREAM_BENCHES)
 endif
-$(BUILD)/scripts/bench_stream.o: NVCCFLAGS += $(MPI_CFLAGS)
-$(BUILD)/bench_stream: $(BUILD)/scripts/bench_stream.o $(LIB_OBJS)
-	$(CC) -o $@ $^ $(LDLIBS)
-
-# The same with the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu; docs/benchmarks.md).
-ifneq ($(CU_OBJS),)
-all: $(BUILD)/bench_stream_rows
-endif
-$(BUILD)/scripts/bench_stream_rows.o: NVCCFLAGS += $(MPI_CFLAGS)
-$(BUILD)/bench_stream_rows: $(BUILD)/scripts/bench_stream_rows.o $(LIB_OBJS)
+$(patsubst $(BUILD)/%,$(BUILD)/scripts/%.o,$(STREAM_BENCHES)): NVCCFLAGS += $(MPI_CFLAGS)
+$(STREAM_BENCHES): $(BUILD)/%: $(BUILD)/scripts/%.o $(LIB_OBJS)
 	$(CC) -o $@ $^ $(LDLIBS)
 
 # Teacher-forced KL of the FP8 and NVFP4 models against BF16 (issue 8's measure).
