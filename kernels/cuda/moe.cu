@@ -1173,15 +1173,15 @@ template <class C, int WF> struct moe_b_layout {
     static constexpr size_t smem = (size_t)STAGES * A_STAGE + bytes;
 };
 
-
 // The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
 // busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its
 // expert's pairs in (t, k) order. Writes s_tile = {expert, rows} of tile `tile` ({-1, 0} past the
-// last tile) and s_pair[r] = the pair id of row r. The same function in GEMM 1 and GEMM 2 (with
-// their R) gives each the same pairs; h rows are addressed by pair id, so the two need not agree
-// on tiles.
-__device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int tile, int *s_tile,
-                           int *s_pair) {
+// last tile), s_pair[r] = the pair id of row r and s_tok[r] its token (pair / topk: one
+// division a lane here, not one a chunk of x in each thread). The same function in GEMM 1 and
+// GEMM 2 (with their R) gives each the same pairs; h rows are addressed by pair id, so the two
+// need not agree on tiles.
+__device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int topk, int tile,
+                           int *s_tile, int *s_pair, int *s_tok) {
     const int lane = threadIdx.x & 31;
     const unsigned full = 0xffffffffu;
     const int id = lane < n ? __ldcg(&topk_ids[lane]) : -1;
@@ -1206,7 +1206,10 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int til
     const int first = (tile - __shfl_sync(full, base, L)) * R;
     if ((mask >> lane) & 1u) {
         const int rank = __popc(mask & ((1u << lane) - 1u));
-        if (rank >= first && rank < first + R) s_pair[rank - first] = lane;
+        if (rank >= first && rank < first + R) {
+            s_pair[rank - first] = lane;
+            s_tok[rank - first] = lane / topk;
+        }
     }
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
 }
@@ -1332,13 +1335,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     const int kt0 = S > 1 ? split * a.nk_split : 0;
     const int nk = S > 1 ? max(0, min(nk_all, kt0 + a.nk_split) - kt0) : nk_all;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    __shared__ int s_tile[2], s_pair[TINY ? 16 : 1];
+    __shared__ int s_tile[2], s_pair[TINY ? 16 : 1], s_tok[TINY ? 16 : 1];
     int e, row0 = 0, rows;
     if constexpr (TINY) {
         if (warp == 0) {
             const int np =
                 a.n_rows ? min(a.n_pairs, max(0, __ldcg(a.n_rows)) * a.topk) : a.n_pairs;
-            tiny_group(a.topk_ids, np, a.E, a.tile_rows, tile, s_tile, s_pair);
+            tiny_group(a.topk_ids, np, a.E, a.tile_rows, a.topk, tile, s_tile, s_pair, s_tok);
         }
         __syncthreads();
         e = s_tile[0];
@@ -1620,30 +1623,41 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // hi then lo), zero past Kd, loaded in batches of CB 16-byte chunks a thread (all of a batch's
     // loads issued before any is used) and converted into shared memory while the weight stages
     // are in flight. The main loop's first barrier publishes them.
+    // A thread's chunks are i = i0 + j threads + tid, j < CB a batch, chunk c = i % cpr of row
+    // r = i / cpr: walked from (tid / cpr, tid % cpr) in steps of threads, without a division a
+    // chunk (cpr is known only here; the divisions were most of the instructions before the first
+    // weight copy, about 25 each).
     const int R1 = a.tile_rows;
     const int cpr = nk * (BK / 8); // 16-byte chunks per row
     constexpr int CB = C::threads >= 128 ? 8 : 4;
-    auto x_load = [&](int i0, float4(&p)[CB], float4(&q)[CB]) {
+    struct x_chunk {
+        int r, c;
+    };
+    const int cpr_d = max(cpr, 1); // linear_bi's blocks past the ranges have no k tiles
+    const x_chunk x_step = {C::threads / cpr_d, C::threads % cpr_d};
+    auto x_next = [&](x_chunk &w) {
+        w.r += x_step.r;
+        w.c += x_step.c;
+        if (w.c >= cpr) w.c -= cpr, w.r++;
+    };
+    auto x_load = [&](x_chunk w, float4(&p)[CB], float4(&q)[CB]) {
 #pragma unroll
-        for (int j = 0; j < CB; j++) {
-            const int i = i0 + j * C::threads + tid, r = i / cpr;
-            const int k = kt0 * BK + (i % cpr) * 8;
+        for (int j = 0; j < CB; j++, x_next(w)) {
+            const int k = kt0 * BK + w.c * 8;
             p[j] = q[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < rows * cpr && k < a.Kd) {
-                const int xr = BI ? r : s_pair[r] / a.topk;
+            if (w.r < rows && k < a.Kd) {
+                const int xr = BI ? w.r : s_tok[w.r];
                 const float4 *src = reinterpret_cast<const float4 *>(a.x + (int64_t)xr * a.Kd + k);
                 p[j] = __ldcg(src);
                 q[j] = __ldcg(src + 1);
             }
         }
     };
-    auto x_store = [&](int i0, const float4(&p)[CB], const float4(&q)[CB]) {
+    // stores a batch's chunks and moves w past them (the next batch's first)
+    auto x_store = [&](x_chunk &w, const float4(&p)[CB], const float4(&q)[CB]) {
 #pragma unroll
-        for (int j = 0; j < CB; j++) {
-            const int i = i0 + j * C::threads + tid;
-            if (i >= rows * cpr) break;
-            a_full_store8<C>(sAf, i / cpr, i % cpr, nk, R1, p[j], q[j]);
-        }
+        for (int j = 0; j < CB; j++, x_next(w))
+            if (w.r < rows) a_full_store8<C>(sAf, w.r, w.c, nk, R1, p[j], q[j]);
     };
     // NVFP4's TINY GEMM 1, and FP8's in medium, with the tile's x rows in one batch (up to
     // threads x CB chunks: one row of D up to 8192, two of 2048): the batch requested before the
@@ -1653,8 +1667,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr bool X_FIRST = TINY && GATE_UP && (W4 || (W8 && !C::SPLIT));
     const bool x_first = X_FIRST && rows * cpr <= C::threads * CB;
     float4 xf_p[X_FIRST ? CB : 1], xf_q[X_FIRST ? CB : 1];
+    x_chunk x_w = {cpr > 0 ? tid / cpr_d : rows, tid % cpr_d}; // no k tiles: no chunks
     if constexpr (X_FIRST)
-        if (x_first) x_load(0, xf_p, xf_q);
+        if (x_first) x_load(x_w, xf_p, xf_q);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nk) {
@@ -1665,11 +1680,11 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     }
     if constexpr (A_FULL) {
         if constexpr (X_FIRST)
-            if (x_first) x_store(0, xf_p, xf_q);
+            if (x_first) x_store(x_w, xf_p, xf_q);
         for (int i0 = x_first ? rows * cpr : 0; i0 < rows * cpr; i0 += C::threads * CB) {
             float4 p[CB], q[CB];
-            x_load(i0, p, q);
-            x_store(i0, p, q);
+            x_load(x_w, p, q);
+            x_store(x_w, p, q);
         }
     }
     // mbc: std::integral_constant with the busy m16 row tiles (BUSY_STATIC), else -1 (mi_busy)
