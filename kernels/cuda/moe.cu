@@ -1433,7 +1433,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         return col < a.N ? wrow : -1;
     };
 
-    constexpr bool LEAN = WQ && BM == 16 && C::SPLIT;
+    constexpr bool LEAN = WQ && BM == 16;
     auto load_a = [&](int slot, int kt) {
         if constexpr (!A_FULL) {
             const int k = (kt0 + kt) * BK + kc * 8;
@@ -1461,12 +1461,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     };
     // WQ: this thread's load slots, fixed for the whole loop: QI 16-byte code chunks (32 k in
     // NVFP4, 16 in FP8) and (NVFP4) SI 4-byte scale pieces (64 k) of a stage; source at the
-    // block's first k tile (NULL past the last column: zeros), offset in the stage, k within the
-    // tile. Kd % 64 == 0, so each is whole inside Kd or past it. Swizzles, so that the fragment
-    // reads of eight rows fall in distinct banks: NVFP4 with 4 chunks a row, rows r with r & 2
-    // swap their halves (wq_frag's 8-byte reads); with 8 (BK 256), row r's pairs of chunks XOR
-    // (r & 3) (four rows' 32 bytes in distinct banks); FP8 with 8 chunks a row (BK 128), odd rows
-    // swap their halves (w8_frag's 16-byte reads, two rows a phase).
+    // block's first k tile (past the last column NULL, zeros; LEAN's the expert's row 0, below),
+    // offset in the stage, k within the tile. Kd % 64 == 0, so each is whole inside Kd or past
+    // it. Swizzles, so that the fragment reads of eight rows fall in distinct banks: NVFP4 with 4
+    // chunks a row, rows r with r & 2 swap their halves (wq_frag's 8-byte reads); with 8 (BK
+    // 256), row r's pairs of chunks XOR (r & 3) (four rows' 32 bytes in distinct banks); FP8 with
+    // 8 chunks a row (BK 128), odd rows swap their halves (w8_frag's 16-byte reads, two rows a
+    // phase).
     constexpr int QI = (BN * BL::QC + C::threads - 1) / C::threads;
     constexpr int SI = (BN * (BK / 64) + C::threads - 1) / C::threads;
     const uint8_t *wq_src[WQ ? QI : 1], *ws_src[W4 ? SI : 1];
@@ -1487,8 +1488,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                : tid + it * C::threads,
                       r = i / QC, c = i % QC;
             const int wrow = i < BN * QC ? b_row(r) : -1;
-            wq_src[it] = wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / KPB) + kt0 * BK / KPB + c * 16
-                                   : nullptr;
+            wq_src[it] =
+                wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / KPB) + kt0 * BK / KPB + c * 16 : nullptr;
+            if (LEAN && wrow < 0 && i < BN * QC) wq_src[it] = wq_e + kt0 * BK / KPB + c * 16;
             wq_off[it] = i < BN * QC ? r * BL::QROW + q_swz(r, c) * 16 : -1;
             wq_k[it] = c * 16 * KPB;
         }
@@ -1503,37 +1505,38 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                : tid + it * C::threads,
                       r = i / SC, c = i % SC;
             const int wrow = i < BN * SC ? b_row(r) : -1;
-            ws_src[it] = wrow >= 0 ? wsf_e + (int64_t)wrow * (a.Kd / 16) + kt0 * BK / 16 + c * 4
-                                   : nullptr;
+            ws_src[it] =
+                wrow >= 0 ? wsf_e + (int64_t)wrow * (a.Kd / 16) + kt0 * BK / 16 + c * 4 : nullptr;
+            if (LEAN && wrow < 0 && i < BN * SC) ws_src[it] = wsf_e + kt0 * BK / 16 + c * 4;
             ws_off[it] = i < BN * SC ? BN * BL::QROW + r * BL::SROW + c * 4 : -1;
             ws_k[it] = c * 64;
         }
     }
     // W8: this thread's scale rows (r8_off: offset in the stage, -1 for none; r8_src: the row's
-    // scale at 128-k block 0, the next block w_rows floats on; NULL past the last column: zeros)
+    // scale at 128-k block 0, the next block w_rows floats on; past the last column as above)
     constexpr int S8I = W8 ? (BN + C::threads - 1) / C::threads : 1;
-    const float *r8_src[S8I], *r8_first = nullptr;
+    const float *r8_src[S8I];
     int r8_off[S8I];
     if constexpr (W8) {
         const int64_t nkb = (a.Kd + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
         const float *s_e = reinterpret_cast<const float *>(a.wsf) + (int64_t)e * nkb * w_rows;
-        r8_first = s_e;
 #pragma unroll
         for (int it = 0; it < S8I; it++) {
             const int r =
                 PRIV ? (it == 0 && lane < C::WN ? wn * C::WN + lane : BN) : tid + it * C::threads;
             const int wrow = r < BN ? b_row(r) : -1;
             r8_src[it] = wrow >= 0 ? s_e + wrow : nullptr;
+            if (LEAN && wrow < 0 && r < BN) r8_src[it] = s_e;
             r8_off[it] = r < BN ? BN * BL::QROW + r * 4 : -1;
         }
     }
-    // LEAN (the quantized formats' decode tiles in high precision, whose issue rate bounds them):
-    // where a k tile lies inside Kd (every one but a short last tile), the copies take their
-    // sources without a guard each: a slot past the last column or row copies 0 bytes from the
-    // first row of its operand at the same k (the expert's, for the weights: in bounds, and read
-    // as nothing), so each copy is an address and the instruction. H200: 3 to 5% faster in high; in medium as fast or slower (FP8 at T =
-    // 1 on DeepSeek-V3's experts 6% slower), and in the larger tiles the extra path spilled.
-    auto or_first = [](const auto *p, const auto *first) { return p ? p : first; };
+    // LEAN (the quantized formats' tiles of 16 rows, whose issue rate bounds them): where a k tile
+    // lies inside Kd (every one but a short last tile), the copies go without a guard each: a slot
+    // past the last column takes the expert's row 0 (set up above; its sums land in columns the
+    // epilogue skips), so each copy is an address and the instruction. H200, the form with a
+    // zero-byte copy for those slots instead: 3 to 5% faster in high; in medium as fast or slower
+    // (k tiles of 128, FP8 at T = 1 on DeepSeek-V3's experts 6% slower); in the larger tiles the
+    // extra path spilled.
     auto load_b = [&](int slot, int kt) {
         if constexpr (WQ) {
             const int kb = (kt0 + kt) * BK;
@@ -1542,24 +1545,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
                 for (int it = 0; it < QI; it++)
                     if (wq_off[it] >= 0)
-                        cp_async16(q0 + wq_off[it],
-                                   or_first(wq_src[it], wq_e + kt0 * BK / KPB + wq_k[it] / KPB) +
-                                       kt * (BK / KPB),
-                                   wq_src[it] ? 16 : 0);
+                        cp_async16(q0 + wq_off[it], wq_src[it] + kt * (BK / KPB), 16);
 #pragma unroll
                 for (int it = 0; it < (W4 ? SI : 0); it++)
-                    if (ws_off[it] >= 0)
-                        cp_async4(q0 + ws_off[it],
-                                  or_first(ws_src[it], wsf_e + kt0 * BK / 16 + ws_k[it] / 16) +
-                                      kt * (BK / 16),
-                                  ws_src[it] ? 4 : 0);
+                    if (ws_off[it] >= 0) cp_async4(q0 + ws_off[it], ws_src[it] + kt * (BK / 16), 4);
 #pragma unroll
                 for (int it = 0; it < (W8 ? S8I : 0); it++)
                     if (r8_off[it] >= 0)
                         cp_async4(q0 + r8_off[it],
-                                  or_first(r8_src[it], r8_first) +
-                                      (int64_t)(kb / QUANT_FP8_BLOCK) * w_rows,
-                                  r8_src[it] ? 4 : 0);
+                                  r8_src[it] + (int64_t)(kb / QUANT_FP8_BLOCK) * w_rows, 4);
                 return;
             }
 #pragma unroll
