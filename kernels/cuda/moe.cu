@@ -1188,7 +1188,7 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int top
     if (id >= E) __trap(); // broken invariant: ids index the local experts
     const unsigned same = __match_any_sync(full, id);
     const bool leader = id >= 0 && __ffs(same) - 1 == lane;
-    const int nch = leader ? (__popc(same) + R - 1) / R : 0;
+    const int nch = leader ? (unsigned)(__popc(same) + R - 1) / R : 0;
     int incl = nch;
     for (int o = 1; o < 32; o <<= 1) {
         const int v = __shfl_up_sync(full, incl, o);
@@ -1208,7 +1208,7 @@ __device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int top
         const int rank = __popc(mask & ((1u << lane) - 1u));
         if (rank >= first && rank < first + R) {
             s_pair[rank - first] = lane;
-            s_tok[rank - first] = lane / topk;
+            s_tok[rank - first] = (unsigned)lane / topk;
         }
     }
     if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
@@ -1628,7 +1628,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         int r, c;
     };
     const int cpr_d = max(cpr, 1); // linear_bi's blocks past the ranges have no k tiles
-    const x_chunk x_step = {C::threads / cpr_d, C::threads % cpr_d};
+    const x_chunk x_step = {(int)(C::threads / (unsigned)cpr_d),
+                            (int)(C::threads % (unsigned)cpr_d)};
     auto x_next = [&](x_chunk &w) {
         w.r += x_step.r;
         w.c += x_step.c;
@@ -1661,7 +1662,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     constexpr bool X_FIRST = TINY && GATE_UP && (W4 || (W8 && !C::SPLIT));
     const bool x_first = X_FIRST && rows * cpr <= C::threads * CB;
     float4 xf_p[X_FIRST ? CB : 1], xf_q[X_FIRST ? CB : 1];
-    x_chunk x_w = {cpr > 0 ? tid / cpr_d : rows, tid % cpr_d}; // no k tiles: no chunks
+    x_chunk x_w = {cpr > 0 ? (int)((unsigned)tid / cpr_d) : rows, // no k tiles: no chunks
+                   (int)((unsigned)tid % cpr_d)};
     if constexpr (X_FIRST)
         if (x_first) x_load(x_w, xf_p, xf_q);
 #pragma unroll
