@@ -129,10 +129,12 @@ static void engine_free_graphs(engine *e) {
     const ops *o = e->m ? e->m->ops : NULL;
     if (e->graphs) engine_drop_graphs(e);
     free(e->graphs);
-    void *bufs[] = {e->g_ids, e->g_pos, e->g_seq, e->g_rows, e->g_table, e->g_logits};
+    void *bufs[] = {e->g_ids /* the block of g_ids .. g_table */, e->g_logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i] && o) o->dev_free(bufs[i]);
     free(e->g_host);
+    e->g_ids = e->g_pos = e->g_seq = e->g_rows = e->g_table = e->g_host = NULL;
+    e->g_logits = NULL;
     e->graphs = NULL;
     e->graph_max_bs = 0;
 }
@@ -146,22 +148,24 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
                        max_pages);
     engine_free_graphs(e);
     size_t V = (size_t)e->m->cfg.vocab_size, B = (size_t)max_bs, G = (size_t)max_pages;
-    e->g_ids = o->dev_alloc(B * sizeof(int32_t));
-    e->g_pos = o->dev_alloc(B * sizeof(int32_t));
-    e->g_seq = o->dev_alloc(B * sizeof(int32_t));
-    e->g_rows = o->dev_alloc(B * sizeof(int32_t));
-    e->g_table = o->dev_alloc(B * G * sizeof(int32_t));
+    /* one block, [ids B][pos B][seq B][rows B][table B G], staged on the host in the same
+     * layout, so that a step's batch goes up in one copy */
+    e->g_ids = o->dev_alloc(B * (4 + G) * sizeof(int32_t));
     e->g_logits = o->dev_alloc(B * V * sizeof(float));
     e->g_host = xcalloc(B * (4 + G), sizeof(int32_t));
     e->graph_max_bs = max_bs;
     e->graph_max_pages = max_pages;
     e->graphs = xcalloc((size_t)graph_count(e), sizeof(void *));
     e->graph_epoch = 0;
-    if (!e->g_ids || !e->g_pos || !e->g_seq || !e->g_rows || !e->g_table || !e->g_logits) {
+    if (!e->g_ids || !e->g_logits) {
         engine_free_graphs(e);
         return set_err(err, errlen, "graphs: out of %s memory for batches of %d", o->name,
                        max_bs);
     }
+    e->g_pos = e->g_ids + B;
+    e->g_seq = e->g_pos + B;
+    e->g_rows = e->g_seq + B;
+    e->g_table = e->g_rows + B;
     return 0;
 }
 
@@ -213,8 +217,8 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     const ops *o = m->ops;
     const int T = fb->T, Tb = graph_batch(e, T), B = e->graph_max_bs;
     const int G = graph_pages(e, seqs, T); /* the table's stride here, <= graph_max_pages */
-    int32_t *h_seq = e->g_host, *h_rows = h_seq + B, *h_table = h_rows + B,
-            *h_ids = h_table + (size_t)B * e->graph_max_pages, *h_pos = h_ids + B;
+    int32_t *h_ids = e->g_host, *h_pos = h_ids + B, *h_seq = h_pos + B, *h_rows = h_seq + B,
+            *h_table = h_rows + B; /* the device block's layout (engine_enable_graphs) */
     /* Rows past T copy row 0 (its token, position and page-table row): they store the same
      * key and value into the same slot, and their logits are not read. */
     for (int t = 0; t < Tb; t++) {
@@ -227,11 +231,9 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
             memcpy(h_table + (size_t)t * G, page_table + (size_t)seqs[t]->slot * max_pages,
                    (size_t)seqs[t]->n_pages * sizeof(int32_t));
     }
-    o->to_device(e->g_ids, h_ids, (size_t)Tb * sizeof(int32_t));
-    o->to_device(e->g_pos, h_pos, (size_t)Tb * sizeof(int32_t));
-    o->to_device(e->g_seq, h_seq, (size_t)Tb * sizeof(int32_t));
-    o->to_device(e->g_rows, h_rows, (size_t)Tb * sizeof(int32_t));
-    o->to_device(e->g_table, h_table, (size_t)T * G * sizeof(int32_t));
+    /* one copy (each waits for the device: five of them took four more round trips a step),
+     * the rows past Tb along (a graph of Tb rows reads none of them) */
+    o->to_device(e->g_ids, h_ids, ((size_t)4 * B + (size_t)T * G) * sizeof(int32_t));
     forward_batch g = *fb;
     g.T = g.attn.T = g.n_logits = Tb;
     g.ids = e->g_ids;

@@ -118,7 +118,7 @@ typedef struct {
     int graph_max_pages; /* the longest page table a graph takes */
     void **graphs;       /* by runtime_max, stride and batch (graph_index), NULL until captured */
     uint64_t graph_epoch;
-    int32_t *g_ids, *g_pos, *g_seq, *g_rows, *g_table; /* device */
+    int32_t *g_ids, *g_pos, *g_seq, *g_rows, *g_table; /* device, one block from g_ids */
     int32_t *g_host;                                   /* host staging of the same */
     float *g_logits;                                   /* device [graph_max_bs, V] */
     /* With expert parallelism, set by the caller before each engine_step: the step agreement's
