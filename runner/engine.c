@@ -125,6 +125,10 @@ static void engine_drop_graphs(engine *e) {
         }
 }
 
+/* The graphs' per-token arrays in their device block: B entries, rounded up to 32 (128 bytes),
+ * so that each starts aligned as a buffer of its own would. */
+static size_t graph_stride(int B) { return ((size_t)B + 31) / 32 * 32; }
+
 static void engine_free_graphs(engine *e) {
     const ops *o = e->m ? e->m->ops : NULL;
     if (e->graphs) engine_drop_graphs(e);
@@ -148,11 +152,12 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
                        max_pages);
     engine_free_graphs(e);
     size_t V = (size_t)e->m->cfg.vocab_size, B = (size_t)max_bs, G = (size_t)max_pages;
-    /* one block, [ids B][pos B][seq B][rows B][table B G], staged on the host in the same
-     * layout, so that a step's batch goes up in one copy */
-    e->g_ids = o->dev_alloc(B * (4 + G) * sizeof(int32_t));
+    /* one block, [ids][pos][seq][rows] of graph_stride(B) each, then [table B G], staged on the
+     * host in the same layout, so that a step's batch goes up in one copy */
+    const size_t P = graph_stride(max_bs), n = 4 * P + B * G;
+    e->g_ids = o->dev_alloc(n * sizeof(int32_t));
     e->g_logits = o->dev_alloc(B * V * sizeof(float));
-    e->g_host = xcalloc(B * (4 + G), sizeof(int32_t));
+    e->g_host = xcalloc(n, sizeof(int32_t));
     e->graph_max_bs = max_bs;
     e->graph_max_pages = max_pages;
     e->graphs = xcalloc((size_t)graph_count(e), sizeof(void *));
@@ -162,10 +167,10 @@ int engine_enable_graphs(engine *e, int max_bs, int max_pages, char *err, size_t
         return set_err(err, errlen, "graphs: out of %s memory for batches of %d", o->name,
                        max_bs);
     }
-    e->g_pos = e->g_ids + B;
-    e->g_seq = e->g_pos + B;
-    e->g_rows = e->g_seq + B;
-    e->g_table = e->g_rows + B;
+    e->g_pos = e->g_ids + P;
+    e->g_seq = e->g_pos + P;
+    e->g_rows = e->g_seq + P;
+    e->g_table = e->g_rows + P;
     return 0;
 }
 
@@ -217,8 +222,9 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     const ops *o = m->ops;
     const int T = fb->T, Tb = graph_batch(e, T), B = e->graph_max_bs;
     const int G = graph_pages(e, seqs, T); /* the table's stride here, <= graph_max_pages */
-    int32_t *h_ids = e->g_host, *h_pos = h_ids + B, *h_seq = h_pos + B, *h_rows = h_seq + B,
-            *h_table = h_rows + B; /* the device block's layout (engine_enable_graphs) */
+    const size_t P = graph_stride(B);      /* the device block's layout (engine_enable_graphs) */
+    int32_t *h_ids = e->g_host, *h_pos = h_ids + P, *h_seq = h_pos + P, *h_rows = h_seq + P,
+            *h_table = h_rows + P;
     /* Rows past T copy row 0 (its token, position and page-table row): they store the same
      * key and value into the same slot, and their logits are not read. */
     for (int t = 0; t < Tb; t++) {
@@ -233,7 +239,7 @@ static int engine_graph_forward(engine *e, forward_batch *fb, engine_seq *const 
     }
     /* one copy (each waits for the device: five of them took four more round trips a step),
      * the rows past Tb along (a graph of Tb rows reads none of them) */
-    o->to_device(e->g_ids, h_ids, ((size_t)4 * B + (size_t)T * G) * sizeof(int32_t));
+    o->to_device(e->g_ids, h_ids, (4 * P + (size_t)T * G) * sizeof(int32_t));
     forward_batch g = *fb;
     g.T = g.attn.T = g.n_logits = Tb;
     g.ids = e->g_ids;
