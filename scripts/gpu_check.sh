@@ -197,6 +197,26 @@ if curl -sf "localhost:$port/server_info" | python3 -c "import json,sys; assert 
 else
     bad "serve --device cuda: /server_info kv_cache_dtype is not bfloat16"
 fi
+if curl -sf "localhost:$port/server_info" | python3 -c "import json,sys; assert json.load(sys.stdin)['cuda_graph_max_bs'] == 8"; then
+    ok "serve --device cuda: /server_info cuda_graph_max_bs 8 (as asked)"
+else
+    bad "serve --device cuda: /server_info cuda_graph_max_bs is not 8"
+fi
+kill -TERM $spid 2>/dev/null
+wait $spid 2>/dev/null
+# the default: decode graphs on, up to 256 requests (--max-running-requests' 256 on a GPU)
+"$bin" serve --model-path "$model" --device cuda --port $port > "$out/serve-default.log" 2>&1 &
+spid=$!
+for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
+if curl -sf "localhost:$port/generate" -H 'Content-Type: application/json' -d "$body" > "$out/serve-default-answer.json" &&
+    cmp -s <(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['output_ids'])" "$out/serve-answer.json") \
+        <(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['output_ids'])" "$out/serve-default-answer.json") &&
+    curl -sf "localhost:$port/server_info" | python3 -c "import json,sys; j=json.load(sys.stdin); assert j['cuda_graph_max_bs'] == 256 and not j['disable_cuda_graph']"; then
+    ok "serve --device cuda, default flags: graphs up to 256, the same tokens"
+else
+    bad "serve --device cuda, default flags: graphs up to 256, the same tokens"
+    tail -n 20 "$out/serve-default.log"
+fi
 kill -TERM $spid 2>/dev/null
 wait $spid 2>/dev/null
 

@@ -23,7 +23,7 @@ worst difference is printed, and how many rounds gave the single GPU's bits exac
 --deterministic serves every run with --enable-deterministic-inference, and then every round
 must give the single GPU's bits exactly (a check of its own). --graphs N serves every run with
 --cuda-graph-max-bs N: decode steps replay CUDA graphs, under mpirun too (nvlink_one_sided; the
-nccl transport cannot be captured and runs eagerly)."""
+nccl transport cannot be captured and runs eagerly); without it every run has --disable-cuda-graph."""
 import argparse
 import json
 import os
@@ -146,8 +146,8 @@ def main():
         serve += ["--load-format", "dummy", "--skip-tokenizer-init"]
     if a.deterministic:
         serve += ["--enable-deterministic-inference"]
-    if a.graphs:
-        serve += ["--cuda-graph-max-bs", str(a.graphs)]
+    # without --graphs every run is eager (the GPU's default would replay graphs)
+    serve += ["--cuda-graph-max-bs", str(a.graphs)] if a.graphs else ["--disable-cuda-graph"]
     with open(os.path.join(a.log_dir, "single.log"), "w") as log:
         proc, up = start([BIN] + serve + ["--port", str(a.port)], [a.port], log)
         check("one GPU: the server starts", up)

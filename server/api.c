@@ -917,6 +917,9 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "page_size", g->page_size);
     cJSON_AddStringToObject(o, "kv_cache_dtype", g->kv_cache_bf16 ? "bfloat16" : "float32");
     cJSON_AddBoolToObject(o, "disable_radix_cache", g->disable_radix_cache);
+    cJSON_AddNumberToObject(o, "cuda_graph_max_bs",
+                            g->cuda_graph_max_bs > 0 ? g->cuda_graph_max_bs : 0);
+    cJSON_AddBoolToObject(o, "disable_cuda_graph", g->cuda_graph_max_bs <= 0);
     cJSON_AddBoolToObject(o, "enable_metrics", g->enable_metrics);
     cJSON_AddBoolToObject(o, "enable_deterministic_inference", g->enable_deterministic_inference);
     cJSON_AddBoolToObject(o, "api_key_set", g->api_key != NULL);

@@ -53,7 +53,8 @@ typedef struct {
     bool enable_dp_attention;
     double dist_timeout; /* seconds a rank waits for its peers before giving up */
     double mem_fraction_static; /* share of the device's memory for weights + KV pool; 0 = default */
-    int cuda_graph_max_bs;      /* decode steps replayed as CUDA graphs up to this batch; 0 = off */
+    int cuda_graph_max_bs;      /* decode steps replayed as CUDA graphs up to this batch; 0 = off
+                                   (serve starts from -1: its default by device) */
     const char *load_format;    /* auto | safetensors | dummy (random weights from config.json) */
     const char *quantization;   /* --quantization, or NULL: the checkpoint's own format */
     bool skip_tokenizer_init;   /* no tokenizer: token ids in and out (api_create gets NULL) */

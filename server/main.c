@@ -121,7 +121,8 @@ static const char usage_serve[] =
     "  --port N                      TCP port (default 30000; 0 = any free port)\n"
     "  --device cpu|cuda             where the model runs (default cpu)\n"
     "  --cuda-graph-max-bs N         replay decode steps of up to N requests as CUDA graphs\n"
-    "                                (default 0: off; --disable-cuda-graph: off)\n"
+    "                                (default with --device cuda: 256, or --max-running-\n"
+    "                                requests if fewer; 0 or --disable-cuda-graph: off)\n"
     "  --matmul-precision P          CUDA GEMM inputs: high (default; faithful to the fp32\n"
     "                                activations) or medium (rounded to BF16; faster prefill)\n"
     "  --max-running-requests N      requests decoded together at most (default 64; 256 on a\n"
@@ -753,7 +754,8 @@ static int cmd_serve(int argc, char **argv) {
                      .shutdown_timeout = 30,
                      .connection_timeout = 60,
                      .load_balance = true,
-                     .load_format = "auto"};
+                     .load_format = "auto",
+                     .cuda_graph_max_bs = -1}; /* by device, below */
     char err0[256];
     int kv_dtype = KV_DTYPE_AUTO;
     log_threshold = LOG_LEVEL_INFO;
@@ -955,6 +957,24 @@ static int cmd_serve(int argc, char **argv) {
     bool on_gpu = !strcmp(a.device, "cuda");
     if (!a.max_running_requests) a.max_running_requests = on_gpu ? 256 : 64;
     if (!a.chunked_prefill_size) a.chunked_prefill_size = on_gpu ? 8192 : 512;
+    /* Decode graphs on a GPU unless told otherwise (SGLang's default too): batches of up to 256
+     * requests, or --max-running-requests if fewer. The CPU has none. */
+    const bool graphs_asked = a.cuda_graph_max_bs > 0;
+    if (a.cuda_graph_max_bs < 0)
+        a.cuda_graph_max_bs =
+            on_gpu ? (a.max_running_requests < 256 ? a.max_running_requests : 256) : 0;
+    if (on_gpu && world > 1 && a.cuda_graph_max_bs > 0 && transport != A2A_NVLINK_ONE_SIDED) {
+        if (graphs_asked)
+            LOG_WARN("serve",
+                     "--cuda-graph-max-bs: decode steps run eagerly with the %s all-to-all (its "
+                     "dispatch reads counts on the host: no graph can hold it); "
+                     "nvlink_one_sided runs them as graphs",
+                     a2a_transport_name(transport));
+        else
+            LOG_INFO("serve", "decode steps run eagerly with the %s all-to-all (no graphs)",
+                     a2a_transport_name(transport));
+        a.cuda_graph_max_bs = 0;
+    }
 
     model_config cfg;
     if (model_config_load(&cfg, a.model_path, err, sizeof err)) die("%s", err);
@@ -1030,14 +1050,6 @@ static int cmd_serve(int argc, char **argv) {
     if (!strcmp(a.device, "cuda")) {
         backend = ops_cuda(rank_group_local_rank(group), err, sizeof err);
         if (!backend) die("--device cuda: %s", err);
-        if (world > 1 && a.cuda_graph_max_bs > 0 && transport != A2A_NVLINK_ONE_SIDED) {
-            LOG_WARN("serve",
-                     "--cuda-graph-max-bs: decode steps run eagerly with the %s all-to-all (its "
-                     "dispatch reads counts on the host: no graph can hold it); "
-                     "nvlink_one_sided runs them as graphs",
-                     a2a_transport_name(transport));
-            a.cuda_graph_max_bs = 0;
-        }
     }
     if (a.cuda_graph_max_bs > 0 && !backend->graph_begin)
         LOG_WARN("serve", "--cuda-graph-max-bs: the %s backend has no graphs; steps run eagerly",

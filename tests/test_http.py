@@ -408,6 +408,9 @@ def test_health_and_info(srv):
         check("GET %s internal_states[0].last_gen_throughput" % path, ok, r)
         check("GET %s kv_cache_dtype float32 (the default)" % path,
               isinstance(b, dict) and b.get("kv_cache_dtype") == "float32", short(b))
+        check("GET %s no CUDA graphs on the CPU (cuda_graph_max_bs 0, disable_cuda_graph)" % path,
+              isinstance(b, dict) and b.get("cuda_graph_max_bs") == 0
+              and b.get("disable_cuda_graph") is True, short(b))
         check("GET %s has disable_radix_cache false" % path,
               isinstance(b, dict) and b.get("disable_radix_cache") is False, short(b))
     r = srv.get("/v1/models")
