@@ -1433,7 +1433,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         return col < a.N ? wrow : -1;
     };
 
-    constexpr bool LEAN = WQ && BM == 16;
+    constexpr bool LEAN = WQ && BM == 16 && C::SPLIT;
     auto load_a = [&](int slot, int kt) {
         if constexpr (!A_FULL) {
             const int k = (kt0 + kt) * BK + kc * 8;
@@ -1530,13 +1530,15 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             r8_off[it] = r < BN ? BN * BL::QROW + r * 4 : -1;
         }
     }
-    // LEAN (the quantized formats' tiles of 16 rows, whose issue rate bounds them): where a k tile
-    // lies inside Kd (every one but a short last tile), the copies go without a guard each: a slot
-    // past the last column takes the expert's row 0 (set up above; its sums land in columns the
-    // epilogue skips), so each copy is an address and the instruction. H200, the form with a
-    // zero-byte copy for those slots instead: 3 to 5% faster in high; in medium as fast or slower
-    // (k tiles of 128, FP8 at T = 1 on DeepSeek-V3's experts 6% slower); in the larger tiles the
-    // extra path spilled.
+    // LEAN (the quantized formats' tiles of 16 rows in high precision, whose issue rate bounds
+    // them): where a k tile lies inside Kd (every one but a short last tile), the copies go
+    // without a guard each: a slot past the last column takes the expert's row 0 (set up above;
+    // its sums land in columns the epilogue skips), so each copy is an address and the
+    // instruction. H200, with a zero-byte copy for those slots instead (an address and a size
+    // selected each copy): 3 to 5% faster in high; in medium as fast or slower (k tiles of 128,
+    // FP8 at T = 1 on DeepSeek-V3's experts 6% slower); in the larger tiles the extra path
+    // spilled. This form in medium (no select left; NVFP4's tiny GEMM 1 about 457 instructions a
+    // k tile against 473, sm_90a SASS) is yet to be timed.
     auto load_b = [&](int slot, int kt) {
         if constexpr (WQ) {
             const int kb = (kt0 + kt) * BK;
