@@ -205,6 +205,7 @@ fi
 kill -TERM $spid 2>/dev/null
 wait $spid 2>/dev/null
 # the default: decode graphs on, up to 256 requests (--max-running-requests' 256 on a GPU)
+port=$((port + 1))
 "$bin" serve --model-path "$model" --device cuda --port $port > "$out/serve-default.log" 2>&1 &
 spid=$!
 for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
