@@ -164,13 +164,13 @@ scheduler *scheduler_create(model *m, const scheduler_config *cfg, char *err, si
         free(s);
         return NULL;
     }
+    /* Graphs are a speed-up: without their buffers (device memory) the steps run eagerly, as
+     * they do when a capture fails (engine.c). */
+    char why[256];
     if (c.cuda_graph_max_bs > 0 && m->ops->graph_begin &&
-        engine_enable_graphs(&s->e, c.cuda_graph_max_bs, pages_for(s, c.context_length) + 1, err,
-                             errlen)) {
-        engine_free(&s->e);
-        free(s);
-        return NULL;
-    }
+        engine_enable_graphs(&s->e, c.cuda_graph_max_bs, pages_for(s, c.context_length) + 1, why,
+                             sizeof why))
+        LOG_WARN("scheduler", "decode graphs off, steps run eagerly: %s", why);
     s->e.deterministic = c.deterministic;
     radix_cache_init(&s->rc, &s->e.kv);
     pthread_mutex_init(&s->mu, NULL);
