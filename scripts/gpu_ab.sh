@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Two builds timed side by side in one call of the GPU machine: every command of a plan runs on
+# build A and on build B, alternating (A B in odd rounds, B A in even ones) so that a drift of the
+# clocks or of the machine's load falls on both. Build them here with scripts/gpu_pack.sh (OLD=REV
+# packs a second build, of another commit, beside the working tree's).
+#   A=build/gpu/old B=build/gpu ROUNDS=2 OUT=/tmp/ab bash scripts/gpu_ab.sh [PLAN]
+# PLAN (default scripts/gpu_ab.plan): one command a line, `NAME | REGEX | COMMAND`, where COMMAND
+# names the build's directory as $BIN (`$BIN/bench_step ...`, `$BIN/tests/test_cuda_moe ...`) and
+# REGEX picks the lines of its output that the summary shows; `#` starts a comment. Each run's
+# output is kept in $OUT/NAME.LABEL.ROUND.txt (LABEL: the last part of A's and B's paths, or
+# "a" and "b" where those are equal). The summary prints, for each command, its picked lines from
+# every run, A's and B's next to each other; a run that failed says so, with its exit status.
+# ONLY=REGEX runs the plan's lines whose name matches; TIMEOUT (300) caps each run in seconds.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+plan=${1:-scripts/gpu_ab.plan}
+a=${A:-build/gpu/old}
+b=${B:-build/gpu}
+rounds=${ROUNDS:-2}
+out=${OUT:-/tmp/gpu-ab}
+only=${ONLY:-.}
+limit=${TIMEOUT:-300}
+export NCCL_NVLS_ENABLE=0
+for d in "$a" "$b"; do
+    [ -d "$d" ] || { echo "gpu_ab: no build at $d (scripts/gpu_pack.sh makes one)" >&2; exit 2; }
+done
+[ -f "$plan" ] || { echo "gpu_ab: no plan $plan" >&2; exit 2; }
+la=$(basename "$a")
+lb=$(basename "$b")
+[ "$la" != "$lb" ] || { la=a; lb=b; }
+mkdir -p "$out"
+
+names=() regexes=() commands=()
+while IFS= read -r line; do
+    line=${line%%#*}
+    [[ "$line" =~ [^[:space:]] ]] || continue
+    IFS='|' read -r name regex command <<<"$line"
+    name=$(echo "$name" | xargs)
+    regex=$(echo "$regex" | sed 's/^ *//; s/ *$//')
+    if [ -z "$name" ] || [ -z "$regex" ] || [ -z "${command// /}" ]; then
+        echo "gpu_ab: $plan: a line needs NAME | REGEX | COMMAND: $line" >&2
+        exit 2
+    fi
+    [[ "$name" =~ $only ]] || continue
+    names+=("$name") regexes+=("$regex") commands+=("$command")
+done <"$plan"
+[ ${#names[@]} -gt 0 ] || { echo "gpu_ab: no command of $plan matches ONLY=$only" >&2; exit 2; }
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+echo "A = $a ($la), B = $b ($lb), $rounds rounds, logs in $out"
+
+# run_one INDEX DIR LABEL ROUND: one command on one build, its output in its log
+run_one() {
+    local i=$1 dir=$2 label=$3 r=$4
+    local log="$out/${names[$i]}.$label.$r.txt"
+    (export BIN=$dir LD_LIBRARY_PATH=$dir/gpu-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+     timeout "$limit" bash -c "${commands[$i]}") >"$log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || echo "gpu_ab: exit status $rc" >>"$log"
+}
+
+t0=$(date +%s)
+for ((r = 1; r <= rounds; r++)); do
+    for i in "${!names[@]}"; do
+        if ((r % 2)); then
+            run_one "$i" "$a" "$la" "$r"
+            run_one "$i" "$b" "$lb" "$r"
+        else
+            run_one "$i" "$b" "$lb" "$r"
+            run_one "$i" "$a" "$la" "$r"
+        fi
+    done
+    echo "round $r done at $(($(date +%s) - t0)) s"
+done
+
+for i in "${!names[@]}"; do
+    echo
+    echo "== ${names[$i]}: ${commands[$i]}"
+    for ((r = 1; r <= rounds; r++)); do
+        for label in "$la" "$lb"; do
+            log="$out/${names[$i]}.$label.$r.txt"
+            grep -E -- "${regexes[$i]}|^gpu_ab: exit status" "$log" | sed "s/^/$label $r: /"
+        done
+    done
+done
