@@ -82,4 +82,31 @@ for i in "${!names[@]}"; do
             grep -E -- "${regexes[$i]}|^gpu_ab: exit status" "$log" | sed "s/^/$label $r: /"
         done
     done
+    # The picked lines' numbers, median over the rounds, A's line above B's: the k-th picked
+    # line of one run against the k-th of every other run, where they have as many numbers.
+    python3 - "$out" "${names[$i]}" "$la" "$lb" "$rounds" "${regexes[$i]}" <<'PY'
+import re, statistics, sys
+out, name, la, lb, rounds, regex = sys.argv[1:7]
+num = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?")
+def picked(label, r):
+    try:
+        with open(f"{out}/{name}.{label}.{r}.txt") as f:
+            return [l.rstrip("\n") for l in f if re.search(regex, l)]
+    except OSError:
+        return []
+runs = {lab: [picked(lab, r) for r in range(1, int(rounds) + 1)] for lab in (la, lb)}
+n = min(len(p) for ps in runs.values() for p in ps)
+if n == 0:
+    sys.exit(0)
+print(f"median of {rounds} rounds:")
+for k in range(n):
+    for lab in (la, lb):
+        lines = [p[k] for p in runs[lab]]
+        vals = [num.findall(l) for l in lines]
+        if any(len(v) != len(vals[0]) for v in vals):
+            print(f"{lab} med: (rounds differ) {lines[0]}")
+            continue
+        med = iter(f"{statistics.median(float(x) for x in col):g}" for col in zip(*vals))
+        print(f"{lab} med: " + num.sub(lambda m: next(med), lines[0]))
+PY
 done
