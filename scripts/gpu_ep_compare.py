@@ -4,7 +4,7 @@ alone and to `mpirun -np N moeserve serve --device cuda --moe-a2a-backend T`, pr
 logprobs compared position by position (greedy, so the tokens must agree too).
 
     scripts/gpu_ep_compare.py [--np 2] [--backends nvlink_one_sided,nccl] [--model DIR] [--dummy]
-                              [--deterministic] [--graphs N]
+                              [--deterministic] [--graphs N] [--device cuda|cpu]
 
 --dummy serves a config.json-only folder with random weights (--load-format dummy
 --skip-tokenizer-init; every weight is seeded by its name, so each rank's experts are the single
@@ -23,7 +23,10 @@ worst difference is printed, and how many rounds gave the single GPU's bits exac
 --deterministic serves every run with --enable-deterministic-inference, and then every round
 must give the single GPU's bits exactly (a check of its own). --graphs N serves every run with
 --cuda-graph-max-bs N: decode steps replay CUDA graphs, under mpirun too (nvlink_one_sided; the
-nccl transport cannot be captured and runs eagerly); without it every run has --disable-cuda-graph."""
+nccl transport cannot be captured and runs eagerly); without it every run has --disable-cuda-graph.
+--device cpu runs the same with CPU ranks (oversubscribed, OpenMPI yielding when idle) and the shm
+transport unless --backends names another: a dry run of a GPU script (scripts/gpu_scale.sh) on a
+machine without GPU."""
 import argparse
 import json
 import os
@@ -128,7 +131,13 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--graphs", type=int, default=0,
                     help="--cuda-graph-max-bs for every server (decode steps as CUDA graphs)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     a = ap.parse_args()
+    mpirun_flags = []
+    if a.device == "cpu":
+        mpirun_flags = ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+        if a.backends == ap.get_default("backends"):
+            a.backends = "shm"
     vocab = 2048  # the test checkpoint's ids below its end-of-text token
     if a.dummy:
         with open(os.path.join(a.model, "config.json")) as f:
@@ -141,7 +150,7 @@ def main():
         reqs.append({"input_ids": [rng.randrange(vocab) for _ in range(n)], "return_logprob": True,
                      "logprob_start_len": 0,
                      "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
-    serve = ["serve", "--model-path", a.model, "--device", "cuda", "--host", "127.0.0.1"]
+    serve = ["serve", "--model-path", a.model, "--device", a.device, "--host", "127.0.0.1"]
     if a.dummy:
         serve += ["--load-format", "dummy", "--skip-tokenizer-init"]
     if a.deterministic:
@@ -158,8 +167,8 @@ def main():
     check("one GPU: every request answered", all("meta_info" in r for r in ref))
     for backend in a.backends.split(","):
         ports = [a.port + 10 + r for r in range(a.np)]
-        cmd = ["mpirun", "--allow-run-as-root", "-np", str(a.np), "-x", "NCCL_NVLS_ENABLE",
-               "-x", "LD_LIBRARY_PATH", BIN] + serve + ["--port", str(ports[0]),
+        cmd = ["mpirun", "--allow-run-as-root"] + mpirun_flags + ["-np", str(a.np), "-x",
+               "NCCL_NVLS_ENABLE", "-x", "LD_LIBRARY_PATH", BIN] + serve + ["--port", str(ports[0]),
                                                         "--moe-a2a-backend", backend]
         with open(os.path.join(a.log_dir, "ep-%s.log" % backend), "w") as log:
             proc, up = start(cmd, ports, log)

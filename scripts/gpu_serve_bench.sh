@@ -6,13 +6,14 @@
 # scripts/gpu_bundle.sh`).
 #   scripts/gpu_serve_bench.sh [extra serve flags...]
 # Environment: MODEL (default config/models/qwen3-30b-a3b), PORT (31000), ILEN / OLEN (prompt and
-# output tokens per request, 512 / 128), CONC (the concurrencies, "1 64 256"), LAUNCH (a prefix
+# output tokens per request, 512 / 128), CONC (the concurrencies, "1 64 256"), REQS (requests a
+# run: REQS x the concurrency, 2; 8 at concurrency 1), LAUNCH (a prefix
 # such as "mpirun -np 2" for several ranks; the bench then spreads requests over their ports),
 # DEVICE (cuda; cpu runs the same on a machine without GPU), OUT (logs, /tmp/gpu-serve-bench).
 # Each run prints the main lines of SGLang's "Serving Benchmark Result" block; the whole block is
 # in OUT/bench-cC.txt.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export LD_LIBRARY_PATH=${BUILD:-build}/gpu-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NCCL_NVLS_ENABLE=0
 model=${MODEL:-config/models/qwen3-30b-a3b}
@@ -51,7 +52,7 @@ fi
 grep -m 3 -E "loaded|KV" "$out/serve.log"
 status=0
 for c in ${CONC:-1 64 256}; do
-    n=$((c == 1 ? 8 : 2 * c))
+    n=$((c == 1 ? 8 : ${REQS:-2} * c))
     echo "== concurrency $c, $n requests of ${ILEN:-512} + ${OLEN:-128} tokens"
     "$bench" serving "${urls[@]}" --backend sglang --dataset random-ids --vocab-size "$vocab" \
         --num-prompts "$n" --max-concurrency "$c" --random-input-len "${ILEN:-512}" \
