@@ -4,12 +4,14 @@
 # clocks or of the machine's load falls on both. Build them here with scripts/gpu_pack.sh (OLD=REV
 # packs a second build, of another commit, beside the working tree's).
 #   A=build/gpu/old B=build/gpu ROUNDS=2 OUT=/tmp/ab bash scripts/gpu_ab.sh [PLAN]
-# PLAN (default scripts/gpu_ab.plan): one command a line, `NAME | REGEX | COMMAND`, where COMMAND
-# names the build's directory as $BIN (`$BIN/bench_step ...`, `$BIN/tests/test_cuda_moe ...`) and
-# REGEX picks the lines of its output that the summary shows; `#` starts a comment. Each run's
-# output is kept in $OUT/NAME.LABEL.ROUND.txt (LABEL: the last part of A's and B's paths, or
-# "a" and "b" where those are equal). The summary prints, for each command, its picked lines from
-# every run, A's and B's next to each other; a run that failed says so, with its exit status.
+# PLAN (default scripts/gpu_ab.plan): one command a line, `NAME | REGEX | COMMAND` (the fields
+# split at " | ", spaces around the bar), where COMMAND names the build's directory as $BIN
+# (`$BIN/bench_step ...`, `$BIN/tests/test_cuda_moe ...`) and REGEX (extended) picks the lines
+# of its output that the summary shows; `#` starts a comment. Each run's output is kept in
+# $OUT/NAME.LABEL.ROUND.txt (LABEL: the last part of A's and B's paths, or "a" and "b" where
+# those are equal). The summary prints, for each command, its picked lines from every run (a
+# run that failed says so, with its exit status), then each picked line with its numbers'
+# medians over the rounds, A's above B's.
 # ONLY=REGEX runs the plan's lines whose name matches; TIMEOUT (300) caps each run in seconds.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -34,10 +36,13 @@ names=() regexes=() commands=()
 while IFS= read -r line; do
     line=${line%%#*}
     [[ "$line" =~ [^[:space:]] ]] || continue
-    IFS='|' read -r name regex command <<<"$line"
+    # split at the first two " | " (a regex may hold "|" without spaces, a command anything)
+    name=${line%% | *} rest=${line#* | }
+    regex=${rest%% | *} command=${rest#* | }
     name=$(echo "$name" | xargs)
     regex=$(echo "$regex" | sed 's/^ *//; s/ *$//')
-    if [ -z "$name" ] || [ -z "$regex" ] || [ -z "${command// /}" ]; then
+    if [ "$name" = "$line" ] || [ "$regex" = "$rest" ] || [ -z "$name" ] || [ -z "$regex" ] ||
+        [ -z "${command// /}" ]; then
         echo "gpu_ab: $plan: a line needs NAME | REGEX | COMMAND: $line" >&2
         exit 2
     fi

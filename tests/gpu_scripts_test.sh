@@ -29,7 +29,7 @@ mkdir -p "$tmp/old" "$tmp/new"
 for d in old new; do ln -s "$PWD/$b/bench_step" "$tmp/$d/bench_step"; done
 cat >"$tmp/plan" <<'EOF'
 # a comment, then two commands
-step | ^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9]+ | $BIN/bench_step --model-path tests/data/tiny-qwen3-moe --device cpu --context 32 --steps 2 --prefill-prompts 1 --prefill-len 8 --batches 1,2
+step | ^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9]+|^never picked | $BIN/bench_step --model-path tests/data/tiny-qwen3-moe --device cpu --context 32 --steps 2 --prefill-prompts 1 --prefill-len 8 --batches 1,2
 gone | ^never | $BIN/not_built
 EOF
 A=$tmp/old B=$tmp/new ROUNDS=2 OUT=$tmp/ab timeout 300 bash scripts/gpu_ab.sh "$tmp/plan" \
@@ -47,7 +47,7 @@ n=$(grep -Ec '^(old|new) med: +[12] +[0-9.]+' "$tmp/ab.txt")
     bad "gpu_ab.sh: $n of 4 median lines"
 ls "$tmp/ab/step.old.1.txt" "$tmp/ab/step.new.2.txt" >/dev/null 2>&1 &&
     ok "gpu_ab.sh: each run's log kept" || bad "gpu_ab.sh: the runs' logs are missing"
-echo "bad line without bars" >"$tmp/plan2"
+echo "two | fields only" >"$tmp/plan2"
 A=$tmp/old B=$tmp/new OUT=$tmp/ab2 bash scripts/gpu_ab.sh "$tmp/plan2" >"$tmp/ab2.txt" 2>&1
 rc=$?
 [ "$rc" -eq 2 ] && grep -q "a line needs NAME | REGEX | COMMAND" "$tmp/ab2.txt" &&
