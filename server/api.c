@@ -770,6 +770,24 @@ void api_item_count(api_job *j, api_item *it, const api_snap *s) {
     metrics_observe_request(j->srv->met, end - j->t_arrival, s->finish);
 }
 
+size_t api_item_final(api_job *j, api_item *it, api_snap *s, const char **abort_msg, char *buf,
+                      size_t buflen) {
+    api_snap_take(it, s);
+    size_t visible = api_item_visible(j->srv, it, s);
+    api_item_count(j, it, s);
+    if (s->finish == FINISH_ABORT && !atomic_load(&it->r->abort_api) && !*abort_msg) {
+        snprintf(buf, buflen, "%s", s->error[0] ? s->error : "aborted");
+        *abort_msg = buf;
+    }
+    return visible;
+}
+
+void api_reply_aborted(api_server *a, http_exchange *x, const char *abort_msg) {
+    api_error e;
+    api_fail(&e, 503, NULL, "%s", abort_msg);
+    api_reply_error(a, x, &e);
+}
+
 char *api_token_text(const api_server *a, int32_t id, size_t *len) {
     if (a->tok) return tokenizer_decode(a->tok, &id, 1, false, len);
     /* no tokenizer: vLLM's --return-tokens-as-token-ids spelling, unique per id */

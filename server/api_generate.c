@@ -271,24 +271,13 @@ void api_generate_answer(api_job *j, http_exchange *x) {
     for (int i = 0; i < j->n_items; i++) {
         api_item *it = &j->items[i];
         api_snap s;
-        api_snap_take(it, &s);
-        size_t visible = api_item_visible(j->srv, it, &s);
-        api_item_count(j, it, &s);
-        /* a server-side abort fails the exchange; one asked for by /abort_request answers
-         * what was generated, with finish_reason abort (as SGLang) */
-        if (s.finish == FINISH_ABORT && !atomic_load(&it->r->abort_api) && !abort_msg) {
-            snprintf(abort_buf, sizeof abort_buf, "%s", s.error[0] ? s.error : "aborted");
-            abort_msg = abort_buf;
-        }
+        size_t visible = api_item_final(j, it, &s, &abort_msg, abort_buf, sizeof abort_buf);
         cJSON_AddItemToArray(arr, api_gen_item_json(j, it, &s, visible));
         api_snap_free(&s);
     }
-    if (abort_msg) {
-        /* as SGLang: a request the server gave up on is a 503 with its reason */
+    if (abort_msg) { /* as SGLang: a request the server gave up on is a 503 with its reason */
         cJSON_Delete(arr);
-        api_error e;
-        api_fail(&e, 503, NULL, "%s", abort_msg);
-        api_reply_error(j->srv, x, &e);
+        api_reply_aborted(j->srv, x, abort_msg);
         return;
     }
     if (j->batch) {

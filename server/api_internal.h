@@ -209,6 +209,15 @@ size_t api_item_visible(api_server *a, api_item *it, const api_snap *s);
 const char *api_item_matched_stop(const api_item *it, const api_snap *s);
 /* Record the finished item in the metrics (once). */
 void api_item_count(api_job *j, api_item *it, const api_snap *s);
+/* A whole (not streamed) answer's item: its snapshot into s (api_snap_free after), counted in
+ * the metrics; returns the length of its text that may be shown. The first item the server
+ * aborted sets *abort_msg to its reason (kept in buf): the exchange then fails with 503
+ * (api_reply_aborted); an abort asked for by /abort_request answers what was generated, with
+ * finish_reason abort, as SGLang does. */
+size_t api_item_final(api_job *j, api_item *it, api_snap *s, const char **abort_msg, char *buf,
+                      size_t buflen);
+/* The 503 of a whole answer that the server aborted (api_item_final's abort_msg). */
+void api_reply_aborted(api_server *a, http_exchange *x, const char *abort_msg);
 /* The text of one token as logprob entries show it (malloc'ed; special tokens kept). */
 char *api_token_text(const api_server *a, int32_t id, size_t *len);
 

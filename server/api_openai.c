@@ -553,15 +553,7 @@ void api_openai_answer(api_job *j, http_exchange *x) {
     for (int i = 0; i < j->n_items; i++) {
         api_item *it = &j->items[i];
         api_snap s;
-        api_snap_take(it, &s);
-        size_t visible = api_item_visible(j->srv, it, &s);
-        api_item_count(j, it, &s);
-        /* a server-side abort fails the exchange; one asked for by /abort_request answers
-         * what was generated, with finish_reason abort (as SGLang) */
-        if (s.finish == FINISH_ABORT && !atomic_load(&it->r->abort_api) && !abort_msg) {
-            snprintf(abort_buf, sizeof abort_buf, "%s", s.error[0] ? s.error : "aborted");
-            abort_msg = abort_buf;
-        }
+        size_t visible = api_item_final(j, it, &s, &abort_msg, abort_buf, sizeof abort_buf);
         cJSON *c = cJSON_CreateObject();
         cJSON_AddNumberToObject(c, "index", i);
         char *text = xmalloc(visible + 1);
@@ -597,9 +589,7 @@ void api_openai_answer(api_job *j, http_exchange *x) {
     }
     if (abort_msg) {
         cJSON_Delete(root);
-        api_error e;
-        api_fail(&e, 503, NULL, "%s", abort_msg);
-        api_reply_error(j->srv, x, &e);
+        api_reply_aborted(j->srv, x, abort_msg);
         return;
     }
     cJSON_AddItemToObject(root, "usage", api_openai_usage(j));
