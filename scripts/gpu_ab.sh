@@ -6,8 +6,9 @@
 #   A=build/gpu/old B=build/gpu ROUNDS=2 OUT=/tmp/ab bash scripts/gpu_ab.sh [PLAN]
 # PLAN (default scripts/gpu_ab.plan): one command a line, `NAME | REGEX | COMMAND` (the fields
 # split at " | ", spaces around the bar), where COMMAND names the build's directory as $BIN
-# (`$BIN/bench_step ...`, `$BIN/tests/test_cuda_moe ...`) and REGEX (extended) picks the lines
-# of its output that the summary shows; `#` starts a comment. Each run's output is kept in
+# (`$BIN/bench_step ...`, `$BIN/tests/test_cuda_moe ...`) and REGEX (extended; the medians read
+# it with Python's re, so keep to what both take) picks the lines of its output that the
+# summary shows; `#` starts a comment. Each run's output is kept in
 # $OUT/NAME.LABEL.ROUND.txt (LABEL: the last part of A's and B's paths, or "a" and "b" where
 # those are equal). The summary prints, for each command, its picked lines from every run (a
 # run that failed says so, with its exit status), then each picked line with its numbers'
@@ -41,7 +42,7 @@ while IFS= read -r line; do
     regex=${rest%% | *} command=${rest#* | }
     name=$(echo "$name" | xargs)
     regex=$(echo "$regex" | sed 's/^ *//; s/ *$//')
-    if [ "$name" = "$line" ] || [ "$regex" = "$rest" ] || [ -z "$name" ] || [ -z "$regex" ] ||
+    if [[ "$line" != *" | "*" | "* ]] || [ -z "$name" ] || [ -z "$regex" ] ||
         [ -z "${command// /}" ]; then
         echo "gpu_ab: $plan: a line needs NAME | REGEX | COMMAND: $line" >&2
         exit 2
