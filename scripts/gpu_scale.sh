@@ -13,7 +13,7 @@
 #          rank count of RANKS, at each concurrency of CONC; a table of output tokens/s, in all
 #          and per GPU, at the end
 # Environment: NP (ranks of the a2a and det parts and the largest of RANKS; default: the GPUs
-# nvidia-smi lists), RANKS ("1 2 NP"), MODELS (config/models/qwen3-30b-a3b and
+# nvidia-smi lists), RANKS (1, 2, 4 and 8 up to NP, and NP), MODELS (config/models/qwen3-30b-a3b and
 # config/models/deepseek-v3-moe-shape), FORMATS ("bf16 fp8 nvfp4"), CONC ("64 256 1024"), ILEN
 # and OLEN (1000 and 1000), REQS (2), OUT (/tmp/gpu-scale), DEVICE (cuda; `DEVICE=cpu` runs
 # the det and serve parts with CPU ranks, oversubscribed, on a machine without GPU: a dry run
@@ -32,7 +32,7 @@ export NCCL_NVLS_ENABLE=0
 device=${DEVICE:-cuda}
 np=${NP:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 [ "${np:-0}" -ge 1 ] || { echo "gpu_scale: no GPU listed; set NP" >&2; exit 2; }
-ranks=${RANKS:-$(printf '%s\n' 1 2 "$np" | sort -nu | tr '\n' ' ')}
+ranks=${RANKS:-$(for n in 1 2 4 8 "$np"; do [ "$n" -le "$np" ] && echo "$n"; done | sort -nu | tr '\n' ' ')}
 models=${MODELS:-config/models/qwen3-30b-a3b config/models/deepseek-v3-moe-shape}
 formats=${FORMATS:-bf16 fp8 nvfp4}
 conc=${CONC:-64 256 1024}
