@@ -541,6 +541,27 @@ static void figures(void) {
     cudaFree(ws);
 }
 
+/* The issue's GEMM (8 experts x 4096 tokens) over K in one configuration, beside cuBLASLt's one
+ * GEMM of the same rows: a tile's k loop against its fixed part (time = tiles a block x (fixed + k
+ * tiles x a k tile's time), so a line through the points). */
+static void sweep_k(int config) {
+    const size_t ws_bytes = (size_t)32 << 20;
+    void *ws = NULL;
+    MS_ASSERT(cudaMalloc(&ws, ws_bytes) == cudaSuccess);
+    static const int Ns[] = {1536, 4096}, Ks[] = {1024, 2048, 3072, 4096, 5120, 7168};
+    for (size_t i = 0; i < sizeof Ns / sizeof Ns[0]; i++)
+        for (size_t j = 0; j < sizeof Ks / sizeof Ks[0]; j++) {
+            const int E = 8, T = 4096, N = Ns[i], K = Ks[j];
+            const double fl = 2.0 * E * T * (double)N * K;
+            const double cb = time_cublaslt_fp8(E * T, N, K, ws, ws_bytes);
+            const double g = time_grouped(E, T, N, K, config, false);
+            printf("sweep: configuration %d, N %d K %d: %8.1f us %5.0f TFLOP/s; cuBLASLt %8.1f us "
+                   "%5.0f TFLOP/s\n",
+                   config, N, K, g * 1e6, fl / g / 1e12, cb * 1e6, fl / cb / 1e12);
+        }
+    cudaFree(ws);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     char err[256];
@@ -563,9 +584,15 @@ int main(int argc, char **argv) {
             configs[n_configs++] = atoi(c);
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
-        const double g = time_grouped(8, 4096, 4096, 7168, atoi(argv[2]), false);
-        printf("configuration %s: 8 experts x 4096 tokens, N 4096 K 7168: %.1f us\n", argv[2],
+        const int N = argc > 4 ? atoi(argv[3]) : 4096, K = argc > 4 ? atoi(argv[4]) : 7168;
+        MS_ASSERT(N > 0 && N % 128 == 0 && K > 0 && K % 128 == 0);
+        const double g = time_grouped(8, 4096, N, K, atoi(argv[2]), false);
+        printf("configuration %s: 8 experts x 4096 tokens, N %d K %d: %.1f us\n", argv[2], N, K,
                g * 1e6);
+        return 0;
+    }
+    if (argc > 2 && strcmp(argv[1], "--sweep") == 0) { /* K from 1024 to 7168, one configuration */
+        sweep_k(atoi(argv[2]));
         return 0;
     }
     printf("FP8 grouped GEMM (wgmma) against the CPU\n");

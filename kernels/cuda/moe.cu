@@ -1433,7 +1433,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
         return col < a.N ? wrow : -1;
     };
 
-    constexpr bool LEAN = WQ && BM == 16 && C::SPLIT;
+    // LEAN and SEL: load_b's comment below.
+    constexpr bool LEAN = WQ && BM == 16 && C::SPLIT, SEL = LEAN && W8;
     auto load_a = [&](int slot, int kt) {
         if constexpr (!A_FULL) {
             const int k = (kt0 + kt) * BK + kc * 8;
@@ -1490,7 +1491,8 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             const int wrow = i < BN * QC ? b_row(r) : -1;
             wq_src[it] =
                 wrow >= 0 ? wq_e + (int64_t)wrow * (a.Kd / KPB) + kt0 * BK / KPB + c * 16 : nullptr;
-            if (LEAN && wrow < 0 && i < BN * QC) wq_src[it] = wq_e + kt0 * BK / KPB + c * 16;
+            if (LEAN && !SEL && wrow < 0 && i < BN * QC)
+                wq_src[it] = wq_e + kt0 * BK / KPB + c * 16;
             wq_off[it] = i < BN * QC ? r * BL::QROW + q_swz(r, c) * 16 : -1;
             wq_k[it] = c * 16 * KPB;
         }
@@ -1515,18 +1517,19 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // W8: this thread's scale rows (r8_off: offset in the stage, -1 for none; r8_src: the row's
     // scale at 128-k block 0, the next block w_rows floats on; past the last column as above)
     constexpr int S8I = W8 ? (BN + C::threads - 1) / C::threads : 1;
-    const float *r8_src[S8I];
+    const float *r8_src[S8I], *r8_first = nullptr; // r8_first: SEL's
     int r8_off[S8I];
     if constexpr (W8) {
         const int64_t nkb = (a.Kd + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
         const float *s_e = reinterpret_cast<const float *>(a.wsf) + (int64_t)e * nkb * w_rows;
+        r8_first = s_e;
 #pragma unroll
         for (int it = 0; it < S8I; it++) {
             const int r =
                 PRIV ? (it == 0 && lane < C::WN ? wn * C::WN + lane : BN) : tid + it * C::threads;
             const int wrow = r < BN ? b_row(r) : -1;
             r8_src[it] = wrow >= 0 ? s_e + wrow : nullptr;
-            if (LEAN && wrow < 0 && r < BN) r8_src[it] = s_e;
+            if (LEAN && !SEL && wrow < 0 && r < BN) r8_src[it] = s_e;
             r8_off[it] = r < BN ? BN * BL::QROW + r * 4 : -1;
         }
     }
@@ -1534,11 +1537,17 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // them): where a k tile lies inside Kd (every one but a short last tile), the copies go
     // without a guard each: a slot past the last column takes the expert's row 0 (set up above;
     // its sums land in columns the epilogue skips), so each copy is an address and the
-    // instruction. H200, with a zero-byte copy for those slots instead (an address and a size
-    // selected each copy): 3 to 5% faster in high; in medium as fast or slower (k tiles of 128,
-    // FP8 at T = 1 on DeepSeek-V3's experts 6% slower); in the larger tiles the extra path
-    // spilled. This form in medium (no select left; NVFP4's tiny GEMM 1 about 457 instructions a
-    // k tile against 473, sm_90a SASS) is yet to be timed.
+    // instruction. H200: 3 to 5% faster in high. In medium as fast or slower: with a zero-byte
+    // copy for those slots, FP8 at T = 1 on DeepSeek-V3's experts 6% slower; with row 0
+    // (2026-12-05, 3 rounds in a chain) DeepSeek-V3's FP8 -4% and NVFP4 -2% at T = 8, but FP8
+    // +2% at T = 1 and Qwen3-30B-A3B's NVFP4 +1% at T = 1 (its batch-1 step +1.7%). In the larger
+    // tiles the extra path spilled.
+    // SEL (FP8 in high): those slots copy 0 bytes from the expert's row 0 instead (an address and
+    // a size selected each copy). Not for its instructions (a few more) but for ptxas: in this
+    // form the tiny GEMM 2 gets 118 to 123 registers, in the row-0 form 96 to 102, and with
+    // those it was 8% slower (DeepSeek-V3's experts at T = 1, in a chain: 113.3 against 123.9
+    // us, T = 2 235.6 against 243.1; the same SASS as at 1f6c61a, scripts/sass_compare.py).
+    auto or_first = [](const auto *p, const auto *first) { return p ? p : first; };
     auto load_b = [&](int slot, int kt) {
         if constexpr (WQ) {
             const int kb = (kt0 + kt) * BK;
@@ -1547,7 +1556,14 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
 #pragma unroll
                 for (int it = 0; it < QI; it++)
                     if (wq_off[it] >= 0)
-                        cp_async16(q0 + wq_off[it], wq_src[it] + kt * (BK / KPB), 16);
+                        if constexpr (SEL)
+                            cp_async16(
+                                q0 + wq_off[it],
+                                or_first(wq_src[it], wq_e + kt0 * BK / KPB + wq_k[it] / KPB) +
+                                    kt * (BK / KPB),
+                                wq_src[it] ? 16 : 0);
+                        else
+                            cp_async16(q0 + wq_off[it], wq_src[it] + kt * (BK / KPB), 16);
 #pragma unroll
                 for (int it = 0; it < (W4 ? SI : 0); it++)
                     if (ws_off[it] >= 0) cp_async4(q0 + ws_off[it], ws_src[it] + kt * (BK / 16), 4);
@@ -1555,7 +1571,9 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                 for (int it = 0; it < (W8 ? S8I : 0); it++)
                     if (r8_off[it] >= 0)
                         cp_async4(q0 + r8_off[it],
-                                  r8_src[it] + (int64_t)(kb / QUANT_FP8_BLOCK) * w_rows, 4);
+                                  (SEL ? or_first(r8_src[it], r8_first) : r8_src[it]) +
+                                      (int64_t)(kb / QUANT_FP8_BLOCK) * w_rows,
+                                  !SEL || r8_src[it] ? 4 : 0);
                 return;
             }
 #pragma unroll
