@@ -1462,12 +1462,12 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     };
     // WQ: this thread's load slots, fixed for the whole loop: QI 16-byte code chunks (32 k in
     // NVFP4, 16 in FP8) and (NVFP4) SI 4-byte scale pieces (64 k) of a stage; source at the
-    // block's first k tile (past the last column NULL, zeros; LEAN's the expert's row 0, below),
-    // offset in the stage, k within the tile. Kd % 64 == 0, so each is whole inside Kd or past
-    // it. Swizzles, so that the fragment reads of eight rows fall in distinct banks: NVFP4 with 4
-    // chunks a row, rows r with r & 2 swap their halves (wq_frag's 8-byte reads); with 8 (BK
-    // 256), row r's pairs of chunks XOR (r & 3) (four rows' 32 bytes in distinct banks); FP8 with
-    // 8 chunks a row (BK 128), odd rows swap their halves (w8_frag's 16-byte reads, two rows a
+    // block's first k tile (past the last column NULL, zeros; LEAN's but not SEL's the expert's
+    // row 0, below), offset in the stage, k within the tile. Kd % 64 == 0, so each is whole inside
+    // Kd or past it. Swizzles, so that the fragment reads of eight rows fall in distinct banks:
+    // NVFP4 with 4 chunks a row, rows r with r & 2 swap their halves (wq_frag's 8-byte reads); with
+    // 8 (BK 256), row r's pairs of chunks XOR (r & 3) (four rows' 32 bytes in distinct banks); FP8
+    // with 8 chunks a row (BK 128), odd rows swap their halves (w8_frag's 16-byte reads, two rows a
     // phase).
     constexpr int QI = (BN * BL::QC + C::threads - 1) / C::threads;
     constexpr int SI = (BN * (BK / 64) + C::threads - 1) / C::threads;
