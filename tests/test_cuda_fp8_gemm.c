@@ -584,7 +584,7 @@ int main(int argc, char **argv) {
             configs[n_configs++] = atoi(c);
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
-        const int N = argc > 4 ? atoi(argv[3]) : 4096, K = argc > 4 ? atoi(argv[4]) : 7168;
+        const int N = argc > 3 ? atoi(argv[3]) : 4096, K = argc > 4 ? atoi(argv[4]) : 7168;
         MS_ASSERT(N > 0 && N % 128 == 0 && K > 0 && K % 128 == 0);
         const double g = time_grouped(8, 4096, N, K, atoi(argv[2]), false);
         printf("configuration %s: 8 experts x 4096 tokens, N %d K %d: %.1f us\n", argv[2], N, K,

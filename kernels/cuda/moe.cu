@@ -1555,7 +1555,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
             if (LEAN && kb + BK <= a.Kd) {
 #pragma unroll
                 for (int it = 0; it < QI; it++)
-                    if (wq_off[it] >= 0)
+                    if (wq_off[it] >= 0) {
                         if constexpr (SEL)
                             cp_async16(
                                 q0 + wq_off[it],
@@ -1564,6 +1564,7 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
                                 wq_src[it] ? 16 : 0);
                         else
                             cp_async16(q0 + wq_off[it], wq_src[it] + kt * (BK / KPB), 16);
+                    }
 #pragma unroll
                 for (int it = 0; it < (W4 ? SI : 0); it++)
                     if (ws_off[it] >= 0) cp_async4(q0 + ws_off[it], ws_src[it] + kt * (BK / 16), 4);
