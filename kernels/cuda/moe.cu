@@ -1540,12 +1540,13 @@ __global__ void __launch_bounds__(C::threads) moe_gemm_kernel(moe_gemm_args a) {
     // instruction. H200: 3 to 5% faster in high. In medium as fast or slower: with a zero-byte
     // copy for those slots, FP8 at T = 1 on DeepSeek-V3's experts 6% slower; with row 0
     // (2026-12-05, 3 rounds in a chain) DeepSeek-V3's FP8 -4% and NVFP4 -2% at T = 8, but FP8
-    // +2% at T = 1 and Qwen3-30B-A3B's NVFP4 +1% at T = 1 (its batch-1 step +1.7%). In the larger
-    // tiles the extra path spilled.
+    // +2% at T = 1 and Qwen3-30B-A3B's NVFP4 +1% at T = 1 (its batch-1 step +1.7%, one round).
+    // In the larger tiles the extra path spilled.
+    //
     // SEL (FP8 in high): those slots copy 0 bytes from the expert's row 0 instead (an address and
     // a size selected each copy). Not for its instructions (a few more) but for ptxas: in this
     // form the tiny GEMM 2 gets 118 to 123 registers, in the row-0 form 96 to 102, and with
-    // those it was 8% slower (DeepSeek-V3's experts at T = 1, in a chain: 113.3 against 123.9
+    // those it was 9% slower (DeepSeek-V3's experts at T = 1, in a chain: 113.3 against 123.9
     // us, T = 2 235.6 against 243.1; the same SASS as at 1f6c61a, scripts/sass_compare.py).
     auto or_first = [](const auto *p, const auto *first) { return p ? p : first; };
     auto load_b = [&](int slot, int kt) {
