@@ -594,6 +594,7 @@ void a2a_destroy(a2a *a) {
     free(a->recv_x);
     free(a->recv_ids);
     free(a->recv_w);
+    free(a->partial_slots);
     free(a);
 }
 
@@ -682,5 +683,52 @@ int a2a_combine(a2a *a, const float *expert_out, float *out, char *err, size_t e
     if (a->ops->combine(a, expert_out, out, err, errlen) != 0) return -1;
     a->phase = A2A_PHASE_IDLE;
     a->round++;
+    return 0;
+}
+
+/* One token's partial-form sum into out[D] from its K exact slots: each owner rank's slots (the
+ * dispatch's slot_rank), in slot order, as w * output in fp32 (no fused multiply-add: -std=c11
+ * keeps contraction off), rounded to BF16; those partials added in rank order from +0, as the
+ * GPU's partial combine does (the owner rank sums, the home rank adds). acc[D] is scratch. */
+static void partial_sum_token(const a2a *a, float *out, float *acc, const float *slots,
+                              const int32_t *slot_rank, const float *w) {
+    const int D = a->cfg.hidden, K = a->cfg.top_k;
+    for (int d = 0; d < D; d++)
+        out[d] = 0.0f;
+    for (int r = 0; r < a->cfg.ep_size; r++) {
+        int any = 0;
+        for (int k = 0; k < K; k++) {
+            if (slot_rank[k] != r) continue;
+            const float *y = slots + (size_t)k * D;
+            for (int d = 0; d < D; d++)
+                acc[d] = (any ? acc[d] : 0.0f) + w[k] * y[d];
+            any = 1;
+        }
+        if (any)
+            for (int d = 0; d < D; d++)
+                out[d] = out[d] + bf16_to_f32(f32_to_bf16(acc[d]));
+    }
+}
+
+int a2a_combine_partial(a2a *a, const float *expert_out, const float *topk_w, float *out, char *err,
+                        size_t errlen) {
+    if (!a) return set_err(err, errlen, "a2a: combine on a NULL a2a");
+    const int T = a->T, D = a->cfg.hidden, K = a->cfg.top_k;
+    if (a->phase == A2A_PHASE_DISPATCHED && T > 0 && !topk_w)
+        return set_err(err, errlen, "a2a rank %d: partial combine with a NULL topk_w for %d tokens",
+                       a->cfg.rank, T);
+    if (a->phase == A2A_PHASE_DISPATCHED && !a->partial_slots) {
+        a->partial_slots = malloc((size_t)a->cfg.max_tokens_per_rank * K * D * sizeof(float));
+        if (!a->partial_slots && a->cfg.max_tokens_per_rank > 0)
+            return set_err(err, errlen, "a2a rank %d: out of memory for the partial combine",
+                           a->cfg.rank);
+    }
+    if (a2a_combine(a, expert_out, a->partial_slots, err, errlen) != 0) return -1;
+    if (T == 0) return 0;
+    float *acc = xmalloc((size_t)D * sizeof(float));
+    for (int t = 0; t < T; t++)
+        partial_sum_token(a, out + (size_t)t * D, acc, a->partial_slots + (size_t)t * K * D,
+                          a->slot_rank + (size_t)t * K, topk_w + (size_t)t * K);
+    free(acc);
     return 0;
 }

@@ -16,7 +16,8 @@
  *
  * Combine returns every slot's output separately ([T, K, D]) so that the home rank sums the K
  * outputs in slot order k = 0..K-1 in fp32 (moe_finalize), exactly as one process does: results do
- * not depend on which rank computed which expert. */
+ * not depend on which rank computed which expert. a2a_combine_partial gives the GPU's partial
+ * form instead (a weighted sum per owner rank in BF16), whose results do. */
 #ifndef MOESERVE_A2A_H
 #define MOESERVE_A2A_H
 
@@ -117,5 +118,16 @@ const a2a_config *a2a_get_config(const a2a *a);
  * D] on the home rank: slot k of token t = the output of expert topk_ids[t, k] from its owner.
  * Returns 0, or -1 with a message. */
 int a2a_combine(a2a *a, const float *expert_out, float *out, char *err, size_t errlen);
+
+/* The partial form (TensorRT-LLM's combine; kernels/cuda/a2a_cuda.h's a2a_gpu_combine_partial):
+ * out[T, D] = the sum, over the ranks in rank order, of each owner rank's partial: its slots'
+ * topk_w[t, k] expert_out[t, k] added in slot order in fp32 (no fused multiply-add), rounded to
+ * BF16. On a GPU link it moves 2 D bytes per (token, remote rank) instead of 4 D per remote slot,
+ * but which slots share a partial depends on the expert split: results are not the same across
+ * rank counts (the slots form's are). Here the slots still travel and the home rank forms the
+ * owners' partials from them (topk_w[T, K]: the dispatch's weights): the GPU's bits, not its
+ * bytes. Returns 0, or -1 with a message. */
+int a2a_combine_partial(a2a *a, const float *expert_out, const float *topk_w, float *out, char *err,
+                        size_t errlen);
 
 #endif

@@ -50,6 +50,10 @@ struct model {
     int expert_begin, expert_end;
     a2a *a2a;      /* set by the caller after loading (model_free does not destroy it) */
     struct a2a_gpu *a2a_gpu; /* or the GPU's (kernels/cuda/a2a_cuda.h), the same way */
+    /* With an all-to-all: its partial combine (each owner rank's weighted sum of its slots in
+     * BF16, one vector per token and rank; a2a_combine_partial) instead of every slot in fp32.
+     * Fewer link bytes; results then depend on the expert split (within BF16's rounding). */
+    bool a2a_partial;
     struct model_tensor *tensors; /* the weights model_weight handed out (a list) */
     bool dummy; /* --load-format dummy: no checkpoint; every weight is made by fill_random */
     int online_quant; /* MODEL_QUANT_*: BF16 projections quantized at load (--quantization) */

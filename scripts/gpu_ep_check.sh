@@ -3,10 +3,12 @@
 # repository root with the build carried there (build here: `make -j2 && scripts/gpu_bundle.sh`):
 #   1. build/tests/test_cuda_a2a under mpirun -np 2: the GPU all-to-all against the CPU's shm
 #   2. scripts/gpu_ep_compare.py: `mpirun -np 2 moeserve serve --device cuda` with
-#      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens;
-#      deterministic, every round bit for bit, eagerly and with decode steps as CUDA graphs
+#      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens,
+#      with the partial combine (the default) and the slots one; deterministic, every round bit
+#      for bit, eagerly and with decode steps as CUDA graphs
 #   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights, decode graphs)
-#      on one GPU and on two (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU run)
+#      on one GPU and on two, each combine form (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU
+#      run)
 # Logs go to ${OUT:-/tmp/gpu-ep}; each part prints its summary, the last line is "N passed, M
 # failed" over parts 1 and 2.
 set -u
@@ -44,10 +46,15 @@ MOESERVE_A2A_MEM=posix_fd timeout 300 "${mpi[@]}" -x MOESERVE_A2A_MEM -np 2 \
 grep -E "^FAIL|segment" "$out/test_cuda_a2a-posix_fd.txt" | head -n 10
 count "$out/test_cuda_a2a-posix_fd.txt"
 
-echo "== 2. the server on 2 GPUs against 1"
+echo "== 2. the server on 2 GPUs against 1 (the default combine: partial, BF16 sums per rank)"
 OUT=$out timeout 900 python3 scripts/gpu_ep_compare.py > "$out/compare.txt" 2>&1
 grep -vE '^[0-9]+ passed' "$out/compare.txt"
 count "$out/compare.txt"
+echo "== 2a. the same with --moe-a2a-combine slots (every slot home in fp32)"
+OUT=$out/slots timeout 900 python3 scripts/gpu_ep_compare.py --combine slots \
+    > "$out/compare-slots.txt" 2>&1
+grep -vE '^[0-9]+ passed' "$out/compare-slots.txt"
+count "$out/compare-slots.txt"
 echo "== 2b. the same with --enable-deterministic-inference: every round bit for bit"
 OUT=$out/det timeout 600 python3 scripts/gpu_ep_compare.py --deterministic > "$out/compare-det.txt" 2>&1
 grep -E '^FAIL|bit for bit' "$out/compare-det.txt"
@@ -63,8 +70,10 @@ if [[ " ${SKIP:-} " != *" serve "* ]]; then
         echo "== 3. serving, Qwen3-30B-A3B dummy weights: one GPU (decode graphs)"
         OUT=$out/serve1 timeout 600 bash scripts/gpu_serve_bench.sh --cuda-graph-max-bs 256
     fi
-    echo "== 3. serving, two GPUs (nvlink_one_sided, decode graphs)"
-    OUT=$out/serve2 LAUNCH="${mpi[*]} -np 2" timeout 600 bash scripts/gpu_serve_bench.sh \
-        --moe-a2a-backend nvlink_one_sided --cuda-graph-max-bs 256
+    for form in partial slots; do
+        echo "== 3. serving, two GPUs (nvlink_one_sided, decode graphs, $form combine)"
+        OUT=$out/serve2-$form LAUNCH="${mpi[*]} -np 2" timeout 600 bash scripts/gpu_serve_bench.sh \
+            --moe-a2a-backend nvlink_one_sided --moe-a2a-combine $form --cuda-graph-max-bs 256
+    done
 fi
 echo "$pass passed, $fail failed"

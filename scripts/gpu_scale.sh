@@ -15,7 +15,8 @@
 # Environment: NP (ranks of the a2a and det parts and the largest of RANKS; default: the GPUs
 # nvidia-smi lists), RANKS (1, 2, 4 and 8 up to NP, and NP), MODELS (config/models/qwen3-30b-a3b and
 # config/models/deepseek-v3-moe-shape), FORMATS ("bf16 fp8 nvfp4"), CONC ("64 256 1024"), ILEN
-# and OLEN (1000 and 1000), REQS (2), OUT (/tmp/gpu-scale), DEVICE (cuda; `DEVICE=cpu` runs
+# and OLEN (1000 and 1000), REQS (2), COMBINE (the serve part's --moe-a2a-combine on several
+# ranks; unset: the server's default, partial on GPUs), OUT (/tmp/gpu-scale), DEVICE (cuda; `DEVICE=cpu` runs
 # the det and serve parts with CPU ranks, oversubscribed, on a machine without GPU: a dry run
 # of this script, with small MODELS, CONC and lengths and FORMATS=bf16, since dummy quantized
 # experts are made on a GPU only). The last line is "N passed, M failed" over the a2a run, the
@@ -45,6 +46,7 @@ if [ "$device" = cpu ]; then
     mpi+=(--oversubscribe --mca mpi_yield_when_idle 1)
     serve_flags=()
 fi
+[ -n "${COMBINE:-}" ] && serve_flags+=(--moe-a2a-combine "$COMBINE")
 pass=0
 fail=0
 result() { # NAME OK: one check or run into the totals

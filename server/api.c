@@ -953,6 +953,8 @@ static void api_server_info(api_server *a, http_exchange *x) {
     cJSON_AddNumberToObject(o, "world_size", world);
     cJSON_AddBoolToObject(o, "load_balance", g->load_balance);
     cJSON_AddStringToObject(o, "moe_a2a_backend", g->moe_a2a_backend ? g->moe_a2a_backend : "none");
+    cJSON_AddStringToObject(o, "moe_a2a_combine",
+                            g->moe_a2a_combine ? g->moe_a2a_combine : "slots");
     cJSON_AddBoolToObject(o, "enable_dp_attention", g->enable_dp_attention);
     cJSON_AddNumberToObject(o, "tp_size", world);
     cJSON_AddNumberToObject(o, "dp_size", world);

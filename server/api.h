@@ -49,6 +49,7 @@ typedef struct {
     /* the rank group */
     bool load_balance;           /* place generation requests on the least-loaded rank */
     const char *moe_a2a_backend; /* none | shm | mpi | nvlink_one_sided | nccl; NULL = by machine */
+    const char *moe_a2a_combine; /* slots | partial once resolved; NULL or auto = by transport */
     int tp, dp, ep;              /* SGLang's flags, 0 = not given; checked against the world */
     bool enable_dp_attention;
     double dist_timeout; /* seconds a rank waits for its peers before giving up */

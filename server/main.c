@@ -173,6 +173,13 @@ static const char usage_serve[] =
     "                                (one-sided MPI), nvlink_one_sided or nccl (CUDA builds);\n"
     "                                default: none for one rank, shm on one node, else mpi.\n"
     "                                flashinfer_nvlink_one_sided = nvlink_one_sided\n"
+    "  --moe-a2a-combine FORM        how expert outputs come home: slots (every slot's output\n"
+    "                                in fp32, summed at home in slot order: any rank count gives\n"
+    "                                one process's bits) or partial (each owner rank's weighted\n"
+    "                                sum in BF16, a vector per token and rank: fewer link bytes,\n"
+    "                                results within BF16's rounding); default auto: partial on\n"
+    "                                GPUs, slots on CPUs and with\n"
+    "                                --enable-deterministic-inference\n"
     "  --load-balance                place each generation request on the least-loaded rank,\n"
     "                                whichever rank it reached (default)\n"
     "  --no-load-balance             each rank runs the requests that reach it\n"
@@ -706,6 +713,22 @@ static a2a_transport serve_transport(const char *name, const rank_group *g, bool
     return t;
 }
 
+/* --moe-a2a-combine: "slots" or "partial". auto takes partial where the outputs cross a GPU link
+ * (nvlink_one_sided, nccl: K fp32 slots a token against one BF16 vector per rank), slots on the
+ * CPU transports (shared or MPI memory; every rank count then gives one process's bits) and in
+ * the deterministic mode, which refuses partial: its sums depend on the expert split. */
+static const char *serve_combine(const char *name, a2a_transport t, bool deterministic) {
+    if (!name || !strcmp(name, "auto"))
+        return !deterministic && (t == A2A_NVLINK_ONE_SIDED || t == A2A_NCCL) ? "partial" : "slots";
+    if (strcmp(name, "slots") && strcmp(name, "partial"))
+        die("--moe-a2a-combine: '%s' is not one of auto, slots, partial", name);
+    if (t == A2A_NONE) return "slots"; /* one rank: nothing comes home */
+    if (deterministic && !strcmp(name, "partial"))
+        die("--moe-a2a-combine partial: its sums depend on how the experts are split over the "
+            "ranks, which --enable-deterministic-inference forbids (use slots)");
+    return name;
+}
+
 /* Wait for the engine thread at most timeout_s; false when it did not end. */
 static bool serve_join(pthread_t th, double timeout_s) {
     struct timespec until;
@@ -815,6 +838,7 @@ static int cmd_serve(int argc, char **argv) {
                                                  "--shutdown-timeout",
                                                  "--log-level",
                                                  "--moe-a2a-backend",
+                                                 "--moe-a2a-combine",
                                                  "--tp",
                                                  "--tp-size",
                                                  "--dp",
@@ -879,6 +903,8 @@ static int cmd_serve(int argc, char **argv) {
         }
         else if (!strcmp(f, "--moe-a2a-backend"))
             a.moe_a2a_backend = v;
+        else if (!strcmp(f, "--moe-a2a-combine"))
+            a.moe_a2a_combine = v;
         else if (!strcmp(f, "--load-format"))
             a.load_format = v;
         else if (!strcmp(f, "--quantization"))
@@ -942,6 +968,8 @@ static int cmd_serve(int argc, char **argv) {
         die("%s", err);
     a2a_transport transport = serve_transport(a.moe_a2a_backend, group, !strcmp(a.device, "cuda"));
     a.moe_a2a_backend = a2a_transport_name(transport);
+    a.moe_a2a_combine =
+        serve_combine(a.moe_a2a_combine, transport, a.enable_deterministic_inference);
     if (a.port && a.port + world - 1 > 65535)
         die("--port %d: ranks 0..%d need ports up to %d, above 65535", a.port, world - 1,
             a.port + world - 1);
@@ -1089,14 +1117,15 @@ static int cmd_serve(int argc, char **argv) {
             if (!all_to_all) die("%s", err);
             m->a2a = all_to_all;
         }
+        m->a2a_partial = !strcmp(a.moe_a2a_combine, "partial");
     }
     if (world > 1)
         LOG_INFO("serve",
                  "rank %d of %d (%d on this node): experts [%d, %d) of %d, all-to-all %s "
-                 "(%s tokens), %d threads",
+                 "(%s tokens), %s combine, %d threads",
                  rank, world, rank_group_local_size(group), m->expert_begin, m->expert_end,
                  cfg.num_experts, a.moe_a2a_backend,
-                 a2a_payload_name((a2a_payload)m->expert_payload),
+                 a2a_payload_name((a2a_payload)m->expert_payload), a.moe_a2a_combine,
                  a.threads ? a.threads : omp_get_max_threads());
     scheduler_config sc = {.max_running_requests = a.max_running_requests,
                            .max_total_tokens = a.max_total_tokens,

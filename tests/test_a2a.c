@@ -12,10 +12,13 @@
  * random rounds (T in [0, max] per rank, so some ranks have none; runtime_max = the max over ranks,
  * different each round), skewed routing (every token to one rank's experts), all-zero rounds,
  * tokens spread over every rank, a token with two slots on the same rank, E = 10 split unevenly,
- * E = 3 on 4 ranks (a rank with no experts), K = 2..4; the phase guard, argument errors, config
+ * E = 3 on 4 ranks (a rank with no experts), K = 2..4; the partial combine (each owner rank's
+ * weighted sum rounded to BF16, added in rank order) against that formula, bit for bit; the
+ * phase guard, argument errors, config
  * checks agreed across ranks, a runtime_max that differs between ranks, a peer that never
  * arrives (the wait times out naming it), and one that the config's check_peers reports gone in
  * dispatch or combine (the wait fails within a fraction of a second with its message). */
+#include "common/tensor.h"
 #include "kernels/a2a.h"
 #include "tests/check.h"
 
@@ -168,6 +171,9 @@ static float fake_expert(float x, float w, int local_id, int d) {
 
 /* ---- one round, checked ---- */
 
+/* Combine in the partial form (a2a_combine_partial) instead of the slots form. */
+static int g_partial;
+
 typedef struct {
     const a2a_config *c;
     int cfg_id;
@@ -254,9 +260,43 @@ static int run_round(a2a *a, const suite *S, int round) {
                            : -12345.0f;
         }
     float *out = malloc(((size_t)in->T * K * D + 1) * sizeof(float));
-    rc = a2a_combine(a, expert_out, out, err, sizeof err);
+    rc = g_partial ? a2a_combine_partial(a, expert_out, in->w, out, err, sizeof err)
+                   : a2a_combine(a, expert_out, out, err, sizeof err);
     CHECK(rc == 0, "rank %d %s round %d: combine: %s", me, S->what, round, err);
-    if (rc == 0) {
+    if (rc == 0 && g_partial) {
+        /* out[t, d] = sum over owner ranks r (in order) of bf16(sum over r's slots in order of
+         * w * output), the sums in fp32 from +0 */
+        int bad = 0;
+        for (int t = 0; t < in->T && !bad; t++) {
+            float xs[256];
+            a2a_payload_roundtrip(c->payload, xs, in->x + (size_t)t * D, D);
+            for (int d = 0; d < D && !bad; d++) {
+                float want = 0.0f;
+                for (int r = 0; r < g_size; r++) {
+                    float part = 0.0f;
+                    int slots = 0;
+                    for (int k = 0; k < K; k++) {
+                        int g = in->ids[(size_t)t * K + k];
+                        if (owner_of(c, g) != r) continue;
+                        float wk = in->w[(size_t)t * K + k];
+                        float y = fake_expert(xs[d], wk, g - c->expert_begin[r], d);
+                        part = part + wk * y;
+                        slots++;
+                    }
+                    if (slots) want = want + bf16_to_f32(f32_to_bf16(part));
+                }
+                float have = out[(size_t)t * D + d];
+                if (memcmp(&want, &have, 4) != 0) {
+                    fprintf(stderr, "rank %d %s round %d: partial out[%d, %d] = %.9g, want %.9g\n",
+                            me, S->what, round, t, d, have, want);
+                    bad = 1;
+                }
+            }
+        }
+        CHECK(!bad, "rank %d %s round %d (%s): partial sums differ", me, S->what, round,
+              route_names[route_of_round(round)]);
+        ok &= !bad;
+    } else if (rc == 0) {
         int bad = 0;
         for (int t = 0; t < in->T && !bad; t++)
             for (int k = 0; k < K && !bad; k++) {
@@ -327,8 +367,12 @@ static void test_rounds(a2a_transport t, int E, int K, int cfg_id) {
 
     const int n_rounds = 36;
     int failed_rounds = 0;
-    for (int round = 0; round < n_rounds && failed_rounds < 3; round++)
-        failed_rounds += run_round(a, &S, round) != 0;
+    for (int round = 0; round < n_rounds && failed_rounds < 3; round++) {
+        /* every rank counts a round any rank failed, so that all stop together */
+        int bad = run_round(a, &S, round) != 0, any = bad;
+        MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        failed_rounds += any;
+    }
 
     /* Phase guard: a second dispatch before the combine is refused and changes nothing. */
     if (failed_rounds == 0) {
@@ -671,6 +715,14 @@ int main(int argc, char **argv) {
     }
     g_payload = A2A_PAYLOAD_F32;
     g_hidden = 24;
+
+    /* The partial form: each owner rank's weighted sum in BF16, added in rank order. */
+    g_partial = 1;
+    for (int i = 0; i < n_t; i++) {
+        test_rounds(transports[i], 10, 3, 1);
+        test_rounds(transports[i], 3, 2, 3);
+    }
+    g_partial = 0;
 
     int mine[2] = {check_passed, check_failed}, sum[2] = {0, 0};
     MPI_Allreduce(mine, sum, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

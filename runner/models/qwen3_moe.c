@@ -503,11 +503,16 @@ static void recv_out_reserve(model *m, qwen3_moe_workspace *ws, size_t n) {
     }
 }
 
+/* Whether moe_block leaves the experts' weighted sum ([T, D]) rather than their slots. */
+static bool moe_partial(const model *m) { return m->a2a_partial && (m->a2a || m->a2a_gpu); }
+
 /* The routed experts of layer l for T tokens in ws->h -> ws->expert_out [T, K, D] and ws->topk_w
  * (the caller finalizes them, fused with what follows). Alone: every expert is here.
  * With the all-to-all: each token goes to the ranks owning its experts, this rank runs its own
  * experts on what it received (from every rank, itself included), the outputs come home slot by
- * slot and are summed in slot order, so the sum is the one a single process computes. */
+ * slot and are summed in slot order, so the sum is the one a single process computes. With its
+ * partial combine (moe_partial) ws->expert_out is [T, D] instead: the owners' BF16 partial sums
+ * added in rank order, the weights already applied. */
 static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws, int T,
                      int runtime_max) {
     const model_config *c = &m->cfg;
@@ -527,6 +532,9 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
         a2a_gpu_received rv = a2a_gpu_get_received(m->a2a_gpu);
         recv_out_reserve(m, ws, (size_t)rv.n_max);
         op->moe_experts_n(ws->recv_out, rv.x, rv.ids, rv.n, &l->experts, rv.n_max, K, D, F);
+        if (m->a2a_partial)
+            return a2a_gpu_combine_partial(m->a2a_gpu, ws->recv_out, ws->expert_out, s, m->err,
+                                           sizeof m->err);
         return a2a_gpu_combine(m->a2a_gpu, ws->recv_out, ws->expert_out, s, m->err,
                                sizeof m->err);
     }
@@ -558,7 +566,11 @@ static int moe_block(model *m, const qwen3_moe_layer *l, qwen3_moe_workspace *ws
         a2a_received rv = a2a_get_received(m->a2a);
         recv_out_reserve(m, ws, (size_t)rv.n);
         op->moe_experts(ws->recv_out, rv.x, rv.ids, &l->experts, rv.n, K, D, F);
-        if (a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err)) return -1;
+        if (m->a2a_partial
+                ? a2a_combine_partial(m->a2a, ws->recv_out, ws->topk_w, ws->expert_out, m->err,
+                                      sizeof m->err)
+                : a2a_combine(m->a2a, ws->recv_out, ws->expert_out, m->err, sizeof m->err))
+            return -1;
     }
     return 0;
 }
@@ -612,15 +624,19 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
         op->linear(ws->o, ws->att, l->o_proj, T, D, H * Dh);
         /* MLP block */
         op->add_rmsnorm(ws->x, ws->h, ws->o, l->post_norm, T, D, eps);
+        const float *mlp_out = ws->o;
         if (l->is_moe) {
             if (moe_block(m, l, ws, T, b->runtime_max)) return -1;
             int K = c->num_experts_per_tok;
-            if (i + 1 < L) { /* the finalize, the residual add and the next input norm at once */
+            if (moe_partial(m)) { /* summed already: only the residual add and the norm below */
+                mlp_out = ws->expert_out;
+            } else if (i + 1 < L) { /* the finalize, the residual add and the next input norm */
                 op->moe_finalize_add_rmsnorm(ws->x, ws->h, ws->expert_out, ws->topk_w,
                                              w->layers[i + 1].input_norm, T, K, D, eps);
                 continue;
+            } else {
+                op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
             }
-            op->moe_finalize(ws->o, ws->expert_out, ws->topk_w, T, K, D);
         } else {
             int F = c->intermediate_size;
             op->linear(ws->gate, ws->h, l->mlp_gate, T, F, D);
@@ -629,9 +645,9 @@ static int qwen3_moe_forward(model *m, kv_cache *kv, const forward_batch *b, flo
             op->linear(ws->o, ws->gate, l->mlp_down, T, D, F);
         }
         if (i + 1 < L)
-            op->add_rmsnorm(ws->x, ws->h, ws->o, w->layers[i + 1].input_norm, T, D, eps);
+            op->add_rmsnorm(ws->x, ws->h, mlp_out, w->layers[i + 1].input_norm, T, D, eps);
         else
-            op->add(ws->x, ws->x, ws->o, (int64_t)T * D);
+            op->add(ws->x, ws->x, mlp_out, (int64_t)T * D);
     }
     if (b->n_logits == 0) return model_step_check(m);
     /* Only the rows that sample or score go through the final norm and lm_head. */
