@@ -6,14 +6,16 @@
  *     1, 1.5, 2, 3, 4, 6.
  * Conversions from float round to nearest, ties to even, and saturate: a finite value beyond the
  * largest becomes the largest of its sign (what DeepSeek's and ModelOpt's quantizers reach by
- * clamping first). NaN becomes E4M3's NaN; E2M1 has none (0). The block scalings built on these
- * are in kernels/cpu/quant.c. */
+ * clamping first). NaN becomes E4M3's NaN; E2M1 has none (0). Rounding is rintf's: the default
+ * mode, to nearest even, which nothing here changes. The block scalings built on these are in
+ * kernels/cpu/quant.c. */
 #ifndef MOESERVE_QUANT_H
 #define MOESERVE_QUANT_H
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define QUANT_HD __host__ __device__
@@ -24,51 +26,49 @@
 #define FP8_E4M3_MAX 448.0f
 #define FP4_E2M1_MAX 6.0f
 
-static inline QUANT_HD float fp8_e4m3_to_float(uint8_t c) {
-    const int e = (c >> 3) & 15, m = c & 7;
-    float v;
-    if (e == 15 && m == 7)
-        v = NAN;
-    else if (e == 0)
-        v = ldexpf((float)m, -9); /* subnormal: m 2^-3 2^(1-7) */
-    else
-        v = ldexpf((float)(8 + m), e - 10); /* (1 + m/8) 2^(e-7) */
-    return (c & 0x80) ? -v : v;
+/* The bits of a float, and back (host and device: memcpy is a register move on both). */
+static inline QUANT_HD uint32_t quant_f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+static inline QUANT_HD float quant_bits_f32(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
 }
 
-/* Round to nearest even of a float that is already a non-negative integer plus a fraction, within
- * float's exact range (here at most 16). */
-static inline QUANT_HD float quant_rne(float x) {
-    float f = floorf(x), r = x - f;
-    if (r > 0.5f || (r == 0.5f && fmodf(f, 2.0f) != 0.0f)) f += 1.0f;
-    return f;
+/* The conversions work on the bits (no ldexpf, frexpf or fmodf, which are library calls on a GPU):
+ * tests/test_quant.c checks them against the formulas, (1 + m/8) 2^(e-7) and a rounding of the
+ * scaled value to an integer, on every float whose code can differ and on a sweep of all 2^32. */
+static inline QUANT_HD float fp8_e4m3_to_float(uint8_t c) {
+    const uint32_t sign = (uint32_t)(c & 0x80) << 24, em = c & 0x7fu;
+    if (em == 0x7f) return quant_bits_f32(sign | 0x7fc00000u); /* NaN, its sign kept */
+    if (em < 8) {                                              /* subnormal (and zero): m 2^-9 */
+        const float v = (float)em * 0x1p-9f;
+        return sign ? -v : v;
+    }
+    /* normal: e = em >> 3 becomes float's exponent field e + 120, m its top mantissa bits */
+    return quant_bits_f32(sign | (em + (120u << 3)) << 20);
 }
 
 static inline QUANT_HD uint8_t fp8_e4m3_from_float(float x) {
     if (isnan(x)) return 0x7f;
-    const uint8_t sign = signbit(x) ? 0x80 : 0;
-    float a = fabsf(x);
+    const uint32_t u = quant_f32_bits(x), b = u & 0x7fffffffu;
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float a = fabsf(x);
     if (a >= FP8_E4M3_MAX) return sign | 0x7e; /* 448 = 2^8 x 1.75 */
-    if (a < ldexpf(1.0f, -6)) {                /* subnormal range: steps of 2^-9 */
-        const float m = quant_rne(ldexpf(a, 9)); /* 0 .. 8; 8 is the smallest normal */
-        return sign | (uint8_t)m;
-    }
-    int e;
-    (void)frexpf(a, &e);                     /* a = f 2^e, f in [0.5, 1) */
-    e -= 1;                                  /* a = (1 + m/8) 2^e, e in [-6, 8] */
-    float m = quant_rne(ldexpf(a, 3 - e)) - 8.0f; /* 0 .. 8 */
-    if (m == 8.0f) {
-        m = 0.0f;
-        e += 1;
-    }
-    if (e > 8 || (e == 8 && m > 6.0f)) return sign | 0x7e; /* rounded past 448: saturate */
-    return sign | (uint8_t)((e + 7) << 3) | (uint8_t)m;
+    if (a < 0x1p-6f) /* subnormal range: steps of 2^-9, a 2^9 exact, rintf to nearest even */
+        return sign | (uint8_t)rintf(a * 512.0f); /* 0 .. 8; 8 is the smallest normal */
+    /* normal: the mantissa rounded to 3 bits, nearest even (half less one, plus the kept lsb),
+     * a carry moving into the exponent; float's exponent field E is the code's e + 120. Below 448
+     * nothing rounds past it. */
+    return sign | (uint8_t)(((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) - (120u << 3));
 }
 
 static inline QUANT_HD float fp4_e2m1_to_float(uint8_t nib) {
-    /* codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
-    const int c = nib & 7;
-    const float v = c < 2 ? 0.5f * (float)c : ldexpf((float)(2 + (c & 1)), (c >> 1) - 2);
+    /* codes 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6, as twice their value a byte each */
+    const float v = 0.5f * (float)((0x0C08060403020100ull >> (8 * (nib & 7))) & 0xff);
     return (nib & 8) ? -v : v;
 }
 
@@ -79,10 +79,10 @@ static inline QUANT_HD uint8_t fp4_e2m1_from_float(float x) {
     uint8_t c;
     if (a >= FP4_E2M1_MAX)
         c = 7;
-    else if (a < 2.0f) /* steps of 0.5 from 0 to 2: codes 0..4 */
-        c = (uint8_t)quant_rne(a * 2.0f);
+    else if (a < 2.0f) /* steps of 0.5 from 0 to 2: codes 0..4 (rintf: to nearest even) */
+        c = (uint8_t)rintf(a * 2.0f);
     else if (a < 4.0f) /* steps of 1: 2 (4), 3 (5), 4 (6) */
-        c = (uint8_t)(quant_rne(a) + 2.0f);
+        c = (uint8_t)(rintf(a) + 2.0f);
     else /* 4 (6) or 6 (7): the tie at 5 goes to the even code, 4 */
         c = a > 5.0f ? 7 : 6;
     return sign | c;
