@@ -717,18 +717,17 @@ int a2a_combine_partial(a2a *a, const float *expert_out, const float *topk_w, fl
     if (a->phase == A2A_PHASE_DISPATCHED && T > 0 && !topk_w)
         return set_err(err, errlen, "a2a rank %d: partial combine with a NULL topk_w for %d tokens",
                        a->cfg.rank, T);
+    const size_t slots = (size_t)a->cfg.max_tokens_per_rank * K * D; /* then acc[D] */
     if (a->phase == A2A_PHASE_DISPATCHED && !a->partial_slots) {
-        a->partial_slots = malloc((size_t)a->cfg.max_tokens_per_rank * K * D * sizeof(float));
-        if (!a->partial_slots && a->cfg.max_tokens_per_rank > 0)
+        a->partial_slots = malloc((slots + (size_t)D) * sizeof(float));
+        if (!a->partial_slots)
             return set_err(err, errlen, "a2a rank %d: out of memory for the partial combine",
                            a->cfg.rank);
     }
     if (a2a_combine(a, expert_out, a->partial_slots, err, errlen) != 0) return -1;
-    if (T == 0) return 0;
-    float *acc = xmalloc((size_t)D * sizeof(float));
     for (int t = 0; t < T; t++)
-        partial_sum_token(a, out + (size_t)t * D, acc, a->partial_slots + (size_t)t * K * D,
-                          a->slot_rank + (size_t)t * K, topk_w + (size_t)t * K);
-    free(acc);
+        partial_sum_token(a, out + (size_t)t * D, a->partial_slots + slots,
+                          a->partial_slots + (size_t)t * K * D, a->slot_rank + (size_t)t * K,
+                          topk_w + (size_t)t * K);
     return 0;
 }

@@ -83,8 +83,8 @@ struct a2a {
     float *recv_x;       /* [ep * max_tokens, D] */
     int32_t *recv_ids;   /* [ep * max_tokens, K] local expert ids or -1 */
     float *recv_w;       /* [ep * max_tokens, K] */
-    float *partial_slots; /* [max_tokens, K, D]: the slots a2a_combine_partial sums (made on
-                             its first call) */
+    float *partial_slots; /* [max_tokens, K, D] and [D]: the slots a2a_combine_partial sums
+                             and its scratch (made on its first call) */
 
     const struct a2a_transport_ops *ops;
     void *impl; /* the transport's own state */
