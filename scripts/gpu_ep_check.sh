@@ -5,7 +5,7 @@
 #   2. scripts/gpu_ep_compare.py: `mpirun -np 2 moeserve serve --device cuda` with
 #      nvlink_one_sided and with nccl on the test checkpoint against one GPU, logprobs and tokens,
 #      with the partial combine (the default) and the slots one; deterministic, every round bit
-#      for bit, eagerly and with decode steps as CUDA graphs
+#      for bit, eagerly and with decode steps as CUDA graphs; graphs with the partial combine
 #   3. serving throughput (scripts/gpu_serve_bench.sh, Qwen3-30B-A3B dummy weights, decode graphs)
 #      on one GPU and on two, each combine form (SKIP=serve leaves it out, SKIP_ONE=1 the one-GPU
 #      run)
@@ -64,6 +64,12 @@ OUT=$out/graphs timeout 600 python3 scripts/gpu_ep_compare.py --deterministic --
     --backends nvlink_one_sided > "$out/compare-graphs.txt" 2>&1
 grep -E '^FAIL|bit for bit' "$out/compare-graphs.txt"
 count "$out/compare-graphs.txt"
+
+echo "== 2d. decode steps as CUDA graphs with the partial combine (the GPU server's defaults)"
+OUT=$out/graphs-partial timeout 600 python3 scripts/gpu_ep_compare.py --graphs 32 \
+    --backends nvlink_one_sided > "$out/compare-graphs-partial.txt" 2>&1
+grep -E '^FAIL|partial combine' "$out/compare-graphs-partial.txt"
+count "$out/compare-graphs-partial.txt"
 
 if [[ " ${SKIP:-} " != *" serve "* ]]; then
     if [ -z "${SKIP_ONE:-}" ]; then
