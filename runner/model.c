@@ -493,6 +493,7 @@ static int quantize_weight(model *m, const checkpoint_tensor *ct, const char *na
                        ct->file, name, (long long)K, QUANT_FP4_GROUP);
     float *w = malloc((size_t)N * K * sizeof(float));
     if (!w) return set_err(err, errlen, "%s: out of memory quantizing '%s'", m->dir, name);
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16)) /* a large checkpoint's load */
     for (int64_t i = 0; i < N * K; i++)
         w[i] = tensor_get_f32(&ct->t, i);
     if (m->online_quant == MODEL_QUANT_FP8) {
@@ -605,6 +606,7 @@ static float *weight_floats(model *m, const char *name, int64_t N, int64_t K, ch
         set_err(err, errlen, "%s: out of memory quantizing '%s'", m->dir, name);
         return NULL;
     }
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16)) /* a large checkpoint's load */
     for (int64_t i = 0; i < N * K; i++)
         w[i] = tensor_get_f32(&ct->t, i);
     return w;

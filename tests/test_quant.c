@@ -192,6 +192,10 @@ static long sweep_from_float(int e_lo, int e_hi, uint32_t stride, uint8_t (*f)(f
 }
 static uint8_t quant_e4m3(float x) { return fp8_e4m3_from_float(x); }
 static uint8_t quant_e2m1(float x) { return fp4_e2m1_from_float(x); }
+/* the GPU's form of fp4_e2m1_from_float (quant.h picks it under __CUDA_ARCH__) */
+static uint8_t quant_e2m1_select(float x) {
+    return isnan(x) ? 0 : (uint8_t)((signbit(x) ? 8 : 0) | fp4_e2m1_code_select(fabsf(x)));
+}
 
 static void test_against_formulas(void) {
     int bad = 0;
@@ -208,8 +212,10 @@ static void test_against_formulas(void) {
      * float subnormals and the rest. (All 2^32 floats, every one, gave no difference either.) */
     long d8 = sweep_from_float(116, 135, 4099, quant_e4m3, formula_e4m3_from_float);
     long d4 = sweep_from_float(124, 129, 4099, quant_e2m1, formula_e2m1_from_float);
+    long d4s = sweep_from_float(124, 129, 4099, quant_e2m1_select, formula_e2m1_from_float);
     CHECK(d8 == 0, "e4m3 from float: %ld of 335M floats differ from the formula's code", d8);
     CHECK(d4 == 0, "e2m1 from float: %ld of 101M floats differ from the formula's code", d4);
+    CHECK(d4s == 0, "e2m1 from float, the GPU's form: %ld of 101M floats differ", d4s);
 }
 
 static void test_fp8_blocks(void) {

@@ -1,6 +1,7 @@
 /* Block scalings of FP8 and NVFP4 (kernels/quant.h), the CPU reference of the CUDA quantizers and
- * of the quantize-at-load path. Plain loops in row order: amax and scales are exact (max and one
- * division), so the results do not depend on any order of evaluation. Also the quantized GEMMs'
+ * of the quantize-at-load path. Plain loops in row order, a row or a block a thread from
+ * QUANT_PARALLEL_MIN elements: amax and scales are exact (max and one division), so the results do
+ * not depend on any order of evaluation. Also the quantized GEMMs'
  * references: FP8 W8A8 (DeepSeek-V3's recipe) and NVFP4 W4A16 (how Hopper runs NVFP4); each
  * output is one fixed-order fp32 sum, so threads do not change a bit. */
 #include <string.h>
@@ -8,6 +9,10 @@
 #include "kernels/quant.h"
 
 #include "kernels/cpu/cpu_ops.h"
+
+/* Elements from which the loops below run on the OpenMP threads (each row or block on one thread,
+ * so the threads change no bit): the weights quantized at load, not one token's payload. */
+#define QUANT_PARALLEL_MIN (1 << 16)
 
 static float amax_of(const float *x, int n, int64_t stride) {
     float m = 0.0f;
@@ -20,6 +25,7 @@ static float amax_of(const float *x, int n, int64_t stride) {
 
 void quant_fp8_rows(uint8_t *q, float *s, const float *x, int T, int D) {
     const int G = (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP;
+#pragma omp parallel for schedule(static) if ((int64_t)T * D >= QUANT_PARALLEL_MIN)
     for (int t = 0; t < T; t++)
         for (int g = 0; g < G; g++) {
             const int c0 = g * QUANT_FP8_GROUP, n = D - c0 < QUANT_FP8_GROUP ? D - c0 : QUANT_FP8_GROUP;
@@ -34,6 +40,7 @@ void quant_fp8_rows(uint8_t *q, float *s, const float *x, int T, int D) {
 
 void dequant_fp8_rows(float *x, const uint8_t *q, const float *s, int T, int D) {
     const int G = (D + QUANT_FP8_GROUP - 1) / QUANT_FP8_GROUP;
+#pragma omp parallel for schedule(static) if ((int64_t)T * D >= QUANT_PARALLEL_MIN)
     for (int t = 0; t < T; t++)
         for (int c = 0; c < D; c++)
             x[(int64_t)t * D + c] =
@@ -43,6 +50,7 @@ void dequant_fp8_rows(float *x, const uint8_t *q, const float *s, int T, int D) 
 void quant_fp8_blocks(uint8_t *q, float *s, const float *w, int N, int K) {
     const int BN = (N + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
     const int BK = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+#pragma omp parallel for schedule(static) if ((int64_t)N * K >= QUANT_PARALLEL_MIN)
     for (int bn = 0; bn < BN; bn++)
         for (int bk = 0; bk < BK; bk++) {
             const int r0 = bn * QUANT_FP8_BLOCK, c0 = bk * QUANT_FP8_BLOCK;
@@ -65,6 +73,7 @@ void quant_fp8_blocks(uint8_t *q, float *s, const float *w, int N, int K) {
 
 void dequant_fp8_blocks(float *w, const uint8_t *q, const float *s, int N, int K) {
     const int BK = (K + QUANT_FP8_BLOCK - 1) / QUANT_FP8_BLOCK;
+#pragma omp parallel for schedule(static) if ((int64_t)N * K >= QUANT_PARALLEL_MIN)
     for (int r = 0; r < N; r++)
         for (int c = 0; c < K; c++) {
             const int64_t i = (int64_t)r * K + c;
@@ -82,8 +91,10 @@ void quant_fp8_row_scales(float *dst, int64_t ld, const float *s, int N, int K) 
 
 float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s2) {
     MS_ASSERT(C % QUANT_FP4_GROUP == 0);
+    const bool par = (int64_t)R * C >= QUANT_PARALLEL_MIN;
     if (!(s2 > 0.0f)) {
-        float a = 0.0f;
+        float a = 0.0f; /* a row's amax is never NaN, so max is exact in any order */
+#pragma omp parallel for schedule(static) reduction(max : a) if (par)
         for (int r = 0; r < R; r++) {
             float m = amax_of(x + (int64_t)r * C, C, 1);
             if (m > a) a = m;
@@ -91,6 +102,7 @@ float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s
         s2 = a > 0.0f ? a / (FP4_E2M1_MAX * FP8_E4M3_MAX) : 1.0f;
     }
     const int G = C / QUANT_FP4_GROUP;
+#pragma omp parallel for schedule(static) if (par)
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             const float *xg = x + (int64_t)r * C + g * QUANT_FP4_GROUP;
@@ -110,6 +122,7 @@ float quant_nvfp4(uint8_t *q, uint8_t *sf, const float *x, int R, int C, float s
 
 void dequant_nvfp4(float *x, const uint8_t *q, const uint8_t *sf, float s2, int R, int C) {
     const int G = C / QUANT_FP4_GROUP;
+#pragma omp parallel for schedule(static) if ((int64_t)R * C >= QUANT_PARALLEL_MIN)
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             const int64_t i = (int64_t)r * C + c;
