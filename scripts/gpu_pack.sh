@@ -43,7 +43,7 @@ if [ -n "${OLD:-}" ]; then
     git worktree prune
     git worktree add -q --detach "$wt" "$OLD"
     if [ -n "${OLD_PATCH:-}" ]; then git -C "$wt" apply "$(realpath "$OLD_PATCH")"; fi
-    targets=(build/moeserve build/bench_step)
+    targets=(build/moeserve build/bench_step build/bench_a2a_cuda)
     for t in "$wt"/tests/test_cuda_*.c; do
         t=${t#"$wt"/}
         targets+=("build/${t%.c}")
