@@ -76,7 +76,7 @@ static inline QUANT_HD float fp4_e2m1_to_float(uint8_t nib) {
  * (tests/test_quant.c checks both against the formula on every float that matters):
  *  - counting the midpoints between neighbouring values that a passes, the even code winning a
  *    tie (0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6, 5 -> 6), 7 from 6 on:
- *    no branch for random inputs to mispredict (the CPU: 7.8 ns a weight against 12.7);
+ *    no branch for random inputs to mispredict (the faster on the CPU);
  *  - steps of 0.5 from 0 to 2 (codes 0..4), of 1 from 2 to 4 (4..6), then 6 or 7, each rounded
  *    by rintf (to nearest even) and one selected: fewer instructions on a GPU. */
 static inline QUANT_HD int fp4_e2m1_code_count(float a) {
