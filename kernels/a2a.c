@@ -714,9 +714,9 @@ int a2a_combine_partial(a2a *a, const float *expert_out, const float *topk_w, fl
                         size_t errlen) {
     if (!a) return set_err(err, errlen, "a2a: combine on a NULL a2a");
     const int T = a->T, D = a->cfg.hidden, K = a->cfg.top_k;
-    if (a->phase == A2A_PHASE_DISPATCHED && T > 0 && !topk_w)
-        return set_err(err, errlen, "a2a rank %d: partial combine with a NULL topk_w for %d tokens",
-                       a->cfg.rank, T);
+    if (a->phase == A2A_PHASE_DISPATCHED && T > 0 && (!topk_w || !out))
+        return set_err(err, errlen, "a2a rank %d: partial combine with a NULL %s for %d tokens",
+                       a->cfg.rank, topk_w ? "out" : "topk_w", T);
     const size_t slots = (size_t)a->cfg.max_tokens_per_rank * K * D; /* then acc[D] */
     if (a->phase == A2A_PHASE_DISPATCHED && !a->partial_slots) {
         a->partial_slots = malloc((slots + (size_t)D) * sizeof(float));
