@@ -518,6 +518,108 @@ __device__ __forceinline__ void merge_request(float4 (&pre)[PF][N], const float4
                 if (k < n) pre[i][k] = __ldcg(base + k * E + tid + i * NT);
 }
 
+// A slice's arithmetic (the header's), for the GW heads h0.. of one warp: the scores of its nv
+// positions (K rows ks [nv][DH / 4] pieces, q of the block's G heads qs) into s [p][h], then the
+// softmax over the slice: s becomes the exp weights e_p, wm and wl the slice's m_w and l_w per
+// head (-inf and 0 where nv is 0). Lane layout as in attn_chunk_kernel.
+template <int DH, int G, int GW, class E>
+__device__ __forceinline__ void attn_slice_softmax(float (&wm)[GW], float (&wl)[GW], float *s,
+                                                   const float4 *qs, const typename E::piece *ks,
+                                                   int h0, int nv, int lane, float scale) {
+    using L = attn_layout<DH>;
+    constexpr int D4 = DH / 4, LK = L::LK, FK = L::FK, PK = L::PK;
+    const int sub = lane % LK, pp = lane / LK;
+#pragma unroll
+    for (int i0 = 0; i0 < ATTN_SLICE; i0 += PK) {
+        if (i0 >= nv) break; // the same for the whole warp
+        const int i = i0 + pp, ic = i < nv ? i : 0;
+        float4 kr[FK];
+#pragma unroll
+        for (int f = 0; f < FK; f++)
+            kr[f] = E::widen(ks[ic * D4 + f * LK + sub]);
+        float acc[GW];
+#pragma unroll
+        for (int h = 0; h < GW; h++) {
+            acc[h] = 0.0f;
+#pragma unroll
+            for (int f = 0; f < FK; f++)
+                fma4(acc[h], qs[(h0 + h) * D4 + f * LK + sub], kr[f]);
+        }
+#pragma unroll
+        for (int off = LK / 2; off > 0; off /= 2)
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+                acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+        if (i < nv) {
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+                if (h % LK == sub) s[i * G + h0 + h] = __fmul_rn(acc[h], scale);
+        }
+    }
+    __syncwarp();
+    // per head: lane = position
+#pragma unroll
+    for (int hh = 0; hh < GW; hh++) {
+        const int h = h0 + hh;
+        float m = -INFINITY;
+        if (lane < nv) m = s[lane * G + h];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        float l = 0.0f;
+        if (lane < nv) {
+            const float e = expf(s[lane * G + h] - m);
+            s[lane * G + h] = e;
+            l += e;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+            l += __shfl_xor_sync(0xffffffffu, l, off);
+        wm[hh] = m;
+        wl[hh] = l;
+    }
+}
+
+// The slice's o_w for the same heads: RV interleaved chains over the positions (V rows vs, in
+// shared memory and complete), then an xor butterfly; lanes with lane / LV == 0 hold the sums.
+template <int DH, int G, int GW, class E>
+__device__ __forceinline__ void attn_slice_weighted_v(float4 (&acc)[GW][attn_layout<DH>::FV],
+                                                      const float *s, const typename E::piece *vs,
+                                                      int h0, int nv, int lane) {
+    using L = attn_layout<DH>;
+    constexpr int D4 = DH / 4, LV = L::LV, FV = L::FV, RV = L::RV;
+    const int subv = lane % LV, rv = lane / LV;
+#pragma unroll
+    for (int h = 0; h < GW; h++)
+#pragma unroll
+        for (int f = 0; f < FV; f++)
+            acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < ATTN_SLICE / RV; k++) {
+        const int i = k * RV + rv; // increasing for each lane group
+        if (i < nv) {
+            float e[GW];
+#pragma unroll
+            for (int h = 0; h < GW; h++)
+                e[h] = s[i * G + h0 + h];
+#pragma unroll
+            for (int f = 0; f < FV; f++) {
+                const float4 v = E::widen(vs[i * D4 + f * LV + subv]);
+#pragma unroll
+                for (int h = 0; h < GW; h++)
+                    acc[h][f] = fma4v(e[h], v, acc[h][f]);
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 16; off >= LV; off /= 2)
+#pragma unroll
+        for (int h = 0; h < GW; h++)
+#pragma unroll
+            for (int f = 0; f < FV; f++)
+                shfl_add4(acc[h][f], off);
+}
+
 // One (token t0 + blockIdx.x, head group blockIdx.y, slice blockIdx.z) of a small batch: G / GW
 // warps, each with GW heads of the group, over the slice's 32 positions; then the in-launch
 // combine.
@@ -538,8 +640,7 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
                  int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
     constexpr int NT = G / GW * 32, D4 = DH / 4;
-    constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
-    constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
+    constexpr int LV = L::LV, FV = L::FV;
     static_assert(G % GW == 0 && G / GW <= 32, "warps");
 
     typedef kv_elem<KV> E;
@@ -600,96 +701,13 @@ attn_slice_block(int tl, int hg, int j, DEP dep, float *__restrict__ out,
     }
     __syncthreads();
 
-    // ---- scores of the warp's heads h0.. (the lane layout of attn_chunk_kernel) ----
-    const int h0 = w * GW;
-    {
-        const int sub = lane % LK, pp = lane / LK;
-#pragma unroll
-        for (int i0 = 0; i0 < ATTN_SLICE; i0 += PK) {
-            if (i0 >= nv) break; // the same for the whole warp
-            const int i = i0 + pp, ic = i < nv ? i : 0;
-            float4 kr[FK];
-#pragma unroll
-            for (int f = 0; f < FK; f++)
-                kr[f] = E::widen(ks[ic * D4 + f * LK + sub]);
-            float acc[GW];
-#pragma unroll
-            for (int h = 0; h < GW; h++) {
-                acc[h] = 0.0f;
-#pragma unroll
-                for (int f = 0; f < FK; f++)
-                    fma4(acc[h], qs[(h0 + h) * D4 + f * LK + sub], kr[f]);
-            }
-#pragma unroll
-            for (int off = LK / 2; off > 0; off /= 2)
-#pragma unroll
-                for (int h = 0; h < GW; h++)
-                    acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
-            if (i < nv) {
-#pragma unroll
-                for (int h = 0; h < GW; h++)
-                    if (h % LK == sub) s[i * G + h0 + h] = __fmul_rn(acc[h], scale);
-            }
-        }
-    }
-    __syncwarp();
-    // ---- softmax over the slice, per head: lane = position ----
+    const int h0 = w * GW, subv = lane % LV, rv = lane / LV;
     float wm_[GW], wl_[GW];
-#pragma unroll
-    for (int hh = 0; hh < GW; hh++) {
-        const int h = h0 + hh;
-        float m = -INFINITY;
-        if (lane < nv) m = s[lane * G + h];
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        float l = 0.0f;
-        if (lane < nv) {
-            const float e = expf(s[lane * G + h] - m);
-            s[lane * G + h] = e;
-            l += e;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2)
-            l += __shfl_xor_sync(0xffffffffu, l, off);
-        wm_[hh] = m;
-        wl_[hh] = l;
-    }
+    attn_slice_softmax<DH, G, GW, E>(wm_, wl_, s, qs, ks, h0, nv, lane, scale);
     cp_async_wait<0>();
     __syncthreads(); // V rows of every thread's copies
-
-    // ---- o_w: RV interleaved chains over the positions, then an xor butterfly ----
-    const int subv = lane % LV, rv = lane / LV;
     float4 acc[GW][FV];
-#pragma unroll
-    for (int h = 0; h < GW; h++)
-#pragma unroll
-        for (int f = 0; f < FV; f++)
-            acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int k = 0; k < ATTN_SLICE / RV; k++) {
-        const int i = k * RV + rv; // increasing for each lane group
-        if (i < nv) {
-            float e[GW];
-#pragma unroll
-            for (int h = 0; h < GW; h++)
-                e[h] = s[i * G + h0 + h];
-#pragma unroll
-            for (int f = 0; f < FV; f++) {
-                const float4 v = E::widen(vs[i * D4 + f * LV + subv]);
-#pragma unroll
-                for (int h = 0; h < GW; h++)
-                    acc[h][f] = fma4v(e[h], v, acc[h][f]);
-            }
-        }
-    }
-#pragma unroll
-    for (int off = 16; off >= LV; off /= 2)
-#pragma unroll
-        for (int h = 0; h < GW; h++)
-#pragma unroll
-            for (int f = 0; f < FV; f++)
-                shfl_add4(acc[h][f], off);
+    attn_slice_weighted_v<DH, G, GW, E>(acc, s, vs, h0, nv, lane);
 
     // The token's outputs, for the shortcuts below: with a single slice (n <= ATTN_SLICE) the
     // chunk's merge takes f_0 = exp(0) = 1 and l = l_0, and with a single chunk the token's merge
@@ -903,8 +921,7 @@ __global__ void __launch_bounds__(SPB *G / GW * 32)
                         int t0, int T, int H, int Hkv, int max_pages, int S, int NC, float scale) {
     using L = attn_layout<DH>;
     constexpr int NTG = G / GW * 32, NT = SPB * NTG, D4 = DH / 4;
-    constexpr int LK = L::LK, FK = L::FK, PK = L::PK;
-    constexpr int LV = L::LV, FV = L::FV, RV = L::RV;
+    constexpr int LV = L::LV, FV = L::FV;
     constexpr int BPC = ATTN_SLICES / SPB;    // blocks a chunk
     constexpr int CPC = CS / BPC;             // chunks a cluster
     constexpr int GE = G * D4;                // float4 of a chunk's o
@@ -988,94 +1005,14 @@ __global__ void __launch_bounds__(SPB *G / GW * 32)
         __syncthreads();
 
         // ---- the slice of warp group gs, as attn_slice_kernel computes it ----
-        const int h0 = w * GW;
+        const int h0 = w * GW, subv = lane % LV, rv = lane / LV;
         float *sg = s[gs];
-        if (nv > 0) {
-            const int sub = lane % LK, pp = lane / LK;
-#pragma unroll
-            for (int i0 = 0; i0 < ATTN_SLICE; i0 += PK) {
-                if (i0 >= nv) break; // the same for the whole warp
-                const int i = i0 + pp, ic = i < nv ? i : 0;
-                float4 kr[FK];
-#pragma unroll
-                for (int f = 0; f < FK; f++)
-                    kr[f] = E::widen(ksg[ic * D4 + f * LK + sub]);
-                float acc[GW];
-#pragma unroll
-                for (int h = 0; h < GW; h++) {
-                    acc[h] = 0.0f;
-#pragma unroll
-                    for (int f = 0; f < FK; f++)
-                        fma4(acc[h], qs[(h0 + h) * D4 + f * LK + sub], kr[f]);
-                }
-#pragma unroll
-                for (int off = LK / 2; off > 0; off /= 2)
-#pragma unroll
-                    for (int h = 0; h < GW; h++)
-                        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
-                if (i < nv) {
-#pragma unroll
-                    for (int h = 0; h < GW; h++)
-                        if (h % LK == sub) sg[i * G + h0 + h] = __fmul_rn(acc[h], scale);
-                }
-            }
-        }
-        __syncwarp();
         float wm_[GW], wl_[GW];
-#pragma unroll
-        for (int hh = 0; hh < GW; hh++) {
-            const int h = h0 + hh;
-            float m = -INFINITY;
-            if (lane < nv) m = sg[lane * G + h];
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2)
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-            float l = 0.0f;
-            if (lane < nv) {
-                const float e = expf(sg[lane * G + h] - m);
-                sg[lane * G + h] = e;
-                l += e;
-            }
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2)
-                l += __shfl_xor_sync(0xffffffffu, l, off);
-            wm_[hh] = m;
-            wl_[hh] = l;
-        }
+        attn_slice_softmax<DH, G, GW, E>(wm_, wl_, sg, qs, ksg, h0, nv, lane, scale);
         cp_async_wait<0>();
         __syncthreads(); // V rows of every thread's copies
-
-        const int subv = lane % LV, rv = lane / LV;
         float4 acc[GW][FV];
-#pragma unroll
-        for (int h = 0; h < GW; h++)
-#pragma unroll
-            for (int f = 0; f < FV; f++)
-                acc[h][f] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int kk = 0; kk < ATTN_SLICE / RV; kk++) {
-            const int i = kk * RV + rv; // increasing for each lane group
-            if (i < nv) {
-                float e[GW];
-#pragma unroll
-                for (int h = 0; h < GW; h++)
-                    e[h] = sg[i * G + h0 + h];
-#pragma unroll
-                for (int f = 0; f < FV; f++) {
-                    const float4 v = E::widen(vsg[i * D4 + f * LV + subv]);
-#pragma unroll
-                    for (int h = 0; h < GW; h++)
-                        acc[h][f] = fma4v(e[h], v, acc[h][f]);
-                }
-            }
-        }
-#pragma unroll
-        for (int off = 16; off >= LV; off /= 2)
-#pragma unroll
-            for (int h = 0; h < GW; h++)
-#pragma unroll
-                for (int f = 0; f < FV; f++)
-                    shfl_add4(acc[h][f], off);
+        attn_slice_weighted_v<DH, G, GW, E>(acc, sg, vsg, h0, nv, lane);
         if (rv == 0) {
 #pragma unroll
             for (int h = 0; h < GW; h++)
