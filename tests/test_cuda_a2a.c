@@ -186,6 +186,7 @@ static bool pair_open(pair *P, a2a_config cfg) {
     for (size_t i = 0; i < ep * M * K * D; i++)
         P->eo[i] = value(&s);
     CU(cudaMemcpy(P->d_eo, P->eo, ep * M * K * D * 4, cudaMemcpyHostToDevice));
+    CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
     return true;
 }
 
@@ -312,6 +313,7 @@ static bool random_round(pair *P, int route, int form, uint64_t seed, int force_
         CU(cudaMemcpy(P->d_x, P->x, T * D * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(P->d_ids, P->ids, T * K * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(P->d_w, P->w, T * K * 4, cudaMemcpyHostToDevice));
+        CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
     }
     return compare_round(P, T, rm, form, false, label);
 }
@@ -400,6 +402,7 @@ static void test_graph(void) {
         CU(cudaMemcpy(P.d_x, P.x, (size_t)T * c.hidden * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(P.d_ids, P.ids, (size_t)T * c.top_k * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(P.d_w, P.w, (size_t)T * c.top_k * 4, cudaMemcpyHostToDevice));
+        CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
         CU(cudaGraphLaunch(exec, g_stream));
         rc = a2a_gpu_check(P.gpu, err, sizeof err);
         CHECK(rc == 0, "graph replay %d: %s", rep, err);
@@ -430,6 +433,7 @@ static void test_mismatch(a2a_transport tr) {
     CU(cudaMemset(ids, 0, 16 * 2 * 4));
     CU(cudaMemset(x, 0, 16 * 64 * 4));
     CU(cudaMemset(w, 0, 16 * 2 * 4));
+    CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
     const int rm = g_rank == 0 ? 4 : 5;
     int rc = a2a_gpu_dispatch(a, x, ids, w, 3, rm, g_stream, err, sizeof err);
     if (rc == 0) rc = a2a_gpu_check(a, err, sizeof err);
@@ -459,6 +463,7 @@ static void test_many_rounds(a2a_transport tr, int n_rounds) {
     CU(cudaMemcpy(P.d_x, P.x, 32 * 64 * 4, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(P.d_ids, P.ids, 32 * 4 * 4, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(P.d_w, P.w, 32 * 4 * 4, cudaMemcpyHostToDevice));
+    CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
     double t0 = now_s();
     int failed = 0, compared = 0;
     for (int i = 0; i < n_rounds && !failed; i++) {
@@ -508,6 +513,7 @@ static zero_round zero_round_alloc(void) {
     CU(cudaMemset(z.ids, 0, 16 * 2 * 4));
     CU(cudaMemset(z.x, 0, 16 * 64 * 4));
     CU(cudaMemset(z.w, 0, 16 * 2 * 4));
+    CU(cudaDeviceSynchronize()); /* landed before g_stream (non-blocking) reads it */
     return z;
 }
 

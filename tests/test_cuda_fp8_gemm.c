@@ -82,6 +82,8 @@ static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
     MS_ASSERT(cudaMalloc(&d, bytes ? bytes : 16) == cudaSuccess);
     if (bytes) MS_ASSERT(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+    /* the legacy stream's copy, landed before a kernel on the backend's non-blocking stream */
+    MS_ASSERT(cudaDeviceSynchronize() == cudaSuccess);
     return d;
 }
 
@@ -146,6 +148,7 @@ static float *gpu_run(const fp8_case *c, int config, uint16_t **h) {
     float *dout = NULL;
     MS_ASSERT(cudaMalloc((void **)&dout, ob ? ob : 16) == cudaSuccess);
     cudaMemset(dout, 0xff, ob); /* NaN */
+    cudaDeviceSynchronize();    /* before the kernels on the non-blocking stream */
     const int old = cuda_fp8_grouped_gemm_config(config);
     cuda_fp8_grouped_gemm(dout, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
     if (h) {
@@ -153,6 +156,7 @@ static float *gpu_run(const fp8_case *c, int config, uint16_t **h) {
         uint16_t *dh = NULL;
         MS_ASSERT(cudaMalloc((void **)&dh, hb ? hb : 16) == cudaSuccess);
         cudaMemset(dh, 0xff, hb); /* NaN */
+        cudaDeviceSynchronize();  /* before the kernels on the non-blocking stream */
         cuda_fp8_grouped_gemm_h(dh, da, dsa, db, dsb, doff, c->E, c->M, c->N, c->K);
         *h = malloc(hb ? hb : 16);
         MS_ASSERT(cudaStreamSynchronize(cuda_stream()) == cudaSuccess);
@@ -377,6 +381,7 @@ static void check_down(const char *name, int E, const int *rows, int D, int F, i
     for (int ci = 0; ci < 4; ci++) {
         const int cf = down_configs[ci];
         cudaMemset(dout, 0xff, ob); /* NaN */
+        cudaDeviceSynchronize();    /* before the kernels on the non-blocking stream */
         const int old = cuda_fp8_grouped_gemm_config(cf);
         cuda_fp8_w8a8_down(dout, dh, dp, doff, E, n_pairs, D, F, dw, dsc);
         cuda_fp8_grouped_gemm_config(old);
@@ -445,6 +450,7 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
     }
     cudaMemset(w, 0x38, (size_t)N * K); /* 1.0 */
     cudaMemset(x, 0x38, (size_t)M * K);
+    cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     const double s = cublaslt_seconds(CUDA_R_8F_E4M3, CUDA_R_16BF, M, N, K, w, x, o, ws, ws_bytes,
                                       cuda_stream(), 2, 10);
     cudaFree(w);
@@ -468,10 +474,12 @@ static double time_grouped(int E, int T, int N, int K, int config, bool gate_up)
     cudaMemset(b, 0x38, (size_t)E * N * K);
     cudaMemset(sa, 0, sizeof(float) * (size_t)M * nkb);
     cudaMemset(sb, 0, sizeof(float) * (size_t)E * nkb * N);
+    cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     int32_t *h = malloc(sizeof(int32_t) * (E + 1));
     for (int e = 0; e <= E; e++)
         h[e] = e * T;
     cudaMemcpy(off, h, sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     free(h);
     const int old = cuda_fp8_grouped_gemm_config(config);
     cudaEvent_t e0, e1;

@@ -49,6 +49,8 @@ static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
     MS_ASSERT(cudaMalloc(&d, bytes ? bytes : 16) == cudaSuccess);
     if (bytes) MS_ASSERT(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+    /* the legacy stream's copy, landed before a kernel on the backend's non-blocking stream */
+    MS_ASSERT(cudaDeviceSynchronize() == cudaSuccess);
     return d;
 }
 
@@ -169,6 +171,7 @@ static void check_case(const char *what, int E, const int *rows, int N, int K, i
     nv4_dev d = dev_make(&c);
     const size_t ob = sizeof(float) * (size_t)(R * N);
     cudaMemset(d.out, 0xff, ob); /* NaN */
+    cudaDeviceSynchronize();     /* before the kernels on the non-blocking stream */
     dev_run(&c, &d);
     const cudaError_t ce = cudaStreamSynchronize(cuda_stream());
     CHECK(ce == cudaSuccess, "nvfp4 sm100 %s: %s", what, cudaGetErrorString(ce));
@@ -420,6 +423,7 @@ static void check_act(const char *what, int E, const int *counts, int T, int top
     const size_t ob = sizeof(float) * (size_t)T * topk * D;
     MS_ASSERT(cudaMalloc((void **)&d_out, ob) == cudaSuccess);
     cudaMemset(d_out, 0, ob);
+    cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     float *rows = malloc(sizeof(float) * (size_t)(R * D)), *out = malloc(ob);
     for (int64_t i = 0; i < R * D; i++)
         rows[i] = (float)(i % 1000) + 0.5f;
@@ -526,6 +530,7 @@ static void check_experts(const char *what, int E, const int *counts, int T, int
     MS_ASSERT(cudaMalloc(&d_ws, cuda_nvfp4_sm100_experts_scratch(g.n, E, D, F)) == cudaSuccess &&
               cudaMalloc((void **)&d_out, ob) == cudaSuccess);
     cudaMemset(d_out, 0xff, ob); /* NaN */
+    cudaDeviceSynchronize();     /* before the kernels on the non-blocking stream */
     cuda_nvfp4_sm100_experts(d_out, d_x, D, F, topk, d_pairs, d_off, E, g.n, d_gu, d_gua, d_gus,
                              d_dn, d_dna, d_dns, d_ws);
     const cudaError_t ce = cudaStreamSynchronize(cuda_stream());

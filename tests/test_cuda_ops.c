@@ -2043,6 +2043,7 @@ static void figures_fp8(uint16_t *pool) {
         for (int64_t c = 0; f.gw.data && (c + 1) * stride <= POOL_BYTES; c++)
             cudaMemcpy((char *)fpool + c * stride, f.gw.data, (size_t)bytes,
                        cudaMemcpyDeviceToDevice);
+        cudaDeviceSynchronize(); /* the legacy stream's copies, before the timed kernels */
         for (size_t t = 0; f.gw.data && t < sizeof Ts / sizeof Ts[0]; t++) {
             time_linear_w(shapes[s].name, fpool, DTYPE_F8_E4M3, bytes, Ts[t], N, K);
             time_linear(shapes[s].name, pool, Ts[t], N, K);

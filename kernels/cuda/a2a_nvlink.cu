@@ -1173,7 +1173,10 @@ size_t a2a_gpu_record_bytes(const a2a_gpu *a) { return a ? (size_t)a->rec : 0; }
 int a2a_gpu_trace(const a2a_gpu *a, unsigned long long *t, int n) {
     if (!a || !a->trace) return 0;
     if (n > A2A_TR_N) n = A2A_TR_N;
-    if (cudaMemcpy(t, a->trace, (size_t)n * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+    /* the kernels that write it run on the engine's non-blocking stream */
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(t, a->trace, (size_t)n * 8, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return 0;
     return n;
 }
 
@@ -1574,6 +1577,9 @@ a2a_gpu *a2a_gpu_create(const a2a_config *cfg, MPI_Comm comm, char *err, size_t 
                          cfg->rank);
             goto fail;
         }
+        /* the copies and zeroings above ran on the legacy stream, which the engine's
+         * non-blocking stream does not wait for: done before any kernel reads them */
+        TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
         good = true;
     }
 fail:

@@ -28,6 +28,20 @@ extern "C" {
 /* The stream every kernel of the backend is queued on (created by ops_cuda). */
 #ifdef __cplusplus
 cudaStream_t cuda_stream(void);
+
+/* Host bytes into device memory, or device memory zeroed, ordered on cuda_stream() and complete
+ * on return. A plain cudaMemcpy or cudaMemset runs on the legacy stream, which the backend's
+ * non-blocking stream does not wait for, and a cudaMemcpy from pageable memory may return before
+ * its bytes have landed: a kernel queued next on cuda_stream() could read what was there before
+ * (test_cuda_ops saw FP8 weights' last rows come out wrong that way, in 3 runs of 4). */
+static inline cudaError_t cuda_copy_to_device(void *dst, const void *src, size_t bytes) {
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda_stream());
+    return e == cudaSuccess ? cudaStreamSynchronize(cuda_stream()) : e;
+}
+static inline cudaError_t cuda_zero_device(void *dst, size_t bytes) {
+    cudaError_t e = cudaMemsetAsync(dst, 0, bytes, cuda_stream());
+    return e == cudaSuccess ? cudaStreamSynchronize(cuda_stream()) : e;
+}
 #endif
 
 /* A kernel file reallocated one of its device workspaces: CUDA graphs captured before point at the

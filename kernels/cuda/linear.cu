@@ -1268,11 +1268,11 @@ extern "C" void *cuda_decode_chain_make(float *const *outs, const float *const *
     c->n = n;
     c->epoch = 0;
     CUDA_CHECK(cudaMalloc(&c->ll, sizeof(unsigned long long) * words));
-    CUDA_CHECK(cudaMemset(c->ll, 0, sizeof(unsigned long long) * words));
+    CUDA_CHECK(cuda_zero_device(c->ll, sizeof(unsigned long long) * words));
     for (int l = 0, off = 0; l < n; off += h[l].N, l++)
         h[l].ll = c->ll + off;
     CUDA_CHECK(cudaMalloc(&c->links, sizeof(chain_link) * n));
-    CUDA_CHECK(cudaMemcpy(c->links, h, sizeof(chain_link) * n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cuda_copy_to_device(c->links, h, sizeof(chain_link) * n));
     CUDA_CHECK(cudaMalloc(&c->cnt, sizeof(int) * n * CHAIN_STRIDE));
     free(h);
     int dev = 0, sms = 0, per_sm = 0;

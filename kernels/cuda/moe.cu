@@ -375,7 +375,7 @@ static cudaError_t stage_tensor(moe_stager *s, bf16 *dst, const tensor *t) {
     if (t->device == DEVICE_CUDA) // already BF16 (checked)
         return cudaMemcpyAsync(dst, t->data, (size_t)numel * 2, cudaMemcpyDeviceToDevice, st);
     if (!s->buf[0] && t->dtype == DTYPE_BF16) // no pinned memory: a plain pageable copy
-        return cudaMemcpy(dst, t->data, (size_t)numel * 2, cudaMemcpyHostToDevice);
+        return cuda_copy_to_device(dst, t->data, (size_t)numel * 2);
     const int64_t chunk = MOE_STAGING_BYTES / 2;
     for (int64_t i0 = 0; i0 < numel; i0 += chunk) {
         const int64_t n = std::min(chunk, numel - i0);
@@ -405,7 +405,7 @@ static cudaError_t stage_tensor(moe_stager *s, bf16 *dst, const tensor *t) {
             e = cudaMemcpyAsync(dst + i0, b, (size_t)n * 2, cudaMemcpyHostToDevice, st);
             if (e == cudaSuccess) e = cudaEventRecord(s->done[k], st);
         } else {
-            e = cudaMemcpy(dst + i0, b, (size_t)n * 2, cudaMemcpyHostToDevice);
+            e = cuda_copy_to_device(dst + i0, b, (size_t)n * 2);
             free(b);
         }
         if (e != cudaSuccess) return e;
@@ -516,10 +516,10 @@ static cudaError_t upload_packed(int n, const void *const *src, const size_t *si
     int *bad = nullptr;
     *bad_h = 0;
     cudaError_t ce = cudaMalloc(&bad, sizeof(int));
-    if (ce == cudaSuccess) ce = cudaMemset(bad, 0, sizeof(int));
+    if (ce == cudaSuccess) ce = cuda_zero_device(bad, sizeof(int));
     for (int i = 0; i < n && ce == cudaSuccess; i++) {
         ce = cudaMalloc(&dst[i], sizes[i]);
-        if (ce == cudaSuccess) ce = cudaMemcpy(dst[i], src[i], sizes[i], cudaMemcpyHostToDevice);
+        if (ce == cudaSuccess) ce = cuda_copy_to_device(dst[i], src[i], sizes[i]);
     }
     if (ce == cudaSuccess) {
         pack(bad);

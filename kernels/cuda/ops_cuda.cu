@@ -102,8 +102,7 @@ static int cuda_upload(tensor *t, char *err, size_t errlen) {
     void *d = cuda_dev_alloc(bytes);
     if (!d)
         return set_err(err, errlen, "CUDA: out of device memory for a weight of %zu bytes", bytes);
-    // Pageable source (the memory-mapped checkpoint): the copy is synchronous.
-    cudaError_t e = cudaMemcpy(d, t->data, bytes, cudaMemcpyHostToDevice);
+    cudaError_t e = cuda_copy_to_device(d, t->data, bytes);
     if (e != cudaSuccess) {
         cudaFree(d);
         return set_err(err, errlen, "CUDA: copying a weight of %zu bytes to the device: %s",
