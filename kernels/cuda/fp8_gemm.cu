@@ -129,15 +129,24 @@ __device__ __forceinline__ void fp8g_wgmma<64>(float (&d)[32], uint64_t da, uint
 }
 
 // A warpgroup's products of one k tile: the four m64nBNk32 of the stage's A rows (da) and B rows
-// (db) into part, a fresh sum, waited for.
+// (db) into part, a fresh sum, committed as one group and left running.
 template <int BN>
-__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void fp8g_issue(float (&part)[BN / 2], uint64_t da, uint64_t db) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int k = 0; k < FP8G_BK / 32; k++)
         fp8g_wgmma<BN>(part, da + 2 * k, db + 2 * k, k); // + 32 bytes: (32 >> 4) in the address
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// until at most N of this warpgroup's groups are still running
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// fp8g_issue, waited for
+template <int BN>
+__device__ __forceinline__ void fp8g_products(float (&part)[BN / 2], uint64_t da, uint64_t db) {
+    fp8g_issue<BN>(part, da, db);
+    wgmma_wait<0>();
 }
 
 // part into the totals: acc += part sa[row] sb[column], with the stage's scales ssa (the tile's
@@ -402,11 +411,13 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // beside three (configuration 7) a warpgroup, so that it can give its registers to the consumers
 // (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer. One consumer
 // warpgroup (configuration 8, tiles of 64 rows) leaves room for two blocks a multiprocessor.
-template <int WG> struct fp8g_ws {
-    static constexpr bool lend = WG == 3;
+// PAIRS (two consumer warpgroups, configuration 9): each keeps two partial sums, so it lends
+// too: 40 registers to the producer, 232 to each consumer.
+template <int WG, bool PAIRS = false> struct fp8g_ws {
+    static constexpr bool lend = WG == 3 || PAIRS;
     static constexpr int threads = lend ? 128 * WG + 128 : 128 * WG + 32;
     static constexpr int min_blocks = WG == 1 ? 2 : 1;
-    static constexpr int producer_regs = 32, consumer_regs = 160;
+    static constexpr int producer_regs = PAIRS ? 40 : 32, consumer_regs = PAIRS ? 232 : 160;
 };
 // ta: a [M, K] in boxes of BM / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
 // the n-blocks of a row tile (CL 2: even).
@@ -420,15 +431,19 @@ template <int WG> struct fp8g_ws {
 // its second warpgroup idle), two blocks a multiprocessor, so twice the stages in flight.
 // B's scales: one a 64-column half of the tile and k block, its first column's (sb is equal over
 // aligned groups of 64 rows), so that a promotion is one fma an accumulator.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2>
-__global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
+// PAIRS (configuration 9, on trial): each consumer warpgroup starts two k tiles' products into
+// two partial sums before it waits, and promotes the first while the second runs; no group is
+// left running from one pair to the next (ptxas serializes the wgmma, C7514, when one is).
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
+__global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || ((WG == 1 || WG == 3) && CL == 1),
                   "two consumer warpgroups, or one or three alone");
-    typedef fp8g_ws<WG> W;
+    static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
+    typedef fp8g_ws<WG, PAIRS> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -553,17 +568,47 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 return reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES + BM * FP8G_BK +
                                                        BN * FP8G_BK);
             };
-            for (int kb = 0; kb < nkb; kb++, it++) {
-                const int s = it % STAGES;
-                mbar_wait(full(s), (it / STAGES) & 1);
-                fp8g_products<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
-                                  wgmma_desc_sw128(stage_b(s)));
-                // the scales of rows r0 and r1 times each half's; then the stage is free
+            // k tile it + j's stage: waited for, its products started into q
+            auto start = [&](float(&q)[BN / 2], int j) {
+                const int s = (it + j) % STAGES;
+                mbar_wait(full(s), ((it + j) / STAGES) & 1);
+                fp8g_issue<BN>(q, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                               wgmma_desc_sw128(stage_b(s)));
+            };
+            // q (k tile it + j's products, waited for) into the totals: the scales of rows r0 and
+            // r1 times each half's; the stage is free once they are read
+            auto finish = [&](const float(&q)[BN / 2], int j) {
+                const int s = (it + j) % STAGES;
                 const float *ss = scales(s);
                 const float a0 = ss[r0], a1 = ss[r1], b0 = ss[BM], b1 = ss[BM + 1];
                 const float g0 = a0 * b0, g1 = a1 * b0, u0 = a0 * b1, u1 = a1 * b1;
                 release(s);
-                fp8g_promote_halves<BN>(acc, part, g0, g1, u0, u1);
+                fp8g_promote_halves<BN>(acc, q, g0, g1, u0, u1);
+            };
+            if constexpr (PAIRS) {
+                float part2[BN / 2];
+                int kb = 0;
+                if (nkb & 1) { // an odd k tile first, alone
+                    start(part, 0);
+                    wgmma_wait<0>();
+                    finish(part, 0);
+                    kb = 1;
+                }
+                for (; kb < nkb; kb += 2) {
+                    start(part, kb);
+                    start(part2, kb + 1);
+                    wgmma_wait<1>();
+                    finish(part, kb);
+                    wgmma_wait<0>();
+                    finish(part2, kb + 1);
+                }
+                it += nkb;
+            } else {
+                for (int kb = 0; kb < nkb; kb++, it++) {
+                    start(part, 0);
+                    wgmma_wait<0>();
+                    finish(part, 0);
+                }
             }
             if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
@@ -580,7 +625,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
@@ -589,7 +634,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
         fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS>;
     const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
@@ -599,7 +644,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(fp8g_ws<WG>::threads);
+    cfg.blockDim = dim3(fp8g_ws<WG, PAIRS>::threads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
@@ -617,7 +662,9 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
-// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows;
+// with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
+// 9 as 5 with two partial sums a consumer warpgroup (PAIRS; on trial: only test_cuda_fp8_gemm
+// --configs and --sweep run it);
 // -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
 // experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
@@ -666,6 +713,7 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 6: fp8_grouped_gemm_ws_launch<4, H, 2>(p, max_rows); break;
     case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
+    case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
