@@ -38,9 +38,8 @@ static void cuda_dev_free(void *p) {
 
 static void cuda_to_device(void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g_stream));
-    // the source may be a stack buffer the caller reuses at once
-    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    // complete on return: the source may be a stack buffer the caller reuses at once
+    CUDA_CHECK(cuda_copy_to_device(dst, src, bytes));
 }
 
 static void cuda_to_host(void *dst, const void *src, size_t bytes) {
