@@ -20,8 +20,9 @@
  *
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
  *                             prints "skipped: <reason>" and "0 passed, 0 failed"
- *   test_cuda_fp8_gemm --profile C   only configuration C's timing at 8 x 4096, N 4096, K 7168
- *                             (12 calls; for a profiler)
+ *   test_cuda_fp8_gemm --profile C [N K [h]]   only configuration C's timing at 8 x 4096, N 4096
+ *                             and K 7168 unless given (h: GEMM 1's form; 12 calls; for a profiler)
+ *   test_cuda_fp8_gemm --sweep C   configuration C over K from 1024 to 7168 beside cuBLASLt
  *   test_cuda_fp8_gemm --configs 0,5,7   the checks and figures of those configurations (the
  *                             first of each width is the others' reference) */
 #include <stdio.h>
@@ -62,7 +63,7 @@ void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, con
                         int E, int64_t n_pairs, int D, int F, const uint8_t *w, const float *wsc);
 
 /* the configurations this run checks and times */
-enum { MAX_CONFIGS = 10 };
+enum { MAX_CONFIGS = 16 };
 /* the default set; configuration 9 (on trial) through --configs */
 static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, n_configs = 9;
 /* a configuration's tile width: 64 columns for 2 and 3 */
@@ -594,10 +595,11 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
         const int N = argc > 3 ? atoi(argv[3]) : 4096, K = argc > 4 ? atoi(argv[4]) : 7168;
+        const bool h = argc > 5 && strcmp(argv[5], "h") == 0; /* GEMM 1's form */
         MS_ASSERT(N > 0 && N % 128 == 0 && K > 0 && K % 128 == 0);
-        const double g = time_grouped(8, 4096, N, K, atoi(argv[2]), false);
-        printf("configuration %s: 8 experts x 4096 tokens, N %d K %d: %.1f us\n", argv[2], N, K,
-               g * 1e6);
+        const double g = time_grouped(8, 4096, N, K, atoi(argv[2]), h);
+        printf("configuration %s: 8 experts x 4096 tokens, N %d K %d%s: %.1f us\n", argv[2], N, K,
+               h ? ", GEMM 1's form" : "", g * 1e6);
         return 0;
     }
     if (argc > 2 && strcmp(argv[1], "--sweep") == 0) { /* K from 1024 to 7168, one configuration */

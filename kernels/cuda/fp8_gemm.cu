@@ -221,6 +221,73 @@ __device__ __forceinline__ void fp8g_store_h(__nv_bfloat16 *h, const float (&acc
     }
 }
 
+// TS's store (configurations 12 to 14, on trial): a consumer warpgroup's 64 rows of the tile
+// (all of them the expert's) by TMA through its 16 KB of shared memory at stg, in boxes of 64
+// rows x 128 bytes with the 128-byte swizzle, so that the warpgroup goes on to its next tile
+// while the copy engine writes: out's fp32 in four boxes of 32 columns, two at a time; GATE_UP's
+// h (the same formula as fp8g_store_h) in one box of its 64 columns. to: out (or h) as a byte
+// matrix in boxes of 64 rows; y its first row; lr0 the warpgroup's row of r0 (lr0 + 8 that of
+// r1); leader the warpgroup's thread 0, which issues the copies; bar its named barrier.
+__device__ __forceinline__ uint32_t fp8g_box_at(uint32_t box, int row, int byte) {
+    return box + row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+template <int BN, bool GATE_UP>
+__device__ __forceinline__ void fp8g_store_tma(const CUtensorMap *to, uint32_t stg,
+                                               const float (&acc)[BN / 2], int y, int n0, int lr0,
+                                               int c0, bool leader, int bar) {
+    static_assert(BN == 128, "tiles of 128 columns");
+    if (leader) bulk_wait_read<0>(); // the last tile's copies have read the staging
+    named_bar_sync(bar, 128);
+    if constexpr (GATE_UP) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float *g = acc + 4 * j, *u = acc + 4 * (j + 8);
+            const int byte = (8 * j + c0) * 2;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(fp8g_box_at(stg, lr0, byte)),
+                         "r"(pack_bf16x2(silu(g[0]) * u[0], silu(g[1]) * u[1]))
+                         : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(fp8g_box_at(stg, lr0 + 8, byte)),
+                         "r"(pack_bf16x2(silu(g[2]) * u[2], silu(g[3]) * u[3]))
+                         : "memory");
+        }
+        fence_proxy_async();
+        named_bar_sync(bar, 128);
+        if (leader) {
+            tma_store_2d(to, stg, n0 * 2, y);
+            bulk_commit();
+        }
+    } else {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            if (half) {
+                if (leader) bulk_wait_read<0>();
+                named_bar_sync(bar, 128);
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const int j = 8 * half + jj;
+                const uint32_t box = stg + (jj / 4) * 8192;
+                const int byte = (8 * (jj % 4) + c0) * 4;
+                asm volatile(
+                    "st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(fp8g_box_at(box, lr0, byte)),
+                    "f"(acc[4 * j]), "f"(acc[4 * j + 1])
+                    : "memory");
+                asm volatile(
+                    "st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(fp8g_box_at(box, lr0 + 8, byte)),
+                    "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
+                    : "memory");
+            }
+            fence_proxy_async();
+            named_bar_sync(bar, 128);
+            if (leader) {
+                tma_store_2d(to, stg, (n0 + 64 * half) * 4, y);
+                tma_store_2d(to, stg + 8192, (n0 + 64 * half + 32) * 4, y);
+                bulk_commit();
+            }
+        }
+    }
+}
+
 // warp 0's fp8g_tile into s_tile {expert, first row}
 __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
     const int2 t = group_tile(offsets, E, y, FP8G_BM);
@@ -434,14 +501,15 @@ template <int WG, bool PAIRS = false> struct fp8g_ws {
 // PAIRS (configuration 9, on trial): each consumer warpgroup starts two k tiles' products into
 // two partial sums before it waits, and promotes the first while the second runs; no group is
 // left running from one pair to the next (ptxas serializes the wgmma, C7514, when one is).
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false, bool TS = false>
 __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
-                               const __grid_constant__ CUtensorMap tb, const fp8g_args p, int nx) {
+                               const __grid_constant__ CUtensorMap tb,
+                               const __grid_constant__ CUtensorMap to, const fp8g_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
-    static_assert(WG == 2 || ((WG == 1 || WG == 3) && CL == 1),
-                  "two consumer warpgroups, or one or three alone");
+    static_assert(WG == 2 || WG == 3 || (WG == 1 && CL == 1),
+                  "one consumer warpgroup alone, or two or three");
     static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
     typedef fp8g_ws<WG, PAIRS> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
@@ -610,11 +678,15 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
                     finish(part, 0);
                 }
             }
-            if constexpr (GATE_UP)
+            if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
+                fp8g_store_tma<BN, GATE_UP>(&to, stage_a(STAGES) + wg * 16384, acc, m0 + 64 * wg,
+                                            n0, r0 - 64 * wg, c0, (tid & 127) == 0, 1 + wg);
+            else if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
             else
                 fp8g_store<BN>(p.out, p.out_rows, acc, m0, rows, N, n0, r0, r1, c0);
         }
+        if (TS && (tid & 127) == 0) bulk_wait<0>(); // the copies done before the block leaves
     }
     // no block leaves while the other may still write into it or arrive on its barriers
     if constexpr (CL == 2) cluster_sync_all();
@@ -625,22 +697,27 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false, bool TS = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
     if (CL == 2 && nx % 2) {
-        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG>(p, max_rows);
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, PAIRS, TS>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS>;
-    const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + 1024;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS, TS>;
+    // TS: 16 KB of staging a consumer warpgroup after the ring
+    const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + (TS ? WG * 16384 : 0) + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
     MS_ASSERT(!p.a_rows);
     const CUtensorMap ta = tma_map_rows(p.a, max_rows, p.K, BM / CL);
     const CUtensorMap tb = tma_map_rows(p.b, (int64_t)p.E * p.N, p.K, GATE_UP ? 64 : 128);
+    // TS: out [max_rows, N] fp32 or h [max_rows, N / 2] BF16, as bytes (else unused: ta again)
+    const CUtensorMap to = !TS       ? ta
+                           : GATE_UP ? tma_map_rows(p.h, max_rows, p.N, 64)
+                                     : tma_map_rows(p.out, max_rows, 4 * (int64_t)p.N, 64);
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
@@ -657,14 +734,15 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
         MS_ASSERT(resident > 0);
     }
     cfg.gridDim = dim3((unsigned)(CL * std::min<int64_t>(tiles / CL, resident)));
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, p, nx));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, to, p, nx));
 }
 
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
-// 9 as 5 with two partial sums a consumer warpgroup (PAIRS; on trial: only test_cuda_fp8_gemm
-// --configs and --sweep run it);
+// 9 as 5 with two partial sums a consumer warpgroup (PAIRS), 10 as 9 with 6 stages, 11 as 7 in
+// clusters of two sharing A's tiles (all three on trial: only test_cuda_fp8_gemm --configs and
+// --sweep run them);
 // -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
 // experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
@@ -714,6 +792,11 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
     case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true>(p, max_rows); break;
+    case 10: fp8_grouped_gemm_ws_launch<6, H, 1, 2, true>(p, max_rows); break;
+    case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3>(p, max_rows); break;
+    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, false, true>(p, max_rows); break;
+    case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, false, true>(p, max_rows); break;
+    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, false, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }

@@ -176,6 +176,35 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
                  : "memory");
 }
 
+// Stores by TMA: the box of map at (column x, row y) from shared memory at src (rows past the
+// map's last are not written), committed into this thread's bulk group; the shared memory a
+// thread wrote for it must be made visible to the copy engine first (fence_proxy_async, then a
+// barrier). bulk_wait_read<N>: until at most N of this thread's groups still read their shared
+// memory; bulk_wait<N>: until at most N are still writing.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(src), "r"(x), "r"(y)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// the named barrier id of count threads (whole warps; id 0 is __syncthreads')
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // setmaxnreg's count is an immediate
 template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R) : "memory");
