@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
                                const __grid_constant__ CUtensorMap tb,
                                const __grid_constant__ CUtensorMap to, const fp8g_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
-    static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
+    static_assert(CL == 1 || CL == 2 || CL == 4, "clusters of one, two or four blocks");
     static_assert(WG == 2 || WG == 3 || (WG == 1 && CL == 1),
                   "one consumer warpgroup alone, or two or three");
     static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
@@ -527,13 +527,13 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (CL == 2)
+    if constexpr (CL > 1)
         cluster_sync_all(); // the other block's barriers are ready for this one's copies
     else
         __syncthreads();
     // the cluster's blocks take the same row tiles: t over pairs of n-blocks, rank r the pair's
     // n-block 2 (t % (nx / 2)) + r
-    const int rank = CL == 2 ? (int)(blockIdx.x & 1) : 0;
+    const int rank = CL > 1 ? (int)(blockIdx.x & (CL - 1)) : 0;
     const int t0 = blockIdx.x / CL, dt = gridDim.x / CL, nxc = nx / CL;
     auto n_block = [&](int t) { return CL * (t % nxc) + rank; };
     // this warp is done with stage s: its lanes have read it (wgmma waited for), then lane 0
@@ -542,7 +542,9 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
         __syncwarp();
         if (lane == 0) {
             mbar_arrive(empty(s));
-            if constexpr (CL == 2) mbar_arrive_cluster(empty(s), rank ^ 1);
+#pragma unroll
+            for (int r = 1; r < CL; r++)
+                mbar_arrive_cluster(empty(s), rank ^ r);
         }
     };
     const uint32_t smem_raw = (uint32_t)__cvta_generic_to_shared(fp8g_smem);
@@ -582,9 +584,9 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
                 if (lane == 0) {
                     mbar_arrive_tx(full(s), BM * FP8G_BK + BN * FP8G_BK);
-                    if constexpr (CL == 2) // this block's half of A's rows, into both blocks
-                        tma_load_2d_multicast(stage_a(s) + rank * (BM * FP8G_BK / 2), &ta, k0,
-                                              m0 + rank * (BM / 2), full(s), 3);
+                    if constexpr (CL > 1) // this block's share of A's rows, into every block
+                        tma_load_2d_multicast(stage_a(s) + rank * (BM * FP8G_BK / CL), &ta, k0,
+                                              m0 + rank * (BM / CL), full(s), (1 << CL) - 1);
                     else
                         tma_load_2d(stage_a(s), &ta, k0, m0, full(s));
                     if (GATE_UP) {
@@ -689,7 +691,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
         if (TS && (tid & 127) == 0) bulk_wait<0>(); // the copies done before the block leaves
     }
     // no block leaves while the other may still write into it or arrive on its barriers
-    if constexpr (CL == 2) cluster_sync_all();
+    if constexpr (CL > 1) cluster_sync_all();
 #else
     __trap(); // not built for this device (hopper.cuh)
 #endif
@@ -702,7 +704,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
-    if (CL == 2 && nx % 2) {
+    if (nx % CL) {
         fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, PAIRS, TS>(p, max_rows);
         return;
     }
@@ -797,6 +799,7 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, false, true>(p, max_rows); break;
     case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, false, true>(p, max_rows); break;
     case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, false, true>(p, max_rows); break;
+    case 15: fp8_grouped_gemm_ws_launch<4, H, 4, 3, false, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
