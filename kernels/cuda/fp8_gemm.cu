@@ -221,7 +221,7 @@ __device__ __forceinline__ void fp8g_store_h(__nv_bfloat16 *h, const float (&acc
     }
 }
 
-// TS's store (configurations 12 to 14, on trial): a consumer warpgroup's 64 rows of the tile
+// TS's store (configurations 5, 7 and 11): a consumer warpgroup's 64 rows of the tile
 // (all of them the expert's) by TMA through its 16 KB of shared memory at stg, in boxes of 64
 // rows x 128 bytes with the 128-byte swizzle, so that the warpgroup goes on to its next tile
 // while the copy engine writes: out's fp32 in four boxes of 32 columns, two at a time; GATE_UP's
@@ -478,13 +478,11 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 // beside three (configuration 7) a warpgroup, so that it can give its registers to the consumers
 // (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer. One consumer
 // warpgroup (configuration 8, tiles of 64 rows) leaves room for two blocks a multiprocessor.
-// PAIRS (two consumer warpgroups, configuration 9): each keeps two partial sums, so it lends
-// too: 40 registers to the producer, 232 to each consumer.
-template <int WG, bool PAIRS = false> struct fp8g_ws {
-    static constexpr bool lend = WG == 3 || PAIRS;
+template <int WG> struct fp8g_ws {
+    static constexpr bool lend = WG == 3;
     static constexpr int threads = lend ? 128 * WG + 128 : 128 * WG + 32;
     static constexpr int min_blocks = WG == 1 ? 2 : 1;
-    static constexpr int producer_regs = PAIRS ? 40 : 32, consumer_regs = PAIRS ? 232 : 160;
+    static constexpr int producer_regs = 32, consumer_regs = 160;
 };
 // ta: a [M, K] in boxes of BM / CL rows; tb: b [E N, K] in boxes of 128 rows (GATE_UP: 64). nx:
 // the n-blocks of a row tile (CL 2: even).
@@ -498,20 +496,22 @@ template <int WG, bool PAIRS = false> struct fp8g_ws {
 // its second warpgroup idle), two blocks a multiprocessor, so twice the stages in flight.
 // B's scales: one a 64-column half of the tile and k block, its first column's (sb is equal over
 // aligned groups of 64 rows), so that a promotion is one fma an accumulator.
-// PAIRS (configuration 9, on trial): each consumer warpgroup starts two k tiles' products into
-// two partial sums before it waits, and promotes the first while the second runs; no group is
-// left running from one pair to the next (ptxas serializes the wgmma, C7514, when one is).
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false, bool TS = false>
-__global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS>::min_blocks)
+// TS (configurations 5, 7 and 11): a consumer warpgroup whose 64 rows are all the expert's, in
+// an output of grouped rows, stores them by TMA (fp8g_store_tma, through 16 KB of shared memory
+// a warpgroup after the ring) and goes on to its next tile while the copy engine writes; the
+// others store from registers. Storing from registers, the warpgroups of a block stall on their
+// stores together, and every block at the same point of its tiles: 48 of configuration 7's 234
+// us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false>
+__global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb,
                                const __grid_constant__ CUtensorMap to, const fp8g_args p, int nx) {
 #if MOESERVE_WGMMA_DEVICE
-    static_assert(CL == 1 || CL == 2 || CL == 4, "clusters of one, two or four blocks");
+    static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || WG == 3 || (WG == 1 && CL == 1),
                   "one consumer warpgroup alone, or two or three");
-    static_assert(!PAIRS || (WG == 2 && CL == 1), "pairs of k tiles: two warpgroups alone");
-    typedef fp8g_ws<WG, PAIRS> W;
+    typedef fp8g_ws<WG> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
@@ -638,47 +638,19 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
                 return reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES + BM * FP8G_BK +
                                                        BN * FP8G_BK);
             };
-            // k tile it + j's stage: waited for, its products started into q
-            auto start = [&](float(&q)[BN / 2], int j) {
-                const int s = (it + j) % STAGES;
-                mbar_wait(full(s), ((it + j) / STAGES) & 1);
-                fp8g_issue<BN>(q, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
-                               wgmma_desc_sw128(stage_b(s)));
-            };
-            // q (k tile it + j's products, waited for) into the totals: the scales of rows r0 and
-            // r1 times each half's; the stage is free once they are read
-            auto finish = [&](const float(&q)[BN / 2], int j) {
-                const int s = (it + j) % STAGES;
+            for (int kb = 0; kb < nkb; kb++, it++) {
+                // k tile it: its stage waited for, its products into part; then part into the
+                // totals, the scales of rows r0 and r1 times each half's (the stage is free once
+                // they are read)
+                const int s = it % STAGES;
+                mbar_wait(full(s), (it / STAGES) & 1);
+                fp8g_products<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                                  wgmma_desc_sw128(stage_b(s)));
                 const float *ss = scales(s);
                 const float a0 = ss[r0], a1 = ss[r1], b0 = ss[BM], b1 = ss[BM + 1];
                 const float g0 = a0 * b0, g1 = a1 * b0, u0 = a0 * b1, u1 = a1 * b1;
                 release(s);
-                fp8g_promote_halves<BN>(acc, q, g0, g1, u0, u1);
-            };
-            if constexpr (PAIRS) {
-                float part2[BN / 2];
-                int kb = 0;
-                if (nkb & 1) { // an odd k tile first, alone
-                    start(part, 0);
-                    wgmma_wait<0>();
-                    finish(part, 0);
-                    kb = 1;
-                }
-                for (; kb < nkb; kb += 2) {
-                    start(part, kb);
-                    start(part2, kb + 1);
-                    wgmma_wait<1>();
-                    finish(part, kb);
-                    wgmma_wait<0>();
-                    finish(part2, kb + 1);
-                }
-                it += nkb;
-            } else {
-                for (int kb = 0; kb < nkb; kb++, it++) {
-                    start(part, 0);
-                    wgmma_wait<0>();
-                    finish(part, 0);
-                }
+                fp8g_promote_halves<BN>(acc, part, g0, g1, u0, u1);
             }
             if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
                 fp8g_store_tma<BN, GATE_UP>(&to, stage_a(STAGES) + wg * 16384, acc, m0 + 64 * wg,
@@ -699,16 +671,16 @@ __global__ void __launch_bounds__(fp8g_ws<WG, PAIRS>::threads, fp8g_ws<WG, PAIRS
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool PAIRS = false, bool TS = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
     if (nx % CL) {
-        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, PAIRS, TS>(p, max_rows);
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, TS>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, PAIRS, TS>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS>;
     // TS: 16 KB of staging a consumer warpgroup after the ring
     const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + (TS ? WG * 16384 : 0) + 1024;
     static size_t attr_set = 0;
@@ -723,7 +695,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(fp8g_ws<WG, PAIRS>::threads);
+    cfg.blockDim = dim3(fp8g_ws<WG>::threads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cuda_stream();
     cudaLaunchAttribute attr[1] = {cuda_cluster_attr(CL, 1, 1)};
@@ -742,9 +714,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // The tile configuration: 0 128 columns and 4 stages, 1 128 and 3, 2 64 columns and 4 stages (two
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
-// 9 as 5 with two partial sums a consumer warpgroup (PAIRS), 10 as 9 with 6 stages, 11 as 7 in
-// clusters of two sharing A's tiles (all three on trial: only test_cuda_fp8_gemm --configs and
-// --sweep run them);
+// 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
+// tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA);
 // -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
 // experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
@@ -789,17 +760,12 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 2: fp8_grouped_gemm_launch<4, BN64, H>(p, max_rows); break;
     case 3: fp8_grouped_gemm_launch<H ? 4 : 6, BN64, H>(p, max_rows); break;
     case 4: fp8_grouped_gemm_ws_launch<6, H, 1>(p, max_rows); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, H, 1>(p, max_rows); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true>(p, max_rows); break;
     case 6: fp8_grouped_gemm_ws_launch<4, H, 2>(p, max_rows); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
+    case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3, true>(p, max_rows); break;
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
-    case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true>(p, max_rows); break;
-    case 10: fp8_grouped_gemm_ws_launch<6, H, 1, 2, true>(p, max_rows); break;
-    case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3>(p, max_rows); break;
-    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, false, true>(p, max_rows); break;
-    case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, false, true>(p, max_rows); break;
-    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, false, true>(p, max_rows); break;
-    case 15: fp8_grouped_gemm_ws_launch<4, H, 4, 3, false, true>(p, max_rows); break;
+    case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
+    case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
