@@ -35,7 +35,9 @@
 // FP8 GEMM at 8192^3 gives 1763 TFLOP/s in the same run):
 // - configuration 7 (below: a TMA producer, three consumer warpgroups on tiles of 192 rows that
 //   drift apart, a persistent grid): 911, 963, 1107 and 1115 TFLOP/s on 8 experts x 4096 tokens,
-//   N 1536 / 4096 at K 2048, N 1536 / 4096 at K 7168 (52, 55, 63 and 63% of cuBLASLt's);
+//   N 1536 / 4096 at K 2048, N 1536 / 4096 at K 7168 (52, 55, 63 and 63% of cuBLASLt's), storing
+//   from registers; with its stores by TMA (TS, below), on an H100 (cuBLASLt 1575 TFLOP/s): 980,
+//   1009, 1093 and 1114 (62, 64, 69 and 71%) against 881, 943, 1037 and 1067 the old way;
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
 //   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
@@ -55,9 +57,10 @@
 // (figures in docs/benchmarks.md): 6 stages (configuration 4); clusters of two blocks sharing A's
 // tiles through TMA multicast (configuration 6: L2 at 58% instead of 65%, no faster; its remote
 // arrivals on the empty barriers once had release.cluster semantics, which halved its rate), and
-// the same with three consumer warpgroups (43 to 51%: registers spill); two partial sums a
-// warpgroup, a pair of k tiles started before the wait (no faster than 7, with the per-column
-// promotion).
+// the same with three consumer warpgroups (then 43 to 51%: registers spilled; now configuration
+// 11, 0 to 5% faster than 7 at K 7168, no faster at K 2048); clusters of four (slower); two
+// partial sums a warpgroup, a pair of k tiles started before the wait (no faster than 5, with
+// either promotion).
 // The experts call it in medium precision from 16 pairs an expert (fp8_gemm.h): GEMM 1 on x's
 // codes, and GEMM 2 on h's, h quantized per row per 128 channels with x's formula (as DeepSeek-V3's
 // recipe and SGLang's block-FP8 experts quantize the down projection's input; until 2026-12-02
