@@ -738,10 +738,14 @@ def case_abort_request(g):
         states = g.server_info(0)["internal_states"]
         return sum(1 for s in states if s["num_running_reqs"] or s["num_waiting_reqs"])
 
-    def wait_busy(n):  # the ranks seen busy at once, as soon as n are (or after 30 s)
-        deadline = time.time() + 30
+    def in_flight():  # the requests running or waiting on every rank
+        return sum(s["num_running_reqs"] + s["num_waiting_reqs"]
+                   for s in g.server_info(0)["internal_states"])
+
+    def wait_busy(n, reqs=0):  # the ranks seen busy at once, as soon as n are and reqs requests
+        deadline = time.time() + 30  # are in the ranks (or after 30 s)
         seen = busy_ranks()
-        while time.time() < deadline and seen < n:
+        while time.time() < deadline and (seen < n or in_flight() < reqs):
             time.sleep(0.05)
             seen = busy_ranks()
         return seen
@@ -755,7 +759,7 @@ def case_abort_request(g):
     before = settled_counts(g)
     n = 2 * g.n_ranks
     ts, out = send([(0, long_body(i, "ep-abort-%d" % i)) for i in range(n)])
-    spread = wait_busy(2)
+    spread = wait_busy(2, n)
     for i in range(n):
         http_json(g.ports[0], "POST", "/abort_request", {"rid": "ep-abort-%d" % i})
     for t in ts:
@@ -769,7 +773,9 @@ def case_abort_request(g):
           sum(1 for d in deltas if d > 0) > 1, "increases %s" % deltas)
 
     ts, out = send([(r % g.n_ranks, long_body(r, None)) for r in range(n)])
-    busy = wait_busy(2)
+    # abort_all ends the requests a rank holds when it comes; one still on its way to its rank
+    # would run to its end, so every request is in a rank first
+    busy = wait_busy(2, n)
     st = http_json(g.ports[-1], "POST", "/abort_request", {"abort_all": True})[0]
     for t in ts:
         t.join(REQUEST_TIMEOUT)
