@@ -505,7 +505,14 @@ template <int WG> struct fp8g_ws {
 // others store from registers. Storing from registers, the warpgroups of a block stall on their
 // stores together, and every block at the same point of its tiles: 48 of configuration 7's 234
 // us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false>
+// ORD (configurations 12 to 14, on trial): the consumer warpgroups start their k tiles' products
+// in turn, warpgroup 0, 1, (2,) 0, ... (each waits at a named barrier for the one before it to
+// have started its own, then lets the next one go), so that the tensor cores take one
+// warpgroup's four products after the other's instead of all of them interleaved: the first
+// warpgroup's finish a third of the way through and it promotes while the others' run, where
+// together they all finished at the end and the tensor cores waited through their promotions.
+// A warpgroup with no rows in a tile keeps its turns.
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false, bool ORD = false>
 __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb,
@@ -619,6 +626,15 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
         const int wg = warp >> 2;
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
         const int c0 = 2 * (lane & 3);
+        // ORD's turns: named barrier 4 + w (the 256 threads of warpgroups w - 1 and w) tells
+        // warpgroup w that w - 1 has started its products; the last warpgroup lets 0 start first
+        auto turn_wait = [&] {
+            if constexpr (ORD) named_bar_sync(4 + wg, 256);
+        };
+        auto turn_pass = [&] {
+            if constexpr (ORD) named_bar_arrive(4 + (wg + 1) % WG, 256);
+        };
+        if (ORD && wg == WG - 1) turn_pass();
         for (int t = t0;; t += dt) {
             const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
             const int e = tile.x, m0 = tile.y;
@@ -628,6 +644,8 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
             if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
                 for (int kb = 0; kb < nkb; kb++, it++) {
                     mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                    turn_wait();
+                    turn_pass();
                     release(it % STAGES);
                 }
                 continue;
@@ -647,8 +665,11 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 // they are read)
                 const int s = it % STAGES;
                 mbar_wait(full(s), (it / STAGES) & 1);
-                fp8g_products<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
-                                  wgmma_desc_sw128(stage_b(s)));
+                turn_wait();
+                fp8g_issue<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                               wgmma_desc_sw128(stage_b(s)));
+                turn_pass();
+                wgmma_wait<0>();
                 const float *ss = scales(s);
                 const float a0 = ss[r0], a1 = ss[r1], b0 = ss[BM], b1 = ss[BM + 1];
                 const float g0 = a0 * b0, g1 = a1 * b0, u0 = a0 * b1, u1 = a1 * b1;
@@ -664,6 +685,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 fp8g_store<BN>(p.out, p.out_rows, acc, m0, rows, N, n0, r0, r1, c0);
         }
         if (TS && (tid & 127) == 0) bulk_wait<0>(); // the copies done before the block leaves
+        if (ORD && wg == 0) turn_wait(); // the last warpgroup's last pass, so none is left open
     }
     // no block leaves while the other may still write into it or arrive on its barriers
     if constexpr (CL > 1) cluster_sync_all();
@@ -674,16 +696,16 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false, bool ORD = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
     if (nx % CL) {
-        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, TS>(p, max_rows);
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, TS, ORD>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS, ORD>;
     // TS: 16 KB of staging a consumer warpgroup after the ring
     const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + (TS ? WG * 16384 : 0) + 1024;
     static size_t attr_set = 0;
@@ -718,7 +740,9 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
-// tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA);
+// tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA); 12, 13 and 14 as 7, 11 and 5 with
+// the warpgroups' products in turn (ORD; on trial, not yet run: only test_cuda_fp8_gemm
+// --configs and --sweep run them);
 // -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
 // experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
@@ -769,6 +793,9 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
     case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
     case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, true>(p, max_rows); break;
+    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, true, true>(p, max_rows); break;
+    case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, true, true>(p, max_rows); break;
+    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }

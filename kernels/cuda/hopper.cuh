@@ -204,6 +204,10 @@ template <int N> __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// the same barrier's arrival without the wait (a producer's side of it)
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // setmaxnreg's count is an immediate
 template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
