@@ -58,14 +58,18 @@ void cuda_fp8_grouped_gemm_h(uint16_t *h, const uint8_t *a, const float *sa, con
                              const float *sb, const int32_t *offsets, int E, int M, int N, int K);
 
 /* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 2 on the FP8 tensor cores
- * (fp8_w8a8_down), device pointers */
+ * (fp8_w8a8_down), device pointers; waits for it unless nowait */
 void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, const int32_t *offsets,
-                        int E, int64_t n_pairs, int D, int F, const uint8_t *w, const float *wsc);
+                        int E, int64_t n_pairs, int D, int F, const uint8_t *w, const float *wsc,
+                        int nowait);
 
 /* the configurations this run checks and times */
 enum { MAX_CONFIGS = 16 };
 /* the default set (--configs replaces it) */
 static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11}, n_configs = 11;
+/* GEMM 2's (its outputs are 128 columns wide): the default's three forms and the plain kernel,
+ * or with --configs those of its configurations of 128 columns */
+static int down_configs[MAX_CONFIGS] = {5, 7, 8, 0}, n_down = 4;
 /* a configuration's tile width: 64 columns for 2 and 3 */
 static int width(int config) { return config == 2 || config == 3 ? 64 : 128; }
 
@@ -378,14 +382,12 @@ static void check_down(const char *name, int E, const int *rows, int D, int F, i
                 S[(int64_t)m * D + d] = sv;
             }
         }
-    /* the default's three forms, and the plain kernel */
-    static const int down_configs[] = {5, 7, 8, 0};
-    for (int ci = 0; ci < 4; ci++) {
+    for (int ci = 0; ci < n_down; ci++) {
         const int cf = down_configs[ci];
         cudaMemset(dout, 0xff, ob); /* NaN */
         cudaDeviceSynchronize();    /* before the kernels on the non-blocking stream */
         const int old = cuda_fp8_grouped_gemm_config(cf);
-        cuda_fp8_w8a8_down(dout, dh, dp, doff, E, n_pairs, D, F, dw, dsc);
+        cuda_fp8_w8a8_down(dout, dh, dp, doff, E, n_pairs, D, F, dw, dsc, 0);
         cuda_fp8_grouped_gemm_config(old);
         MS_ASSERT(cudaMemcpy(got, dout, ob, cudaMemcpyDeviceToHost) == cudaSuccess);
 
@@ -511,6 +513,62 @@ static double time_grouped(int E, int T, int N, int K, int config, bool gate_up)
     return ms / 1e3 / reps;
 }
 
+/* Seconds a call of the experts' GEMM 2 (cuda_fp8_w8a8_down: h quantized, then the GEMM with
+ * its rows scattered to their pairs, fp32) over E experts of T rows, D x F weights, T E pairs in a
+ * shuffled order, in one configuration. */
+static double time_down(int E, int T, int D, int F, int config) {
+    const int64_t n = (int64_t)E * T;
+    void *h = NULL, *w = NULL, *sc = NULL, *off = NULL, *pr = NULL, *o = NULL;
+    MS_ASSERT(cudaMalloc(&h, sizeof(uint16_t) * (size_t)n * F) == cudaSuccess &&
+              cudaMalloc(&w, (size_t)E * D * F) == cudaSuccess &&
+              cudaMalloc(&sc, sizeof(float) * (size_t)E * (F / 128) * D) == cudaSuccess &&
+              cudaMalloc(&off, sizeof(int32_t) * (E + 1)) == cudaSuccess &&
+              cudaMalloc(&pr, sizeof(int32_t) * (size_t)n) == cudaSuccess &&
+              cudaMalloc(&o, sizeof(float) * (size_t)n * D) == cudaSuccess);
+    cudaMemset(h, 0x3f, sizeof(uint16_t) * (size_t)n * F); /* about 0.75 */
+    cudaMemset(w, 0x38, (size_t)E * D * F);
+    cudaMemset(sc, 0, sizeof(float) * (size_t)E * (F / 128) * D);
+    int32_t *hoff = malloc(sizeof(int32_t) * (E + 1)), *hp = malloc(sizeof(int32_t) * (size_t)n);
+    for (int e = 0; e <= E; e++)
+        hoff[e] = e * T;
+    for (int64_t i = 0; i < n; i++)
+        hp[i] = (int32_t)i;
+    for (int64_t i = n - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(urand() * (double)(i + 1));
+        const int32_t t = hp[i];
+        hp[i] = hp[j];
+        hp[j] = t;
+    }
+    cudaMemcpy(off, hoff, sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice);
+    cudaMemcpy(pr, hp, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
+    free(hoff);
+    free(hp);
+    const int old = cuda_fp8_grouped_gemm_config(config);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    const int warm = 2, reps = 10;
+    for (int r = 0; r < warm + reps; r++) {
+        if (r == warm) cudaEventRecord(e0, cuda_stream());
+        cuda_fp8_w8a8_down(o, h, pr, off, E, n, D, F, w, sc, 1);
+    }
+    cudaEventRecord(e1, cuda_stream());
+    cudaEventSynchronize(e1);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cuda_fp8_grouped_gemm_config(old);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(h);
+    cudaFree(w);
+    cudaFree(sc);
+    cudaFree(off);
+    cudaFree(pr);
+    cudaFree(o);
+    return ms / 1e3 / reps;
+}
+
 static void figures(void) {
     const size_t ws_bytes = (size_t)32 << 20;
     void *ws = NULL;
@@ -547,6 +605,19 @@ static void figures(void) {
             "    GEMM 1's form (h in BF16, N / 2 columns), default configuration: %7.1f us %4.0f "
             "TFLOP/s, %3.0f%% of the peak\n",
             g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
+    }
+    /* the experts' GEMM 2 at the prefill chunk's sizes (h quantized, rows scattered, fp32) */
+    static const int downs[][4] = {{128, 256, 2048, 768}, {256, 128, 7168, 2048}};
+    for (size_t i = 0; i < sizeof downs / sizeof downs[0]; i++) {
+        const int E = downs[i][0], T = downs[i][1], D = downs[i][2], F = downs[i][3];
+        const double fl = 2.0 * E * T * (double)D * F;
+        printf("  GEMM 2's form, %d experts x %d tokens, D %d F %d (rows scattered, fp32):\n", E, T,
+               D, F);
+        for (int ci = 0; ci < n_down; ci++) {
+            const double g = time_down(E, T, D, F, down_configs[ci]);
+            printf("    configuration %d: %7.1f us %4.0f TFLOP/s, %3.0f%% of the peak\n",
+                   down_configs[ci], g * 1e6, fl / g / 1e12, 100.0 * fl / g / 1e12 / peak);
+        }
     }
     cudaFree(ws);
 }
@@ -592,6 +663,9 @@ int main(int argc, char **argv) {
         for (const char *c = argv[2]; *c && n_configs < MAX_CONFIGS;
              c += strcspn(c, ",") + (c[strcspn(c, ",")] != 0))
             configs[n_configs++] = atoi(c);
+        n_down = 0;
+        for (int ci = 0; ci < n_configs; ci++)
+            if (width(configs[ci]) == 128) down_configs[n_down++] = configs[ci];
     }
     if (argc > 2 && strcmp(argv[1], "--profile") == 0) { /* one shape, one configuration */
         const int N = argc > 3 ? atoi(argv[3]) : 4096, K = argc > 4 ? atoi(argv[4]) : 7168;

@@ -291,6 +291,53 @@ __device__ __forceinline__ void fp8g_store_tma(const CUtensorMap *to, uint32_t s
     }
 }
 
+// TS 2's store (configurations 15 and 16, on trial), for the fp32 form: a consumer warpgroup's
+// rows of out, however many are the expert's and wherever out_rows puts them, each row a bulk
+// copy from shared memory (cp.async.bulk, no tensor map), so that GEMM 2's scattered rows and an
+// expert's last, short tile are stored the way whole warpgroups' rows are under TS 1. The
+// staging: 64 rows of 64 fp32 and 4 of padding (FP8G_ROWS_STRIDE bytes; the padding spreads a
+// warp's writes over the banks), one 64-column half at a time. m0w: the warpgroup's first grouped
+// row; rows_w its rows (1 to 64); warp 0's lanes copy rows wtid and wtid + 32.
+#define FP8G_ROWS_STRIDE 272
+template <int BN>
+__device__ __forceinline__ void fp8g_store_rows(float *out, const int32_t *out_rows, uint32_t stg,
+                                                const float (&acc)[BN / 2], int m0w, int rows_w,
+                                                int N, int n0, int lr0, int c0, int wtid, int bar) {
+    static_assert(BN == 128, "tiles of 128 columns");
+    int64_t dst[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int row = wtid + 32 * i;
+        dst[i] = wtid < 32 && row < rows_w
+                     ? (out_rows ? __ldg(&out_rows[m0w + row]) : m0w + row) * (int64_t)N + n0
+                     : -1;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        bulk_wait_read<0>(); // the last copies have read the staging
+        named_bar_sync(bar, 128);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * half + jj, byte = (8 * jj + c0) * 4;
+            asm volatile(
+                "st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stg + lr0 * FP8G_ROWS_STRIDE + byte),
+                "f"(acc[4 * j]), "f"(acc[4 * j + 1])
+                : "memory");
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(
+                             stg + (lr0 + 8) * FP8G_ROWS_STRIDE + byte),
+                         "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
+                         : "memory");
+        }
+        fence_proxy_async();
+        named_bar_sync(bar, 128);
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (dst[i] >= 0)
+                bulk_store(out + dst[i] + 64 * half, stg + (wtid + 32 * i) * FP8G_ROWS_STRIDE, 256);
+        bulk_commit();
+    }
+}
+
 // warp 0's fp8g_tile into s_tile {expert, first row}
 __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
     const int2 t = group_tile(offsets, E, y, FP8G_BM);
@@ -505,6 +552,12 @@ template <int WG> struct fp8g_ws {
 // others store from registers. Storing from registers, the warpgroups of a block stall on their
 // stores together, and every block at the same point of its tiles: 48 of configuration 7's 234
 // us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
+// TS's staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a 64 x 128-byte box of
+// 128-byte rows (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes (GATE_UP: TS 1's)
+template <int TS> struct fp8g_staging {
+    static constexpr int bytes = TS == 0 ? 0 : TS == 1 ? 16384 : 64 * FP8G_ROWS_STRIDE;
+    static_assert(bytes % 1024 == 0 && bytes >= 16384 * (TS > 0), "a box's alignment");
+};
 // ORD (configurations 12 to 14, on trial): the consumer warpgroups start their k tiles' products
 // in turn, warpgroup 0, 1, (2,) 0, ... (each waits at a named barrier for the one before it to
 // have started its own, then lets the next one go), so that the tensor cores take one
@@ -512,7 +565,7 @@ template <int WG> struct fp8g_ws {
 // warpgroup's finish a third of the way through and it promotes while the others' run, where
 // together they all finished at the end and the tensor cores waited through their promotions.
 // A warpgroup with no rows in a tile keeps its turns.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false, bool ORD = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false>
 __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb,
@@ -523,6 +576,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                   "one consumer warpgroup alone, or two or three");
     typedef fp8g_ws<WG> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
+    constexpr int STG = fp8g_staging<TS>::bytes; // a consumer warpgroup's staging (TS)
     extern __shared__ __align__(16) unsigned char fp8g_smem[];
     __shared__ __align__(8) uint64_t bars[2 * STAGES]; // full[s], then empty[s]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -676,15 +730,19 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 release(s);
                 fp8g_promote_halves<BN>(acc, part, g0, g1, u0, u1);
             }
-            if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
-                fp8g_store_tma<BN, GATE_UP>(&to, stage_a(STAGES) + wg * 16384, acc, m0 + 64 * wg,
-                                            n0, r0 - 64 * wg, c0, (tid & 127) == 0, 1 + wg);
+            if (TS == 2 && !GATE_UP)
+                fp8g_store_rows<BN>(p.out, p.out_rows, stage_a(STAGES) + wg * STG, acc,
+                                    m0 + 64 * wg, min(64, rows - 64 * wg), N, n0, r0 - 64 * wg, c0,
+                                    tid & 127, 1 + wg);
+            else if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
+                fp8g_store_tma<BN, GATE_UP>(&to, stage_a(STAGES) + wg * STG, acc, m0 + 64 * wg, n0,
+                                            r0 - 64 * wg, c0, (tid & 127) == 0, 1 + wg);
             else if constexpr (GATE_UP)
                 fp8g_store_h(p.h, acc, m0, rows, N / 2, n0, r0, r1, c0);
             else
                 fp8g_store<BN>(p.out, p.out_rows, acc, m0, rows, N, n0, r0, r1, c0);
         }
-        if (TS && (tid & 127) == 0) bulk_wait<0>(); // the copies done before the block leaves
+        if (TS) bulk_wait<0>();          // the copies done before the block leaves
         if (ORD && wg == 0) turn_wait(); // the last warpgroup's last pass, so none is left open
     }
     // no block leaves while the other may still write into it or arrive on its barriers
@@ -696,7 +754,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, bool TS = false, bool ORD = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
@@ -707,7 +765,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     }
     auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS, ORD>;
     // TS: 16 KB of staging a consumer warpgroup after the ring
-    const size_t smem = (size_t)STAGES * fp8g_stage<128, BM>::bytes + (TS ? WG * 16384 : 0) + 1024;
+    const size_t smem =
+        (size_t)STAGES * fp8g_stage<128, BM>::bytes + WG * fp8g_staging<TS>::bytes + 1024;
     static size_t attr_set = 0;
     cuda_smem_allow(kernel, smem, &attr_set);
     MS_ASSERT(!p.a_rows);
@@ -716,7 +775,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     // TS: out [max_rows, N] fp32 or h [max_rows, N / 2] BF16, as bytes (else unused: ta again)
     const CUtensorMap to = !TS       ? ta
                            : GATE_UP ? tma_map_rows(p.h, max_rows, p.N, 64)
-                                     : tma_map_rows(p.out, max_rows, 4 * (int64_t)p.N, 64);
+                           : TS == 1 ? tma_map_rows(p.out, max_rows, 4 * (int64_t)p.N, 64)
+                                     : ta;
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
@@ -741,7 +801,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
 // tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA); 12, 13 and 14 as 7, 11 and 5 with
-// the warpgroups' products in turn (ORD; on trial, not yet run: only test_cuda_fp8_gemm
+// the warpgroups' products in turn (ORD), 15 and 16 as 5 and 7 storing the fp32 form's rows by
+// bulk copies, scattered or not (TS 2) (12 to 16 on trial, not yet run: only test_cuda_fp8_gemm
 // --configs and --sweep run them);
 // -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
 // experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
@@ -787,15 +848,17 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 2: fp8_grouped_gemm_launch<4, BN64, H>(p, max_rows); break;
     case 3: fp8_grouped_gemm_launch<H ? 4 : 6, BN64, H>(p, max_rows); break;
     case 4: fp8_grouped_gemm_ws_launch<6, H, 1>(p, max_rows); break;
-    case 5: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true>(p, max_rows); break;
+    case 5: fp8_grouped_gemm_ws_launch<4, H, 1, 2, 1>(p, max_rows); break;
     case 6: fp8_grouped_gemm_ws_launch<4, H, 2>(p, max_rows); break;
-    case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3, true>(p, max_rows); break;
+    case 7: fp8_grouped_gemm_ws_launch<4, H, 1, 3, 1>(p, max_rows); break;
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
     case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
-    case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, true>(p, max_rows); break;
-    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, true, true>(p, max_rows); break;
-    case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, true, true>(p, max_rows); break;
-    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, true, true>(p, max_rows); break;
+    case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1>(p, max_rows); break;
+    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, 1, true>(p, max_rows); break;
+    case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1, true>(p, max_rows); break;
+    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, 1, true>(p, max_rows); break;
+    case 15: fp8_grouped_gemm_ws_launch<4, H, 1, 2, 2>(p, max_rows); break;
+    case 16: fp8_grouped_gemm_ws_launch<4, H, 1, 3, 2>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
@@ -1006,15 +1069,22 @@ void fp8_w8a8_down(float *out, const __nv_bfloat16 *h, int T, int D, int F, cons
     fp8g_launch<false>(p, n_pairs, fp8g_config_for(n_pairs, E, D, F));
 }
 
-// For tests (test_cuda_fp8_gemm): fp8_w8a8_down on device buffers with a scratch of its own; h
-// BF16 [n_pairs, F] in grouped order, the weights as cuda_prepare_experts_fp8 leaves them.
+// For tests (test_cuda_fp8_gemm): fp8_w8a8_down on device buffers with a scratch of its own (kept
+// for the next call, grown as needed); h BF16 [n_pairs, F] in grouped order, the weights as
+// cuda_prepare_experts_fp8 leaves them. Waits for the kernels unless nowait (timing).
 extern "C" void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs,
                                    const int32_t *offsets, int E, int64_t n_pairs, int D, int F,
-                                   const uint8_t *w, const float *wsc) {
-    unsigned char *scratch = NULL;
-    CUDA_CHECK(cudaMalloc(&scratch, fp8_w8a8_scratch_bytes(0, n_pairs, D, F) + 256));
+                                   const uint8_t *w, const float *wsc, int nowait) {
+    static unsigned char *scratch = NULL;
+    static size_t have = 0;
+    const size_t need = fp8_w8a8_scratch_bytes(0, n_pairs, D, F);
+    if (need > have) {
+        CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+        CUDA_CHECK(cudaFree(scratch));
+        CUDA_CHECK(cudaMalloc(&scratch, need));
+        have = need;
+    }
     fp8_w8a8_down(out, reinterpret_cast<const __nv_bfloat16 *>(h), 0, D, F, pairs, w, wsc, offsets,
                   E, n_pairs, scratch);
-    CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-    CUDA_CHECK(cudaFree(scratch));
+    if (!nowait) CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
 }
