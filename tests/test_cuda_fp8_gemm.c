@@ -16,7 +16,9 @@
  * Figures: cuBLASLt's FP8 GEMM (E4M3 in, BF16 out) at 8192^3, the peak the issue measures against,
  * and at the grouped shapes' total (8 experts x 4096 tokens as one GEMM); the grouped GEMM at
  * 8 experts x 4096 tokens, N 1536 and 4096, K 2048 and 7168, TFLOP/s and its share of the peak, in
- * each configuration (fp32 out) and as the experts run those shapes (GEMM 1: N = 2F, h in BF16).
+ * each configuration (fp32 out) and as the experts run those shapes (GEMM 1: N = 2F, h in BF16);
+ * the experts' GEMM 2 (h quantized, rows scattered to their pairs, fp32) at a prefill chunk's
+ * sizes in GEMM 2's configurations.
  *
  *   test_cuda_fp8_gemm        on GPU 0; without CUDA in the build or without a Hopper GPU it
  *                             prints "skipped: <reason>" and "0 passed, 0 failed"
@@ -24,7 +26,8 @@
  *                             and K 7168 unless given (h: GEMM 1's form; 12 calls; for a profiler)
  *   test_cuda_fp8_gemm --sweep C   configuration C over K from 1024 to 7168 beside cuBLASLt
  *   test_cuda_fp8_gemm --configs 0,5,7   the checks and figures of those configurations (the
- *                             first of each width is the others' reference) */
+ *                             first of each width is the others' reference; GEMM 2's are those
+ *                             of 128 columns) */
 #include <stdio.h>
 
 #ifdef MOESERVE_CUDA
