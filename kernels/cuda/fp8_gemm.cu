@@ -546,14 +546,16 @@ template <int WG> struct fp8g_ws {
 // its second warpgroup idle), two blocks a multiprocessor, so twice the stages in flight.
 // B's scales: one a 64-column half of the tile and k block, its first column's (sb is equal over
 // aligned groups of 64 rows), so that a promotion is one fma an accumulator.
-// TS (configurations 5, 7 and 11): a consumer warpgroup whose 64 rows are all the expert's, in
+// TS 1 (configurations 5, 7 and 11): a consumer warpgroup whose 64 rows are all the expert's, in
 // an output of grouped rows, stores them by TMA (fp8g_store_tma, through 16 KB of shared memory
 // a warpgroup after the ring) and goes on to its next tile while the copy engine writes; the
-// others store from registers. Storing from registers, the warpgroups of a block stall on their
-// stores together, and every block at the same point of its tiles: 48 of configuration 7's 234
-// us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
-// TS's staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a 64 x 128-byte box of
-// 128-byte rows (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes (GATE_UP: TS 1's)
+// others store from registers. TS 2 (on trial) stores the fp32 form's rows, any of them, by bulk
+// copies a row (fp8g_store_rows), GATE_UP's as TS 1. Storing from registers, the warpgroups of a
+// block stall on their stores together, and every block at the same point of its tiles: 48 of
+// configuration 7's 234 us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100;
+// docs/benchmarks.md). TS's staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a 64
+// x 128-byte box of 128-byte rows (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes
+// (GATE_UP: TS 1's)
 template <int TS> struct fp8g_staging {
     static constexpr int bytes = TS == 0 ? 0 : TS == 1 ? 16384 : 64 * FP8G_ROWS_STRIDE;
     static_assert(bytes % 1024 == 0 && bytes >= 16384 * (TS > 0), "a box's alignment");
@@ -595,8 +597,8 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
         cluster_sync_all(); // the other block's barriers are ready for this one's copies
     else
         __syncthreads();
-    // the cluster's blocks take the same row tiles: t over pairs of n-blocks, rank r the pair's
-    // n-block 2 (t % (nx / 2)) + r
+    // the cluster's blocks take the same row tiles: t over groups of CL n-blocks, rank r the
+    // group's n-block CL (t % (nx / CL)) + r
     const int rank = CL > 1 ? (int)(blockIdx.x & (CL - 1)) : 0;
     const int t0 = blockIdx.x / CL, dt = gridDim.x / CL, nxc = nx / CL;
     auto n_block = [&](int t) { return CL * (t % nxc) + rank; };
@@ -764,7 +766,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
         return;
     }
     auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS, ORD>;
-    // TS: 16 KB of staging a consumer warpgroup after the ring
+    // TS: each consumer warpgroup's staging after the ring
     const size_t smem =
         (size_t)STAGES * fp8g_stage<128, BM>::bytes + WG * fp8g_staging<TS>::bytes + 1024;
     static size_t attr_set = 0;
