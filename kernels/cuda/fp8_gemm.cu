@@ -549,13 +549,14 @@ template <int WG> struct fp8g_ws {
 // TS 1 (configurations 5, 7 and 11): a consumer warpgroup whose 64 rows are all the expert's, in
 // an output of grouped rows, stores them by TMA (fp8g_store_tma, through 16 KB of shared memory
 // a warpgroup after the ring) and goes on to its next tile while the copy engine writes; the
-// others store from registers. TS 2 (on trial) stores the fp32 form's rows, any of them, by bulk
-// copies a row (fp8g_store_rows), GATE_UP's as TS 1. Storing from registers, the warpgroups of a
-// block stall on their stores together, and every block at the same point of its tiles: 48 of
-// configuration 7's 234 us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100;
-// docs/benchmarks.md). TS's staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a 64
-// x 128-byte box of 128-byte rows (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes
-// (GATE_UP: TS 1's)
+// others store from registers. Storing from registers, the warpgroups of a block stall on their
+// stores together, and every block at the same point of its tiles: 48 of configuration 7's 231
+// us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
+// TS 2 (on trial) stores the fp32 form's rows, any of them, by a bulk copy a row
+// (fp8g_store_rows); GATE_UP's as TS 1.
+//
+// The staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a box of 64 rows of 128
+// bytes (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes (GATE_UP: TS 1's box in it).
 template <int TS> struct fp8g_staging {
     static constexpr int bytes = TS == 0 ? 0 : TS == 1 ? 16384 : 64 * FP8G_ROWS_STRIDE;
     static_assert(bytes % 1024 == 0 && bytes >= 16384 * (TS > 0), "a box's alignment");
