@@ -549,9 +549,9 @@ template <int WG> struct fp8g_ws {
 // TS 1 (configurations 5, 7 and 11): a consumer warpgroup whose 64 rows are all the expert's, in
 // an output of grouped rows, stores them by TMA (fp8g_store_tma, through 16 KB of shared memory
 // a warpgroup after the ring) and goes on to its next tile while the copy engine writes; the
-// others store from registers. Storing from registers, the warpgroups of a block stall on their
-// stores together, and every block at the same point of its tiles: 48 of configuration 7's 231
-// us at 8 experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md).
+// others store from registers. Storing from registers cost 48 of configuration 7's 231 us at 8
+// experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md); as we read it, a
+// block's warpgroups stall on their stores together, and every block at the same point.
 // TS 2 (on trial) stores the fp32 form's rows, any of them, by a bulk copy a row
 // (fp8g_store_rows); GATE_UP's as TS 1.
 //
