@@ -312,6 +312,20 @@ static void check_case(const char *name, int E, const int *rows, int N, int K) {
     case_free(&c);
 }
 
+/* 0 .. n - 1 in a random order (malloc'd) */
+static int32_t *shuffled_ids(int64_t n) {
+    int32_t *p = malloc(sizeof(int32_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = (int32_t)i;
+    for (int64_t i = n - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(urand() * (double)(i + 1));
+        const int32_t t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
+    return p;
+}
+
 /* The experts' GEMM 2 on the FP8 tensor cores (fp8_w8a8_down): h [n_pairs, F] BF16 in grouped
  * order (rows past the grouping NaN: never read into a stored output), quantized by the kernel
  * with quant_fp8_rows' formula, so the reference quantizes the same BF16 values and gets the same
@@ -328,14 +342,7 @@ static void check_down(const char *name, int E, const int *rows, int D, int F, i
     const int M = off[E], n_pairs = T * K;
     MS_ASSERT(M <= n_pairs);
     /* pairs: a shuffled permutation of the pair ids, the first M grouped */
-    int32_t *pairs = malloc(sizeof(int32_t) * n_pairs);
-    for (int i = 0; i < n_pairs; i++)
-        pairs[i] = i;
-    for (int i = n_pairs - 1; i > 0; i--) {
-        const int j = (int)(urand() * (i + 1)), t = pairs[i];
-        pairs[i] = pairs[j];
-        pairs[j] = t;
-    }
+    int32_t *pairs = shuffled_ids(n_pairs);
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n_pairs * F);
     for (int64_t i = 0; i < (int64_t)n_pairs * F; i++)
         h[i] = i < (int64_t)M * F ? f32_to_bf16(nrand() * ldexpf(1.0f, (int)(urand() * 6) - 3))
@@ -466,6 +473,27 @@ static double time_cublaslt_fp8(int M, int N, int K, void *ws, size_t ws_bytes) 
     return s;
 }
 
+/* double secs: the seconds a run of CALL takes on the backend's stream (10 runs timed by events,
+ * after 2 not timed) */
+#define TIME_CALLS(secs, CALL)                                                                     \
+    double secs;                                                                                   \
+    do {                                                                                           \
+        cudaEvent_t e0_, e1_;                                                                      \
+        cudaEventCreate(&e0_);                                                                     \
+        cudaEventCreate(&e1_);                                                                     \
+        for (int r_ = 0; r_ < 12; r_++) {                                                          \
+            if (r_ == 2) cudaEventRecord(e0_, cuda_stream());                                      \
+            CALL;                                                                                  \
+        }                                                                                          \
+        cudaEventRecord(e1_, cuda_stream());                                                       \
+        cudaEventSynchronize(e1_);                                                                 \
+        float ms_ = 0.0f;                                                                          \
+        cudaEventElapsedTime(&ms_, e0_, e1_);                                                      \
+        cudaEventDestroy(e0_);                                                                     \
+        cudaEventDestroy(e1_);                                                                     \
+        secs = ms_ / 1e3 / 10;                                                                     \
+    } while (0)
+
 /* Seconds a call of the grouped GEMM over E experts of T rows, N x K: the plain form (fp32 out
  * [E T, N]), or with gate_up GEMM 1's (h [E T, N / 2] BF16). */
 static double time_grouped(int E, int T, int N, int K, int config, bool gate_up) {
@@ -489,31 +517,16 @@ static double time_grouped(int E, int T, int N, int K, int config, bool gate_up)
     cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     free(h);
     const int old = cuda_fp8_grouped_gemm_config(config);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int warm = 2, reps = 10;
-    for (int r = 0; r < warm + reps; r++) {
-        if (r == warm) cudaEventRecord(e0, cuda_stream());
-        if (gate_up)
-            cuda_fp8_grouped_gemm_h(o, a, sa, b, sb, off, E, M, N, K);
-        else
-            cuda_fp8_grouped_gemm(o, a, sa, b, sb, off, E, M, N, K);
-    }
-    cudaEventRecord(e1, cuda_stream());
-    cudaEventSynchronize(e1);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, e0, e1);
+    TIME_CALLS(secs, gate_up ? cuda_fp8_grouped_gemm_h(o, a, sa, b, sb, off, E, M, N, K)
+                             : cuda_fp8_grouped_gemm(o, a, sa, b, sb, off, E, M, N, K));
     cuda_fp8_grouped_gemm_config(old);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
     cudaFree(a);
     cudaFree(b);
     cudaFree(sa);
     cudaFree(sb);
     cudaFree(off);
     cudaFree(o);
-    return ms / 1e3 / reps;
+    return secs;
 }
 
 /* Seconds a call of the experts' GEMM 2 (cuda_fp8_w8a8_down: h quantized, then the GEMM with
@@ -531,45 +544,24 @@ static double time_down(int E, int T, int D, int F, int config) {
     cudaMemset(h, 0x3f, sizeof(uint16_t) * (size_t)n * F); /* about 0.75 */
     cudaMemset(w, 0x38, (size_t)E * D * F);
     cudaMemset(sc, 0, sizeof(float) * (size_t)E * (F / 128) * D);
-    int32_t *hoff = malloc(sizeof(int32_t) * (E + 1)), *hp = malloc(sizeof(int32_t) * (size_t)n);
+    int32_t *hoff = malloc(sizeof(int32_t) * (E + 1)), *hp = shuffled_ids(n);
     for (int e = 0; e <= E; e++)
         hoff[e] = e * T;
-    for (int64_t i = 0; i < n; i++)
-        hp[i] = (int32_t)i;
-    for (int64_t i = n - 1; i > 0; i--) {
-        const int64_t j = (int64_t)(urand() * (double)(i + 1));
-        const int32_t t = hp[i];
-        hp[i] = hp[j];
-        hp[j] = t;
-    }
     cudaMemcpy(off, hoff, sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice);
     cudaMemcpy(pr, hp, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice);
     cudaDeviceSynchronize(); /* before the kernels on the non-blocking stream */
     free(hoff);
     free(hp);
     const int old = cuda_fp8_grouped_gemm_config(config);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int warm = 2, reps = 10;
-    for (int r = 0; r < warm + reps; r++) {
-        if (r == warm) cudaEventRecord(e0, cuda_stream());
-        cuda_fp8_w8a8_down(o, h, pr, off, E, n, D, F, w, sc, 1);
-    }
-    cudaEventRecord(e1, cuda_stream());
-    cudaEventSynchronize(e1);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, e0, e1);
+    TIME_CALLS(secs, cuda_fp8_w8a8_down(o, h, pr, off, E, n, D, F, w, sc, 1));
     cuda_fp8_grouped_gemm_config(old);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
     cudaFree(h);
     cudaFree(w);
     cudaFree(sc);
     cudaFree(off);
     cudaFree(pr);
     cudaFree(o);
-    return ms / 1e3 / reps;
+    return secs;
 }
 
 static void figures(void) {
