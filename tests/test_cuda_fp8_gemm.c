@@ -52,7 +52,9 @@ cudaStream_t cuda_stream(void);
 /* kernels/cuda/fp8_gemm.cu, for tests: the tile configuration from now on (0 to 3: 128 columns
  * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
  * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows, 8 of
- * 64 rows; -1, the default, 7, 5 or 8 by the rows an expert); returns the one before */
+ * 64 rows, 9 as 7 storing from registers, 11 as 7 in clusters of two, 13 as 11 with the
+ * warpgroups' products in turn; -1, the default, 13, 7, 5 or 8 by the rows an expert); returns
+ * the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
 /* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 1's form (b's rows per expert F gate rows
@@ -69,10 +71,10 @@ void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, con
 /* the configurations this run checks and times */
 enum { MAX_CONFIGS = 16 };
 /* the default set (--configs replaces it) */
-static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11}, n_configs = 11;
-/* GEMM 2's (its outputs are 128 columns wide): the default's three forms and the plain kernel,
+static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13}, n_configs = 12;
+/* GEMM 2's (its outputs are 128 columns wide): the default's forms and the plain kernel,
  * or with --configs those of its configurations of 128 columns */
-static int down_configs[MAX_CONFIGS] = {5, 7, 8, 0}, n_down = 4;
+static int down_configs[MAX_CONFIGS] = {5, 7, 13, 8, 0}, n_down = 5;
 /* a configuration's tile width: 64 columns for 2 and 3 */
 static int width(int config) { return config == 2 || config == 3 ? 64 : 128; }
 

@@ -38,6 +38,9 @@
 //   N 1536 / 4096 at K 2048, N 1536 / 4096 at K 7168 (52, 55, 63 and 63% of cuBLASLt's), storing
 //   from registers; with its stores by TMA (TS, below), on an H100 (cuBLASLt 1575 TFLOP/s): 980,
 //   1009, 1093 and 1114 (62, 64, 69 and 71%) against 881, 943, 1037 and 1067 the old way;
+// - configuration 13 (7 in clusters of two sharing A's tiles, the warpgroups' products in turn):
+//   992, 1010, 1158 and 1162 TFLOP/s on that H100 (cuBLASLt 1594) against 7's 979, 1000, 1109 and
+//   1119 in the same run; the default from 1024 rows an expert;
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
 //   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
@@ -291,53 +294,6 @@ __device__ __forceinline__ void fp8g_store_tma(const CUtensorMap *to, uint32_t s
     }
 }
 
-// TS 2's store (configurations 15 and 16, on trial), for the fp32 form: a consumer warpgroup's
-// rows of out, however many are the expert's and wherever out_rows puts them, each row a bulk
-// copy from shared memory (cp.async.bulk, no tensor map), so that GEMM 2's scattered rows and an
-// expert's last, short tile are stored the way whole warpgroups' rows are under TS 1. The
-// staging: 64 rows of 64 fp32 and 4 of padding (FP8G_ROWS_STRIDE bytes; the padding spreads a
-// warp's writes over the banks), one 64-column half at a time. m0w: the warpgroup's first grouped
-// row; rows_w its rows (1 to 64); warp 0's lanes copy rows wtid and wtid + 32.
-#define FP8G_ROWS_STRIDE 272
-template <int BN>
-__device__ __forceinline__ void fp8g_store_rows(float *out, const int32_t *out_rows, uint32_t stg,
-                                                const float (&acc)[BN / 2], int m0w, int rows_w,
-                                                int N, int n0, int lr0, int c0, int wtid, int bar) {
-    static_assert(BN == 128, "tiles of 128 columns");
-    int64_t dst[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int row = wtid + 32 * i;
-        dst[i] = wtid < 32 && row < rows_w
-                     ? (out_rows ? __ldg(&out_rows[m0w + row]) : m0w + row) * (int64_t)N + n0
-                     : -1;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        bulk_wait_read<0>(); // the last copies have read the staging
-        named_bar_sync(bar, 128);
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * half + jj, byte = (8 * jj + c0) * 4;
-            asm volatile(
-                "st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stg + lr0 * FP8G_ROWS_STRIDE + byte),
-                "f"(acc[4 * j]), "f"(acc[4 * j + 1])
-                : "memory");
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(
-                             stg + (lr0 + 8) * FP8G_ROWS_STRIDE + byte),
-                         "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
-                         : "memory");
-        }
-        fence_proxy_async();
-        named_bar_sync(bar, 128);
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            if (dst[i] >= 0)
-                bulk_store(out + dst[i] + 64 * half, stg + (wtid + 32 * i) * FP8G_ROWS_STRIDE, 256);
-        bulk_commit();
-    }
-}
-
 // warp 0's fp8g_tile into s_tile {expert, first row}
 __device__ __forceinline__ void fp8g_find_tile(const int32_t *offsets, int E, int y, int *s_tile) {
     const int2 t = group_tile(offsets, E, y, FP8G_BM);
@@ -552,16 +508,13 @@ template <int WG> struct fp8g_ws {
 // others store from registers. Storing from registers cost 48 of configuration 7's 231 us at 8
 // experts x 4096 tokens, N 1536, K 2048, fp32 out (H100; docs/benchmarks.md); as we read it, a
 // block's warpgroups stall on their stores together, and every block at the same point.
-// TS 2 (on trial) stores the fp32 form's rows, any of them, by a bulk copy a row
-// (fp8g_store_rows); GATE_UP's as TS 1.
-//
 // The staging a consumer warpgroup, after the ring (1 KB aligned): TS 1 a box of 64 rows of 128
-// bytes (two of them, fp32), TS 2 64 rows of FP8G_ROWS_STRIDE bytes (GATE_UP: TS 1's box in it).
+// bytes (two of them, fp32).
 template <int TS> struct fp8g_staging {
-    static constexpr int bytes = TS == 0 ? 0 : TS == 1 ? 16384 : 64 * FP8G_ROWS_STRIDE;
-    static_assert(bytes % 1024 == 0 && bytes >= 16384 * (TS > 0), "a box's alignment");
+    static_assert(TS == 0 || TS == 1, "stores from registers, or whole warpgroups' rows by TMA");
+    static constexpr int bytes = TS == 0 ? 0 : 16384;
 };
-// ORD (configurations 12 to 14, on trial): the consumer warpgroups start their k tiles' products
+// ORD (configuration 13): the consumer warpgroups start their k tiles' products
 // in turn, warpgroup 0, 1, (2,) 0, ... (each waits at a named barrier for the one before it to
 // have started its own, then lets the next one go), so that the tensor cores take one
 // warpgroup's four products after the other's instead of all of them interleaved: the first
@@ -733,11 +686,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 release(s);
                 fp8g_promote_halves<BN>(acc, part, g0, g1, u0, u1);
             }
-            if (TS == 2 && !GATE_UP)
-                fp8g_store_rows<BN>(p.out, p.out_rows, stage_a(STAGES) + wg * STG, acc,
-                                    m0 + 64 * wg, min(64, rows - 64 * wg), N, n0, r0 - 64 * wg, c0,
-                                    tid & 127, 1 + wg);
-            else if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
+            if (TS && (GATE_UP || !p.out_rows) && rows - 64 * wg >= 64)
                 fp8g_store_tma<BN, GATE_UP>(&to, stage_a(STAGES) + wg * STG, acc, m0 + 64 * wg, n0,
                                             r0 - 64 * wg, c0, (tid & 127) == 0, 1 + wg);
             else if constexpr (GATE_UP)
@@ -778,8 +727,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     // TS: out [max_rows, N] fp32 or h [max_rows, N / 2] BF16, as bytes (else unused: ta again)
     const CUtensorMap to = !TS       ? ta
                            : GATE_UP ? tma_map_rows(p.h, max_rows, p.N, 64)
-                           : TS == 1 ? tma_map_rows(p.out, max_rows, 4 * (int64_t)p.N, 64)
-                                     : ta;
+                                     : tma_map_rows(p.out, max_rows, 4 * (int64_t)p.N, 64);
     const int64_t tiles = (int64_t)nx * ((max_rows + BM - 1) / BM + p.E);
 
     cudaLaunchConfig_t cfg = {};
@@ -803,12 +751,13 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // blocks a multiprocessor), 3 64 and 6, 4 the warp-specialized form with 6 stages, 5 with 4, 6
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
-// tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA); 12, 13 and 14 as 7, 11 and 5 with
-// the warpgroups' products in turn (ORD), 15 and 16 as 5 and 7 storing the fp32 form's rows by
-// bulk copies, scattered or not (TS 2) (12 to 16 on trial, not yet run: only test_cuda_fp8_gemm
-// --configs and --sweep run them);
-// -1 (the default) 7 from 384 rows an expert on average, 5 past FP8G_WG1_MAX, else 8 (large
-// experts: 96 and 48, below; the test's figures: 192-row tiles gain 4 to 6% on large experts and
+// tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA), 13 as 11 with the warpgroups'
+// products in turn (ORD);
+// -1 (the default) 13 from FP8G_ORD_MIN rows an expert on average, 7 from 384, 5 past
+// FP8G_WG1_MAX, else 8 (large experts: 96 and 48 for 7 and 8, below; 13 against 7 on an H100,
+// test_cuda_fp8_gemm: 1 to 4% faster at 4096 rows an expert, the four shapes of 8 experts, but
+// 2.6% slower at 128 rows of DeepSeek-V3's experts; the test's figures: 192-row tiles gain 4 to
+// 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
 // medium, both GEMMs, against 5: 198.5 against 232.0 us at 16 rows an expert, 221.1 against 253.3
 // at 32, 300.9 both at 64, 451.2 against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at
@@ -824,15 +773,17 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 static int g_fp8g_config = -1;
 #define FP8G_WG1_MAX 128 /* rows an expert on average, at most, for 64-row tiles */
 #define FP8G_LARGE   (8 << 20) /* weights an expert's matrix from which the thresholds are lower */
+#define FP8G_ORD_MIN 1024      /* rows an expert on average, at least, for configuration 13 */
 
 // the configuration for M rows over E experts of N x K weights
 static int fp8g_config_for(int64_t M, int E, int N, int K) {
     const bool large = (int64_t)N * K >= FP8G_LARGE;
     const int64_t wg1_max = large ? 48 : FP8G_WG1_MAX, wg3_min = large ? 96 : 384;
-    return g_fp8g_config >= 0          ? g_fp8g_config
-           : M >= wg3_min * (int64_t)E ? 7
-           : M > wg1_max * (int64_t)E  ? 5
-                                       : 8;
+    return g_fp8g_config >= 0               ? g_fp8g_config
+           : M >= FP8G_ORD_MIN * (int64_t)E ? 13
+           : M >= wg3_min * (int64_t)E      ? 7
+           : M > wg1_max * (int64_t)E       ? 5
+                                            : 8;
 }
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
@@ -857,11 +808,7 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 8: fp8_grouped_gemm_ws_launch<4, H, 1, 1>(p, max_rows); break;
     case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
     case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1>(p, max_rows); break;
-    case 12: fp8_grouped_gemm_ws_launch<4, H, 1, 3, 1, true>(p, max_rows); break;
     case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1, true>(p, max_rows); break;
-    case 14: fp8_grouped_gemm_ws_launch<4, H, 1, 2, 1, true>(p, max_rows); break;
-    case 15: fp8_grouped_gemm_ws_launch<4, H, 1, 2, 2>(p, max_rows); break;
-    case 16: fp8_grouped_gemm_ws_launch<4, H, 1, 3, 2>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }

@@ -191,13 +191,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t sr
         "r"(src), "r"(x), "r"(y)
         : "memory");
 }
-// bytes (a multiple of 16) from shared memory at src to global memory at dst (both 16-byte
-// aligned), into this thread's bulk group
-__device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-                 "r"(src), "r"(bytes)
-                 : "memory");
-}
 __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
