@@ -40,13 +40,13 @@
 //   1009, 1093 and 1114 (62, 64, 69 and 71%) against 881, 943, 1037 and 1067 the old way;
 // - configuration 13 (7 in clusters of two sharing A's tiles, the warpgroups' products in turn):
 //   992, 1010, 1158 and 1162 TFLOP/s on that H100 (cuBLASLt 1594) against 7's 979, 1000, 1109 and
-//   1119 in the same run; the default from 1024 rows an expert;
+//   1119 in the same run; the default from 384 rows an expert;
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
-//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7 from 384
-//   rows an expert on average, else 5 (experts of 8M weights or more: 7 from 96, so that last
-//   case, 128 rows an expert balanced, takes 7; with random routing 7 was the faster there,
-//   fp8g_config_for);
+//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7's
+//   tiles (as 13) from 384 rows an expert on average, else 5 (experts of 8M weights or more: 7
+//   from 96, so that last case, 128 rows an expert balanced, takes 7; with random routing 7 was
+//   the faster there, fp8g_config_for);
 // - configuration 8 (one consumer warpgroup, tiles of 64 rows, two blocks a multiprocessor): 741
 //   to 760 there, but the experts' both GEMMs at 16 to 128 rows an expert (to 48 for experts of 8M
 //   weights or more) 2 to 14% faster than 5 (fp8g_config_for);
@@ -753,11 +753,12 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
 // tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA), 13 as 11 with the warpgroups'
 // products in turn (ORD);
-// -1 (the default) 13 from FP8G_ORD_MIN rows an expert on average, 7 from 384, 5 past
-// FP8G_WG1_MAX, else 8 (large experts: 96 and 48 for 7 and 8, below; 13 against 7 on an H100,
-// test_cuda_fp8_gemm: 1 to 4% faster at 4096 rows an expert, the four shapes of 8 experts, but
-// 2.6% slower at 128 rows of DeepSeek-V3's experts; the test's figures: 192-row tiles gain 4 to
-// 6% on large experts and
+// -1 (the default) 13 from FP8G_ORD_MIN rows an expert on average, 7 below that from 96 for
+// large experts, 5 past FP8G_WG1_MAX, else 8 (large experts: 48, below). 13 against 7 on an
+// H100: test_cuda_fp8_gemm, 1 to 4% faster at 4096 rows an expert (the four shapes of 8
+// experts) but 2.6% slower at 128 rows of DeepSeek-V3's experts; test_cuda_moe --fp8-timing T C,
+// Qwen3-30B-A3B's experts, both GEMMs in medium, 1.3% faster at 512 rows an expert (T 8192) and
+// 2.0% at 1024. The test's figures: 192-row tiles gain 4 to 6% on large experts and
 // lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
 // medium, both GEMMs, against 5: 198.5 against 232.0 us at 16 rows an expert, 221.1 against 253.3
 // at 32, 300.9 both at 64, 451.2 against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at
@@ -773,7 +774,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 static int g_fp8g_config = -1;
 #define FP8G_WG1_MAX 128 /* rows an expert on average, at most, for 64-row tiles */
 #define FP8G_LARGE   (8 << 20) /* weights an expert's matrix from which the thresholds are lower */
-#define FP8G_ORD_MIN 1024      /* rows an expert on average, at least, for configuration 13 */
+#define FP8G_ORD_MIN 384       /* rows an expert on average, at least, for configuration 13 */
 
 // the configuration for M rows over E experts of N x K weights
 static int fp8g_config_for(int64_t M, int E, int N, int K) {
