@@ -514,9 +514,9 @@ template <int TS> struct fp8g_staging {
     static_assert(TS == 0 || TS == 1, "stores from registers, or whole warpgroups' rows by TMA");
     static constexpr int bytes = TS == 0 ? 0 : 16384;
 };
-// ORD (configuration 13): the consumer warpgroups start their k tiles' products
-// in turn, warpgroup 0, 1, (2,) 0, ... (each waits at a named barrier for the one before it to
-// have started its own, then lets the next one go), so that the tensor cores take one
+// ORD (configuration 13): the consumer warpgroups start their k tiles' products in turn,
+// warpgroup 0, 1, (2,) 0, ... (each waits at a named barrier for the one before it to have
+// started its own, then lets the next one go), so that the tensor cores take one
 // warpgroup's four products after the other's instead of all of them interleaved: the first
 // warpgroup's finish a third of the way through and it promotes while the others' run, where
 // together they all finished at the end and the tensor cores waited through their promotions.
