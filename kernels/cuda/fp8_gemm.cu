@@ -40,16 +40,17 @@
 //   1009, 1093 and 1114 (62, 64, 69 and 71%) against 881, 943, 1037 and 1067 the old way;
 // - configuration 13 (7 in clusters of two sharing A's tiles, the warpgroups' products in turn):
 //   992, 1010, 1158 and 1162 TFLOP/s on that H100 (cuBLASLt 1594) against 7's 979, 1000, 1109 and
-//   1119 in the same run; the default from 384 rows an expert;
+//   1119 in the same run; with the producer warpgroup's work split over two warps and the tiles
+//   passed to the consumers in the stages (below), 1010, 1058, 1202 and 1193 on an H100
+//   (cuBLASLt 1609: 63, 66, 75 and 74%), and 1008, 1061, 1180 and 1167 in GEMM 1's form (h in
+//   BF16); the default from 128 rows an expert (fp8g_config_for);
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
-//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default takes 7's
-//   tiles (as 13) from 384 rows an expert on average, else 5 (experts of 8M weights or more: 7
-//   from 96, so that last case, 128 rows an expert balanced, takes 7; with random routing 7 was
-//   the faster there, fp8g_config_for);
+//   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default from 48 rows
+//   an expert to 13's (experts of 8M weights or more: to 96, then 7);
 // - configuration 8 (one consumer warpgroup, tiles of 64 rows, two blocks a multiprocessor): 741
-//   to 760 there, but the experts' both GEMMs at 16 to 128 rows an expert (to 48 for experts of 8M
-//   weights or more) 2 to 14% faster than 5 (fp8g_config_for);
+//   to 760 there; the default up to 48 rows an expert, where the experts' both GEMMs are as fast
+//   as with 5 or up to 1% faster;
 // - configuration 0 (a cp.async ring, the block's barrier a stage, both warpgroups in step): 487
 //   to 594; 64-column tiles and other depths no better.
 // The promotion was the largest cost: with a scale per column (16 shared loads and 64 products
@@ -468,9 +469,18 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 //   rows apart). A's rows must be the grouping's (a_rows NULL; a TMA cannot gather), so the
 //   experts' GEMM 1 copies its rows into grouped order first. A tile's rows past the expert's
 //   are the next expert's (read, never stored) or, past a's last row, zeros.
-// - The scales: cp.async by the producer warp's lanes.
-// A stage's "full" barrier completes when lane 0 has announced the TMA bytes (arrive.expect_tx),
-// those bytes have landed and every lane's scale copies have (cp.async.mbarrier.arrive.noinc,
+// - The scales: cp.async by the lanes of the producer warp, or (a producer warpgroup, beside
+//   three consumer warpgroups) of its second warp, so that neither warp's instructions a stage
+//   (about 140 for both, from one warp sharing its scheduler with three busy consumer warps) set
+//   the ring's pace: splitting them took configuration 13 from 207 to 202 us at 8 experts x
+//   4096 tokens, N 1536, K 2048, and from 1654 to 1612 at N 4096, K 7168 (H100,
+//   docs/benchmarks.md), where a profile had the producer issuing 93% of the time.
+// - The tile: the producer looks up each tile (group_tile, two round trips to L2) and its TMA
+//   lane writes {rows, first row} into the tile's first stage before arriving, so the consumers
+//   read it there once that stage is full instead of looking it up on their own at every tile
+//   start (rows -1, in a stage of its own: no tile left).
+// A stage's "full" barrier completes when the TMA lane has announced the bytes (arrive.expect_tx),
+// those bytes have landed and every scale lane's copies have (cp.async.mbarrier.arrive.noinc,
 // one arrival each): 33 arrivals; its "empty" barrier when the consumer warps have taken their
 // products of it and read its scales (each warp's lane 0 arrives once its lanes are done; the
 // promotion itself runs after).
@@ -482,7 +492,8 @@ static void fp8_grouped_gemm_launch(const fp8g_args &p, int64_t max_rows) {
 
 // WG consumer warpgroups, then the producer: one warp beside one or two consumer warpgroups;
 // beside three (configuration 7) a warpgroup, so that it can give its registers to the consumers
-// (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer. One consumer
+// (setmaxnreg works a warpgroup at a time): 32 of them, and 160 to each consumer; two of its
+// warps work (TMA, scales), the other two leave. One consumer
 // warpgroup (configuration 8, tiles of 64 rows) leaves room for two blocks a multiprocessor.
 template <int WG> struct fp8g_ws {
     static constexpr bool lend = WG == 3;
@@ -574,15 +585,22 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     auto stage_b = [&](int s) { return stage_a(s) + BM * FP8G_BK; };
     auto stage_sa = [&](int s) { return stage_b(s) + BN * FP8G_BK; };
     auto stage_sb = [&](int s) { return stage_sa(s) + BM * 4; };
+    // a producer warpgroup (W::lend) passes each tile's {rows, first row} to the consumers in the
+    // tile's first stage, after B's scales (rows -1: no tile left); else each role looks it up
+    constexpr bool TILE_IN_STAGE = W::lend;
+    auto stage_tile = [&](int s) { return stage_sb(s) + 16; };
     // it: the k tiles this thread's role has gone through, over all the block's tiles
     int it = 0;
 
     if (warp >= 4 * WG) { // the producer
+        // a producer warpgroup (W::lend): its first warp issues the TMA copies, its second the
+        // scales' cp.async; a producer warp alone does both
         if constexpr (W::lend) {
             setmaxnreg_dec<W::producer_regs>();
-            if (warp > 4 * WG) return; // its first warp alone loads
+            if (warp > 4 * WG + 1) return;
         }
-        if (lane == 0) {
+        const bool do_tma = !W::lend || warp == 4 * WG, do_scales = !W::lend || warp > 4 * WG;
+        if (lane == 0 && do_tma) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta))
                          : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb))
@@ -591,7 +609,19 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
         for (int t = t0;; t += dt) {
             const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
             const int e = tile.x, m0 = tile.y;
-            if (e < 0) break;
+            if (e < 0) {
+                if (!TILE_IN_STAGE) break;
+                // the consumers' sign to stop: a stage of its own, its 33 arrivals
+                const int s = it % STAGES;
+                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
+                if (lane == 0 && do_tma) {
+                    asm volatile("st.shared.v2.s32 [%0], {%1, %1};\n" ::"r"(stage_tile(s)), "r"(-1)
+                                 : "memory");
+                    mbar_arrive(full(s));
+                }
+                if (do_scales) mbar_arrive(full(s));
+                break;
+            }
             const int rows = min(BM, __ldg(&p.offsets[e + 1]) - m0);
             const int n0 = n_block(t) * (GATE_UP ? BN / 2 : BN); // GATE_UP: h's first column
             const float *sb_e = p.sb + (int64_t)e * nkb * N;
@@ -602,7 +632,12 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
             for (int kb = 0; kb < nkb; kb++, it++) {
                 const int s = it % STAGES, k0 = kb * FP8G_BK;
                 mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);
-                if (lane == 0) {
+                if (lane == 0 && do_tma) {
+                    if (TILE_IN_STAGE && kb == 0) // the tile for the consumers (released by
+                                                  // the arrival)
+                        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(stage_tile(s)),
+                                     "r"(rows), "r"(m0)
+                                     : "memory");
                     mbar_arrive_tx(full(s), BM * FP8G_BK + BN * FP8G_BK);
                     if constexpr (CL > 1) // this block's share of A's rows, into every block
                         tma_load_2d_multicast(stage_a(s) + rank * (BM * FP8G_BK / CL), &ta, k0,
@@ -616,6 +651,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                         tma_load_2d(stage_b(s), &tb, k0, b_row, full(s));
                     }
                 }
+                if (!do_scales) continue;
 #pragma unroll
                 for (int i = 0; i < BM / 32; i++) {
                     const int r = lane + 32 * i;
@@ -629,7 +665,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                              : "memory");
             }
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if (do_scales) asm volatile("cp.async.wait_all;\n" ::: "memory");
     } else {
         if constexpr (W::lend) setmaxnreg_inc<W::consumer_regs>();
         // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
@@ -646,10 +682,20 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
         };
         if (ORD && wg == WG - 1) turn_pass();
         for (int t = t0;; t += dt) {
-            const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
-            const int e = tile.x, m0 = tile.y;
-            if (e < 0) break;
-            const int rows = min(BM, __ldg(&p.offsets[e + 1]) - m0);
+            int rows, m0;
+            if constexpr (TILE_IN_STAGE) { // from the tile's first stage
+                mbar_wait(full(it % STAGES), (it / STAGES) & 1);
+                asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                             : "=r"(rows), "=r"(m0)
+                             : "r"(stage_tile(it % STAGES))
+                             : "memory");
+                if (rows < 0) break;
+            } else {
+                const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
+                if (tile.x < 0) break;
+                m0 = tile.y;
+                rows = min(BM, __ldg(&p.offsets[tile.x + 1]) - m0);
+            }
             const int n0 = n_block(t) * (GATE_UP ? BN / 2 : BN);
             if (wg * 64 >= rows) { // no rows here (an expert's last, short tile): the stages only
                 for (int kb = 0; kb < nkb; kb++, it++) {
@@ -753,38 +799,39 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
 // tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA), 13 as 11 with the warpgroups'
 // products in turn (ORD);
-// -1 (the default) 13 from FP8G_ORD_MIN rows an expert on average, 7 below that from 96 for
-// large experts, 5 past FP8G_WG1_MAX, else 8 (large experts: 48, below). 13 against 7 on an
-// H100: test_cuda_fp8_gemm, 1 to 4% faster at 4096 rows an expert (the four shapes of 8
-// experts) but 2.6% slower at 128 rows of DeepSeek-V3's experts; test_cuda_moe --fp8-timing T C,
-// Qwen3-30B-A3B's experts, both GEMMs in medium, 1.3% faster at 512 rows an expert (T 8192) and
-// 2.0% at 1024. The test's figures: 192-row tiles gain 4 to 6% on large experts and
-// lose 3 to 8% at 128 and 256 rows an expert; 64-row tiles, H200, Qwen3-30B-A3B's experts in
-// medium, both GEMMs, against 5: 198.5 against 232.0 us at 16 rows an expert, 221.1 against 253.3
-// at 32, 300.9 both at 64, 451.2 against 462.0 at 128, but 346.0 against 267.7 for GEMM 1 alone at
-// 256). The experts' GEMM 1 (128 columns only) takes 4 to 8 as they are (after copying its rows
-// into grouped order), 1 as it is and the others as 0. Experts of N K from FP8G_LARGE weights
-// (DeepSeek-V3's, 29M and 15M a GEMM, against Qwen3-30B-A3B's 3.1M and 1.6M) take the larger tiles
-// from fewer rows: 64-row tiles up to 48 rows an expert, 192-row tiles from 96. Random routing
+// -1 (the default), by the rows an expert on average: 8 up to FP8G_WG1_MAX, 5 above it, 13 from
+// FP8G_ORD_MIN; experts of N K from FP8G_LARGE weights (DeepSeek-V3's, 29M and 15M a GEMM, against
+// Qwen3-30B-A3B's 3.1M and 1.6M) take 7 from 96 and 13 from FP8G_ORD_MIN_LARGE. Random routing
 // spreads an expert's rows around the mean, so a tile of about the mean leaves half the experts a
-// second, nearly empty tile, and those experts' long k loops make it cost. H200, DeepSeek-V3's
-// shape in medium (test_cuda_moe --deepseek-fp8-timing with $FP8G_CONFIG, 32 experts, both
-// GEMMs, us): 32 rows an expert 390.5 (8) against 412.3 (5) and 443.9 (7); 64 rows 457.2 (5)
-// against 511.7 (8) and 489.2 (7); 128 rows 613.7 (7) against 697.1 (5) and 789.0 (8).
+// second, nearly empty tile, and those experts' long k loops make it cost. H100, since the
+// producer warpgroup's split (test_cuda_moe --fp8-timing T C, Qwen3-30B-A3B's experts, both GEMMs
+// in medium, us, two runs each, docs/benchmarks.md): 32 rows an expert 273.5 (8) against 276.0 (5)
+// and 277.3 (13); 48 rows 295.1 all three; 64 rows 346.7 (8) against 314.7 (5) and 316.6 (13); 96
+// rows 416.7 / 360.9 / 363.9; 128 rows 502.3 / 428.7 / 400.4; 192 rows 686.2 / 568.4 / 556.3; 256
+// rows 705.8 (5) against 682.4 (13) and 695.0 (7); 512 rows 1199.5 (13) against 1220.4 (7).
+// DeepSeek-V3's shape (--deepseek-fp8-timing with $FP8G_CONFIG, 32 experts): 32 rows 531.9 (8)
+// against 538.2 (5); 64 rows 571.5 (5) against 668.0 (8) and 572.4 (13); 96 rows 601.1 (5), 603.6
+// (7), 604.9 (13); 128 rows 647.5 (7) and 643.6 (13) against 734.7 (5). Before the split (H200)
+// 64-row tiles were faster up to 128 rows (451.2 against 462.0 us there), and 13 lost 2.6% against
+// 7 at 128 rows of DeepSeek-V3's experts in the 8-expert test (test_cuda_fp8_gemm, H100). The
+// experts' GEMM 1 (128 columns only) takes 4 to 8 as they are (after copying its rows into grouped
+// order), 1 as it is and the others as 0.
 static int g_fp8g_config = -1;
-#define FP8G_WG1_MAX 128 /* rows an expert on average, at most, for 64-row tiles */
-#define FP8G_LARGE   (8 << 20) /* weights an expert's matrix from which the thresholds are lower */
-#define FP8G_ORD_MIN 384       /* rows an expert on average, at least, for configuration 13 */
+#define FP8G_WG1_MAX       48        /* rows an expert on average, at most, for 64-row tiles */
+#define FP8G_LARGE         (8 << 20) /* weights an expert's matrix from which 7 and 13 change */
+#define FP8G_ORD_MIN       128       /* rows an expert on average, at least, for configuration 13 */
+#define FP8G_ORD_MIN_LARGE 384       /* the same for large experts (7 from 96 below it) */
 
 // the configuration for M rows over E experts of N x K weights
 static int fp8g_config_for(int64_t M, int E, int N, int K) {
     const bool large = (int64_t)N * K >= FP8G_LARGE;
-    const int64_t wg1_max = large ? 48 : FP8G_WG1_MAX, wg3_min = large ? 96 : 384;
-    return g_fp8g_config >= 0               ? g_fp8g_config
-           : M >= FP8G_ORD_MIN * (int64_t)E ? 13
-           : M >= wg3_min * (int64_t)E      ? 7
-           : M > wg1_max * (int64_t)E       ? 5
-                                            : 8;
+    const int64_t ord_min = large ? FP8G_ORD_MIN_LARGE : FP8G_ORD_MIN;
+    const int64_t wg3_min = large ? 96 : FP8G_ORD_MIN;
+    return g_fp8g_config >= 0              ? g_fp8g_config
+           : M >= ord_min * (int64_t)E     ? 13
+           : M >= wg3_min * (int64_t)E     ? 7
+           : M > FP8G_WG1_MAX * (int64_t)E ? 5
+                                           : 8;
 }
 
 extern "C" int cuda_fp8_grouped_gemm_config(int config) {
