@@ -53,7 +53,8 @@ cudaStream_t cuda_stream(void);
  * with 4 or 3 stages, 64 columns with 4 or 6; 4 and 5 the warp-specialized form with TMA, 128
  * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows, 8 of
  * 64 rows, 9 as 7 storing from registers, 11 as 7 in clusters of two, 13 as 11 with the
- * warpgroups' products in turn; -1, the default, 13, 7, 5 or 8 by the rows an expert); returns
+ * warpgroups' products in turn, 14 as 13 with its descriptors in uniform registers; -1, the
+ * default, 13, 7, 5 or 8 by the rows an expert); returns
  * the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
@@ -71,10 +72,10 @@ void cuda_fp8_w8a8_down(float *out, const uint16_t *h, const int32_t *pairs, con
 /* the configurations this run checks and times */
 enum { MAX_CONFIGS = 16 };
 /* the default set (--configs replaces it) */
-static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13}, n_configs = 12;
+static int configs[MAX_CONFIGS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 14}, n_configs = 13;
 /* GEMM 2's (its outputs are 128 columns wide): the default's forms and the plain kernel,
  * or with --configs those of its configurations of 128 columns */
-static int down_configs[MAX_CONFIGS] = {5, 7, 13, 8, 0}, n_down = 5;
+static int down_configs[MAX_CONFIGS] = {5, 7, 13, 14, 8, 0}, n_down = 6;
 /* a configuration's tile width: 64 columns for 2 and 3 */
 static int width(int config) { return config == 2 || config == 3 ? 64 : 128; }
 

@@ -532,7 +532,8 @@ template <int TS> struct fp8g_staging {
 // warpgroup's finish a third of the way through and it promotes while the others' run, where
 // together they all finished at the end and the tensor cores waited through their promotions.
 // A warpgroup with no rows in a tile keeps its turns.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false,
+          bool LEAN = false>
 __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     fp8_grouped_gemm_ws_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb,
@@ -541,6 +542,7 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     static_assert(WG == 2 || WG == 3 || (WG == 1 && CL == 1),
                   "one consumer warpgroup alone, or two or three");
+    static_assert(!LEAN || WG == 3, "LEAN: the tiles passed in the stages (three warpgroups)");
     typedef fp8g_ws<WG> W;
     constexpr int BN = 128, BM = 64 * WG, STAGE_BYTES = fp8g_stage<BN, BM>::bytes;
     constexpr int STG = fp8g_staging<TS>::bytes; // a consumer warpgroup's staging (TS)
@@ -669,7 +671,9 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
     } else {
         if constexpr (W::lend) setmaxnreg_inc<W::consumer_regs>();
         // the consumers: warpgroup wg (warps 4 wg .. 4 wg + 3) on the tile's rows 64 wg ..
-        const int wg = warp >> 2;
+        // LEAN: the warpgroup and the tile's rows broadcast from lane 0, so that the compiler
+        // knows them warp-uniform and builds the descriptors in uniform registers
+        const int wg = LEAN ? __shfl_sync(0xffffffffu, warp >> 2, 0) : warp >> 2;
         const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), r1 = r0 + 8;
         const int c0 = 2 * (lane & 3);
         // ORD's turns: named barrier 4 + w (the 256 threads of warpgroups w - 1 and w) tells
@@ -689,6 +693,10 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                              : "=r"(rows), "=r"(m0)
                              : "r"(stage_tile(it % STAGES))
                              : "memory");
+                if constexpr (LEAN) {
+                    rows = __shfl_sync(0xffffffffu, rows, 0);
+                    m0 = __shfl_sync(0xffffffffu, m0, 0);
+                }
                 if (rows < 0) break;
             } else {
                 const int2 tile = group_tile(p.offsets, p.E, t / nxc, BM);
@@ -715,15 +723,23 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
                 return reinterpret_cast<const float *>(smem_gen + s * STAGE_BYTES + BM * FP8G_BK +
                                                        BN * FP8G_BK);
             };
+            // LEAN: stage s's descriptors are stage 0's plus s stages (the address field is the
+            // shared address / 16, below 2^14 in every stage, so the sums never carry)
+            const uint64_t da0 = wgmma_desc_sw128(stage_a(0) + wg * 64 * 128);
+            const uint64_t db0 = wgmma_desc_sw128(stage_b(0));
             for (int kb = 0; kb < nkb; kb++, it++) {
                 // k tile it: its stage waited for, its products into part; then part into the
                 // totals, the scales of rows r0 and r1 times each half's (the stage is free once
                 // they are read)
-                const int s = it % STAGES;
-                mbar_wait(full(s), (it / STAGES) & 1);
+                const int s = LEAN ? (int)((unsigned)it % STAGES) : it % STAGES;
+                mbar_wait(full(s), LEAN ? ((unsigned)it / STAGES) & 1 : (it / STAGES) & 1);
                 turn_wait();
-                fp8g_issue<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
-                               wgmma_desc_sw128(stage_b(s)));
+                if constexpr (LEAN)
+                    fp8g_issue<BN>(part, da0 + (uint32_t)s * (STAGE_BYTES >> 4),
+                                   db0 + (uint32_t)s * (STAGE_BYTES >> 4));
+                else
+                    fp8g_issue<BN>(part, wgmma_desc_sw128(stage_a(s) + wg * 64 * 128),
+                                   wgmma_desc_sw128(stage_b(s)));
                 turn_pass();
                 wgmma_wait<0>();
                 const float *ss = scales(s);
@@ -752,16 +768,17 @@ __global__ void __launch_bounds__(fp8g_ws<WG>::threads, fp8g_ws<WG>::min_blocks)
 
 // a has max_rows rows (the tiles' bound, and the A map's). CL 2 where the n-blocks pair up (else
 // CL 1): as many clusters as the device holds at once, so that none waits for another's tiles.
-template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false>
+template <int STAGES, bool GATE_UP, int CL, int WG = 2, int TS = 0, bool ORD = false,
+          bool LEAN = false>
 static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
     constexpr int BM = 64 * WG;
     // GATE_UP: F / 64 n-blocks of 64 gate and 64 up rows, N / 128 as well
     const int nx = p.N / 128;
     if (nx % CL) {
-        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, TS, ORD>(p, max_rows);
+        fp8_grouped_gemm_ws_launch<STAGES, GATE_UP, 1, WG, TS, ORD, LEAN>(p, max_rows);
         return;
     }
-    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS, ORD>;
+    auto kernel = fp8_grouped_gemm_ws_kernel<STAGES, GATE_UP, CL, WG, TS, ORD, LEAN>;
     // TS: each consumer warpgroup's staging after the ring
     const size_t smem =
         (size_t)STAGES * fp8g_stage<128, BM>::bytes + WG * fp8g_staging<TS>::bytes + 1024;
@@ -798,7 +815,9 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // with 4 and clusters of two blocks, 7 with 4 and tiles of 192 rows, 8 with 4 and tiles of 64 rows,
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
 // tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA), 13 as 11 with the warpgroups'
-// products in turn (ORD);
+// products in turn (ORD), 14 as 13 with LEAN (the consumers' descriptors in uniform registers:
+// 141 instructions a k tile against 155, no R2UR, in the sm_90a SASS; written in the fifteenth
+// session with no device time left, not yet timed);
 // -1 (the default), by the rows an expert on average: 8 up to FP8G_WG1_MAX, 5 above it, 13 from
 // FP8G_ORD_MIN; experts of N K from FP8G_LARGE weights (DeepSeek-V3's, 29M and 15M a GEMM, against
 // Qwen3-30B-A3B's 3.1M and 1.6M) take 7 from 96 and 13 from FP8G_ORD_MIN_LARGE. Random routing
@@ -857,6 +876,7 @@ template <bool H> static void fp8g_launch(const fp8g_args &p, int64_t max_rows, 
     case 9: fp8_grouped_gemm_ws_launch<4, H, 1, 3>(p, max_rows); break;
     case 11: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1>(p, max_rows); break;
     case 13: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1, true>(p, max_rows); break;
+    case 14: fp8_grouped_gemm_ws_launch<4, H, 2, 3, 1, true, true>(p, max_rows); break;
     default: fp8_grouped_gemm_launch<4, 128, H>(p, max_rows); break; // 0
     }
 }
