@@ -151,8 +151,9 @@ $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
 
 # The rate at which a weight matrix streams with no arithmetic, against a device copy (a Hopper
 # device; docs/benchmarks.md): bench_stream in the wgmma kernels' TMA box shapes, bench_stream_rows
-# in the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu).
-STREAM_BENCHES := $(BUILD)/bench_stream $(BUILD)/bench_stream_rows
+# in the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu); bench_nvfp4_decode, NVFP4
+# weights at decode sizes decoded into wgmma's A registers (W4A16 and W4A8) against the copy rate.
+STREAM_BENCHES := $(BUILD)/bench_stream $(BUILD)/bench_stream_rows $(BUILD)/bench_nvfp4_decode
 ifneq ($(CU_OBJS),)
 all: $(STREAM_BENCHES)
 endif

@@ -25,7 +25,8 @@ rm -rf "$dir" && mkdir -p "$dir/tests"
 pack_build() {
     local src=$1 dest=$2 b t
     mkdir -p "$dest/tests"
-    for b in moeserve moeserve-bench bench_step bench_a2a_cuda quant_kl; do
+    for b in moeserve moeserve-bench bench_step bench_a2a_cuda quant_kl bench_stream bench_stream_rows \
+        bench_nvfp4_decode; do
         if [ -x "$src/$b" ]; then cp "$src/$b" "$dest/"; fi
     done
     for t in "$src"/tests/test_cuda_*; do
