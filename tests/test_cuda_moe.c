@@ -1434,9 +1434,30 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
     set(old);
 }
 
+/* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 on, 0 off, -1 as
+ * MOESERVE_NVFP4_LEAN says: off unless 1); returns the setting before */
+int cuda_moe_w4_lean(int on);
+
+/* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
+ * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
+ * slots and every pair on one expert, and each batch's last token alone bit for bit against its
+ * rows in the batch: lean against lean (8- and 16-row tiles) up to 16 pairs an expert, lean against
+ * the tiles and the wgmma kernel above (T 300, 400). */
+static void test_nvfp4_lean(void) {
+    model m;
+    if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
+        const int old = cuda_moe_w4_lean(1);
+        printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=1)\n");
+        quant_small_cases(&m);
+        cuda_moe_w4_lean(old);
+    }
+    model_free(&m);
+}
+
 static void test_nvfp4(bool full) {
     printf("NVFP4 experts (W4A16)\n");
     model m;
+    test_nvfp4_lean();
     if (model_nvfp4(&m, "nvfp4-small", 8, 256, 128, 2) == 0) {
         /* the W4A16 tiles at every size, then the wgmma kernel at prefill sizes (more than 96
          * pairs an expert), B tiles decoded in shared memory */

@@ -220,9 +220,10 @@ template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
 // The tensor map of a row-major byte matrix [rows, row_bytes] (row_bytes % 128 == 0, 16-byte
 // aligned) in boxes of 128 bytes x box_rows rows with the 128-byte swizzle (box_bytes 64: 64-byte
 // boxes, the 64-byte swizzle); rows past the last read as zeros. (A BF16 matrix is a byte matrix
-// of twice its width: a box holds 64 of its k.)
+// of twice its width: a box holds 64 of its k.) With plain, no swizzle: boxes of any multiple of
+// 16 bytes, row_bytes a multiple of 16.
 static inline CUtensorMap tma_map_rows(const void *base, int64_t rows, int64_t row_bytes,
-                                       int box_rows, int box_bytes = 128) {
+                                       int box_rows, int box_bytes = 128, bool plain = false) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
     if (!encode) {
         void *fn = NULL;
@@ -242,7 +243,9 @@ static inline CUtensorMap tma_map_rows(const void *base, int64_t rows, int64_t r
     const CUresult r =
         encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dim, stride, box,
                unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+               plain             ? CU_TENSOR_MAP_SWIZZLE_NONE
+               : box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                 : CU_TENSOR_MAP_SWIZZLE_128B,
                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         char msg[96];

@@ -312,6 +312,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm_common.cuh"
+#include "kernels/cuda/moe_lean.h"
 #include "kernels/quant.h"
 
 namespace cg = cooperative_groups;
@@ -2438,6 +2439,24 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     launch_gemm<C2, false, true, false, WF>(g, tiles2);
 }
 
+// NVFP4 experts on the lean kernels (moe_lean.h, MOESERVE_NVFP4_LEAN=1): the prepare kernel with
+// tiles of `rows` pairs (8 or 16), then both GEMMs with the weights as wgmma's A operand; h in the
+// workspace after the prepare kernel's outputs, as moe_run has it.
+static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
+                         int T, int K, int D, int F, const int32_t *n_rows, int rows, bool split) {
+    const int E = w->E;
+    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (rows - 1)) / rows);
+    const size_t AP = split ? 2 : 1;
+    const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, AP, T, D);
+    unsigned char *ws = moe_workspace(align256(l.end + AP * n_pairs * F * 2));
+    const moe_prep_args p = prep_launch(ws, l, split, x, topk_ids, T, K, D, E, rows, n_rows);
+    moe_lean_w4_experts(out, p.xb, split ? (int64_t)T * D : 0, p.pairs, p.tiles, p.n_tiles,
+                        max_tiles, K, (const uint8_t *)w->gate_up, (const uint8_t *)w->gate_up_sf,
+                        (const uint8_t *)w->down_all, (const uint8_t *)w->down_sf, w->s2, E, D, F,
+                        n_pairs, rows, split, (bf16 *)(ws + l.end));
+}
+
 // Whether high precision's FP8 and NVFP4 experts sum the hi and lo products in one chain
 // (moe_tile_cfg's ONE) at every size: in deterministic mode, and outside it unless
 // MOESERVE_ONE_CHAIN=0 (the tiles' fp32 add of the lo products, other sums than the W8A16 and
@@ -2456,6 +2475,14 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
+    if constexpr (WF == WF_NVFP4) { // decode sizes on the lean kernels where they are switched on
+        const int rows =
+            ops_cuda_deterministic() ? 0 : moe_lean_w4_rows((int64_t)T * K, w->E, D, F);
+        if (rows && (medium || q_one_chain())) {
+            moe_run_lean(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
+            return;
+        }
+    }
     // High precision, one chain at every size, the wgmma kernels' way, so that they can take the
     // prefill sizes with the same bits (the choice depends on the mode and the shapes alone, never
     // on T): BF16 weights of a shape the wgmma kernel takes (bf16_wgmma_one_chain), FP8 and NVFP4

@@ -1,0 +1,33 @@
+// NVFP4 experts at decode sizes with the weights as wgmma's A operand from registers
+// (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. Off unless MOESERVE_NVFP4_LEAN=1 until a
+// device call has checked and timed it (docs/benchmarks.md, "No device time (2026-12-05,
+// sixteenth session)").
+#ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
+#define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+// The rows of a tile (8 or 16 pairs of one expert) in which the lean kernels take n_pairs pairs
+// over E local experts of NVFP4 weights (D hidden, F expert width), or 0 where they do not: only
+// with MOESERVE_NVFP4_LEAN=1, on a Hopper device, D and F multiples of 256, at most 16 pairs an
+// expert on average. (moe.cu adds its own conditions: outside deterministic mode, and in high
+// precision only where its NVFP4 tiles sum in one chain.)
+int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F);
+
+// Both GEMMs from moe.cu's prepared inputs, its prepare kernel run with tiles of `rows` rows:
+// xb [AP, T, D] (x in BF16; split: its lo parts xb_lo elements on), pairs [n_pairs] in grouped
+// order, tiles [max_tiles] {expert, first row, end row} and their count n_tiles (device). h [AP,
+// n_pairs, F] receives the hidden rows in grouped order (split: the lo parts n_pairs F elements
+// on); out [T K, D] fp32, row p for pair p. The weights as cuda_prepare_experts_nvfp4 leaves them:
+// codes and scale bytes of gate_up [E, 2F, D] and down [E, D, F], tensor scales s2 [E, 3]. The
+// sums are the tiles' (each output's k16 products in increasing k, split: hi then lo on the same
+// sums), the epilogues theirs.
+void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, const int32_t *pairs,
+                         const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
+                         const uint8_t *gate_up_q, const uint8_t *gate_up_sf, const uint8_t *down_q,
+                         const uint8_t *down_sf, const float *s2, int E, int D, int F,
+                         int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
+
+#endif
