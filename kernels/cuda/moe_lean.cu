@@ -14,8 +14,8 @@
 //   - the tile's activation rows, 256 k of each in BF16 (split: then their lo parts), copied by
 //     the producer's 32 lanes with cp.async into the 128-byte swizzled K-major layout wgmma reads
 //     through a descriptor (8-row groups 1024 bytes apart; rows past the tile zeros); a lane
-//     arrives on the full barrier once its copies have landed (a stage later, cp.async.wait_group)
-//     and a proxy fence has made them visible to wgmma.
+//     arrives on the full barrier once its copies have landed (three stages later,
+//     cp.async.wait_group) and a proxy fence has made them visible to wgmma.
 // A consumer thread (warp w, lane 4 g + q) holds A rows g and g + 8 of its warp's 16: GEMM 1's
 // gate and up rows of column 8 w + g, so that silu(gate) x up is formed in registers; GEMM 2's
 // rows 16 w + g and + 8. The tiles' layout (nvfp4_pack_kernel) gives lane q of a row one word a
@@ -145,9 +145,12 @@ __global__ void __launch_bounds__(160)
         if (n < rows)
             src =
                 a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
-        // a stage's copies are one group; once a lane's group of the stage before has landed, the
-        // lane makes it visible to wgmma (the async proxy) and arrives for that stage
-        int s = 0, ph = 0, prev = 0;
+        // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
+        // (the async proxy: a proxy fence once it has landed) and arrives for the stage LAG
+        // stages later, so that its waits never hold back the stages in flight; LAG = S - 1
+        // keeps the producer from waiting on a stage the consumers still need it to arrive for
+        constexpr int LAG = S - 1;
+        int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             if (kt >= pre) {
                 mbar_wait(empty(s), ph ^ 1);
@@ -165,17 +168,17 @@ __global__ void __launch_bounds__(160)
                     cp_async16(dst + part * L::part, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
             }
             cp_async_commit();
-            if (kt > 0) {
-                cp_async_wait<1>();
+            if (kt >= LAG) {
+                cp_async_wait<LAG>();
                 fence_proxy_async();
-                mbar_arrive(full(prev));
+                mbar_arrive(full((kt - LAG) % S));
             }
-            prev = s;
             if (++s == S) s = 0, ph ^= 1;
         }
         cp_async_wait<0>();
         fence_proxy_async();
-        mbar_arrive(full(prev));
+        for (int kt = max(0, nk - LAG); kt < nk; kt++)
+            mbar_arrive(full(kt % S));
         return;
     }
 
