@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# NVFP4 experts at decode sizes with the weights as wgmma's A operand, decided in one device
+# call, run ON the GPU machine from the repository root with the build carried there
+# (scripts/gpu_pack.sh here; there `tar xJf build/gpu.txz -C build` and BUILD=build/gpu):
+#   1. build/bench_nvfp4_decode: the bench's four kernels against the copy rate (a layer's worth
+#      of rows, GEMM 1 and GEMM 2 of 8 DeepSeek-V3 experts, and 6 and 8 stages)
+#   2. test_cuda_moe --nvfp4 with MOESERVE_NVFP4_LEAN=1: the lean kernels against the CPU and the
+#      tiles bit for bit (their own shape always; Qwen3-30B-A3B's decode sizes with the switch)
+#   3. timings with the switch at 0 and 1, alternating, two rounds: DeepSeek-V3's experts at
+#      T = 1, 2, 8, 32, 64 (test_cuda_moe --deepseek-nvfp4-timing) and Qwen3-30B-A3B's at 1, 8, 64
+#   4. decode steps of Qwen3-30B-A3B in NVFP4 (bench_step, batch 1, 8, 64), medium and high, with
+#      the switch at 0 and 1
+# Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
+# step" leaves parts out.
+set -u
+cd "$(dirname "$0")/.."
+b=${BUILD:-build}
+export LD_LIBRARY_PATH=$b/gpu-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export NCCL_NVLS_ENABLE=0
+out=${OUT:-/tmp/gpu-lean}
+mkdir -p "$out"
+skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+
+if ! skip bench; then
+    echo "== 1. bench_nvfp4_decode"
+    for args in "" "--rows 32768" "--k 2048 --rows 57344" "--stages 6" "--stages 8"; do
+        echo "-- $args"
+        # shellcheck disable=SC2086
+        timeout 300 "$b/bench_nvfp4_decode" $args 2>&1 | tee -a "$out/bench.txt" | tail -n 6
+    done
+fi
+if ! skip check; then
+    echo "== 2. test_cuda_moe --nvfp4, MOESERVE_NVFP4_LEAN=1"
+    MOESERVE_NVFP4_LEAN=1 timeout 600 "$b/tests/test_cuda_moe" --nvfp4 > "$out/check.txt" 2>&1
+    grep -E '^FAIL|lean' "$out/check.txt" | head -n 40
+    tail -n 1 "$out/check.txt"
+fi
+if ! skip time; then
+    echo "== 3. timings, MOESERVE_NVFP4_LEAN 0 then 1, two rounds"
+    for round in 1 2; do
+        for lean in 0 1; do
+            echo "-- round $round, MOESERVE_NVFP4_LEAN=$lean"
+            MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/tests/test_cuda_moe" \
+                --deepseek-nvfp4-timing 32 1 2 8 32 64 > "$out/ds-$lean-$round.txt" 2>&1
+            grep -E 'nvfp4' "$out/ds-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
+            for t in 1 8 64; do
+                MOESERVE_NVFP4_LEAN=$lean timeout 120 "$b/tests/test_cuda_moe" --nvfp4-timing $t \
+                    > "$out/qwen-$lean-$round-$t.txt" 2>&1
+                grep -E 'nvfp4' "$out/qwen-$lean-$round-$t.txt" | grep -vE '^FAIL' | tail -n 3
+            done
+        done
+    done
+fi
+if ! skip step; then
+    echo "== 4. decode steps, Qwen3-30B-A3B NVFP4"
+    for prec in medium high; do
+        for lean in 0 1; do
+            echo "-- $prec, MOESERVE_NVFP4_LEAN=$lean"
+            MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/bench_step" \
+                --model-path config/models/qwen3-30b-a3b --load-format dummy --device cuda \
+                --context 1024 --steps 16 --prefill-prompts 1 --prefill-len 16 --batches 1,8,64 \
+                --cuda-graph-max-bs 64 --quantization nvfp4 --matmul-precision "$prec" \
+                > "$out/step-$prec-$lean.txt" 2>&1
+            tail -n 5 "$out/step-$prec-$lean.txt"
+        done
+    done
+fi
