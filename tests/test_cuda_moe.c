@@ -1437,6 +1437,10 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
 /* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 on, 0 off, -1 as
  * MOESERVE_NVFP4_LEAN says: off unless 1); returns the setting before */
 int cuda_moe_w4_lean(int on);
+/* the same file: every block of both lean GEMMs on a small problem emulated on the host, their
+ * places (stage bytes, fragments, descriptors, epilogues) against a reference; 0 or -1, a line in
+ * msg */
+int cuda_moe_lean_host_check(char *msg, size_t n);
 
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
@@ -1649,11 +1653,15 @@ int main(int argc, char **argv) {
     const bool decode_only = argc > 1 && strcmp(argv[1], "--decode") == 0;
     const int max_T = (timing_only || timing_deepseek) && argc > 2 ? atoi(argv[2]) : 0;
     char err[256] = "";
+    { /* the lean kernels' places, emulated on the host: no device needed */
+        char msg[256] = "";
+        CHECK(cuda_moe_lean_host_check(msg, sizeof msg) == 0, "%s", msg);
+        printf("%s\n", msg);
+    }
     gpu = ops_cuda(0, err, sizeof err);
     if (!gpu) {
         printf("skipped: %s\n", err);
-        printf("0 passed, 0 failed\n");
-        return 0;
+        CHECK_SUMMARY();
     }
     cpu = ops_cpu();
     if (argc > 1 && strcmp(argv[1], "--nvfp4") == 0) { /* the NVFP4 checks and their timings */

@@ -72,6 +72,26 @@ __device__ __host__ constexpr int wq_rot(int j, bool sign) {
 __device__ __host__ constexpr int wq_code_pos(int j, int h, int b) {
     return ((b == 3 ? 15 : 6 + b) + 16 * h - wq_rot(j, b == 3)) & 31;
 }
+// One row's 64 k in the W4A16 layout (moe.cu's nvfp4_pack_kernel, and the host checks that
+// follow it): in, the codes as nibbles (k's at bits 4 (k % 8) of word k / 8); zero[s], group s's
+// scale is zero (its codes become +0). Lane t of a quad takes the mma B fragment's k 16 s + 2 t +
+// {0, 1} (b0) and 16 s + 8 + 2 t + {0, 1} (b1) of k16 step s: its 16 codes become out[2 t] and
+// out[2 t + 1], word w holding steps 2 w and 2 w + 1 as registers j = 2 (s - 2 w) + b, each
+// code's even k in the low half, each bit where wq_code_pos puts it.
+__host__ __device__ __forceinline__ void wq_pack_chunk(uint32_t out[8], const uint32_t in[8],
+                                                       const bool zero[4]) {
+    for (int i = 0; i < 8; i++)
+        out[i] = 0;
+    for (int t = 0; t < 4; t++)
+        for (int w = 0; w < 2; w++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 2; l++) {
+                    const int s = 2 * w + j / 2, k = 16 * s + 8 * (j % 2) + 2 * t + l;
+                    const uint32_t nib = zero[s] ? 0u : (in[k / 8] >> (4 * (k % 8))) & 15u;
+                    for (int b = 0; b < 4; b++)
+                        out[2 * t + w] |= ((nib >> b) & 1u) << wq_code_pos(j, l, b);
+                }
+}
 __device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
     const int rm = wq_rot(j, false), rs = wq_rot(j, true);
     const uint32_t m = rm ? __funnelshift_l(q, q, rm) : q;

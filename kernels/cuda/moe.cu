@@ -493,16 +493,8 @@ __global__ void nvfp4_pack_kernel(uint8_t *q, uint8_t *sf, int64_t n_chunks, int
             sc |= ((bits - WQ_SF_BIAS) >> 4) << (8 * s);
         }
     }
-    uint32_t out[8] = {};
-    for (int t = 0; t < 4; t++)
-        for (int w = 0; w < 2; w++)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 2; l++) {
-                    const int s = 2 * w + j / 2, k = 16 * s + 8 * (j % 2) + 2 * t + l;
-                    const uint32_t nib = zero[s] ? 0u : (in[k / 8] >> (4 * (k % 8))) & 15u;
-                    for (int b = 0; b < 4; b++)
-                        out[2 * t + w] |= ((nib >> b) & 1u) << wq_code_pos(j, l, b);
-                }
+    uint32_t out[8];
+    wq_pack_chunk(out, in, zero);
     qp[0] = make_uint4(out[0], out[1], out[2], out[3]);
     qp[1] = make_uint4(out[4], out[5], out[6], out[7]);
     *sp = sc;

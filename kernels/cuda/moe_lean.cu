@@ -48,6 +48,42 @@ template <int NT, bool SPLIT> struct lean_stage {
     static constexpr size_t smem = (size_t)LEAN_STAGES * bytes + 1024; // + the alignment
 };
 
+// The places the kernels and the host check (cuda_moe_lean_host_check) share.
+// The weight rows of a stage's two boxes, block column nb: GEMM 1's gate rows nb 32 .. and the up
+// rows of the same columns, GEMM 2's rows nb 64 .. and + 32
+__host__ __device__ inline int lean_wrow(bool gate_up, int box, int e, int w_rows, int nb, int N) {
+    const int r0 = e * w_rows + nb * (gate_up ? LEAN_BOX : 2 * LEAN_BOX);
+    return box == 0 ? r0 : r0 + (gate_up ? N : LEAN_BOX);
+}
+// A rows g and g + 8 of warp w as {box, row}: GEMM 1's gate and up rows of column 8 w + g, GEMM
+// 2's rows 16 w + g and + 8
+struct lean_rows {
+    int bg, rg, bh, rh;
+};
+__host__ __device__ inline lean_rows lean_a_rows(bool gate_up, int warp, int g) {
+    if (gate_up) return {0, 8 * warp + g, 1, 8 * warp + g};
+    return {warp >> 1, 16 * (warp & 1) + g, warp >> 1, 16 * (warp & 1) + g + 8};
+}
+// the output column of A row g of warp w: GEMM 1's h column (its row g + 8 the same column's up
+// row), GEMM 2's out column (row g + 8: + 8)
+__host__ __device__ inline int lean_out_col(bool gate_up, int nb, int warp, int g) {
+    return gate_up ? nb * LEAN_BOX + 8 * warp + g : nb * 2 * LEAN_BOX + 16 * warp + g;
+}
+// byte offset in a stage of lane q's word pair (8 bytes) of 64-k chunk c of box b's row r: unit
+// 2 c + q / 2 of the row, the 128-byte swizzle TMA writes
+__host__ __device__ inline int lean_word_off(int b, int r, int c, int q) {
+    return b * LEAN_BOX * 128 + r * 128 + (((2 * c + (q >> 1)) ^ (r & 7)) * 16) + 8 * (q & 1);
+}
+// byte offset in an activation part of token row n's 16-byte chunk u (8 k) of the stage: atom
+// u / 8 (64 k), the 128-byte swizzle wgmma's descriptor reads
+template <int NT> __host__ __device__ inline int lean_act_off(int u, int n) {
+    return (u / 8) * (NT * 128) + n * 128 + (((u % 8) ^ (n & 7)) * 16);
+}
+// k16 step k's B operand: its start in the activation part (atom k / 4, 32 bytes a step)
+template <int NT> __host__ __device__ constexpr int lean_b_off(int k) {
+    return (k / 4) * (NT * 128) + (k % 4) * 32;
+}
+
 struct lean_args {
     const bf16 *act; // GATE_UP: xb [T, Kd], rows by pair / topk; else h [n, Kd] in grouped order
     int64_t act_lo;  // split: elements from act to its lo part
@@ -115,10 +151,8 @@ __global__ void __launch_bounds__(160)
     }
     __syncthreads();
     const int nk = a.Kd / LEAN_BK;
-    // the weight rows of the stage's two boxes: GATE_UP's gate and up rows of columns nb 32 ..,
-    // GEMM 2's rows nb 64 .. and + 32
-    const int wrow0 = e * a.w_rows + nb * (GATE_UP ? LEAN_BOX : 2 * LEAN_BOX);
-    const int wrow1 = wrow0 + (GATE_UP ? a.N : LEAN_BOX);
+    const int wrow0 = lean_wrow(GATE_UP, 0, e, a.w_rows, nb, a.N);
+    const int wrow1 = lean_wrow(GATE_UP, 1, e, a.w_rows, nb, a.N);
 
     if (warp == 4) { // the producer
         auto weights = [&](int kt, int s) {
@@ -160,8 +194,7 @@ __global__ void __launch_bounds__(160)
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int u = lane / NT + (32 / NT) * j; // chunk of the stage's 256 k
-                const uint32_t dst =
-                    act + (u / 8) * (NT * 128) + n * 128 + (((u % 8) ^ (n & 7)) * 16);
+                const uint32_t dst = act + lean_act_off<NT>(u, n);
                 const bf16 *p = src ? src + kt * LEAN_BK + u * 8 : a.act;
 #pragma unroll
                 for (int part = 0; part < (SPLIT ? 2 : 1); part++)
@@ -184,12 +217,8 @@ __global__ void __launch_bounds__(160)
 
     // the consumers: A rows g and g + 8 of the warp, as box b row r
     const int g = lane >> 2, q = lane & 3;
-    const int bg = GATE_UP ? 0 : warp >> 1, bh = GATE_UP ? 1 : warp >> 1;
-    const int rg = GATE_UP ? 8 * warp + g : 16 * (warp & 1) + g, rh = GATE_UP ? rg : rg + 8;
-    // a row's lane-q word pair of 64-k chunk c: 16-byte unit 2 c + q / 2 of the swizzled row
-    auto word_off = [&](int b, int r, int c) {
-        return b * LEAN_BOX * 128 + r * 128 + (((2 * c + (q >> 1)) ^ (r & 7)) * 16) + 8 * (q & 1);
-    };
+    const lean_rows ar = lean_a_rows(GATE_UP, warp, g);
+    const int bg = ar.bg, rg = ar.rg, bh = ar.bh, rh = ar.rh;
     float acc[NT / 2];
 #pragma unroll
     for (int i = 0; i < NT / 2; i++)
@@ -201,8 +230,8 @@ __global__ void __launch_bounds__(160)
         uint2 wg[4], wh[4];
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            wg[c] = *reinterpret_cast<const uint2 *>(st + word_off(bg, rg, c));
-            wh[c] = *reinterpret_cast<const uint2 *>(st + word_off(bh, rh, c));
+            wg[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg, rg, c, q));
+            wh[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh, rh, c, q));
         }
         const uint4 sg =
             *reinterpret_cast<const uint4 *>(st + LEAN_CODES + (bg * LEAN_BOX + rg) * 16);
@@ -228,7 +257,7 @@ __global__ void __launch_bounds__(160)
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int k = 0; k < 16; k++) {
-            const uint64_t d = d0 + (uint32_t)(((k / 4) * (NT * 128) + (k % 4) * 32) >> 4);
+            const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
             lean_wgmma<NT>(acc, fr[k], d);
             if constexpr (SPLIT) lean_wgmma<NT>(acc, fr[k], d + (L::part >> 4));
         }
@@ -241,7 +270,7 @@ __global__ void __launch_bounds__(160)
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
     // acc[4 j + i]: n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8
     if constexpr (GATE_UP) {
-        const int f = nb * LEAN_BOX + 8 * warp + g;
+        const int f = lean_out_col(true, nb, warp, g);
         const float sgt = __ldg(&a.ws2[3 * e]), sut = __ldg(&a.ws2[3 * e + 1]);
 #pragma unroll
         for (int j = 0; j < NT / 8; j++)
@@ -262,7 +291,7 @@ __global__ void __launch_bounds__(160)
                 }
             }
     } else {
-        const int d0 = nb * 2 * LEAN_BOX + 16 * warp + g;
+        const int d0 = lean_out_col(false, nb, warp, g);
         const float sdt = __ldg(&a.ws2[3 * e + 2]);
 #pragma unroll
         for (int j = 0; j < NT / 8; j++)
@@ -352,4 +381,287 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     else
         split ? lean_both<true, 16>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F)
               : lean_both<false, 16>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+}
+
+// ---- the host check: the kernels' places, emulated without a device ----
+//
+// cuda_moe_lean_host_check runs every block of both GEMMs of a small problem (2 experts, D 512,
+// F 256, a tile of NT - 1 tokens each; both NT and both precisions) on the host. The weights go
+// through the tiles' packing (wq_pack_chunk) and their scale bytes; a stage's bytes are placed as
+// TMA's 128-byte swizzle places boxes and as the producer places the activations
+// (lean_act_off); each consumer thread reads its words and scales where the kernel does
+// (lean_a_rows, lean_word_off), decodes them, and the wgmma products read A from the threads'
+// fragments (PTX's layout: a0 rows g, k 2q, 2q + 1; a1 row g + 8; a2, a3 k + 8) and B through the
+// descriptor as the hardware reads a 128-byte swizzled K-major operand (lean_b_off's start, 8-row
+// groups 1024 bytes apart, 16-byte units XOR the address bits above 128). The outputs land where
+// the epilogues put them (lean_out_col) and are compared with a double-precision reference. What
+// it cannot check is the hardware itself: the barriers, the proxies, the instructions' layouts.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "kernels/quant.h"
+
+namespace {
+
+struct lean_problem {
+    int E = 2, D = 512, F = 256, T = 0;
+    std::vector<uint8_t> gu_q, gu_sf, dn_q, dn_sf; // packed as the device holds them
+    std::vector<float> gu_w, dn_w;                 // dequantized, no tensor scale
+    std::vector<float> s2;                         // [E, 3]
+    std::vector<float> x;                          // [T, D]
+};
+
+uint32_t lean_rng = 2463534242u;
+uint32_t lean_rand() {
+    lean_rng ^= lean_rng << 13;
+    lean_rng ^= lean_rng >> 17;
+    lean_rng ^= lean_rng << 5;
+    return lean_rng;
+}
+
+// rows x K random codes and normal E4M3 scales: packed (codes as wq_pack_chunk, scale bytes c with
+// (c << 4) + WQ_SF_BIAS the BF16 bits of the scale 2^119) and dequantized
+void lean_matrix(int rows, int K, std::vector<uint8_t> &q, std::vector<uint8_t> &sf,
+                 std::vector<float> &w) {
+    q.assign((size_t)rows * K / 2, 0);
+    sf.assign((size_t)rows * K / 16, 0);
+    w.assign((size_t)rows * K, 0.0f);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < K / 64; c++) {
+            uint32_t in[8] = {}, out[8];
+            const bool zero[4] = {false, false, false, false};
+            for (int k = 0; k < 64; k++) {
+                const uint32_t nib = lean_rand() & 15u;
+                in[k / 8] |= nib << (4 * (k % 8));
+                w[(size_t)r * K + c * 64 + k] = fp4_e2m1_to_float((uint8_t)nib);
+            }
+            for (int g = 0; g < 4; g++) {
+                const uint8_t e = (uint8_t)(8 + lean_rand() % 80); // 2^-6 .. 2^3
+                const float f = ldexpf(fp8_e4m3_to_float(e), WQ_SF_EXP);
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                sf[(size_t)r * (K / 16) + c * 4 + g] = (uint8_t)(((u >> 16) - WQ_SF_BIAS) >> 4);
+                for (int k = 0; k < 16; k++)
+                    w[(size_t)r * K + c * 64 + 16 * g + k] *= fp8_e4m3_to_float(e);
+            }
+            wq_pack_chunk(out, in, zero);
+            memcpy(&q[(size_t)r * (K / 2) + c * 32], out, 32);
+        }
+}
+
+float lean_bf16(float v) { // round to nearest even
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+float lean_bf16_bits(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+uint16_t lean_to_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)(u >> 16);
+}
+float lean_silu(float g) { return g / (1.0f + expf(-g)); }
+
+// one GEMM's every block on the host: act [rows, Kd] (BF16 values; split: act_lo too), weights
+// q / sf [E w_rows, Kd / 2 | Kd / 16], expert e's tile of `rows` rows; y [rows, N] (GEMM 1: h's
+// fp32 values before rounding, from the gate and up rows; GEMM 2: out)
+template <int NT, bool SPLIT>
+void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector<float> &act_lo,
+                  int rows, const std::vector<uint8_t> &q, const std::vector<uint8_t> &sf, int e,
+                  int w_rows, int Kd, int N, const float *s2e, std::vector<double> &y) {
+    typedef lean_stage<NT, SPLIT> L;
+    std::vector<uint8_t> st(L::bytes);
+    const int nk = Kd / LEAN_BK, ncb = gate_up ? N / LEAN_BOX : N / (2 * LEAN_BOX);
+    y.assign((size_t)rows * N, 0.0);
+    for (int nb = 0; nb < ncb; nb++) {
+        std::vector<double> acc(64 * NT, 0.0); // [A row of the block][token]
+        for (int kt = 0; kt < nk; kt++) {
+            std::fill(st.begin(), st.end(), 0);
+            for (int b = 0; b < 2; b++) { // the TMA boxes
+                const int wr = lean_wrow(gate_up, b, e, w_rows, nb, N);
+                for (int r = 0; r < LEAN_BOX; r++)
+                    for (int i = 0; i < 128; i++) {
+                        const int l = r * 128 + i; // the box's 128-byte swizzle
+                        st[b * LEAN_BOX * 128 + (l ^ (((l >> 7) & 7) << 4))] =
+                            q[(size_t)(wr + r) * (Kd / 2) + kt * 128 + i];
+                    }
+                for (int r = 0; r < LEAN_BOX; r++)
+                    memcpy(&st[LEAN_CODES + (b * LEAN_BOX + r) * 16],
+                           &sf[(size_t)(wr + r) * (Kd / 16) + kt * 16], 16);
+            }
+            for (int part = 0; part < (SPLIT ? 2 : 1); part++) // the producer's copies
+                for (int n = 0; n < rows; n++)
+                    for (int u = 0; u < 32; u++)
+                        for (int i = 0; i < 8; i++) {
+                            const std::vector<float> &src = part ? act_lo : act;
+                            const uint16_t bits =
+                                lean_to_bits(src[(size_t)n * Kd + kt * LEAN_BK + u * 8 + i]);
+                            memcpy(&st[LEAN_CODES + LEAN_SF + part * L::part +
+                                       lean_act_off<NT>(u, n) + 2 * i],
+                                   &bits, 2);
+                        }
+            // A: every thread's fragments, as values
+            std::vector<double> A((size_t)64 * LEAN_BK);
+            for (int warp = 0; warp < 4; warp++)
+                for (int lane = 0; lane < 32; lane++) {
+                    const int g = lane >> 2, qq = lane & 3;
+                    const lean_rows ar = lean_a_rows(gate_up, warp, g);
+                    for (int k = 0; k < 16; k++) {
+                        const int c = k / 4, jb = 2 * (k % 2);
+                        for (int half = 0; half < 2; half++) { // rows g, g + 8
+                            const int b = half ? ar.bh : ar.bg, r = half ? ar.rh : ar.rg;
+                            uint32_t wp[2];
+                            memcpy(wp, &st[lean_word_off(b, r, c, qq)], 8);
+                            const uint32_t word = (k % 4) < 2 ? wp[0] : wp[1];
+                            const uint8_t scb = st[LEAN_CODES + (b * LEAN_BOX + r) * 16 + k];
+                            const uint32_t sbits = (((uint32_t)scb << 4) + WQ_SF_BIAS) << 16;
+                            float sc;
+                            memcpy(&sc, &sbits, 4);
+                            for (int j = jb; j < jb + 2; j++) { // a0 / a1: j = jb; a2 / a3: jb + 1
+                                const int rm = wq_rot(j, false), rs = wq_rot(j, true);
+                                auto rotl = [](uint32_t v, int rr) {
+                                    return rr ? v << rr | v >> (32 - rr) : v;
+                                };
+                                const uint32_t d = (rotl(word, rm) & WQ_MAG_MASK) |
+                                                   (rotl(word, rs) & WQ_SIGN_MASK);
+                                for (int h = 0; h < 2; h++) {
+                                    const float v = lean_bf16_bits((uint16_t)(d >> (16 * h)));
+                                    const int kk = k * 16 + 2 * qq + h + (j == jb ? 0 : 8);
+                                    A[(size_t)(16 * warp + g + 8 * half) * LEAN_BK + kk] =
+                                        (double)v * sc; // code 2^-126 x scale 2^119
+                                }
+                            }
+                        }
+                    }
+                }
+            // the products, B as the descriptor reads it
+            for (int part = 0; part < (SPLIT ? 2 : 1); part++)
+                for (int k = 0; k < 16; k++)
+                    for (int row = 0; row < 64; row++)
+                        for (int n = 0; n < NT; n++) {
+                            double sum = 0.0;
+                            for (int kk = 0; kk < 16; kk++) {
+                                const int l =
+                                    lean_b_off<NT>(k) + (n / 8) * 1024 + (n % 8) * 128 + 2 * kk;
+                                uint16_t bits;
+                                memcpy(&bits,
+                                       &st[LEAN_CODES + LEAN_SF + part * L::part +
+                                           (l ^ (((l >> 7) & 7) << 4))],
+                                       2);
+                                sum +=
+                                    A[(size_t)row * LEAN_BK + k * 16 + kk] * lean_bf16_bits(bits);
+                            }
+                            acc[row * NT + n] += sum;
+                        }
+        }
+        // the epilogues' places
+        for (int warp = 0; warp < 4; warp++)
+            for (int g = 0; g < 8; g++)
+                for (int n = 0; n < rows; n++) {
+                    const double lo = acc[(16 * warp + g) * NT + n] * 0x1p7,
+                                 hi = acc[(16 * warp + g + 8) * NT + n] * 0x1p7;
+                    const int col = lean_out_col(gate_up, nb, warp, g);
+                    if (gate_up) {
+                        const float gv = (float)(lo * s2e[0]), uv = (float)(hi * s2e[1]);
+                        y[(size_t)n * N + col] = (double)lean_silu(gv) * uv;
+                    } else {
+                        y[(size_t)n * N + col] = lo * s2e[2];
+                        y[(size_t)n * N + col + 8] = hi * s2e[2];
+                    }
+                }
+    }
+}
+
+// max |a - b| over max |b|
+double lean_rel(const std::vector<double> &a, const std::vector<double> &b) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < b.size(); i++) {
+        num = std::max(num, std::fabs(a[i] - b[i]));
+        den = std::max(den, std::fabs(b[i]));
+    }
+    return den > 0.0 ? num / den : num;
+}
+
+template <int NT, bool SPLIT> double lean_check_one(lean_problem &p) {
+    const int rows = NT - 1, D = p.D, F = p.F;
+    double worst = 0.0;
+    for (int e = 0; e < p.E; e++) {
+        // x's rows in BF16 (split: and their lo parts), the reference's x the sum of both
+        std::vector<float> xh((size_t)rows * D), xl((size_t)rows * D, 0.0f);
+        for (int i = 0; i < rows * D; i++) {
+            const float v = (float)((int)(lean_rand() % 2001) - 1000) / 500.0f;
+            xh[i] = lean_bf16(v);
+            xl[i] = SPLIT ? lean_bf16(v - xh[i]) : 0.0f;
+        }
+        const float *s2e = &p.s2[3 * e];
+        std::vector<double> h;
+        lean_emulate<NT, SPLIT>(true, xh, xl, rows, p.gu_q, p.gu_sf, e, 2 * F, D, F, s2e, h);
+        std::vector<double> href((size_t)rows * F);
+        for (int n = 0; n < rows; n++)
+            for (int f = 0; f < F; f++) {
+                double gs = 0.0, us = 0.0;
+                for (int k = 0; k < D; k++) {
+                    const double xv = (double)xh[(size_t)n * D + k] + xl[(size_t)n * D + k];
+                    gs += xv * p.gu_w[((size_t)e * 2 * F + f) * D + k];
+                    us += xv * p.gu_w[((size_t)e * 2 * F + F + f) * D + k];
+                }
+                const float gv = (float)(gs * s2e[0]), uv = (float)(us * s2e[1]);
+                href[(size_t)n * F + f] = (double)lean_silu(gv) * uv;
+            }
+        worst = std::max(worst, lean_rel(h, href));
+        // GEMM 2 on h as the kernel stores it (BF16; split: hi and lo)
+        std::vector<float> hh((size_t)rows * F), hl((size_t)rows * F, 0.0f);
+        for (size_t i = 0; i < hh.size(); i++) {
+            hh[i] = lean_bf16((float)h[i]);
+            hl[i] = SPLIT ? lean_bf16((float)h[i] - hh[i]) : 0.0f;
+        }
+        std::vector<double> o, oref((size_t)rows * D);
+        lean_emulate<NT, SPLIT>(false, hh, hl, rows, p.dn_q, p.dn_sf, e, D, F, D, s2e, o);
+        for (int n = 0; n < rows; n++)
+            for (int d = 0; d < D; d++) {
+                double sum = 0.0;
+                for (int f = 0; f < F; f++)
+                    sum += ((double)hh[(size_t)n * F + f] + hl[(size_t)n * F + f]) *
+                           p.dn_w[((size_t)e * D + d) * F + f];
+                oref[(size_t)n * D + d] = sum * s2e[2];
+            }
+        worst = std::max(worst, lean_rel(o, oref));
+    }
+    return worst;
+}
+
+} // namespace
+
+// 0 when every emulated output is within 1e-5 of the reference (the emulation sums in double,
+// the reference too: what differs is float's rounding of the gate and up sums); else -1 with the
+// case in msg.
+extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
+    lean_problem p;
+    lean_matrix(p.E * 2 * p.F, p.D, p.gu_q, p.gu_sf, p.gu_w);
+    lean_matrix(p.E * p.D, p.F, p.dn_q, p.dn_sf, p.dn_w);
+    p.s2.resize((size_t)3 * p.E);
+    for (auto &v : p.s2)
+        v = 0.5f + (float)(lean_rand() % 100) / 100.0f;
+    const double w[4] = {lean_check_one<8, false>(p), lean_check_one<8, true>(p),
+                         lean_check_one<16, false>(p), lean_check_one<16, true>(p)};
+    const char *names[4] = {"8 rows, medium", "8 rows, high", "16 rows, medium", "16 rows, high"};
+    for (int i = 0; i < 4; i++)
+        if (!(w[i] < 1e-5)) {
+            snprintf(msg, n, "lean kernels emulated, %s: max rel err %.3g", names[i], w[i]);
+            return -1;
+        }
+    snprintf(msg, n,
+             "lean kernels emulated: max rel err %.2g / %.2g / %.2g / %.2g (8, 8 high, 16, "
+             "16 high)",
+             w[0], w[1], w[2], w[3]);
+    return 0;
 }
