@@ -37,7 +37,6 @@ typedef __nv_bfloat16 bf16;
 
 #define LEAN_BK     256 /* k a stage */
 #define LEAN_BOX    32  /* weight rows a TMA box, two a stage */
-#define LEAN_STAGES 4
 #define LEAN_CODES  (2 * LEAN_BOX * 128) /* 8192 */
 #define LEAN_SF     (2 * LEAN_BOX * 16)  /* 1024 */
 
@@ -45,7 +44,12 @@ template <int NT, bool SPLIT> struct lean_stage {
     static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
     static constexpr int bytes = LEAN_CODES + LEAN_SF + (SPLIT ? 2 : 1) * part;
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
-    static constexpr size_t smem = (size_t)LEAN_STAGES * bytes + 1024; // + the alignment
+    // as many stages (up to 4) as leave four blocks an SM (about 53 KB each; 98 registers a
+    // thread allow four): medium's 8 rows 4 (13 KB a stage), high's 8 and medium's 16 rows 3
+    // (17 KB), high's 16 rows 2 (25 KB). Four blocks of 2 to 4 stages keep 70 to 140 KB of
+    // weights in flight an SM, the copy rate's latency needs about 45
+    static constexpr int stages = bytes <= 14 * 1024 ? 4 : bytes <= 18 * 1024 ? 3 : 2;
+    static constexpr size_t smem = (size_t)stages * bytes + 1024; // + the alignment
 };
 
 // The places the kernels and the host check (cuda_moe_lean_host_check) share.
@@ -122,7 +126,7 @@ __global__ void __launch_bounds__(160)
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
     typedef lean_stage<NT, SPLIT> L;
-    constexpr int S = LEAN_STAGES, SB = L::bytes;
+    constexpr int S = L::stages, SB = L::bytes;
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
