@@ -14,8 +14,8 @@
 //   - the tile's activation rows, 256 k of each in BF16 (split: then their lo parts), copied by
 //     the producer's 32 lanes with cp.async into the 128-byte swizzled K-major layout wgmma reads
 //     through a descriptor (8-row groups 1024 bytes apart; rows past the tile zeros); a lane
-//     arrives on the full barrier once its copies have landed (three stages later,
-//     cp.async.wait_group) and a proxy fence has made them visible to wgmma.
+//     arrives on the full barrier once its copies have landed (a ring's length less one stage
+//     later, cp.async.wait_group) and a proxy fence has made them visible to wgmma.
 // A consumer thread (warp w, lane 4 g + q) holds A rows g and g + 8 of its warp's 16: GEMM 1's
 // gate and up rows of column 8 w + g, so that silu(gate) x up is formed in registers; GEMM 2's
 // rows 16 w + g and + 8. The tiles' layout (nvfp4_pack_kernel) gives lane q of a row one word a
@@ -46,8 +46,8 @@ template <int NT, bool SPLIT> struct lean_stage {
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
     // as many stages (up to 4) as leave four blocks an SM (about 53 KB each; 98 registers a
     // thread allow four): medium's 8 rows 4 (13 KB a stage), high's 8 and medium's 16 rows 3
-    // (17 KB), high's 16 rows 2 (25 KB). Four blocks of 2 to 4 stages keep 70 to 140 KB of
-    // weights in flight an SM, the copy rate's latency needs about 45
+    // (17 KB), high's 16 rows 2 (25 KB). Four blocks of 2 to 4 stages keep 72 to 144 KB of
+    // weights in flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     static constexpr int stages = bytes <= 14 * 1024 ? 4 : bytes <= 18 * 1024 ? 3 : 2;
     static constexpr size_t smem = (size_t)stages * bytes + 1024; // + the alignment
 };
