@@ -42,6 +42,7 @@
 #include "kernels/cuda/gemm_common.cuh"
 #include "kernels/cuda/hopper.cuh"
 #include "kernels/quant.h"
+#include "scripts/bench_timing.cuh"
 
 enum { V_STREAM, V_W4A16, V_W4A8, V_W4A16H };
 constexpr int BM = 64, BK = 256, NT = 8; // rows a tile, k a stage, token columns
@@ -82,13 +83,6 @@ struct bench_args {
 __device__ __forceinline__ uint64_t desc_base(uint32_t addr) { return (addr & 0x3FFFF) >> 4; }
 __host__ __device__ constexpr uint64_t desc_off(uint32_t off, uint32_t lbo) {
     return (uint64_t)(off >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(lbo >> 4) << 32;
-}
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
-                                          uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
 }
 __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -168,20 +162,21 @@ template <int V> __global__ void __launch_bounds__(160) decode_kernel(const benc
             const unsigned char *st = smem + s * SB;
             const uint32_t xs = smem0 + s * SB + W_BYTES;
             const uint64_t xd = desc_base(xs);
-            if constexpr (V == V_W4A16 || V == V_W4A16H) {
-                // this thread's 16 code words (one a k16 step) and its rows' 16 group scales
-                uint32_t q[16], sg[4], sh[4];
+            // this thread's 16 code words (w4a16: one a k16 step; w4a8: two a k32 step) and its
+            // rows' 16 group scales (unused by the stream kernel)
+            uint32_t q[16], sg[4], sh[4];
 #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const uint4 v = *reinterpret_cast<const uint4 *>(st + (c * 128 + tid) * 16);
-                    q[4 * c] = v.x, q[4 * c + 1] = v.y, q[4 * c + 2] = v.z, q[4 * c + 3] = v.w;
-                }
-                const uint4 vg =
-                    *reinterpret_cast<const uint4 *>(st + CODE_BYTES + ((warp * 8 + g) * 2) * 16);
-                const uint4 vh = *reinterpret_cast<const uint4 *>(st + CODE_BYTES +
-                                                                  ((warp * 8 + g) * 2 + 1) * 16);
-                sg[0] = vg.x, sg[1] = vg.y, sg[2] = vg.z, sg[3] = vg.w;
-                sh[0] = vh.x, sh[1] = vh.y, sh[2] = vh.z, sh[3] = vh.w;
+            for (int c = 0; c < 4; c++) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(st + (c * 128 + tid) * 16);
+                q[4 * c] = v.x, q[4 * c + 1] = v.y, q[4 * c + 2] = v.z, q[4 * c + 3] = v.w;
+            }
+            const uint4 vg =
+                *reinterpret_cast<const uint4 *>(st + CODE_BYTES + ((warp * 8 + g) * 2) * 16);
+            const uint4 vh =
+                *reinterpret_cast<const uint4 *>(st + CODE_BYTES + ((warp * 8 + g) * 2 + 1) * 16);
+            sg[0] = vg.x, sg[1] = vg.y, sg[2] = vg.z, sg[3] = vg.w;
+            sh[0] = vh.x, sh[1] = vh.y, sh[2] = vh.z, sh[3] = vh.w;
+            if constexpr (V == V_W4A16 || V == V_W4A16H) {
                 uint32_t fr[16][4];
 #pragma unroll
                 for (int k = 0; k < 16; k++) {
@@ -202,18 +197,6 @@ template <int V> __global__ void __launch_bounds__(160) decode_kernel(const benc
                 wg_commit();
                 wg_wait_all();
             } else if constexpr (V == V_W4A8) {
-                uint32_t q[16], sg[4], sh[4];
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const uint4 v = *reinterpret_cast<const uint4 *>(st + (c * 128 + tid) * 16);
-                    q[4 * c] = v.x, q[4 * c + 1] = v.y, q[4 * c + 2] = v.z, q[4 * c + 3] = v.w;
-                }
-                const uint4 vg =
-                    *reinterpret_cast<const uint4 *>(st + CODE_BYTES + ((warp * 8 + g) * 2) * 16);
-                const uint4 vh = *reinterpret_cast<const uint4 *>(st + CODE_BYTES +
-                                                                  ((warp * 8 + g) * 2 + 1) * 16);
-                sg[0] = vg.x, sg[1] = vg.y, sg[2] = vg.z, sg[3] = vg.w;
-                sh[0] = vh.x, sh[1] = vh.y, sh[2] = vh.z, sh[3] = vh.w;
                 uint32_t fr[8][4];
 #pragma unroll
                 for (int k = 0; k < 8; k++) {
@@ -632,16 +615,6 @@ static const char *vname(int V) {
     return V == V_STREAM ? "stream" : V == V_W4A16 ? "w4a16" : V == V_W4A8 ? "w4a8" : "w4a16h";
 }
 
-static float time_ms(cudaEvent_t a, cudaEvent_t b) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-}
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 template <int V> static void set_smem(size_t smem) {
     CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)smem));
@@ -771,18 +744,7 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaMalloc(&src, copy_bytes));
     CUDA_CHECK(cudaMalloc(&dst, copy_bytes));
     CUDA_CHECK(cudaMemset(src, 1, copy_bytes));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<float> times;
-    for (int r = 0; r < reps + 1; r++) {
-        CUDA_CHECK(cudaEventRecord(e0));
-        CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaEventRecord(e1));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        if (r) times.push_back(time_ms(e0, e1));
-    }
-    const double copy = 2.0 * copy_bytes / (median(times) * 1e-3) / 1e9;
+    const double copy = copy_rate(dst, src, copy_bytes, reps, nullptr);
     CUDA_CHECK(cudaFree(src));
     CUDA_CHECK(cudaFree(dst));
     printf("device copy of 1 GiB: %.0f GB/s (read + write)\n", copy);
@@ -811,21 +773,26 @@ int main(int argc, char **argv) {
         // w4a16's products carry 2^-7 (gemm_common.cuh's WQ_SF_EXP), w4a8's codes 2^-6
         a.out_scale = p.s2 * (V == V_W4A8 ? 64.0f : 128.0f);
         const unsigned grid = (unsigned)std::min(a.tiles, sms * res[V]);
-        times.clear();
-        for (int r = 0; r < reps + 1; r++) {
-            CUDA_CHECK(cudaEventRecord(e0));
-            switch (V) {
-            case V_STREAM: decode_kernel<V_STREAM><<<grid, 160, smem[V]>>>(a); break;
-            case V_W4A16: decode_kernel<V_W4A16><<<grid, 160, smem[V]>>>(a); break;
-            case V_W4A8: decode_kernel<V_W4A8><<<grid, 160, smem[V]>>>(a); break;
-            default: decode_kernel<V_W4A16H><<<grid, 160, smem[V]>>>(a); break;
-            }
-            CUDA_CHECK(cudaGetLastError());
-            CUDA_CHECK(cudaEventRecord(e1));
-            CUDA_CHECK(cudaEventSynchronize(e1));
-            if (r) times.push_back(time_ms(e0, e1));
-        }
-        const double us = median(times) * 1e3, gbs = wbytes / (us * 1e-6) / 1e9;
+        const double us = median_ms(reps,
+                                    [&] {
+                                        switch (V) {
+                                        case V_STREAM:
+                                            decode_kernel<V_STREAM><<<grid, 160, smem[V]>>>(a);
+                                            break;
+                                        case V_W4A16:
+                                            decode_kernel<V_W4A16><<<grid, 160, smem[V]>>>(a);
+                                            break;
+                                        case V_W4A8:
+                                            decode_kernel<V_W4A8><<<grid, 160, smem[V]>>>(a);
+                                            break;
+                                        default:
+                                            decode_kernel<V_W4A16H><<<grid, 160, smem[V]>>>(a);
+                                            break;
+                                        }
+                                        CUDA_CHECK(cudaGetLastError());
+                                    }) *
+                          1e3;
+        const double gbs = wbytes / (us * 1e-6) / 1e9;
         if (V == V_STREAM) {
             printf("%-8s %10.1f %9.0f %7.1f%%\n", vname(V), us, gbs, 100.0 * gbs / copy);
         } else {

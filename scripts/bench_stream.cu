@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/hopper.cuh"
+#include "scripts/bench_timing.cuh"
 
 struct pattern {
     const char *name;
@@ -92,17 +93,6 @@ __global__ void __launch_bounds__(64, 1)
 #endif
 }
 
-static float time_ms(cudaEvent_t a, cudaEvent_t b) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-}
-
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 int main(int argc, char **argv) {
     int64_t mib = 768; // Qwen3-30B-A3B's gate and up weights of one layer: 768 MiB
     int reps = 15;
@@ -132,20 +122,10 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaMemset(bsrc, 1, b_bytes));
     CUDA_CHECK(cudaMalloc(&dst, bytes));
     CUDA_CHECK(cudaMemset(src, 1, bytes));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<float> t;
-    for (int r = 0; r < reps + 1; r++) {
-        CUDA_CHECK(cudaEventRecord(e0));
-        CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaEventRecord(e1));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        if (r) t.push_back(time_ms(e0, e1));
-    }
-    const double copy = 2.0 * bytes / (median(t) * 1e-3) / 1e9;
-    printf("device copy of %lld MiB: %.1f us, %.0f GB/s (read + write)\n", (long long)mib,
-           median(t) * 1e3, copy);
+    double copy_us = 0;
+    const double copy = copy_rate(dst, src, bytes, reps, &copy_us);
+    printf("device copy of %lld MiB: %.1f us, %.0f GB/s (read + write)\n", (long long)mib, copy_us,
+           copy);
     printf("%-44s %10s %9s %8s\n", "pattern (rows x bytes a step, stages)", "us", "GB/s",
            "of copy");
     // GEMM 1 of Qwen3-30B-A3B (rows of 4096 bytes) and GEMM 2 (1536), as the swapped kernel reads
@@ -198,17 +178,12 @@ int main(int argc, char **argv) {
                                         (int)smem));
         const unsigned grid = (unsigned)std::min(a.tiles, sms);
         const double read = (double)a.tiles * a.steps * stage;
-        t.clear();
-        for (int r = 0; r < reps + 1; r++) {
-            CUDA_CHECK(cudaEventRecord(e0));
+        const float ms = median_ms(reps, [&] {
             stream_kernel<<<grid, 64, smem>>>(map, bmap, a);
             CUDA_CHECK(cudaGetLastError());
-            CUDA_CHECK(cudaEventRecord(e1));
-            CUDA_CHECK(cudaEventSynchronize(e1));
-            if (r) t.push_back(time_ms(e0, e1));
-        }
-        const double gbs = read / (median(t) * 1e-3) / 1e9;
-        printf("%-44s %10.1f %9.0f %7.1f%%\n", p.name, median(t) * 1e3, gbs, 100.0 * gbs / copy);
+        });
+        const double gbs = read / (ms * 1e-3) / 1e9;
+        printf("%-44s %10.1f %9.0f %7.1f%%\n", p.name, ms * 1e3, gbs, 100.0 * gbs / copy);
     }
     CUDA_CHECK(cudaFree(src));
     CUDA_CHECK(cudaFree(dst));

@@ -175,6 +175,14 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
                  : "memory");
 }
+// bytes from global memory to shared memory in one bulk copy, counted on bar
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
+                                          uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 
 // Stores by TMA: the box of map at (column x, row y) from shared memory at src (rows past the
 // map's last are not written), committed into this thread's bulk group; the shared memory a

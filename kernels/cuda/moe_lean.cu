@@ -273,18 +273,18 @@ __global__ void __launch_bounds__(160)
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
     // acc[4 j + i]: n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8
-    if constexpr (GATE_UP) {
-        const int f = lean_out_col(true, nb, warp, g);
-        const float sgt = __ldg(&a.ws2[3 * e]), sut = __ldg(&a.ws2[3 * e + 1]);
+    const int col = lean_out_col(GATE_UP, nb, warp, g);
+    const float s0 = __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]), s1 = __ldg(&a.ws2[3 * e + 1]);
 #pragma unroll
-        for (int j = 0; j < NT / 8; j++)
+    for (int j = 0; j < NT / 8; j++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = 8 * j + 2 * q + i;
-                if (r >= rows) continue;
-                const float gv = __fmul_rn(acc[4 * j + i], sgt);
-                const float uv = __fmul_rn(acc[4 * j + 2 + i], sut);
-                bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + f;
+        for (int i = 0; i < 2; i++) {
+            const int r = 8 * j + 2 * q + i;
+            if (r >= rows) continue;
+            if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of column col
+                const float gv = __fmul_rn(acc[4 * j + i], s0);
+                const float uv = __fmul_rn(acc[4 * j + 2 + i], s1);
+                bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
                 if constexpr (SPLIT) {
                     const float v = __fmul_rn(silu(gv), uv);
                     const bf16 hi = __float2bfloat16_rn(v);
@@ -293,21 +293,12 @@ __global__ void __launch_bounds__(160)
                 } else {
                     *dst = __float2bfloat16_rn(silu(gv) * uv);
                 }
+            } else { // rows g and g + 8: columns col and col + 8
+                float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                dst[0] = __fmul_rn(acc[4 * j + i], s0);
+                dst[8] = __fmul_rn(acc[4 * j + 2 + i], s0);
             }
-    } else {
-        const int d0 = lean_out_col(false, nb, warp, g);
-        const float sdt = __ldg(&a.ws2[3 * e + 2]);
-#pragma unroll
-        for (int j = 0; j < NT / 8; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = 8 * j + 2 * q + i;
-                if (r >= rows) continue;
-                float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + d0;
-                dst[0] = __fmul_rn(acc[4 * j + i], sdt);
-                dst[8] = __fmul_rn(acc[4 * j + 2 + i], sdt);
-            }
-    }
+        }
 #endif
 }
 

@@ -96,14 +96,6 @@ __device__ __forceinline__ void tc_fence_before() {
 __device__ __forceinline__ void tc_fence_after() {
     asm volatile("tcgen05.fence::after_thread_sync;\n" ::: "memory");
 }
-// bytes from global memory to shared memory in one bulk copy, counted on bar
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
-                                          uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
 // D (+)= (A sfa) (B sfb)^T for one K = 64 step
 __device__ __forceinline__ void nv4_mma(uint32_t d, uint64_t a, uint64_t b, uint32_t sfa,
                                         uint32_t sfb, int accumulate) {
