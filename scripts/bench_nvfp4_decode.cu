@@ -1,9 +1,10 @@
 // NVFP4 weights at decode sizes (up to 8 tokens an expert) on Hopper, with the weights as wgmma's
-// A operand from registers: how close a lean kernel comes to the copy rate, in two precisions.
+// A operand from registers: how close a lean kernel comes to the copy rate, in three precisions.
 // (issue 8: the tiles of kernels/cuda/moe.cu issue about 4.7 instructions a weight there and
 // stream at about half the copy rate.)
 //
 //   build/bench_nvfp4_decode [--k K] [--rows N] [--waves W] [--stages S] [--reps R] [--tokens T]
+//   build/bench_nvfp4_decode --layout-check [--k K]   the host's half alone, no device needed
 //
 // y[T, N] = x[T, K] w[N, K]^T, w in NVFP4 (E2M1 codes, an E4M3 scale a 16 k, a tensor scale).
 // Each block is one consumer warpgroup and one producer warp; a tile is 64 rows of w, a stage 256
@@ -14,6 +15,8 @@
 //   w4a16  each code placed into BF16 bits (gemm_common.cuh's wq_decode, the W4A16 layout) times
 //          its group scale (one bf16x2 product), m64n8k16 in BF16 with x rounded to BF16: the
 //          tiles' exact products, medium precision's x;
+//   w4a16h the same weights against x's hi and lo BF16 parts, two wgmma a k16 step on the same
+//          sums: high precision's one chain;
 //   w4a8   each code placed into E4M3 bits by a mask (four codes a word) or two shifts and two
 //          masks (the other four): E2M1 s e1 e0 m is E4M3 s 0 0 e1 e0 m 0 0 times 2^6 exactly,
 //          subnormals included; x quantized to E4M3 per token per 128 k (kernels/quant.h, as the
@@ -28,6 +31,8 @@
 // Each result is checked against a double-precision reference on the host with the same
 // quantized operands; the rate counts the bytes of codes and scales over the median time of R
 // launches, against a device copy measured in the same run (read + write over its time).
+// --layout-check (tests/nvfp4_decode_layout_test.sh) decodes both layouts on the host as the
+// kernels do and emulates their arithmetic on the bytes their stages hold (emulate_tile).
 #include <algorithm>
 #include <array>
 #include <cmath>
