@@ -1402,16 +1402,21 @@ int cuda_moe_w4_wgmma(int on);
 /* the same: from how many pairs an expert on average (< 0: MOESERVE_W4A16_WGMMA_MIN, default 96) */
 int cuda_moe_w4_wgmma_min(int pairs);
 
+/* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 on, 0 off, -1 as
+ * MOESERVE_NVFP4_LEAN says: off unless 1); returns the setting before */
+int cuda_moe_w4_lean(int on);
+
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
  * variable, printed), against the CPU at the sizes of Ts (n of them; random routing, the second
  * size with a quarter of the slots skipped; max_check rows checked) */
 static void wgmma_cases(const model *m, int (*set)(int), const char *line, const int *Ts, int n,
                         int max_check) {
-    const int old = set(1);
+    const int old = set(1), old_lean = cuda_moe_w4_lean(0); /* the lean kernels would come first */
     printf("  on the wgmma kernel (%s)\n", line);
     for (int i = 0; i < n; i++)
         run_case(m, Ts[i], ROUTE_RANDOM, i == 1 ? 0.25 : 0.0, max_check, false, NULL);
     set(old);
+    cuda_moe_w4_lean(old_lean);
 }
 
 /* The same timed beside the tiles at each of Ts (the rows "qwen3 <fmt> wgmma" and "qwen3 <fmt>
@@ -1424,7 +1429,7 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
     model mw = *m, mt = *m;
     mw.name = nw;
     mt.name = nt;
-    const int old = set(1);
+    const int old = set(1), old_lean = cuda_moe_w4_lean(0);
     for (int pass = 0; pass < 2; pass++) {
         set(pass == 0);
         for (int i = 0; i < n; i++)
@@ -1432,11 +1437,9 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
                      Ts[i] >= 4096 ? 1 : 2, Ts[i] <= 1024 ? 10 : 5);
     }
     set(old);
+    cuda_moe_w4_lean(old_lean);
 }
 
-/* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 on, 0 off, -1 as
- * MOESERVE_NVFP4_LEAN says: off unless 1); returns the setting before */
-int cuda_moe_w4_lean(int on);
 /* the same file: every block of both lean GEMMs on a small problem emulated on the host, their
  * places (stage bytes, fragments, descriptors, epilogues) against a reference; 0 or -1, a line in
  * msg */

@@ -44,11 +44,14 @@ template <int NT, bool SPLIT> struct lean_stage {
     static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
     static constexpr int bytes = LEAN_CODES + LEAN_SF + (SPLIT ? 2 : 1) * part;
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
-    // as many stages (up to 4) as leave four blocks an SM (about 53 KB each; 98 registers a
-    // thread allow four): medium's 8 rows 4 (13 KB a stage), high's 8 and medium's 16 rows 3
-    // (17 KB), high's 16 rows 2 (25 KB). Four blocks of 2 to 4 stages keep 72 to 144 KB of
-    // weights in flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
-    static constexpr int stages = bytes <= 14 * 1024 ? 4 : bytes <= 18 * 1024 ? 3 : 2;
+    // blocks an SM: 8-row tiles four (their launch bounds hold them to 96 registers a thread,
+    // which four blocks of 160 threads allow; 16-row tiles spill there and take three), and as
+    // many stages (2 to 4) as fit them: 8 rows 4 in medium (13 KB a stage), 3 in high (17 KB);
+    // 16 rows 4 in medium (17 KB), 2 in high (25 KB). That keeps 72 to 144 KB of weights in
+    // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
+    static constexpr int blocks = NT == 8 ? 4 : 3;
+    static constexpr int room = (NT == 8 ? 53 : 74) * 1024;
+    static constexpr int stages = room / bytes > 4 ? 4 : room / bytes < 2 ? 2 : room / bytes;
     static constexpr size_t smem = (size_t)stages * bytes + 1024; // + the alignment
 };
 
@@ -121,7 +124,7 @@ __device__ __forceinline__ void lean_wgmma<16>(float *d, const uint32_t (&a)[4],
 }
 
 template <bool GATE_UP, bool SPLIT, int NT>
-__global__ void __launch_bounds__(160)
+__global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
@@ -299,6 +302,8 @@ __global__ void __launch_bounds__(160)
                 dst[8] = __fmul_rn(acc[4 * j + 2 + i], s0);
             }
         }
+#else
+    __trap(); // sm_100a: no wgmma (moe_lean_w4_rows takes a Hopper device only)
 #endif
 }
 
