@@ -2,9 +2,11 @@
 // A operand from registers (moe_lean.h). moe.cu's W4A16 tiles take the weights as mma.sync's B
 // operand and x through ldmatrix: about 4.7 instructions a weight, about half the copy rate.
 // scripts/bench_nvfp4_decode.cu's w4a16 form of the same decode is 3.0 (docs/benchmarks.md, "No
-// device time (2026-12-05, sixteenth session)"); this is that form on moe.cu's data. Written
-// without a device: off unless MOESERVE_NVFP4_LEAN=1 until a device call has checked it
-// (tests/test_cuda_moe --nvfp4 with the switch on) and timed it.
+// device time (2026-12-05, sixteenth session)"); this is that form on moe.cu's data. Checked on
+// an H100 (test_cuda_moe --nvfp4 with the switch on: the tiles' bits) and timed once there:
+// faster up to about 4 pairs an expert (DeepSeek-V3's experts at 2 pairs 85% of the copy rate
+// in medium against the tiles' 67%), even at 8, behind at 16 and on Qwen3-30B-A3B at T = 1. Off
+// unless MOESERVE_NVFP4_LEAN=1 until decode steps end to end settle the sizes it takes.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.

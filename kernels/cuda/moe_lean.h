@@ -1,7 +1,7 @@
 // NVFP4 experts at decode sizes with the weights as wgmma's A operand from registers
-// (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. Off unless MOESERVE_NVFP4_LEAN=1 until a
-// device call has checked and timed it (docs/benchmarks.md, "No device time (2026-12-05,
-// sixteenth session)").
+// (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. Off unless MOESERVE_NVFP4_LEAN=1 until
+// decode steps end to end settle the sizes it takes (docs/benchmarks.md, "The lean kernels timed
+// on an H100").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
