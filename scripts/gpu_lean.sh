@@ -6,12 +6,14 @@
 #      of rows, GEMM 1 and GEMM 2 of 8 DeepSeek-V3 experts, and 6 and 8 stages)
 #   2. test_cuda_moe --nvfp4 with MOESERVE_NVFP4_LEAN=1: the lean kernels against the CPU and the
 #      tiles bit for bit (their own shape always; Qwen3-30B-A3B's decode sizes with the switch)
-#   3. timings with the switch at 0 and 1, alternating, two rounds: DeepSeek-V3's experts at
-#      T = 1, 2, 8, 32, 64 (test_cuda_moe --deepseek-nvfp4-timing) and Qwen3-30B-A3B's at 1, 8, 64
+#   3. timings with the switch at each of LEANS, alternating, ROUNDS rounds: DeepSeek-V3's experts
+#      at T = 1, 2, 8, 16, 32, 64 (test_cuda_moe --deepseek-nvfp4-timing) and Qwen3-30B-A3B's at
+#      1, 8, 64
 #   4. decode steps of Qwen3-30B-A3B in NVFP4 (bench_step, batch 1, 8, 64), medium and high, with
-#      the switch at 0 and 1
+#      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
-# step" leaves parts out.
+# step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 1") the
+# switch's values for the timings and the steps.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -37,12 +39,12 @@ if ! skip check; then
     tail -n 1 "$out/check.txt"
 fi
 if ! skip time; then
-    echo "== 3. timings, MOESERVE_NVFP4_LEAN 0 then 1, two rounds"
-    for round in 1 2; do
-        for lean in 0 1; do
+    echo "== 3. timings, MOESERVE_NVFP4_LEAN ${LEANS:-0 1} in turn, ${ROUNDS:-2} rounds"
+    for round in $(seq "${ROUNDS:-2}"); do
+        for lean in ${LEANS:-0 1}; do
             echo "-- round $round, MOESERVE_NVFP4_LEAN=$lean"
             MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/tests/test_cuda_moe" \
-                --deepseek-nvfp4-timing 32 1 2 8 32 64 > "$out/ds-$lean-$round.txt" 2>&1
+                --deepseek-nvfp4-timing 32 1 2 8 16 32 64 > "$out/ds-$lean-$round.txt" 2>&1
             grep -E 'nvfp4' "$out/ds-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
             for t in 1 8 64; do
                 MOESERVE_NVFP4_LEAN=$lean timeout 120 "$b/tests/test_cuda_moe" --nvfp4-timing $t \
@@ -55,7 +57,7 @@ fi
 if ! skip step; then
     echo "== 4. decode steps, Qwen3-30B-A3B NVFP4"
     for prec in medium high; do
-        for lean in 0 1; do
+        for lean in ${LEANS:-0 1}; do
             echo "-- $prec, MOESERVE_NVFP4_LEAN=$lean"
             MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/bench_step" \
                 --model-path config/models/qwen3-30b-a3b --load-format dummy --device cuda \

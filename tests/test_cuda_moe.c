@@ -1402,8 +1402,9 @@ int cuda_moe_w4_wgmma(int on);
 /* the same: from how many pairs an expert on average (< 0: MOESERVE_W4A16_WGMMA_MIN, default 96) */
 int cuda_moe_w4_wgmma_min(int pairs);
 
-/* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 on, 0 off, -1 as
- * MOESERVE_NVFP4_LEAN says: off unless 1); returns the setting before */
+/* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 wherever they fit, 2
+ * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: off unless 1 or 2); returns the
+ * setting before */
 int cuda_moe_w4_lean(int on);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
@@ -1456,6 +1457,11 @@ static void test_nvfp4_lean(void) {
         const int old = cuda_moe_w4_lean(1);
         printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=1)\n");
         quant_small_cases(&m);
+        /* 2: tiles of 32 rows at T = 64 and 40 (16 and 10 pairs an expert), of 16 at T = 24 */
+        cuda_moe_w4_lean(2);
+        printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=2)\n");
+        quant_small_cases(&m);
+        run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
         cuda_moe_w4_lean(old);
     }
     model_free(&m);

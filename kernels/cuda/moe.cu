@@ -2469,7 +2469,9 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if constexpr (WF == WF_NVFP4) { // decode sizes on the lean kernels where they are switched on
         const int rows =
-            ops_cuda_deterministic() ? 0 : moe_lean_w4_rows((int64_t)T * K, w->E, D, F);
+            ops_cuda_deterministic()
+                ? 0
+                : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, (int64_t)T * K <= MOE_TINY_PAIRS);
         if (rows && (medium || q_one_chain())) {
             moe_run_lean(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
             return;
