@@ -9,12 +9,13 @@
 
 #include <cstdint>
 
-// The rows of a tile (8 or 16 pairs of one expert) in which the lean kernels take n_pairs pairs
-// over E local experts of NVFP4 weights (D hidden, F expert width), or 0 where they do not: on a
-// Hopper device, D and F multiples of 256, and by MOESERVE_NVFP4_LEAN: 1, at most 16 pairs an
-// expert on average; 2, at most 8, and where moe.cu takes its tiny path (tiny) only on experts
-// of at least 4 M weights a matrix; else (the default) never. (moe.cu adds its own conditions:
-// outside deterministic mode, and in high precision only where its NVFP4 tiles sum in one chain.)
+// The rows of a tile (8, 16 or 32 pairs of one expert) in which the lean kernels take n_pairs
+// pairs over E local experts of NVFP4 weights (D hidden, F expert width), or 0 where they do not:
+// on a Hopper device, D and F multiples of 256, and by MOESERVE_NVFP4_LEAN: 1, tiles of 8 up to 8
+// pairs an expert on average, 16 up to 16; 2, tiles of twice the average (8 up to 4, 16 up to 8,
+// 32 up to 16), and where moe.cu takes its tiny path (tiny) only on experts of at least 4 M
+// weights a matrix; else (the default) never. (moe.cu adds its own conditions: outside
+// deterministic mode, and in high precision only where its NVFP4 tiles sum in one chain.)
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
 
 // Both GEMMs from moe.cu's prepared inputs, its prepare kernel run with tiles of `rows` rows:
