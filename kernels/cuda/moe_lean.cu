@@ -139,7 +139,15 @@ __device__ __forceinline__ void lean_wgmma<32>(float *d, const uint32_t (&a)[4],
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-template <bool GATE_UP, bool SPLIT, int NT>
+// A fragments that an issued wgmma may still read: a use the compiler must keep them intact for,
+// placed after the wait that retires it.
+__device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
+}
+
+template <bool GATE_UP, bool SPLIT, int NT, bool PIPE>
 __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
@@ -261,33 +269,69 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
         const uint4 sh =
             *reinterpret_cast<const uint4 *>(st + LEAN_CODES + (bh * LEAN_BOX + rh) * 16);
         const uint32_t sgw[4] = {sg.x, sg.y, sg.z, sg.w}, shw[4] = {sh.x, sh.y, sh.z, sh.w};
-        uint32_t fr[16][4];
-#pragma unroll
-        for (int k = 0; k < 16; k++) { // k16 step k: chunk k / 4, word (k % 4) / 2
+        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2
+        auto decode = [&](int k, uint32_t(&f)[4]) {
             const int c = k / 4, jb = 2 * (k % 2);
             const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
             const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
             const uint32_t ag = wq_scale2(sgw[k / 4], k % 4), ah = wq_scale2(shw[k / 4], k % 4);
-            fr[k][0] = bf16x2_mul(wq_decode(qg, jb), ag);
-            fr[k][1] = bf16x2_mul(wq_decode(qh, jb), ah);
-            fr[k][2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
-            fr[k][3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
-        }
+            f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
+            f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
+            f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
+            f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
+        };
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
         const uint64_t d0 =
             wgmma_desc_sw128(smem0 + LEAN_CODES + LEAN_SF) + (uint32_t)(s * (SB >> 4));
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < 16; k++) {
+        auto mma = [&](int k, const uint32_t(&f)[4]) {
             const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-            lean_wgmma<NT>(acc, fr[k], d);
-            if constexpr (SPLIT) lean_wgmma<NT>(acc, fr[k], d + (L::part >> 4));
+            lean_wgmma<NT>(acc, f, d);
+            if constexpr (SPLIT) lean_wgmma<NT>(acc, f, d + (L::part >> 4));
+        };
+        if constexpr (PIPE) {
+            // a 64-k chunk (4 steps) a group, two buffers: chunk c + 1 decodes while chunk c's
+            // products run. Chunks 2 and 3 rewrite a buffer once the group that read it has
+            // retired (at most one pending); its registers are kept live to there (lean_keep),
+            // so that the compiler gives them to nothing else meanwhile. The stage ends with
+            // every group retired, as the producer's delayed arrivals need: its stage kt + 1
+            // completes only once this stage is released.
+            uint32_t fr[2][4][4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                uint32_t(&f)[4][4] = fr[c & 1];
+                if (c >= 2) {
+                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                    lean_keep(f);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    decode(4 * c + i, f[i]);
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    mma(4 * c + i, f[i]);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            lean_keep(fr[0]);
+            lean_keep(fr[1]);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
+        } else {
+            uint32_t fr[16][4];
+#pragma unroll
+            for (int k = 0; k < 16; k++)
+                decode(k, fr[k]);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int k = 0; k < 16; k++)
+                mma(k, fr[k]);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
         if (++s == S) s = 0, ph ^= 1;
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
@@ -350,12 +394,18 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
     return per <= 8 ? 8 : per <= 16 ? 16 : 0;
 }
 
+// MOESERVE_NVFP4_LEAN_PIPE=1: the consumers' stage in four groups, each chunk's decode beside the
+// products of the one before (moe_lean_kernel's PIPE); 0, the default: one group a stage.
+static int g_lean_pipe = -1;
+static bool lean_pipe() { return cuda_env_count("MOESERVE_NVFP4_LEAN_PIPE", 0, &g_lean_pipe) == 1; }
+
 template <bool GATE_UP, bool SPLIT, int NT>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
                         int max_tiles) {
-    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT>;
-    static size_t set = 0;
-    cuda_smem_allow(kernel, lean_stage<NT, SPLIT>::smem, &set);
+    auto kernel = lean_pipe() ? moe_lean_kernel<GATE_UP, SPLIT, NT, true>
+                              : moe_lean_kernel<GATE_UP, SPLIT, NT, false>;
+    static size_t set[2] = {0, 0};
+    cuda_smem_allow(kernel, lean_stage<NT, SPLIT>::smem, &set[lean_pipe()]);
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(160), lean_stage<NT, SPLIT>::smem, tq, tsf,
                     a);
