@@ -13,7 +13,8 @@
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 1") the
-# switch's values for the timings and the steps.
+# switch's values for the timings and the steps (a value with a p after it, 2p: with
+# MOESERVE_NVFP4_LEAN_PIPE=1).
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -22,6 +23,10 @@ export NCCL_NVLS_ENABLE=0
 out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+lean_env() { # a value of LEANS: 2 or 2p
+    export MOESERVE_NVFP4_LEAN=${1%p} MOESERVE_NVFP4_LEAN_PIPE=0
+    [[ $1 == *p ]] && MOESERVE_NVFP4_LEAN_PIPE=1
+}
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 
 if ! skip bench; then
@@ -43,11 +48,12 @@ if ! skip time; then
     for round in $(seq "${ROUNDS:-2}"); do
         for lean in ${LEANS:-0 1}; do
             echo "-- round $round, MOESERVE_NVFP4_LEAN=$lean"
-            MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/tests/test_cuda_moe" \
+            lean_env "$lean"
+            timeout 300 "$b/tests/test_cuda_moe" \
                 --deepseek-nvfp4-timing 32 1 2 8 16 32 64 > "$out/ds-$lean-$round.txt" 2>&1
             grep -E 'nvfp4' "$out/ds-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
             for t in 1 8 64; do
-                MOESERVE_NVFP4_LEAN=$lean timeout 120 "$b/tests/test_cuda_moe" --nvfp4-timing $t \
+                timeout 120 "$b/tests/test_cuda_moe" --nvfp4-timing $t \
                     > "$out/qwen-$lean-$round-$t.txt" 2>&1
                 grep -E 'nvfp4' "$out/qwen-$lean-$round-$t.txt" | grep -vE '^FAIL' | tail -n 3
             done
@@ -59,7 +65,8 @@ if ! skip step; then
     for prec in medium high; do
         for lean in ${LEANS:-0 1}; do
             echo "-- $prec, MOESERVE_NVFP4_LEAN=$lean"
-            MOESERVE_NVFP4_LEAN=$lean timeout 300 "$b/bench_step" \
+            lean_env "$lean"
+            timeout 300 "$b/bench_step" \
                 --model-path config/models/qwen3-30b-a3b --load-format dummy --device cuda \
                 --context 1024 --steps 16 --prefill-prompts 1 --prefill-len 16 --batches 1,8,64 \
                 --cuda-graph-max-bs 64 --quantization nvfp4 --matmul-precision "$prec" \
