@@ -13,8 +13,7 @@
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 1") the
-# switch's values for the timings and the steps (a value with a p after it, 2p: with
-# MOESERVE_NVFP4_LEAN_PIPE=1).
+# switch's values for the timings and the steps (2p: with MOESERVE_NVFP4_LEAN_FORM=1, 2w: 2).
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -23,9 +22,10 @@ export NCCL_NVLS_ENABLE=0
 out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
-lean_env() { # a value of LEANS: 2 or 2p
-    export MOESERVE_NVFP4_LEAN=${1%p} MOESERVE_NVFP4_LEAN_PIPE=0
-    [[ $1 == *p ]] && MOESERVE_NVFP4_LEAN_PIPE=1
+lean_env() { # a value of LEANS: 2, 2p (MOESERVE_NVFP4_LEAN_FORM=1) or 2w (form 2)
+    export MOESERVE_NVFP4_LEAN=${1%[pw]} MOESERVE_NVFP4_LEAN_FORM=0
+    [[ $1 == *p ]] && MOESERVE_NVFP4_LEAN_FORM=1
+    [[ $1 == *w ]] && MOESERVE_NVFP4_LEAN_FORM=2
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 

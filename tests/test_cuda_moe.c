@@ -1449,8 +1449,9 @@ int cuda_moe_lean_host_check(char *msg, size_t n);
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
- * rows in the batch: lean against lean (8- and 16-row tiles) up to 16 pairs an expert, lean against
- * the tiles and the wgmma kernel above (T 300, 400). */
+ * rows in the batch: lean against lean (8- and 16-row tiles; with the switch at 2, 32) up to 16
+ * pairs an expert, lean against the tiles and the wgmma kernel above (T 300, 400). The kernels'
+ * form is MOESERVE_NVFP4_LEAN_FORM's. */
 static void test_nvfp4_lean(void) {
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {

@@ -43,9 +43,19 @@ typedef __nv_bfloat16 bf16;
 #define LEAN_CODES  (2 * LEAN_BOX * 128) /* 8192 */
 #define LEAN_SF     (2 * LEAN_BOX * 16)  /* 1024 */
 
-template <int NT, bool SPLIT> struct lean_stage {
+// The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
+// warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
+// stage's activations, each with its own 64 weight rows.
+template <int FORM> struct lean_form {
+    static constexpr bool pipe = FORM >= 1;
+    static constexpr int wg = FORM == 2 ? 2 : 1;
+    static constexpr int threads = 128 * wg + 32;
+};
+
+template <int NT, bool SPLIT, int WG = 1> struct lean_stage {
     static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
-    static constexpr int bytes = LEAN_CODES + LEAN_SF + (SPLIT ? 2 : 1) * part;
+    static constexpr int codes = WG * LEAN_CODES, sf = WG * LEAN_SF; // where the scales, the acts
+    static constexpr int bytes = codes + sf + (SPLIT ? 2 : 1) * part;
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
     // blocks an SM: 8-row tiles four (their launch bounds hold them to 96 registers a thread,
     // which four blocks of 160 threads allow; 16-row tiles spill there and take three), and as
@@ -53,33 +63,37 @@ template <int NT, bool SPLIT> struct lean_stage {
     // 16 rows 4 in medium (17 KB), 2 in high (25 KB). That keeps 72 to 144 KB of weights in
     // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     // 32-row tiles two (their registers would allow three, the stages not): 4 in medium (25 KB),
-    // 2 in high (41 KB)
-    static constexpr int blocks = NT == 8 ? 4 : NT == 16 ? 3 : 2;
-    static constexpr int room = (NT == 8 ? 53 : NT == 16 ? 74 : 110) * 1024;
+    // 2 in high (41 KB). Two warpgroups: two blocks of 288 threads (pipe: up to 96 registers),
+    // 110 KB each
+    static constexpr int blocks = WG == 2 ? 2 : NT == 8 ? 4 : NT == 16 ? 3 : 2;
+    static constexpr int room = (WG == 2 ? 110 : NT == 8 ? 53 : NT == 16 ? 74 : 110) * 1024;
     static constexpr int stages = room / bytes > 4 ? 4 : room / bytes < 2 ? 2 : room / bytes;
     static constexpr size_t smem = (size_t)stages * bytes + 1024; // + the alignment
 };
 
 // The places the kernels and the host check (cuda_moe_lean_host_check) share.
-// The weight rows of a stage's two boxes, block column nb: GEMM 1's gate rows nb 32 .. and the up
-// rows of the same columns, GEMM 2's rows nb 64 .. and + 32
-__host__ __device__ inline int lean_wrow(bool gate_up, int box, int e, int w_rows, int nb, int N) {
-    const int r0 = e * w_rows + nb * (gate_up ? LEAN_BOX : 2 * LEAN_BOX);
-    return box == 0 ? r0 : r0 + (gate_up ? N : LEAN_BOX);
+// The weight rows of a stage's box (two a consumer warpgroup, WG of them), block column nb: GEMM
+// 1's warpgroup w the gate rows nb 32 WG + 32 w .. (box 2 w) and the up rows of the same columns
+// (2 w + 1), GEMM 2's rows nb 64 WG + 32 box ..
+__host__ __device__ inline int lean_wrow(bool gate_up, int box, int e, int w_rows, int nb, int N,
+                                         int WG) {
+    if (gate_up) return e * w_rows + nb * WG * LEAN_BOX + (box >> 1) * LEAN_BOX + (box & 1) * N;
+    return e * w_rows + nb * WG * 2 * LEAN_BOX + box * LEAN_BOX;
 }
-// A rows g and g + 8 of warp w as {box, row}: GEMM 1's gate and up rows of column 8 w + g, GEMM
-// 2's rows 16 w + g and + 8
+// A rows g and g + 8 of consumer warp w (0 .. 4 WG - 1) as {box, row}: GEMM 1's gate and up rows
+// of column 8 w + g, GEMM 2's rows 16 w + g and + 8
 struct lean_rows {
     int bg, rg, bh, rh;
 };
 __host__ __device__ inline lean_rows lean_a_rows(bool gate_up, int warp, int g) {
-    if (gate_up) return {0, 8 * warp + g, 1, 8 * warp + g};
+    if (gate_up)
+        return {2 * (warp >> 2), 8 * (warp & 3) + g, 2 * (warp >> 2) + 1, 8 * (warp & 3) + g};
     return {warp >> 1, 16 * (warp & 1) + g, warp >> 1, 16 * (warp & 1) + g + 8};
 }
 // the output column of A row g of warp w: GEMM 1's h column (its row g + 8 the same column's up
 // row), GEMM 2's out column (row g + 8: + 8)
-__host__ __device__ inline int lean_out_col(bool gate_up, int nb, int warp, int g) {
-    return gate_up ? nb * LEAN_BOX + 8 * warp + g : nb * 2 * LEAN_BOX + 16 * warp + g;
+__host__ __device__ inline int lean_out_col(bool gate_up, int nb, int warp, int g, int WG) {
+    return gate_up ? nb * WG * LEAN_BOX + 8 * warp + g : nb * WG * 2 * LEAN_BOX + 16 * warp + g;
 }
 // byte offset in a stage of lane q's word pair (8 bytes) of 64-k chunk c of box b's row r: unit
 // 2 c + q / 2 of the row, the 128-byte swizzle TMA writes
@@ -147,12 +161,15 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, bool PIPE>
-__global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
+template <bool GATE_UP, bool SPLIT, int NT, int FORM>
+__global__ void __launch_bounds__(lean_form<FORM>::threads,
+                                  lean_stage<NT, SPLIT, lean_form<FORM>::wg>::blocks)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
-    typedef lean_stage<NT, SPLIT> L;
+    constexpr bool PIPE = lean_form<FORM>::pipe;
+    constexpr int WG = lean_form<FORM>::wg;
+    typedef lean_stage<NT, SPLIT, WG> L;
     constexpr int S = L::stages, SB = L::bytes;
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
@@ -176,24 +193,24 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
             mbar_init(full(s), 1 + 32); // the TMA lane's arrival, the producer lanes' copies
-            mbar_init(empty(s), 4);     // each consumer warp
+            mbar_init(empty(s), 4 * WG); // each consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     const int nk = a.Kd / LEAN_BK;
-    const int wrow0 = lean_wrow(GATE_UP, 0, e, a.w_rows, nb, a.N);
-    const int wrow1 = lean_wrow(GATE_UP, 1, e, a.w_rows, nb, a.N);
 
-    if (warp == 4) { // the producer
+    if (warp == 4 * WG) { // the producer
         auto weights = [&](int kt, int s) {
             if (lane == 0) {
                 const uint32_t st = smem0 + s * SB;
-                mbar_arrive_tx(full(s), LEAN_CODES + LEAN_SF);
-                tma_load_2d(st, &tq, kt * 128, wrow0, full(s));
-                tma_load_2d(st + LEAN_BOX * 128, &tq, kt * 128, wrow1, full(s));
-                tma_load_2d(st + LEAN_CODES, &tsf, kt * 16, wrow0, full(s));
-                tma_load_2d(st + LEAN_CODES + LEAN_BOX * 16, &tsf, kt * 16, wrow1, full(s));
+                mbar_arrive_tx(full(s), L::codes + L::sf);
+#pragma unroll
+                for (int b = 0; b < 2 * WG; b++) {
+                    const int wr = lean_wrow(GATE_UP, b, e, a.w_rows, nb, a.N, WG);
+                    tma_load_2d(st + b * LEAN_BOX * 128, &tq, kt * 128, wr, full(s));
+                    tma_load_2d(st + L::codes + b * LEAN_BOX * 16, &tsf, kt * 16, wr, full(s));
+                }
             }
         };
         int pre = 0;
@@ -221,7 +238,7 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
                 mbar_wait(empty(s), ph ^ 1);
                 weights(kt, s);
             }
-            const uint32_t act = smem0 + s * SB + LEAN_CODES + LEAN_SF;
+            const uint32_t act = smem0 + s * SB + L::codes + L::sf;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int u = lane / NT + (32 / NT) * j; // chunk of the stage's 256 k
@@ -265,9 +282,9 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
             wh[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh, rh, c, q));
         }
         const uint4 sg =
-            *reinterpret_cast<const uint4 *>(st + LEAN_CODES + (bg * LEAN_BOX + rg) * 16);
+            *reinterpret_cast<const uint4 *>(st + L::codes + (bg * LEAN_BOX + rg) * 16);
         const uint4 sh =
-            *reinterpret_cast<const uint4 *>(st + LEAN_CODES + (bh * LEAN_BOX + rh) * 16);
+            *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
         const uint32_t sgw[4] = {sg.x, sg.y, sg.z, sg.w}, shw[4] = {sh.x, sh.y, sh.z, sh.w};
         // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2
         auto decode = [&](int k, uint32_t(&f)[4]) {
@@ -282,8 +299,7 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
         };
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
-        const uint64_t d0 =
-            wgmma_desc_sw128(smem0 + LEAN_CODES + LEAN_SF) + (uint32_t)(s * (SB >> 4));
+        const uint64_t d0 = wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
         auto mma = [&](int k, const uint32_t(&f)[4]) {
             const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
             lean_wgmma<NT>(acc, f, d);
@@ -336,7 +352,7 @@ __global__ void __launch_bounds__(160, lean_stage<NT, SPLIT>::blocks)
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
     // acc[4 j + i]: n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8
-    const int col = lean_out_col(GATE_UP, nb, warp, g);
+    const int col = lean_out_col(GATE_UP, nb, warp, g, WG);
     const float s0 = __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]), s1 = __ldg(&a.ws2[3 * e + 1]);
 #pragma unroll
     for (int j = 0; j < NT / 8; j++)
@@ -394,35 +410,40 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
     return per <= 8 ? 8 : per <= 16 ? 16 : 0;
 }
 
-// MOESERVE_NVFP4_LEAN_PIPE=1: the consumers' stage in four groups, each chunk's decode beside the
-// products of the one before (moe_lean_kernel's PIPE); 0, the default: one group a stage.
-static int g_lean_pipe = -1;
-static bool lean_pipe() { return cuda_env_count("MOESERVE_NVFP4_LEAN_PIPE", 0, &g_lean_pipe) == 1; }
-
-template <bool GATE_UP, bool SPLIT, int NT>
-static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
-                        int max_tiles) {
-    auto kernel = lean_pipe() ? moe_lean_kernel<GATE_UP, SPLIT, NT, true>
-                              : moe_lean_kernel<GATE_UP, SPLIT, NT, false>;
-    static size_t set[2] = {0, 0};
-    cuda_smem_allow(kernel, lean_stage<NT, SPLIT>::smem, &set[lean_pipe()]);
-    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
-    cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(160), lean_stage<NT, SPLIT>::smem, tq, tsf,
-                    a);
+// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0, the default, a stage's products in
+// one group; 1 in four groups, each chunk's decode beside the products of the one before; 2 in
+// four groups, two consumer warpgroups a block.
+static int g_lean_form = -1;
+static int lean_form_now() {
+    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 0, &g_lean_form);
+    return f <= 2 ? f : 0;
 }
 
-template <bool SPLIT, int NT>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM>
+static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
+                        int max_tiles) {
+    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg> L;
+    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM>;
+    static size_t set = 0;
+    cuda_smem_allow(kernel, L::smem, &set);
+    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
+    cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
+                    tsf, a);
+}
+
+template <bool SPLIT, int NT, int FORM>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
+    constexpr int WG = lean_form<FORM>::wg;
     // GEMM 1: gate_up [E 2F rows, D / 2 code bytes, D / 16 scale bytes]
     const CUtensorMap q1 = tma_map_rows(gate_up_q, (int64_t)E * 2 * F, D / 2, LEAN_BOX);
     const CUtensorMap s1 = tma_map_rows(gate_up_sf, (int64_t)E * 2 * F, D / 16, LEAN_BOX, 16, true);
     a.Kd = D;
     a.N = F;
     a.w_rows = 2 * F;
-    a.n_col_blocks = F / LEAN_BOX;
-    lean_launch<true, SPLIT, NT>(q1, s1, a, max_tiles);
+    a.n_col_blocks = F / (WG * LEAN_BOX);
+    lean_launch<true, SPLIT, NT, FORM>(q1, s1, a, max_tiles);
     // GEMM 2: down [E D rows, F / 2, F / 16], its activations h in grouped order
     const CUtensorMap q2 = tma_map_rows(down_q, (int64_t)E * D, F / 2, LEAN_BOX);
     const CUtensorMap s2 = tma_map_rows(down_sf, (int64_t)E * D, F / 16, LEAN_BOX, 16, true);
@@ -431,8 +452,8 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.Kd = F;
     a.N = D;
     a.w_rows = D;
-    a.n_col_blocks = D / (2 * LEAN_BOX);
-    lean_launch<false, SPLIT, NT>(q2, s2, a, max_tiles);
+    a.n_col_blocks = D / (WG * 2 * LEAN_BOX);
+    lean_launch<false, SPLIT, NT, FORM>(q2, s2, a, max_tiles);
 }
 
 void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
@@ -451,10 +472,22 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     a.out = out;
     a.ws2 = s2;
     a.topk = K;
+    const int form = lean_form_now();
     auto both = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        split ? lean_both<true, NT>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F)
-              : lean_both<false, NT>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+        auto go = [&](auto fm) {
+            constexpr int FORM = decltype(fm)::value;
+            split ? lean_both<true, NT, FORM>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf,
+                                              E, D, F)
+                  : lean_both<false, NT, FORM>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf,
+                                               E, D, F);
+        };
+        if (form == 0)
+            go(std::integral_constant<int, 0>());
+        else if (form == 1)
+            go(std::integral_constant<int, 1>());
+        else
+            go(std::integral_constant<int, 2>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
@@ -467,10 +500,10 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
 // ---- the host check: the kernels' places, emulated without a device ----
 //
 // cuda_moe_lean_host_check runs every block of both GEMMs of a small problem (2 experts, D 512,
-// F 256, a tile of NT - 1 tokens each; both NT and both precisions) on the host. The weights go
-// through the tiles' packing (wq_pack_chunk) and their scale bytes; a stage's bytes are placed as
-// TMA's 128-byte swizzle places boxes and as the producer places the activations
-// (lean_act_off); each consumer thread reads its words and scales where the kernel does
+// F 256, a tile of NT - 1 tokens each; each NT, both precisions, one and two consumer warpgroups)
+// on the host. The weights go through the tiles' packing (wq_pack_chunk) and their scale bytes; a
+// stage's bytes are placed as TMA's 128-byte swizzle places boxes and as the producer places the
+// activations (lean_act_off); each consumer thread reads its words and scales where the kernel does
 // (lean_a_rows, lean_word_off), decodes them, and the wgmma products read A from the threads'
 // fragments (PTX's layout: a0 rows g, k 2q, 2q + 1; a1 row g + 8; a2, a3 k + 8) and B through the
 // descriptor as the hardware reads a 128-byte swizzled K-major operand (lean_b_off's start, 8-row
@@ -555,20 +588,20 @@ float lean_silu(float g) { return g / (1.0f + expf(-g)); }
 // one GEMM's every block on the host: act [rows, Kd] (BF16 values; split: act_lo too), weights
 // q / sf [E w_rows, Kd / 2 | Kd / 16], expert e's tile of `rows` rows; y [rows, N] (GEMM 1: h's
 // fp32 values before rounding, from the gate and up rows; GEMM 2: out)
-template <int NT, bool SPLIT>
+template <int NT, bool SPLIT, int WG>
 void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector<float> &act_lo,
                   int rows, const std::vector<uint8_t> &q, const std::vector<uint8_t> &sf, int e,
                   int w_rows, int Kd, int N, const float *s2e, std::vector<double> &y) {
-    typedef lean_stage<NT, SPLIT> L;
+    typedef lean_stage<NT, SPLIT, WG> L;
     std::vector<uint8_t> st(L::bytes);
-    const int nk = Kd / LEAN_BK, ncb = gate_up ? N / LEAN_BOX : N / (2 * LEAN_BOX);
+    const int nk = Kd / LEAN_BK, ncb = gate_up ? N / (WG * LEAN_BOX) : N / (WG * 2 * LEAN_BOX);
     y.assign((size_t)rows * N, 0.0);
     for (int nb = 0; nb < ncb; nb++) {
-        std::vector<double> acc(64 * NT, 0.0); // [A row of the block][token]
+        std::vector<double> acc(64 * WG * NT, 0.0); // [A row of the block][token]
         for (int kt = 0; kt < nk; kt++) {
             std::fill(st.begin(), st.end(), 0);
-            for (int b = 0; b < 2; b++) { // the TMA boxes
-                const int wr = lean_wrow(gate_up, b, e, w_rows, nb, N);
+            for (int b = 0; b < 2 * WG; b++) { // the TMA boxes
+                const int wr = lean_wrow(gate_up, b, e, w_rows, nb, N, WG);
                 for (int r = 0; r < LEAN_BOX; r++)
                     for (int i = 0; i < 128; i++) {
                         const int l = r * 128 + i; // the box's 128-byte swizzle
@@ -576,7 +609,7 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                             q[(size_t)(wr + r) * (Kd / 2) + kt * 128 + i];
                     }
                 for (int r = 0; r < LEAN_BOX; r++)
-                    memcpy(&st[LEAN_CODES + (b * LEAN_BOX + r) * 16],
+                    memcpy(&st[L::codes + (b * LEAN_BOX + r) * 16],
                            &sf[(size_t)(wr + r) * (Kd / 16) + kt * 16], 16);
             }
             for (int part = 0; part < (SPLIT ? 2 : 1); part++) // the producer's copies
@@ -586,13 +619,13 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                             const std::vector<float> &src = part ? act_lo : act;
                             const uint16_t bits =
                                 lean_to_bits(src[(size_t)n * Kd + kt * LEAN_BK + u * 8 + i]);
-                            memcpy(&st[LEAN_CODES + LEAN_SF + part * L::part +
-                                       lean_act_off<NT>(u, n) + 2 * i],
+                            memcpy(&st[L::codes + L::sf + part * L::part + lean_act_off<NT>(u, n) +
+                                       2 * i],
                                    &bits, 2);
                         }
             // A: every thread's fragments, as values
-            std::vector<double> A((size_t)64 * LEAN_BK);
-            for (int warp = 0; warp < 4; warp++)
+            std::vector<double> A((size_t)64 * WG * LEAN_BK);
+            for (int warp = 0; warp < 4 * WG; warp++)
                 for (int lane = 0; lane < 32; lane++) {
                     const int g = lane >> 2, qq = lane & 3;
                     const lean_rows ar = lean_a_rows(gate_up, warp, g);
@@ -603,7 +636,7 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                             uint32_t wp[2];
                             memcpy(wp, &st[lean_word_off(b, r, c, qq)], 8);
                             const uint32_t word = (k % 4) < 2 ? wp[0] : wp[1];
-                            const uint8_t scb = st[LEAN_CODES + (b * LEAN_BOX + r) * 16 + k];
+                            const uint8_t scb = st[L::codes + (b * LEAN_BOX + r) * 16 + k];
                             const uint32_t sbits = (((uint32_t)scb << 4) + WQ_SF_BIAS) << 16;
                             float sc;
                             memcpy(&sc, &sbits, 4);
@@ -627,7 +660,7 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
             // the products, B as the descriptor reads it
             for (int part = 0; part < (SPLIT ? 2 : 1); part++)
                 for (int k = 0; k < 16; k++)
-                    for (int row = 0; row < 64; row++)
+                    for (int row = 0; row < 64 * WG; row++)
                         for (int n = 0; n < NT; n++) {
                             double sum = 0.0;
                             for (int kk = 0; kk < 16; kk++) {
@@ -635,7 +668,7 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                                     lean_b_off<NT>(k) + (n / 8) * 1024 + (n % 8) * 128 + 2 * kk;
                                 uint16_t bits;
                                 memcpy(&bits,
-                                       &st[LEAN_CODES + LEAN_SF + part * L::part +
+                                       &st[L::codes + L::sf + part * L::part +
                                            (l ^ (((l >> 7) & 7) << 4))],
                                        2);
                                 sum +=
@@ -645,12 +678,12 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                         }
         }
         // the epilogues' places
-        for (int warp = 0; warp < 4; warp++)
+        for (int warp = 0; warp < 4 * WG; warp++)
             for (int g = 0; g < 8; g++)
                 for (int n = 0; n < rows; n++) {
                     const double lo = acc[(16 * warp + g) * NT + n] * 0x1p7,
                                  hi = acc[(16 * warp + g + 8) * NT + n] * 0x1p7;
-                    const int col = lean_out_col(gate_up, nb, warp, g);
+                    const int col = lean_out_col(gate_up, nb, warp, g, WG);
                     if (gate_up) {
                         const float gv = (float)(lo * s2e[0]), uv = (float)(hi * s2e[1]);
                         y[(size_t)n * N + col] = (double)lean_silu(gv) * uv;
@@ -672,7 +705,7 @@ double lean_rel(const std::vector<double> &a, const std::vector<double> &b) {
     return den > 0.0 ? num / den : num;
 }
 
-template <int NT, bool SPLIT> double lean_check_one(lean_problem &p) {
+template <int NT, bool SPLIT, int WG> double lean_check_one(lean_problem &p) {
     const int rows = NT - 1, D = p.D, F = p.F;
     double worst = 0.0;
     for (int e = 0; e < p.E; e++) {
@@ -685,7 +718,7 @@ template <int NT, bool SPLIT> double lean_check_one(lean_problem &p) {
         }
         const float *s2e = &p.s2[3 * e];
         std::vector<double> h;
-        lean_emulate<NT, SPLIT>(true, xh, xl, rows, p.gu_q, p.gu_sf, e, 2 * F, D, F, s2e, h);
+        lean_emulate<NT, SPLIT, WG>(true, xh, xl, rows, p.gu_q, p.gu_sf, e, 2 * F, D, F, s2e, h);
         std::vector<double> href((size_t)rows * F);
         for (int n = 0; n < rows; n++)
             for (int f = 0; f < F; f++) {
@@ -706,7 +739,7 @@ template <int NT, bool SPLIT> double lean_check_one(lean_problem &p) {
             hl[i] = SPLIT ? lean_bf16((float)h[i] - hh[i]) : 0.0f;
         }
         std::vector<double> o, oref((size_t)rows * D);
-        lean_emulate<NT, SPLIT>(false, hh, hl, rows, p.dn_q, p.dn_sf, e, D, F, D, s2e, o);
+        lean_emulate<NT, SPLIT, WG>(false, hh, hl, rows, p.dn_q, p.dn_sf, e, D, F, D, s2e, o);
         for (int n = 0; n < rows; n++)
             for (int d = 0; d < D; d++) {
                 double sum = 0.0;
@@ -732,19 +765,26 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
     p.s2.resize((size_t)3 * p.E);
     for (auto &v : p.s2)
         v = 0.5f + (float)(lean_rand() % 100) / 100.0f;
-    const double w[6] = {lean_check_one<8, false>(p),  lean_check_one<8, true>(p),
-                         lean_check_one<16, false>(p), lean_check_one<16, true>(p),
-                         lean_check_one<32, false>(p), lean_check_one<32, true>(p)};
-    const char *names[6] = {"8 rows, medium", "8 rows, high",    "16 rows, medium",
-                            "16 rows, high",  "32 rows, medium", "32 rows, high"};
-    for (int i = 0; i < 6; i++)
+    // one consumer warpgroup (forms 0 and 1: the same places), then two (form 2)
+    const double w[12] = {lean_check_one<8, false, 1>(p),  lean_check_one<8, true, 1>(p),
+                          lean_check_one<16, false, 1>(p), lean_check_one<16, true, 1>(p),
+                          lean_check_one<32, false, 1>(p), lean_check_one<32, true, 1>(p),
+                          lean_check_one<8, false, 2>(p),  lean_check_one<8, true, 2>(p),
+                          lean_check_one<16, false, 2>(p), lean_check_one<16, true, 2>(p),
+                          lean_check_one<32, false, 2>(p), lean_check_one<32, true, 2>(p)};
+    double worst = 0.0;
+    for (int i = 0; i < 12; i++) {
         if (!(w[i] < 1e-5)) {
-            snprintf(msg, n, "lean kernels emulated, %s: max rel err %.3g", names[i], w[i]);
+            snprintf(msg, n, "lean kernels emulated, %d rows, %s, %d warpgroup%s: max rel err %.3g",
+                     8 << (i % 6 / 2), i % 2 ? "high" : "medium", i / 6 + 1, i / 6 ? "s" : "",
+                     w[i]);
             return -1;
         }
+        worst = std::max(worst, w[i]);
+    }
     snprintf(msg, n,
-             "lean kernels emulated: max rel err %.2g / %.2g / %.2g / %.2g / %.2g / %.2g (8, 8 "
-             "high, 16, 16 high, 32, 32 high)",
-             w[0], w[1], w[2], w[3], w[4], w[5]);
+             "lean kernels emulated (8, 16 and 32 rows, medium and high, one and two "
+             "warpgroups): max rel err %.2g",
+             worst);
     return 0;
 }
