@@ -1403,9 +1403,11 @@ int cuda_moe_w4_wgmma(int on);
 int cuda_moe_w4_wgmma_min(int pairs);
 
 /* kernels/cuda/moe_lean.cu: the NVFP4 experts' lean kernels from now on (1 wherever they fit, 2
- * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: off unless 1 or 2); returns the
+ * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: 2 unless set); returns the
  * setting before */
 int cuda_moe_w4_lean(int on);
+/* the same for their form (0, 1, 2; -1: MOESERVE_NVFP4_LEAN_FORM, 1 unless set) */
+int cuda_moe_w4_lean_form(int form);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
  * variable, printed), against the CPU at the sizes of Ts (n of them; random routing, the second
@@ -1449,20 +1451,26 @@ int cuda_moe_lean_host_check(char *msg, size_t n);
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
- * rows in the batch: lean against lean (8- and 16-row tiles; with the switch at 2, 32) up to 16
- * pairs an expert, lean against the tiles and the wgmma kernel above (T 300, 400). The kernels'
- * form is MOESERVE_NVFP4_LEAN_FORM's. */
+ * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
+ * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' three
+ * forms. */
 static void test_nvfp4_lean(void) {
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
-        const int old = cuda_moe_w4_lean(1);
-        printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=1)\n");
-        quant_small_cases(&m);
-        /* 2: tiles of 32 rows at T = 64 and 40 (16 and 10 pairs an expert), of 16 at T = 24 */
-        cuda_moe_w4_lean(2);
-        printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=2)\n");
-        quant_small_cases(&m);
-        run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
+        const int old = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(0);
+        for (int form = 0; form <= 2; form++) {
+            /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and
+             * 10 an expert); 2: of 16 at T = 24 (6), the tiles at T = 64 */
+            cuda_moe_w4_lean_form(form);
+            cuda_moe_w4_lean(1);
+            printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=1, form %d)\n", form);
+            quant_small_cases(&m);
+            cuda_moe_w4_lean(2);
+            printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=2, form %d)\n", form);
+            run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
+            run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
+        }
+        cuda_moe_w4_lean_form(old_form);
         cuda_moe_w4_lean(old);
     }
     model_free(&m);

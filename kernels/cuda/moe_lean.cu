@@ -1,16 +1,17 @@
-// NVFP4 experts at decode sizes (up to 16 pairs of an expert a tile) with the weights as wgmma's
+// NVFP4 experts at decode sizes (up to 32 pairs of an expert a tile) with the weights as wgmma's
 // A operand from registers (moe_lean.h). moe.cu's W4A16 tiles take the weights as mma.sync's B
 // operand and x through ldmatrix: about 4.7 instructions a weight, about half the copy rate.
 // scripts/bench_nvfp4_decode.cu's w4a16 form of the same decode is 3.0 (docs/benchmarks.md, "No
 // device time (2026-12-05, sixteenth session)"); this is that form on moe.cu's data. Checked on
-// an H100 (test_cuda_moe --nvfp4 with the switch on: the tiles' bits) and timed once there:
-// faster up to about 4 pairs an expert (DeepSeek-V3's experts at 2 pairs 85% of the copy rate
-// in medium against the tiles' 67%), even at 8, behind at 16 and on Qwen3-30B-A3B at T = 1. Off
-// unless MOESERVE_NVFP4_LEAN=1 until decode steps end to end settle the sizes it takes.
+// an H100 (test_cuda_moe --nvfp4: the tiles' bits) and timed there (docs/benchmarks.md, "The lean
+// kernels' forms timed"): DeepSeek-V3's experts in medium, in a chain, at 2 to 8 pairs an expert
+// 80 to 86% of the copy rate (form 1) against the tiles' 66 to 70%; behind the tiles at 16 pairs
+// an expert and on Qwen3-30B-A3B's small experts at T = 1, which the default rule leaves to them.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.
-// Warps 0-3 are one consumer warpgroup, warp 4 the producer. A stage is 256 k:
+// Warps 0-3 are one consumer warpgroup, warp 4 the producer (form 2: two consumer warpgroups, 128
+// rows, warp 8 the producer; lean_form). A stage is 256 k:
 //   - two TMA boxes of 32 rows x 128 bytes of codes (128-byte swizzle) and two of 32 rows x 16
 //     scale bytes, on the stage's full barrier with their bytes;
 //   - the tile's activation rows, 256 k of each in BF16 (split: then their lo parts), copied by
@@ -24,7 +25,9 @@
 // 64-k chunk for two k16 steps: registers a0 and a2 of a step come from row g's word, a1 and a3
 // from row g + 8's, each through wq_decode and one bf16x2 product by its group scale, as the
 // tiles decode their B fragments. The k16 steps go in increasing k, each one m64nNTk16 wgmma on the
-// running sums (split: the hi part, then the lo part), as the tiles' one chain does.
+// running sums (split: the hi part, then the lo part), as the tiles' one chain does: form 0 issues
+// a stage's 16 as one group after decoding them all, forms 1 and 2 as four groups of a 64-k chunk,
+// each chunk decoded while the one before runs.
 // The epilogues are the tiles': the tensor scales by __fmul_rn, silu(gate) x up rounded to BF16
 // (split: hi and lo), GEMM 2's rows in fp32 to out by pair.
 #include "kernels/cuda/moe_lean.h"
@@ -386,8 +389,8 @@ __global__ void __launch_bounds__(lean_form<FORM>::threads,
 static int g_lean = -1;
 
 // Test hook (tests/test_cuda_moe): the lean kernels as MOESERVE_NVFP4_LEAN=on says from now on
-// (0 off, 1 wherever they fit, 2 the sizes timed faster), or back to the variable (-1); returns
-// the setting before.
+// (0 off, 1 wherever they fit, 2 the sizes timed faster: the default), or back to the variable
+// (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean(int on) {
     const int old = g_lean;
     g_lean = on < 0 ? -1 : on;
@@ -395,28 +398,35 @@ extern "C" int cuda_moe_w4_lean(int on) {
 }
 
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 0 when unset): 1 wherever the kernels fit,
-    // 2 where they were timed faster than the tiles, else off
-    const int mode = cuda_env_count("MOESERVE_NVFP4_LEAN", 0, &g_lean);
+    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset): 0 off, 1 wherever the
+    // kernels fit, 2 where they were timed faster than the tiles
+    const int mode = cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean);
     if ((mode != 1 && mode != 2) || !cuda_wgmma_device()) return 0;
     if (D % LEAN_BK || F % LEAN_BK || E <= 0) return 0;
+    // tiles of twice the average pairs an expert, so that few experts take two (random routing:
+    // 2 % of them at 4 an expert with 8 rows); 2: up to 8 an expert, and on the tiny path only
+    // where the experts' bytes hide the prepare kernel (DeepSeek-V3's at T = 1, not
+    // Qwen3-30B-A3B's)
     const int64_t per = (n_pairs + E - 1) / E; // pairs an expert, on average
-    if (mode == 2) { // past the tiny path or on experts whose bytes hide the prepare kernel
-                     // (DeepSeek-V3's at T = 1, not Qwen3-30B-A3B's); tiles of twice the average,
-                     // so that few experts take two (random routing: 2 % at 4 an expert, 8 rows)
-        if (tiny && (int64_t)D * F < (4 << 20)) return 0;
-        return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? 32 : 0;
-    }
-    return per <= 8 ? 8 : per <= 16 ? 16 : 0;
+    if (mode == 2 && (per > 8 || (tiny && (int64_t)D * F < (4 << 20)))) return 0;
+    return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? 32 : 0;
 }
 
-// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0, the default, a stage's products in
-// one group; 1 in four groups, each chunk's decode beside the products of the one before; 2 in
+// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
+// the default, in four groups, each chunk's decode beside the products of the one before; 2 in
 // four groups, two consumer warpgroups a block.
 static int g_lean_form = -1;
 static int lean_form_now() {
-    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 0, &g_lean_form);
-    return f <= 2 ? f : 0;
+    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
+    return f <= 2 ? f : 1;
+}
+
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0, 1, 2), or back to
+// MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
+extern "C" int cuda_moe_w4_lean_form(int form) {
+    const int old = g_lean_form;
+    g_lean_form = form < 0 ? -1 : form;
+    return old;
 }
 
 template <bool GATE_UP, bool SPLIT, int NT, int FORM>

@@ -1,7 +1,6 @@
 // NVFP4 experts at decode sizes with the weights as wgmma's A operand from registers
-// (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. Off unless MOESERVE_NVFP4_LEAN=1 until
-// decode steps end to end settle the sizes it takes (docs/benchmarks.md, "The lean kernels timed
-// on an H100").
+// (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. The sizes it takes by default are those
+// where it was timed faster than the tiles (docs/benchmarks.md, "The lean kernels' forms timed").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
@@ -9,13 +8,13 @@
 
 #include <cstdint>
 
-// The rows of a tile (8, 16 or 32 pairs of one expert) in which the lean kernels take n_pairs
-// pairs over E local experts of NVFP4 weights (D hidden, F expert width), or 0 where they do not:
-// on a Hopper device, D and F multiples of 256, and by MOESERVE_NVFP4_LEAN: 1, tiles of 8 up to 8
-// pairs an expert on average, 16 up to 16; 2, tiles of twice the average (8 up to 4, 16 up to 8,
-// 32 up to 16), and where moe.cu takes its tiny path (tiny) only on experts of at least 4 M
-// weights a matrix; else (the default) never. (moe.cu adds its own conditions: outside
-// deterministic mode, and in high precision only where its NVFP4 tiles sum in one chain.)
+// The rows of a tile (8, 16 or 32 pairs of one expert, twice the average pairs an expert) in which
+// the lean kernels take n_pairs pairs over E local experts of NVFP4 weights (D hidden, F expert
+// width), or 0 where they do not: on a Hopper device, D and F multiples of 256, and by
+// MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 8, and where
+// moe.cu takes its tiny path (tiny) only on experts of at least 4 M weights a matrix; 0 never.
+// (moe.cu adds its own conditions: outside deterministic mode, and in high precision only where
+// its NVFP4 tiles sum in one chain.)
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
 
 // Both GEMMs from moe.cu's prepared inputs, its prepare kernel run with tiles of `rows` rows:
