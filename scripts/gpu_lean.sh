@@ -12,8 +12,8 @@
 #   4. decode steps of Qwen3-30B-A3B in NVFP4 (bench_step, batch 1, 8, 64), medium and high, with
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
-# step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 1") the
-# switch's values for the timings and the steps (2p: with MOESERVE_NVFP4_LEAN_FORM=1, 2w: 2).
+# step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
+# switch's values for the timings and the steps (2z, 2p, 2w: with MOESERVE_NVFP4_LEAN_FORM 0, 1, 2).
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -22,10 +22,14 @@ export NCCL_NVLS_ENABLE=0
 out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
-lean_env() { # a value of LEANS: 2, 2p (MOESERVE_NVFP4_LEAN_FORM=1) or 2w (form 2)
-    export MOESERVE_NVFP4_LEAN=${1%[pw]} MOESERVE_NVFP4_LEAN_FORM=0
-    [[ $1 == *p ]] && MOESERVE_NVFP4_LEAN_FORM=1
-    [[ $1 == *w ]] && MOESERVE_NVFP4_LEAN_FORM=2
+lean_env() { # a value of LEANS: 2 (the default form), 2z, 2p, 2w (MOESERVE_NVFP4_LEAN_FORM 0 1 2)
+    export MOESERVE_NVFP4_LEAN=${1%[zpw]}
+    unset MOESERVE_NVFP4_LEAN_FORM
+    case $1 in
+    *z) export MOESERVE_NVFP4_LEAN_FORM=0 ;;
+    *p) export MOESERVE_NVFP4_LEAN_FORM=1 ;;
+    *w) export MOESERVE_NVFP4_LEAN_FORM=2 ;;
+    esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 
@@ -44,9 +48,9 @@ if ! skip check; then
     tail -n 1 "$out/check.txt"
 fi
 if ! skip time; then
-    echo "== 3. timings, MOESERVE_NVFP4_LEAN ${LEANS:-0 1} in turn, ${ROUNDS:-2} rounds"
+    echo "== 3. timings, MOESERVE_NVFP4_LEAN ${LEANS:-0 2} in turn, ${ROUNDS:-2} rounds"
     for round in $(seq "${ROUNDS:-2}"); do
-        for lean in ${LEANS:-0 1}; do
+        for lean in ${LEANS:-0 2}; do
             echo "-- round $round, MOESERVE_NVFP4_LEAN=$lean"
             lean_env "$lean"
             timeout 300 "$b/tests/test_cuda_moe" \
@@ -63,7 +67,7 @@ fi
 if ! skip step; then
     echo "== 4. decode steps, Qwen3-30B-A3B NVFP4"
     for prec in medium high; do
-        for lean in ${LEANS:-0 1}; do
+        for lean in ${LEANS:-0 2}; do
             echo "-- $prec, MOESERVE_NVFP4_LEAN=$lean"
             lean_env "$lean"
             timeout 300 "$b/bench_step" \
