@@ -54,7 +54,7 @@ cudaStream_t cuda_stream(void);
  * columns, 6 or 4 stages; 6 that with 4 stages in clusters of two; 7 with tiles of 192 rows, 8 of
  * 64 rows, 9 as 7 storing from registers, 11 as 7 in clusters of two, 13 as 11 with the
  * warpgroups' products in turn, 14 as 13 with its descriptors in uniform registers; -1, the
- * default, 13, 7, 5 or 8 by the rows an expert); returns the one before */
+ * default, 14, 7, 5 or 8 by the rows an expert); returns the one before */
 int cuda_fp8_grouped_gemm_config(int config);
 
 /* kernels/cuda/fp8_gemm.cu, for tests: the experts' GEMM 1's form (b's rows per expert F gate rows

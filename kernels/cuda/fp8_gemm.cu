@@ -43,11 +43,13 @@
 //   1119 in the same run; with the producer warpgroup's work split over two warps and the tiles
 //   passed to the consumers in the stages (below), 1010, 1058, 1202 and 1193 on an H100
 //   (cuBLASLt 1609: 63, 66, 75 and 74%), and 1008, 1061, 1180 and 1167 in GEMM 1's form (h in
-//   BF16); the default from 128 rows an expert (fp8g_config_for);
+//   BF16); configuration 14, the same with the consumers' descriptors in uniform registers, the
+//   default from 128 rows an expert (fp8g_config_for): on the H200 (cuBLASLt 1761) 1084, 1121,
+//   1235 and 1159 (62, 64, 70 and 66%) against 13's 1025, 1050, 1161 and 1119 in the same run;
 // - configuration 5 (two consumer warpgroups, tiles of 128 rows): 861 to 1066 there; 773 at 128
 //   experts x 256 tokens (Qwen3-30B-A3B's GEMM 1 over a 4096-token chunk at top-8) and 868 at 256
 //   x 128, N 4096, K 7168 (DeepSeek-V3's), where 7 gives 712 and 839; the default from 48 rows
-//   an expert to 13's (experts of 8M weights or more: to 96, then 7);
+//   an expert to 14's (experts of 8M weights or more: to 96, then 7);
 // - configuration 8 (one consumer warpgroup, tiles of 64 rows, two blocks a multiprocessor): 741
 //   to 760 there; the default up to 48 rows an expert, where the experts' both GEMMs are as fast
 //   as with 5 or up to 1% faster;
@@ -816,11 +818,12 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // 9 as 7 storing from registers (7's form before TS), 11 as 7 in clusters of two sharing A's
 // tiles (TS: 5, 7 and 11 store whole warpgroups' rows by TMA), 13 as 11 with the warpgroups'
 // products in turn (ORD), 14 as 13 with LEAN (the consumers' descriptors in uniform registers:
-// 141 instructions a k tile against 155, no R2UR, in the sm_90a SASS; written in the fifteenth
-// session with no device time left, not yet timed);
-// -1 (the default), by the rows an expert on average: 8 up to FP8G_WG1_MAX, 5 above it, 13 from
+// 141 instructions a k tile against 155, no R2UR, in the sm_90a SASS; on the H200, 8 experts x
+// 4096 tokens, N 1536 / 4096 at K 2048 and 7168, 62, 64, 70 and 66% of cuBLASLt's FP8 peak against
+// 13's 58, 60, 66 and 64%, docs/benchmarks.md "The lean kernels' forms timed");
+// -1 (the default), by the rows an expert on average: 8 up to FP8G_WG1_MAX, 5 above it, 14 from
 // FP8G_ORD_MIN; experts of N K from FP8G_LARGE weights (DeepSeek-V3's, 29M and 15M a GEMM, against
-// Qwen3-30B-A3B's 3.1M and 1.6M) take 7 from 96 and 13 from FP8G_ORD_MIN_LARGE. Random routing
+// Qwen3-30B-A3B's 3.1M and 1.6M) take 7 from 96 and 14 from FP8G_ORD_MIN_LARGE. Random routing
 // spreads an expert's rows around the mean, so a tile of about the mean leaves half the experts a
 // second, nearly empty tile, and those experts' long k loops make it cost. H100, since the
 // producer warpgroup's split (test_cuda_moe --fp8-timing T C, Qwen3-30B-A3B's experts, both GEMMs
@@ -838,7 +841,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 static int g_fp8g_config = -1;
 #define FP8G_WG1_MAX       48        /* rows an expert on average, at most, for 64-row tiles */
 #define FP8G_LARGE         (8 << 20) /* weights an expert's matrix from which 7 and 13 change */
-#define FP8G_ORD_MIN       128       /* rows an expert on average, at least, for configuration 13 */
+#define FP8G_ORD_MIN       128       /* rows an expert on average, at least, for configuration 14 */
 #define FP8G_ORD_MIN_LARGE 384       /* the same for large experts (7 from 96 below it) */
 
 // the configuration for M rows over E experts of N x K weights
@@ -847,7 +850,7 @@ static int fp8g_config_for(int64_t M, int E, int N, int K) {
     const int64_t ord_min = large ? FP8G_ORD_MIN_LARGE : FP8G_ORD_MIN;
     const int64_t wg3_min = large ? 96 : FP8G_ORD_MIN;
     return g_fp8g_config >= 0              ? g_fp8g_config
-           : M >= ord_min * (int64_t)E     ? 13
+           : M >= ord_min * (int64_t)E     ? 14
            : M >= wg3_min * (int64_t)E     ? 7
            : M > FP8G_WG1_MAX * (int64_t)E ? 5
                                            : 8;
