@@ -48,14 +48,15 @@ typedef __nv_bfloat16 bf16;
 
 // The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
-// stage's activations, each with its own 64 weight rows.
+// stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense).
 template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
     static constexpr int wg = FORM == 2 ? 2 : 1;
+    static constexpr bool dense = FORM == 3;
     static constexpr int threads = 128 * wg + 32;
 };
 
-template <int NT, bool SPLIT, int WG = 1> struct lean_stage {
+template <int NT, bool SPLIT, int WG = 1, bool DENSE = false> struct lean_stage {
     static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
     static constexpr int codes = WG * LEAN_CODES, sf = WG * LEAN_SF; // where the scales, the acts
     static constexpr int bytes = codes + sf + (SPLIT ? 2 : 1) * part;
@@ -67,9 +68,17 @@ template <int NT, bool SPLIT, int WG = 1> struct lean_stage {
     // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     // 32-row tiles two (their registers would allow three, the stages not): 4 in medium (25 KB),
     // 2 in high (41 KB). Two warpgroups: two blocks of 288 threads (pipe: up to 96 registers),
-    // 110 KB each
-    static constexpr int blocks = WG == 2 ? 2 : NT == 8 ? 4 : NT == 16 ? 3 : 2;
-    static constexpr int room = (WG == 2 ? 110 : NT == 8 ? 53 : NT == 16 ? 74 : 110) * 1024;
+    // 110 KB each. DENSE (form 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks
+    // (3 stages in medium, 2 in high), 16-row tiles four (3, 2)
+    static constexpr int blocks = WG == 2    ? 2
+                                  : NT == 8  ? (DENSE ? 5 : 4)
+                                  : NT == 16 ? (DENSE ? 4 : 3)
+                                             : 2;
+    static constexpr int room = (WG == 2    ? 110
+                                 : NT == 8  ? (DENSE ? 42 : 53)
+                                 : NT == 16 ? (DENSE ? 54 : 74)
+                                            : 110) *
+                                1024;
     static constexpr int stages = room / bytes > 4 ? 4 : room / bytes < 2 ? 2 : room / bytes;
     static constexpr size_t smem = (size_t)stages * bytes + 1024; // + the alignment
 };
@@ -165,14 +174,15 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
 }
 
 template <bool GATE_UP, bool SPLIT, int NT, int FORM>
-__global__ void __launch_bounds__(lean_form<FORM>::threads,
-                                  lean_stage<NT, SPLIT, lean_form<FORM>::wg>::blocks)
+__global__ void
+__launch_bounds__(lean_form<FORM>::threads,
+                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense>::blocks)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
     constexpr bool PIPE = lean_form<FORM>::pipe;
     constexpr int WG = lean_form<FORM>::wg;
-    typedef lean_stage<NT, SPLIT, WG> L;
+    typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense> L;
     constexpr int S = L::stages, SB = L::bytes;
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
@@ -414,14 +424,14 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
 
 // MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
 // the default, in four groups, each chunk's decode beside the products of the one before; 2 in
-// four groups, two consumer warpgroups a block.
+// four groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM.
 static int g_lean_form = -1;
 static int lean_form_now() {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
-    return f <= 2 ? f : 1;
+    return f <= 3 ? f : 1;
 }
 
-// Test hook (tests/test_cuda_moe): the kernels' form from now on (0, 1, 2), or back to
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 3), or back to
 // MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
     const int old = g_lean_form;
@@ -432,7 +442,7 @@ extern "C" int cuda_moe_w4_lean_form(int form) {
 template <bool GATE_UP, bool SPLIT, int NT, int FORM>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
                         int max_tiles) {
-    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg> L;
+    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense> L;
     auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
@@ -496,8 +506,10 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             go(std::integral_constant<int, 0>());
         else if (form == 1)
             go(std::integral_constant<int, 1>());
-        else
+        else if (form == 2)
             go(std::integral_constant<int, 2>());
+        else
+            go(std::integral_constant<int, 3>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
