@@ -74,6 +74,9 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false> struct lean_stage 
                                   : NT == 8  ? (DENSE ? 5 : 4)
                                   : NT == 16 ? (DENSE ? 4 : 3)
                                              : 2;
+    // what the launch bounds ask: 4 of the dense 8-row tiles (ptxas held to 80 registers
+    // serializes their wgmma; form 1's 79 registers let 5 fit anyway)
+    static constexpr int bound = DENSE && NT == 8 ? 4 : blocks;
     static constexpr int room = (WG == 2    ? 110
                                  : NT == 8  ? (DENSE ? 42 : 53)
                                  : NT == 16 ? (DENSE ? 54 : 74)
@@ -176,7 +179,7 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
 template <bool GATE_UP, bool SPLIT, int NT, int FORM>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
-                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense>::blocks)
+                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense>::bound)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
