@@ -168,6 +168,28 @@ __device__ __forceinline__ void lean_wgmma<32>(float *d, const uint32_t (&a)[4],
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// Groups 2 h and 2 h + 1 of a word of four scale bytes as one pair of BF16 scales (lo, hi): each
+// half as wq_scale2 makes it (byte c to (c << 4) + WQ_SF_BIAS), two groups for one PRMT and one
+// IMAD; lean_mul_half takes one half of it in both lanes, which the multiply reads as an operand
+// swizzle (HMUL2's .H0_H0 / .H1_H1), so that the products are the tiles' to the bit.
+__device__ __forceinline__ uint32_t lean_scale_pair(uint32_t scales, int h) {
+    return __byte_perm(scales, 0, h ? 0x4342 : 0x4140) * 16u + (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+}
+__device__ __forceinline__ uint32_t lean_mul_half(uint32_t x, uint32_t s, int hi) {
+    uint32_t d;
+    if (hi)
+        asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n "
+            "mul.rn.bf16x2 %0, %1, t;}\n"
+            : "=r"(d)
+            : "r"(x), "r"(s));
+    else
+        asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n "
+            "mul.rn.bf16x2 %0, %1, t;}\n"
+            : "=r"(d)
+            : "r"(x), "r"(s));
+    return d;
+}
+
 // A fragments that an issued wgmma may still read: a use the compiler must keep them intact for,
 // placed after the wait that retires it.
 __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
@@ -302,16 +324,18 @@ __launch_bounds__(lean_form<FORM>::threads,
         const uint4 sh =
             *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
         const uint32_t sgw[4] = {sg.x, sg.y, sg.z, sg.w}, shw[4] = {sh.x, sh.y, sh.z, sh.w};
-        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2
+        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2; its group scale the half k % 2
+        // of the scale pair k / 2 (lean_scale_pair: a product the tiles' wq_scale2 gives too)
         auto decode = [&](int k, uint32_t(&f)[4]) {
             const int c = k / 4, jb = 2 * (k % 2);
             const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
             const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-            const uint32_t ag = wq_scale2(sgw[k / 4], k % 4), ah = wq_scale2(shw[k / 4], k % 4);
-            f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
-            f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
-            f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
-            f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
+            const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
+            const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
+            f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
+            f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
+            f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
+            f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
         };
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
