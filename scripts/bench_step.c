@@ -15,7 +15,8 @@
  * norms, lm_head), the experts the batch touches (expected distinct experts per layer under
  * uniform routing, E (1 - (1 - K/E)^B)), and the KV cache of every sequence, over the device's
  * bandwidth: one 1 GiB device-to-device copy (bytes read + written over its time), measured in the
- * same run.
+ * same run. Quantized weights count the bytes the model holds them in (decode_floor_bytes' caller;
+ * before 2026-12-06 every weight counted 2 bytes, so quantized steps' floors were too high).
  * Prefill: P prompts of --prefill-len tokens through steps of at most --chunk tokens; tokens/s.
  *
  * --skip OPS (comma-separated: attention, experts, linear, qkv_prepare, router, norms) replaces
@@ -249,18 +250,21 @@ static const ops *random_routing_ops(const ops *o) {
     return &s;
 }
 
-/* Bytes a decode step of B sequences at context ctx must read. */
-static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t kv_elem) {
+/* Bytes a decode step of B sequences at context ctx must read: the routed experts' weights at
+ * wbytes_e bytes a weight, the other projections' at wbytes_p (the rest BF16). */
+static double decode_floor_bytes(const model_config *c, int B, int ctx, size_t kv_elem,
+                                 double wbytes_e, double wbytes_p) {
     double D = c->hidden_size, Dh = c->head_dim, H = c->num_attention_heads;
     double Hkv = c->num_key_value_heads, E = c->num_experts, K = c->num_experts_per_tok;
     double F = c->moe_intermediate_size, L = c->num_hidden_layers, V = c->vocab_size;
-    double attn = (H * Dh * D * 2 + Hkv * Dh * D * 2 + 2 * D + 2 * Dh) * 2; /* q o, k v, norms */
+    double attn =
+        (H * Dh * D * 2 + Hkv * Dh * D * 2) * wbytes_p + (2 * D + 2 * Dh) * 2; /* q o, k v, norms */
     double experts = 0, dense = 0;
     int n_moe = 0;
     for (int l = 0; l < c->num_hidden_layers; l++)
         n_moe += c->layer_is_moe[l];
-    if (E > 0) experts = E * (1.0 - pow(1.0 - K / E, B)) * 3 * F * D * 2 + E * D * 2;
-    dense = 3.0 * c->intermediate_size * D * 2;
+    if (E > 0) experts = E * (1.0 - pow(1.0 - K / E, B)) * 3 * F * D * wbytes_e + E * D * 2;
+    dense = 3.0 * c->intermediate_size * D * wbytes_p;
     double weights = L * attn + n_moe * experts + (L - n_moe) * dense + V * D * 2 + D * 2;
     double kv = (double)B * ctx * L * 2 * Hkv * Dh * (double)kv_elem;
     return weights + kv;
@@ -359,6 +363,18 @@ int main(int argc, char **argv) {
            model_path, lo.dummy ? "dummy" : "checkpoint", quant ? ", " : "", quant ? quant : "",
            o->name, ops_cuda_matmul_precision() == MATMUL_PRECISION_HIGH ? "high" : "medium",
            kv_bf16 ? "bfloat16" : "float32", now() - t0);
+    /* the weights' bytes as the model holds them: NVFP4 experts as codes and E4M3 group scales
+     * (W4A16), FP8 ones as codes (W8A16; their block scales negligible), other projections in FP8
+     * where --quantization fp8 made them so and the backend keeps FP8 linears, else BF16 (NVFP4
+     * dense projections are dequantized at load) */
+    const int wq = m->online_quant ? m->online_quant : c->quant;
+    const double wbytes_e = wq == MODEL_QUANT_NVFP4 ? 0.5 + 1.0 / 16
+                            : wq == MODEL_QUANT_FP8 ? 1.0
+                                                    : 2.0;
+    const double wbytes_p =
+        m->online_quant == MODEL_QUANT_FP8 && !m->online_quant_experts_only && o->prepare_linear_fp8
+            ? 1.0
+            : 2.0;
     double bw = copy_bandwidth(o);
     if (bw > 0) printf("device copy bandwidth: %.0f GB/s (read + write)\n", bw);
 
@@ -428,7 +444,8 @@ int main(int argc, char **argv) {
         qsort(t_fwd, steps, sizeof(double), cmp_double);
         m->ops = o;
         double step = t_step[steps / 2], fwd = t_fwd[steps / 2];
-        double bytes = decode_floor_bytes(c, B, context + steps / 2, kv_cache_elem_bytes(kv_bf16));
+        double bytes = decode_floor_bytes(c, B, context + steps / 2, kv_cache_elem_bytes(kv_bf16),
+                                          wbytes_e, wbytes_p);
         double floor_s = bw > 0 ? bytes / (bw * 1e9) : 0;
         printf("%6d %10.3f %10.3f %10.0f %12.2f %10.3f %8.2f\n", B, step * 1e3, fwd * 1e3,
                B / step, bytes / 1e9, floor_s * 1e3, floor_s > 0 ? step / floor_s : 0);
