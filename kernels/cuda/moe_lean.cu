@@ -58,7 +58,8 @@ template <int FORM> struct lean_form {
 
 template <int NT, bool SPLIT, int WG = 1, bool DENSE = false> struct lean_stage {
     static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
-    static constexpr int codes = WG * LEAN_CODES, sf = WG * LEAN_SF; // where the scales, the acts
+    // the stage's code bytes, then its scale bytes (from codes), then the activations (codes + sf)
+    static constexpr int codes = WG * LEAN_CODES, sf = WG * LEAN_SF;
     static constexpr int bytes = codes + sf + (SPLIT ? 2 : 1) * part;
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
     // blocks an SM: 8-row tiles four (their launch bounds hold them to 96 registers a thread,
