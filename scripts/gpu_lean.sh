@@ -13,7 +13,7 @@
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
-# switch's values for the timings and the steps (2z 2p 2w 2d: MOESERVE_NVFP4_LEAN_FORM 0 1 2 3).
+# switch's values for the timings and the steps (2z 2p 2w 2d 2s: MOESERVE_NVFP4_LEAN_FORM 0-4).
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -22,14 +22,15 @@ export NCCL_NVLS_ENABLE=0
 out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
-lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d (MOESERVE_NVFP4_LEAN_FORM 0-3)
-    export MOESERVE_NVFP4_LEAN=${1%[zpwd]}
+lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s (MOESERVE_NVFP4_LEAN_FORM 0-4)
+    export MOESERVE_NVFP4_LEAN=${1%[zpwds]}
     unset MOESERVE_NVFP4_LEAN_FORM
     case $1 in
     *z) export MOESERVE_NVFP4_LEAN_FORM=0 ;;
     *p) export MOESERVE_NVFP4_LEAN_FORM=1 ;;
     *w) export MOESERVE_NVFP4_LEAN_FORM=2 ;;
     *d) export MOESERVE_NVFP4_LEAN_FORM=3 ;;
+    *s) export MOESERVE_NVFP4_LEAN_FORM=4 ;;
     esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"

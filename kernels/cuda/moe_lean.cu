@@ -48,11 +48,13 @@ typedef __nv_bfloat16 bf16;
 
 // The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
-// stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense).
+// stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense)
+// and the scales two groups a register (pairs); 4 as 1 with the pairs.
 template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
     static constexpr int wg = FORM == 2 ? 2 : 1;
     static constexpr bool dense = FORM == 3;
+    static constexpr bool pairs = FORM >= 3; // the scales two groups a register
     static constexpr int threads = 128 * wg + 32;
 };
 
@@ -206,7 +208,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
-    constexpr bool PIPE = lean_form<FORM>::pipe;
+    constexpr bool PIPE = lean_form<FORM>::pipe, PAIRS = lean_form<FORM>::pairs;
     constexpr int WG = lean_form<FORM>::wg;
     typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense> L;
     constexpr int S = L::stages, SB = L::bytes;
@@ -325,18 +327,26 @@ __launch_bounds__(lean_form<FORM>::threads,
         const uint4 sh =
             *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
         const uint32_t sgw[4] = {sg.x, sg.y, sg.z, sg.w}, shw[4] = {sh.x, sh.y, sh.z, sh.w};
-        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2; its group scale the half k % 2
-        // of the scale pair k / 2 (lean_scale_pair: a product the tiles' wq_scale2 gives too)
+        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale the
+        // half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives too)
         auto decode = [&](int k, uint32_t(&f)[4]) {
             const int c = k / 4, jb = 2 * (k % 2);
             const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
             const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-            const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
-            const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
-            f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
-            f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
-            f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
-            f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
+            if constexpr (PAIRS) {
+                const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
+                const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
+                f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
+                f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
+                f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
+                f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
+            } else {
+                const uint32_t ag = wq_scale2(sgw[c], k % 4), ah = wq_scale2(shw[c], k % 4);
+                f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
+                f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
+                f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
+                f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
+            }
         };
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
@@ -452,14 +462,15 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
 
 // MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
 // the default, in four groups, each chunk's decode beside the products of the one before; 2 in
-// four groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM.
+// four groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
+// groups a register; 4 as 1 with those scales.
 static int g_lean_form = -1;
 static int lean_form_now() {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
-    return f <= 3 ? f : 1;
+    return f <= 4 ? f : 1;
 }
 
-// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 3), or back to
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 4), or back to
 // MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
     const int old = g_lean_form;
@@ -536,8 +547,10 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             go(std::integral_constant<int, 1>());
         else if (form == 2)
             go(std::integral_constant<int, 2>());
-        else
+        else if (form == 3)
             go(std::integral_constant<int, 3>());
+        else
+            go(std::integral_constant<int, 4>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
