@@ -820,7 +820,8 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // products in turn (ORD), 14 as 13 with LEAN (the consumers' descriptors in uniform registers:
 // 141 instructions a k tile against 155, no R2UR, in the sm_90a SASS; on the H200, 8 experts x
 // 4096 tokens, N 1536 / 4096 at K 2048 and 7168, 62, 64, 70 and 66% of cuBLASLt's FP8 peak against
-// 13's 58, 60, 66 and 64%, docs/benchmarks.md "The lean kernels' forms timed");
+// 13's 58, 60, 66 and 64%, docs/benchmarks.md "FP8 x FP8 at prefill sizes: configuration 14 on
+// the H200");
 // -1 (the default), by the rows an expert on average: 8 up to FP8G_WG1_MAX, 5 above it, 14 from
 // FP8G_ORD_MIN; experts of N K from FP8G_LARGE weights (DeepSeek-V3's, 29M and 15M a GEMM, against
 // Qwen3-30B-A3B's 3.1M and 1.6M) take 7 from 96 and 14 from FP8G_ORD_MIN_LARGE. Random routing
@@ -840,7 +841,7 @@ static void fp8_grouped_gemm_ws_launch(const fp8g_args &p, int64_t max_rows) {
 // order), 1 as it is and the others as 0.
 static int g_fp8g_config = -1;
 #define FP8G_WG1_MAX       48        /* rows an expert on average, at most, for 64-row tiles */
-#define FP8G_LARGE         (8 << 20) /* weights an expert's matrix from which 7 and 13 change */
+#define FP8G_LARGE         (8 << 20) /* weights an expert's matrix from which 7 and 14 change */
 #define FP8G_ORD_MIN       128       /* rows an expert on average, at least, for configuration 14 */
 #define FP8G_ORD_MIN_LARGE 384       /* the same for large experts (7 from 96 below it) */
 

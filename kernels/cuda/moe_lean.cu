@@ -3,10 +3,12 @@
 // operand and x through ldmatrix: about 4.7 instructions a weight, about half the copy rate.
 // scripts/bench_nvfp4_decode.cu's w4a16 form of the same decode is 3.0 (docs/benchmarks.md, "No
 // device time (2026-12-05, sixteenth session)"); this is that form on moe.cu's data. Checked on
-// an H100 (test_cuda_moe --nvfp4: the tiles' bits) and timed there (docs/benchmarks.md, "The lean
-// kernels' forms timed"): DeepSeek-V3's experts in medium, in a chain, at 2 to 8 pairs an expert
-// 80 to 86% of the copy rate (form 1) against the tiles' 66 to 70%; behind the tiles at 16 pairs
-// an expert and on Qwen3-30B-A3B's small experts at T = 1, which the default rule leaves to them.
+// an H100 and an H200 (test_cuda_moe --nvfp4: the tiles' bits) and timed on both
+// (docs/benchmarks.md, "One H100 and one H200 (2026-12-06, seventeenth session)"): DeepSeek-V3's
+// experts in medium, in a chain, at 2 to 8 pairs an expert 78 to 86% of the copy rate on the H100
+// (form 1) against the tiles' 65 to 70%, 56 to 64% on the H200 against 48 to 49%; behind the tiles
+// at 16 pairs an expert and on Qwen3-30B-A3B's small experts at T = 1, which the default rule
+// leaves to them.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.

@@ -1,6 +1,7 @@
 // NVFP4 experts at decode sizes with the weights as wgmma's A operand from registers
 // (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. The sizes it takes by default are those
-// where it was timed faster than the tiles (docs/benchmarks.md, "The lean kernels' forms timed").
+// where it was timed faster than the tiles (docs/benchmarks.md, "One H100 and one H200
+// (2026-12-06, seventeenth session)").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
