@@ -14,6 +14,8 @@
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
 # switch's values for the timings and the steps (2z 2p 2w 2d 2s: MOESERVE_NVFP4_LEAN_FORM 0-4).
+# FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN
+# (forms 0 to 2); parts 1 and 2 stay NVFP4's.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -22,8 +24,14 @@ export NCCL_NVLS_ENABLE=0
 out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+fmt=${FMT:-nvfp4}
 lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s (MOESERVE_NVFP4_LEAN_FORM 0-4)
-    export MOESERVE_NVFP4_LEAN=${1%[zpwds]}
+    unset MOESERVE_NVFP4_LEAN MOESERVE_FP8_LEAN
+    if [ "$fmt" = fp8 ]; then
+        export MOESERVE_FP8_LEAN=${1%[zpwds]}
+    else
+        export MOESERVE_NVFP4_LEAN=${1%[zpwds]}
+    fi
     unset MOESERVE_NVFP4_LEAN_FORM
     case $1 in
     *z) export MOESERVE_NVFP4_LEAN_FORM=0 ;;
@@ -50,34 +58,34 @@ if ! skip check; then
     tail -n 1 "$out/check.txt"
 fi
 if ! skip time; then
-    echo "== 3. timings, MOESERVE_NVFP4_LEAN ${LEANS:-0 2} in turn, ${ROUNDS:-2} rounds"
+    echo "== 3. timings, $fmt, the lean switch at ${LEANS:-0 2} in turn, ${ROUNDS:-2} rounds"
     for round in $(seq "${ROUNDS:-2}"); do
         for lean in ${LEANS:-0 2}; do
-            echo "-- round $round, MOESERVE_NVFP4_LEAN=$lean"
+            echo "-- round $round, $fmt, lean switch $lean"
             lean_env "$lean"
             timeout 300 "$b/tests/test_cuda_moe" \
-                --deepseek-nvfp4-timing 32 1 2 8 16 32 64 > "$out/ds-$lean-$round.txt" 2>&1
-            grep -E 'nvfp4' "$out/ds-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
+                --deepseek-$fmt-timing 32 1 2 8 16 32 64 > "$out/ds-$fmt-$lean-$round.txt" 2>&1
+            grep -E "$fmt" "$out/ds-$fmt-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
             for t in 1 8 64; do
-                timeout 120 "$b/tests/test_cuda_moe" --nvfp4-timing $t \
-                    > "$out/qwen-$lean-$round-$t.txt" 2>&1
-                grep -E 'nvfp4' "$out/qwen-$lean-$round-$t.txt" | grep -vE '^FAIL' | tail -n 3
+                timeout 120 "$b/tests/test_cuda_moe" --$fmt-timing $t \
+                    > "$out/qwen-$fmt-$lean-$round-$t.txt" 2>&1
+                grep -E "$fmt" "$out/qwen-$fmt-$lean-$round-$t.txt" | grep -vE '^FAIL' | tail -n 3
             done
         done
     done
 fi
 if ! skip step; then
-    echo "== 4. decode steps, Qwen3-30B-A3B NVFP4"
+    echo "== 4. decode steps, Qwen3-30B-A3B $fmt"
     for prec in medium high; do
         for lean in ${LEANS:-0 2}; do
-            echo "-- $prec, MOESERVE_NVFP4_LEAN=$lean"
+            echo "-- $prec, $fmt, lean switch $lean"
             lean_env "$lean"
             timeout 300 "$b/bench_step" \
                 --model-path config/models/qwen3-30b-a3b --load-format dummy --device cuda \
                 --context 1024 --steps 16 --prefill-prompts 1 --prefill-len 16 --batches 1,8,64 \
-                --cuda-graph-max-bs 64 --quantization nvfp4 --matmul-precision "$prec" \
-                > "$out/step-$prec-$lean.txt" 2>&1
-            tail -n 5 "$out/step-$prec-$lean.txt"
+                --cuda-graph-max-bs 64 --quantization "$fmt" --matmul-precision "$prec" \
+                > "$out/step-$fmt-$prec-$lean.txt" 2>&1
+            tail -n 5 "$out/step-$fmt-$prec-$lean.txt"
         done
     done
 fi

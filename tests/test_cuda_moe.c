@@ -1596,9 +1596,43 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
 /* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
  * (the tiny path against the grouped one, every tile shape), partial 128-k blocks, bad input
  * refused; with full (the --fp8 run) also Qwen3-30B-A3B's shape, checked and timed. */
+/* the same file: the FP8 experts' lean kernels (MOESERVE_FP8_LEAN; 0 when unset) */
+int cuda_moe_w8_lean(int on);
+
+/* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
+ * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
+ * NVFP4's: in forms 0 to 2 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a multiple of
+ * 128, not of 256). */
+static void test_fp8_lean(void) {
+    static const struct {
+        const char *name;
+        int D, F;
+    } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
+    for (int si = 0; si < 2; si++) {
+        model m;
+        if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
+            const int old = cuda_moe_w8_lean(1), old_form = cuda_moe_w4_lean_form(0);
+            for (int form = 0; form <= 2; form++) {
+                cuda_moe_w4_lean_form(form);
+                cuda_moe_w8_lean(1);
+                printf("  on the lean kernels (MOESERVE_FP8_LEAN=1, form %d)\n", form);
+                quant_small_cases(&m);
+                cuda_moe_w8_lean(2);
+                printf("  on the lean kernels (MOESERVE_FP8_LEAN=2, form %d)\n", form);
+                run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
+                run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
+            }
+            cuda_moe_w4_lean_form(old_form);
+            cuda_moe_w8_lean(old);
+        }
+        model_free(&m);
+    }
+}
+
 static void test_fp8(bool full) {
     printf("FP8 experts (W8A16)\n");
     model m;
+    test_fp8_lean();
     if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
         quant_small_cases(&m);
         check_experts_q(&m, A2A_PAYLOAD_FP8);

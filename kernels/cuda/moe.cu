@@ -2431,9 +2431,10 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
     launch_gemm<C2, false, true, false, WF>(g, tiles2);
 }
 
-// NVFP4 experts on the lean kernels (moe_lean.h, MOESERVE_NVFP4_LEAN=1): the prepare kernel with
-// tiles of `rows` pairs (8 or 16), then both GEMMs with the weights as wgmma's A operand; h in the
-// workspace after the prepare kernel's outputs, as moe_run has it.
+// NVFP4 and FP8 experts on the lean kernels (moe_lean.h; MOESERVE_NVFP4_LEAN, MOESERVE_FP8_LEAN):
+// the prepare kernel with tiles of `rows` pairs (8, 16 or 32), then both GEMMs with the weights as
+// wgmma's A operand; h in the workspace after the prepare kernel's outputs, as moe_run has it.
+template <int WF>
 static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows, int rows, bool split) {
     const int E = w->E;
@@ -2443,10 +2444,18 @@ static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, co
     const moe_prep_layout l = prep_layout(E, n_pairs, max_tiles, AP, T, D);
     unsigned char *ws = moe_workspace(align256(l.end + AP * n_pairs * F * 2));
     const moe_prep_args p = prep_launch(ws, l, split, x, topk_ids, T, K, D, E, rows, n_rows);
-    moe_lean_w4_experts(out, p.xb, split ? (int64_t)T * D : 0, p.pairs, p.tiles, p.n_tiles,
-                        max_tiles, K, (const uint8_t *)w->gate_up, (const uint8_t *)w->gate_up_sf,
-                        (const uint8_t *)w->down_all, (const uint8_t *)w->down_sf, w->s2, E, D, F,
-                        n_pairs, rows, split, (bf16 *)(ws + l.end));
+    bf16 *h = (bf16 *)(ws + l.end);
+    const int64_t xb_lo = split ? (int64_t)T * D : 0;
+    if constexpr (WF == WF_FP8)
+        moe_lean_w8_experts(out, p.xb, xb_lo, p.pairs, p.tiles, p.n_tiles, max_tiles, K,
+                            (const uint8_t *)w->gate_up, (const float *)w->gate_up_sf,
+                            (const uint8_t *)w->down_all, (const float *)w->down_sf, E, D, F,
+                            n_pairs, rows, split, h);
+    else
+        moe_lean_w4_experts(out, p.xb, xb_lo, p.pairs, p.tiles, p.n_tiles, max_tiles, K,
+                            (const uint8_t *)w->gate_up, (const uint8_t *)w->gate_up_sf,
+                            (const uint8_t *)w->down_all, (const uint8_t *)w->down_sf, w->s2, E, D,
+                            F, n_pairs, rows, split, h);
 }
 
 // Whether high precision's FP8 and NVFP4 experts sum the hi and lo products in one chain
@@ -2467,13 +2476,13 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
                              const int32_t *n_rows, const moe_experts *w, int T, int K, int D,
                              int F) {
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
-    if constexpr (WF == WF_NVFP4) { // decode sizes on the lean kernels where they are switched on
-        const int rows =
-            ops_cuda_deterministic()
-                ? 0
-                : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, (int64_t)T * K <= MOE_TINY_PAIRS);
+    if constexpr (WF != WF_BF16) { // decode sizes on the lean kernels where they are switched on
+        const bool tiny = (int64_t)T * K <= MOE_TINY_PAIRS;
+        const int rows = ops_cuda_deterministic() ? 0
+                         : WF == WF_FP8 ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny)
+                                        : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, tiny);
         if (rows && (medium || q_one_chain())) {
-            moe_run_lean(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
+            moe_run_lean<WF>(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
             return;
         }
     }

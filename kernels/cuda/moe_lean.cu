@@ -40,6 +40,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/gemm_common.cuh"
 #include "kernels/cuda/hopper.cuh"
+#include "kernels/quant.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -60,11 +61,17 @@ template <int FORM> struct lean_form {
     static constexpr int threads = 128 * wg + 32;
 };
 
-template <int NT, bool SPLIT, int WG = 1, bool DENSE = false> struct lean_stage {
-    static constexpr int part = NT * 128 * (LEAN_BK / 64); // NT rows x 128 bytes, 4 atoms of 64 k
-    // the stage's code bytes, then its scale bytes (from codes), then the activations (codes + sf)
-    static constexpr int codes = WG * LEAN_CODES, sf = WG * LEAN_SF;
+template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> struct lean_stage {
+    // k a stage: NVFP4 256 (128 code bytes a row), FP8 128 (as many bytes, one block of scales)
+    static constexpr int bk = W8 ? LEAN_BK / 2 : LEAN_BK;
+    static constexpr int part = NT * 128 * (bk / 64); // NT rows x 128 bytes, an atom a 64 k
+    // the stage's code bytes, then its scale bytes (from codes), then the activations (codes +
+    // sf). FP8: a box's 32 block scales (fp32) in 128 bytes, the room padded to 1024; sf_tx the
+    // scale bytes TMA brings
+    static constexpr int codes = WG * LEAN_CODES, sf = W8 ? 1024 : WG * LEAN_SF;
+    static constexpr int sf_tx = W8 ? 2 * WG * 128 : sf;
     static constexpr int bytes = codes + sf + (SPLIT ? 2 : 1) * part;
+    static_assert(sf_tx <= sf, "the scales in their room");
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
     // blocks an SM: 8-row tiles four (their launch bounds hold them to 96 registers a thread,
     // which four blocks of 160 threads allow; 16-row tiles spill there and take three), and as
@@ -120,6 +127,11 @@ __host__ __device__ inline int lean_out_col(bool gate_up, int nb, int warp, int 
 __host__ __device__ inline int lean_word_off(int b, int r, int c, int q) {
     return b * LEAN_BOX * 128 + r * 128 + (((2 * c + (q >> 1)) ^ (r & 7)) * 16) + 8 * (q & 1);
 }
+// FP8: byte offset in a stage of lane q's 16 bytes (a word a k16 step, fp8_pack_kernel's layout)
+// of 64-k chunk c (0, 1) of box b's row r: unit 4 c + q of the row, swizzled as above
+__host__ __device__ inline int lean_word8_off(int b, int r, int c, int q) {
+    return b * LEAN_BOX * 128 + r * 128 + (((4 * c + q) ^ (r & 7)) * 16);
+}
 // byte offset in an activation part of token row n's 16-byte chunk u (8 k) of the stage: atom
 // u / 8 (64 k), the 128-byte swizzle wgmma's descriptor reads
 template <int NT> __host__ __device__ inline int lean_act_off(int u, int n) {
@@ -139,7 +151,7 @@ struct lean_args {
     bf16 *h; // GATE_UP's output [n, N] (split: the lo parts h_lo elements on)
     int64_t h_lo;
     float *out;       // GEMM 2's output [T K, N], rows by pair
-    const float *ws2; // tensor scales [E, 3]
+    const float *ws2; // NVFP4's tensor scales [E, 3] (FP8: none)
     int Kd, N, topk, n_col_blocks, w_rows;
 };
 
@@ -203,17 +215,17 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
-                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense>::bound)
+                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense, W8>::bound)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
-    constexpr bool PIPE = lean_form<FORM>::pipe, PAIRS = lean_form<FORM>::pairs;
+    constexpr bool PIPE = lean_form<FORM>::pipe, PAIRS = lean_form<FORM>::pairs && !W8;
     constexpr int WG = lean_form<FORM>::wg;
-    typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense> L;
-    constexpr int S = L::stages, SB = L::bytes;
+    typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense, W8> L;
+    constexpr int S = L::stages, SB = L::bytes, BK = L::bk, KS = BK / 16; // k16 steps a stage
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -241,18 +253,22 @@ __launch_bounds__(lean_form<FORM>::threads,
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const int nk = a.Kd / LEAN_BK;
+    const int nk = a.Kd / BK;
 
     if (warp == 4 * WG) { // the producer
         auto weights = [&](int kt, int s) {
             if (lane == 0) {
                 const uint32_t st = smem0 + s * SB;
-                mbar_arrive_tx(full(s), L::codes + L::sf);
+                mbar_arrive_tx(full(s), L::codes + L::sf_tx);
 #pragma unroll
                 for (int b = 0; b < 2 * WG; b++) {
                     const int wr = lean_wrow(GATE_UP, b, e, a.w_rows, nb, a.N, WG);
                     tma_load_2d(st + b * LEAN_BOX * 128, &tq, kt * 128, wr, full(s));
-                    tma_load_2d(st + L::codes + b * LEAN_BOX * 16, &tsf, kt * 16, wr, full(s));
+                    if constexpr (W8) // the box's 32 scales of block kt: [E, nk, w_rows] fp32
+                        tma_load_2d(st + L::codes + b * 128, &tsf, (wr - e * a.w_rows) * 4,
+                                    e * nk + kt, full(s));
+                    else
+                        tma_load_2d(st + L::codes + b * LEAN_BOX * 16, &tsf, kt * 16, wr, full(s));
                 }
             }
         };
@@ -283,10 +299,10 @@ __launch_bounds__(lean_form<FORM>::threads,
             }
             const uint32_t act = smem0 + s * SB + L::codes + L::sf;
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const int u = lane / NT + (32 / NT) * j; // chunk of the stage's 256 k
+            for (int j = 0; j < NT * BK / 256; j++) {
+                const int u = lane / NT + (32 / NT) * j; // chunk of the stage's BK k
                 const uint32_t dst = act + lean_act_off<NT>(u, n);
-                const bf16 *p = src ? src + kt * LEAN_BK + u * 8 : a.act;
+                const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
 #pragma unroll
                 for (int part = 0; part < (SPLIT ? 2 : 1); part++)
                     cp_async16(dst + part * L::part, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
@@ -310,32 +326,66 @@ __launch_bounds__(lean_form<FORM>::threads,
     const int g = lane >> 2, q = lane & 3;
     const lean_rows ar = lean_a_rows(GATE_UP, warp, g);
     const int bg = ar.bg, rg = ar.rg, bh = ar.bh, rh = ar.rh;
-    float acc[NT / 2];
+    // acc: the running sums (FP8: of the stage's block of 128 k, folded into tot times their
+    // rows' block scales at its end, as the tiles do)
+    float acc[NT / 2], tot[W8 ? NT / 2 : 1];
 #pragma unroll
     for (int i = 0; i < NT / 2; i++)
         acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
+        tot[i] = 0.0f;
     int s = 0, ph = 0;
     for (int kt = 0; kt < nk; kt++) {
         mbar_wait(full(s), ph);
         const unsigned char *st = smem + s * SB;
-        uint2 wg[4], wh[4];
+        // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
+        // 16 bytes a chunk and row (2 chunks), a word a k16 step
+        uint2 wg[W8 ? 1 : 4], wh[W8 ? 1 : 4];
+        uint4 cg[W8 ? 2 : 1], chh[W8 ? 2 : 1];
+        uint32_t sgw[4] = {}, shw[4] = {};
+        if constexpr (W8) {
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            wg[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg, rg, c, q));
-            wh[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh, rh, c, q));
+            for (int c = 0; c < 2; c++) {
+                cg[c] = *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg, rg, c, q));
+                chh[c] = *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh, rh, c, q));
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                wg[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg, rg, c, q));
+                wh[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh, rh, c, q));
+            }
+            const uint4 sg =
+                *reinterpret_cast<const uint4 *>(st + L::codes + (bg * LEAN_BOX + rg) * 16);
+            const uint4 sh =
+                *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
+            sgw[0] = sg.x, sgw[1] = sg.y, sgw[2] = sg.z, sgw[3] = sg.w;
+            shw[0] = sh.x, shw[1] = sh.y, shw[2] = sh.z, shw[3] = sh.w;
         }
-        const uint4 sg =
-            *reinterpret_cast<const uint4 *>(st + L::codes + (bg * LEAN_BOX + rg) * 16);
-        const uint4 sh =
-            *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
-        const uint32_t sgw[4] = {sg.x, sg.y, sg.z, sg.w}, shw[4] = {sh.x, sh.y, sh.z, sh.w};
-        // k16 step k's A fragments: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale the
-        // half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives too)
+        // k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale
+        // the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives
+        // too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and multiplied by 2^120
         auto decode = [&](int k, uint32_t(&f)[4]) {
-            const int c = k / 4, jb = 2 * (k % 2);
-            const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
-            const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-            if constexpr (PAIRS) {
+            if constexpr (W8) {
+                constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
+                const uint4 &vg = cg[k / 4], &vh = chh[k / 4];
+                const uint32_t qg = k % 4 == 0   ? vg.x
+                                    : k % 4 == 1 ? vg.y
+                                    : k % 4 == 2 ? vg.z
+                                                 : vg.w;
+                const uint32_t qh = k % 4 == 0   ? vh.x
+                                    : k % 4 == 1 ? vh.y
+                                    : k % 4 == 2 ? vh.z
+                                                 : vh.w;
+                f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
+                f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
+                f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
+                f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
+            } else if constexpr (PAIRS) {
+                const int c = k / 4, jb = 2 * (k % 2);
+                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
                 const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
                 const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
                 f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
@@ -343,6 +393,9 @@ __launch_bounds__(lean_form<FORM>::threads,
                 f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
                 f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
             } else {
+                const int c = k / 4, jb = 2 * (k % 2);
+                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
                 const uint32_t ag = wq_scale2(sgw[c], k % 4), ah = wq_scale2(shw[c], k % 4);
                 f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
                 f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
@@ -358,16 +411,34 @@ __launch_bounds__(lean_form<FORM>::threads,
             lean_wgmma<NT>(acc, f, d);
             if constexpr (SPLIT) lean_wgmma<NT>(acc, f, d + (L::part >> 4));
         };
+        // the stage's end, every group retired: FP8 folds its block's sums into the totals times
+        // the rows' scales (acc[4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the next
+        // block's at zero; then the stage is released
+        auto release = [&]() {
+            if constexpr (W8) {
+                const float sg =
+                    *reinterpret_cast<const float *>(st + L::codes + bg * 128 + rg * 4);
+                const float sh =
+                    *reinterpret_cast<const float *>(st + L::codes + bh * 128 + rh * 4);
+#pragma unroll
+                for (int i = 0; i < NT / 2; i++) {
+                    tot[i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[i], tot[i]);
+                    acc[i] = 0.0f;
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
+        };
         if constexpr (PIPE) {
             // a 64-k chunk (4 steps) a group, two buffers: chunk c + 1 decodes while chunk c's
-            // products run. Chunks 2 and 3 rewrite a buffer once the group that read it has
-            // retired (at most one pending); its registers are kept live to there (lean_keep),
-            // so that the compiler gives them to nothing else meanwhile. The stage ends with
-            // every group retired, as the producer's delayed arrivals need: its stage kt + 1
-            // completes only once this stage is released.
+            // products run. Chunks 2 and 3 (NVFP4) rewrite a buffer once the group that read it
+            // has retired (at most one pending); its registers are kept live to there
+            // (lean_keep), so that the compiler gives them to nothing else meanwhile. The stage
+            // ends with every group retired, as the producer's delayed arrivals need: its stage
+            // kt + 1 completes only once this stage is released.
             uint32_t fr[2][4][4];
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
+            for (int c = 0; c < KS / 4; c++) {
                 uint32_t(&f)[4][4] = fr[c & 1];
                 if (c >= 2) {
                     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -385,28 +456,29 @@ __launch_bounds__(lean_form<FORM>::threads,
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             lean_keep(fr[0]);
             lean_keep(fr[1]);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(s));
+            release();
         } else {
-            uint32_t fr[16][4];
+            uint32_t fr[KS][4];
 #pragma unroll
-            for (int k = 0; k < 16; k++)
+            for (int k = 0; k < KS; k++)
                 decode(k, fr[k]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int k = 0; k < 16; k++)
+            for (int k = 0; k < KS; k++)
                 mma(k, fr[k]);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(s));
+            release();
         }
         if (++s == S) s = 0, ph ^= 1;
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
-    // acc[4 j + i]: n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8
+    // acc[4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8.
+    // NVFP4 multiplies the sums by the tensor scales; FP8 has none
     const int col = lean_out_col(GATE_UP, nb, warp, g, WG);
-    const float s0 = __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]), s1 = __ldg(&a.ws2[3 * e + 1]);
+    const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
+    const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
+    auto sum = [&](int i, float sc) { return W8 ? tot[i] : __fmul_rn(acc[i], sc); };
 #pragma unroll
     for (int j = 0; j < NT / 8; j++)
 #pragma unroll
@@ -414,8 +486,7 @@ __launch_bounds__(lean_form<FORM>::threads,
             const int r = 8 * j + 2 * q + i;
             if (r >= rows) continue;
             if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of column col
-                const float gv = __fmul_rn(acc[4 * j + i], s0);
-                const float uv = __fmul_rn(acc[4 * j + 2 + i], s1);
+                const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
                 bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
                 if constexpr (SPLIT) {
                     const float v = __fmul_rn(silu(gv), uv);
@@ -427,8 +498,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                 }
             } else { // rows g and g + 8: columns col and col + 8
                 float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
-                dst[0] = __fmul_rn(acc[4 * j + i], s0);
-                dst[8] = __fmul_rn(acc[4 * j + 2 + i], s0);
+                dst[0] = sum(4 * j + i, s0);
+                dst[8] = sum(4 * j + 2 + i, s0);
             }
         }
 #else
@@ -436,23 +507,27 @@ __launch_bounds__(lean_form<FORM>::threads,
 #endif
 }
 
-static int g_lean = -1;
+static int g_lean = -1, g_lean8 = -1;
 
-// Test hook (tests/test_cuda_moe): the lean kernels as MOESERVE_NVFP4_LEAN=on says from now on
-// (0 off, 1 wherever they fit, 2 the sizes timed faster: the default), or back to the variable
-// (-1); returns the setting before.
+// Test hooks (tests/test_cuda_moe): the lean kernels as MOESERVE_NVFP4_LEAN=on (NVFP4) or
+// MOESERVE_FP8_LEAN=on (FP8) says from now on (0 off, 1 wherever they fit, 2 the sizes timed
+// faster), or back to the variable (-1); return the setting before.
 extern "C" int cuda_moe_w4_lean(int on) {
     const int old = g_lean;
     g_lean = on < 0 ? -1 : on;
     return old;
 }
+extern "C" int cuda_moe_w8_lean(int on) {
+    const int old = g_lean8;
+    g_lean8 = on < 0 ? -1 : on;
+    return old;
+}
 
-int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset): 0 off, 1 wherever the
-    // kernels fit, 2 where they were timed faster than the tiles
-    const int mode = cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean);
+// The rows of a tile by the switch's mode: 0 off, 1 wherever the kernels fit, 2 where they were
+// timed faster than the tiles (Kd: the multiple both GEMMs' k must be, a stage's k)
+static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool tiny, int Kd) {
     if ((mode != 1 && mode != 2) || !cuda_wgmma_device()) return 0;
-    if (D % LEAN_BK || F % LEAN_BK || E <= 0) return 0;
+    if (D % Kd || F % Kd || E <= 0) return 0;
     // tiles of twice the average pairs an expert, so that few experts take two (random routing:
     // 2 % of them at 4 an expert with 8 rows); 2: up to 8 an expert, and on the tiny path only
     // where the experts' bytes hide the prepare kernel (DeepSeek-V3's at T = 1, not
@@ -462,10 +537,23 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
     return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? 32 : 0;
 }
 
+int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
+    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset)
+    return lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E, D, F, tiny,
+                          LEAN_BK);
+}
+
+int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
+    // MOESERVE_FP8_LEAN (0 when unset: not yet timed against the tiles on a GPU)
+    return lean_tile_rows(cuda_env_count("MOESERVE_FP8_LEAN", 0, &g_lean8), n_pairs, E, D, F, tiny,
+                          LEAN_BK / 2);
+}
+
 // MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
-// the default, in four groups, each chunk's decode beside the products of the one before; 2 in
-// four groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
-// groups a register; 4 as 1 with those scales.
+// the default, in groups of a 64-k chunk, each chunk's decode beside the products of the one
+// before; 2 in those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and
+// the scales two groups a register; 4 as 1 with those scales. FP8 takes forms 0 to 2 of the same
+// setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
 static int g_lean_form = -1;
 static int lean_form_now() {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
@@ -480,11 +568,11 @@ extern "C" int cuda_moe_w4_lean_form(int form) {
     return old;
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
                         int max_tiles) {
-    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense> L;
-    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM>;
+    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense, W8> L;
+    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
@@ -492,32 +580,44 @@ static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lea
                     tsf, a);
 }
 
-template <bool SPLIT, int NT, int FORM>
+// the tensor maps of one GEMM's weights [E w_rows, Kd]: the codes in boxes of 32 rows x 128 bytes
+// (128-byte swizzle); NVFP4's scale bytes [E w_rows, Kd / 16] in boxes of 32 rows x 16 bytes,
+// FP8's block scales [E, Kd / 128, w_rows] fp32 in boxes of 32 scales of one block
+template <bool W8>
+static void lean_maps(CUtensorMap *q, CUtensorMap *sf, const uint8_t *codes, const uint8_t *scales,
+                      int E, int w_rows, int Kd) {
+    const int64_t n = (int64_t)E * w_rows;
+    *q = tma_map_rows(codes, n, W8 ? Kd : Kd / 2, LEAN_BOX);
+    *sf = W8 ? tma_map_rows(scales, (int64_t)E * (Kd / 128), (int64_t)w_rows * 4, 1, 128, true)
+             : tma_map_rows(scales, n, Kd / 16, LEAN_BOX, 16, true);
+}
+
+template <bool SPLIT, int NT, int FORM, bool W8>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
     constexpr int WG = lean_form<FORM>::wg;
-    // GEMM 1: gate_up [E 2F rows, D / 2 code bytes, D / 16 scale bytes]
-    const CUtensorMap q1 = tma_map_rows(gate_up_q, (int64_t)E * 2 * F, D / 2, LEAN_BOX);
-    const CUtensorMap s1 = tma_map_rows(gate_up_sf, (int64_t)E * 2 * F, D / 16, LEAN_BOX, 16, true);
+    CUtensorMap q, sf;
+    // GEMM 1: gate_up [E 2F rows, D]
+    lean_maps<W8>(&q, &sf, gate_up_q, gate_up_sf, E, 2 * F, D);
     a.Kd = D;
     a.N = F;
     a.w_rows = 2 * F;
     a.n_col_blocks = F / (WG * LEAN_BOX);
-    lean_launch<true, SPLIT, NT, FORM>(q1, s1, a, max_tiles);
-    // GEMM 2: down [E D rows, F / 2, F / 16], its activations h in grouped order
-    const CUtensorMap q2 = tma_map_rows(down_q, (int64_t)E * D, F / 2, LEAN_BOX);
-    const CUtensorMap s2 = tma_map_rows(down_sf, (int64_t)E * D, F / 16, LEAN_BOX, 16, true);
+    lean_launch<true, SPLIT, NT, FORM, W8>(q, sf, a, max_tiles);
+    // GEMM 2: down [E D rows, F], its activations h in grouped order
+    lean_maps<W8>(&q, &sf, down_q, down_sf, E, D, F);
     a.act = a.h;
     a.act_lo = a.h_lo;
     a.Kd = F;
     a.N = D;
     a.w_rows = D;
     a.n_col_blocks = D / (WG * 2 * LEAN_BOX);
-    lean_launch<false, SPLIT, NT, FORM>(q2, s2, a, max_tiles);
+    lean_launch<false, SPLIT, NT, FORM, W8>(q, sf, a, max_tiles);
 }
 
-void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
+template <bool W8>
+static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
                          const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
                          const uint8_t *gate_up_q, const uint8_t *gate_up_sf, const uint8_t *down_q,
                          const uint8_t *down_sf, const float *s2, int E, int D, int F,
@@ -538,21 +638,21 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) {
             constexpr int FORM = decltype(fm)::value;
-            split ? lean_both<true, NT, FORM>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf,
-                                              E, D, F)
-                  : lean_both<false, NT, FORM>(a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf,
-                                               E, D, F);
+            split ? lean_both<true, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
+                                                  down_sf, E, D, F)
+                  : lean_both<false, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
+                                                   down_sf, E, D, F);
         };
         if (form == 0)
             go(std::integral_constant<int, 0>());
-        else if (form == 1)
-            go(std::integral_constant<int, 1>());
         else if (form == 2)
             go(std::integral_constant<int, 2>());
         else if (form == 3)
-            go(std::integral_constant<int, 3>());
+            go(std::integral_constant < int, W8 ? 1 : 3 > ());
+        else if (form == 4)
+            go(std::integral_constant < int, W8 ? 1 : 4 > ());
         else
-            go(std::integral_constant<int, 4>());
+            go(std::integral_constant<int, 1>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
@@ -560,6 +660,25 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         both(std::integral_constant<int, 16>());
     else
         both(std::integral_constant<int, 32>());
+}
+
+void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
+                         const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
+                         const uint8_t *gate_up_q, const uint8_t *gate_up_sf, const uint8_t *down_q,
+                         const uint8_t *down_sf, const float *s2, int E, int D, int F,
+                         int64_t n_pairs, int rows, bool split, bf16 *h) {
+    lean_experts<false>(out, xb, xb_lo, pairs, tiles, n_tiles, max_tiles, K, gate_up_q, gate_up_sf,
+                        down_q, down_sf, s2, E, D, F, n_pairs, rows, split, h);
+}
+
+void moe_lean_w8_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
+                         const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
+                         const uint8_t *gate_up_q, const float *gate_up_s, const uint8_t *down_q,
+                         const float *down_s, int E, int D, int F, int64_t n_pairs, int rows,
+                         bool split, bf16 *h) {
+    lean_experts<true>(out, xb, xb_lo, pairs, tiles, n_tiles, max_tiles, K, gate_up_q,
+                       (const uint8_t *)gate_up_s, down_q, (const uint8_t *)down_s, nullptr, E, D,
+                       F, n_pairs, rows, split, h);
 }
 
 // ---- the host check: the kernels' places, emulated without a device ----
@@ -580,16 +699,15 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
 #include <cstring>
 #include <vector>
 
-#include "kernels/quant.h"
-
 namespace {
 
 struct lean_problem {
     int E = 2, D = 512, F = 256, T = 0;
+    bool w8 = false;                               // FP8 weights (else NVFP4)
     std::vector<uint8_t> gu_q, gu_sf, dn_q, dn_sf; // packed as the device holds them
+    std::vector<float> gu_sc, dn_sc;               // FP8: block scales [E, Kd / 128, w_rows]
     std::vector<float> gu_w, dn_w;                 // dequantized, no tensor scale
-    std::vector<float> s2;                         // [E, 3]
-    std::vector<float> x;                          // [T, D]
+    std::vector<float> s2;                         // [E, 3] (FP8: ones)
 };
 
 uint32_t lean_rng = 2463534242u;
@@ -630,6 +748,34 @@ void lean_matrix(int rows, int K, std::vector<uint8_t> &q, std::vector<uint8_t> 
         }
 }
 
+// FP8: E experts' w_rows x K random E4M3 codes (no NaN) packed as fp8_pack_kernel does
+// (fp8_w8_pack64), random block scales a row and 128 k ([E, K / 128, w_rows]), dequantized
+void lean_matrix8(int E, int w_rows, int K, std::vector<uint8_t> &q, std::vector<float> &sc,
+                  std::vector<float> &w) {
+    const int rows = E * w_rows, nkb = K / 128;
+    q.assign((size_t)rows * K, 0);
+    sc.assign((size_t)E * nkb * w_rows, 0.0f);
+    w.assign((size_t)rows * K, 0.0f);
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nkb; kb++)
+            sc[((size_t)(r / w_rows) * nkb + kb) * w_rows + r % w_rows] =
+                ldexpf(1.0f + (float)(lean_rand() % 64) / 64.0f, (int)(lean_rand() % 9) - 12);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < K / 64; c++) {
+            uint8_t in[64];
+            for (int k = 0; k < 64; k++) {
+                uint8_t b = (uint8_t)lean_rand();
+                if ((b & 0x7f) == 0x7f) b ^= 1; // not NaN
+                in[k] = b;
+                const int kk = c * 64 + k;
+                w[(size_t)r * K + kk] =
+                    fp8_e4m3_to_float(b) *
+                    sc[((size_t)(r / w_rows) * nkb + kk / 128) * w_rows + r % w_rows];
+            }
+            fp8_w8_pack64(&q[(size_t)r * K + c * 64], in);
+        }
+}
+
 float lean_bf16(float v) { // round to nearest even
     uint32_t u;
     memcpy(&u, &v, 4);
@@ -651,15 +797,19 @@ uint16_t lean_to_bits(float v) {
 float lean_silu(float g) { return g / (1.0f + expf(-g)); }
 
 // one GEMM's every block on the host: act [rows, Kd] (BF16 values; split: act_lo too), weights
-// q / sf [E w_rows, Kd / 2 | Kd / 16], expert e's tile of `rows` rows; y [rows, N] (GEMM 1: h's
-// fp32 values before rounding, from the gate and up rows; GEMM 2: out)
-template <int NT, bool SPLIT, int WG>
+// q [E w_rows, Kd / 2 | Kd] with NVFP4's scale bytes sf [E w_rows, Kd / 16] or FP8's block scales
+// sc [E, Kd / 128, w_rows], expert e's tile of `rows` rows; y [rows, N] (GEMM 1: h's fp32 values
+// before rounding, from the gate and up rows; GEMM 2: out)
+template <int NT, bool SPLIT, int WG, bool W8>
 void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector<float> &act_lo,
-                  int rows, const std::vector<uint8_t> &q, const std::vector<uint8_t> &sf, int e,
-                  int w_rows, int Kd, int N, const float *s2e, std::vector<double> &y) {
-    typedef lean_stage<NT, SPLIT, WG> L;
+                  int rows, const std::vector<uint8_t> &q, const std::vector<uint8_t> &sf,
+                  const std::vector<float> &sc, int e, int w_rows, int Kd, int N, const float *s2e,
+                  std::vector<double> &y) {
+    typedef lean_stage<NT, SPLIT, WG, false, W8> L;
+    constexpr int BK = L::bk, KS = BK / 16;
+    const int64_t row_bytes = W8 ? Kd : Kd / 2;
     std::vector<uint8_t> st(L::bytes);
-    const int nk = Kd / LEAN_BK, ncb = gate_up ? N / (WG * LEAN_BOX) : N / (WG * 2 * LEAN_BOX);
+    const int nk = Kd / BK, ncb = gate_up ? N / (WG * LEAN_BOX) : N / (WG * 2 * LEAN_BOX);
     y.assign((size_t)rows * N, 0.0);
     for (int nb = 0; nb < ncb; nb++) {
         std::vector<double> acc(64 * WG * NT, 0.0); // [A row of the block][token]
@@ -671,40 +821,61 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                     for (int i = 0; i < 128; i++) {
                         const int l = r * 128 + i; // the box's 128-byte swizzle
                         st[b * LEAN_BOX * 128 + (l ^ (((l >> 7) & 7) << 4))] =
-                            q[(size_t)(wr + r) * (Kd / 2) + kt * 128 + i];
+                            q[(size_t)(wr + r) * row_bytes + kt * 128 + i];
                     }
                 for (int r = 0; r < LEAN_BOX; r++)
-                    memcpy(&st[L::codes + (b * LEAN_BOX + r) * 16],
-                           &sf[(size_t)(wr + r) * (Kd / 16) + kt * 16], 16);
+                    if (W8) // block kt's scales of the box's rows, in a row of the map
+                        memcpy(&st[L::codes + b * 128 + r * 4],
+                               &sc[((size_t)e * nk + kt) * w_rows + (wr - e * w_rows) + r], 4);
+                    else
+                        memcpy(&st[L::codes + (b * LEAN_BOX + r) * 16],
+                               &sf[(size_t)(wr + r) * (Kd / 16) + kt * 16], 16);
             }
             for (int part = 0; part < (SPLIT ? 2 : 1); part++) // the producer's copies
                 for (int n = 0; n < rows; n++)
-                    for (int u = 0; u < 32; u++)
+                    for (int u = 0; u < BK / 8; u++)
                         for (int i = 0; i < 8; i++) {
                             const std::vector<float> &src = part ? act_lo : act;
                             const uint16_t bits =
-                                lean_to_bits(src[(size_t)n * Kd + kt * LEAN_BK + u * 8 + i]);
+                                lean_to_bits(src[(size_t)n * Kd + kt * BK + u * 8 + i]);
                             memcpy(&st[L::codes + L::sf + part * L::part + lean_act_off<NT>(u, n) +
                                        2 * i],
                                    &bits, 2);
                         }
-            // A: every thread's fragments, as values
-            std::vector<double> A((size_t)64 * WG * LEAN_BK);
+            // A: every thread's fragments, as values; FP8: each A row's block scale
+            std::vector<double> A((size_t)64 * WG * BK), rsc(64 * WG, 1.0);
             for (int warp = 0; warp < 4 * WG; warp++)
                 for (int lane = 0; lane < 32; lane++) {
                     const int g = lane >> 2, qq = lane & 3;
                     const lean_rows ar = lean_a_rows(gate_up, warp, g);
-                    for (int k = 0; k < 16; k++) {
+                    for (int k = 0; k < KS; k++) {
                         const int c = k / 4, jb = 2 * (k % 2);
                         for (int half = 0; half < 2; half++) { // rows g, g + 8
                             const int b = half ? ar.bh : ar.bg, r = half ? ar.rh : ar.rg;
+                            const int arow = 16 * warp + g + 8 * half;
+                            if (W8) {
+                                uint32_t word;
+                                memcpy(&word, &st[lean_word8_off(b, r, c, qq) + 4 * (k % 4)], 4);
+                                float s;
+                                memcpy(&s, &st[L::codes + b * 128 + r * 4], 4);
+                                rsc[arow] = s;
+                                for (int j = 0; j < 2; j++) { // a0 / a1: j = 0; a2 / a3: 1
+                                    const uint32_t d = fp8_w8_decode(word, j);
+                                    for (int h = 0; h < 2; h++) {
+                                        const float v = lean_bf16_bits((uint16_t)(d >> (16 * h)));
+                                        const int kk = k * 16 + 2 * qq + h + 8 * j;
+                                        A[(size_t)arow * BK + kk] = ldexp((double)v, 120);
+                                    }
+                                }
+                                continue;
+                            }
                             uint32_t wp[2];
                             memcpy(wp, &st[lean_word_off(b, r, c, qq)], 8);
                             const uint32_t word = (k % 4) < 2 ? wp[0] : wp[1];
                             const uint8_t scb = st[L::codes + (b * LEAN_BOX + r) * 16 + k];
                             const uint32_t sbits = (((uint32_t)scb << 4) + WQ_SF_BIAS) << 16;
-                            float sc;
-                            memcpy(&sc, &sbits, 4);
+                            float scale;
+                            memcpy(&scale, &sbits, 4);
                             for (int j = jb; j < jb + 2; j++) { // a0 / a1: j = jb; a2 / a3: jb + 1
                                 const int rm = wq_rot(j, false), rs = wq_rot(j, true);
                                 auto rotl = [](uint32_t v, int rr) {
@@ -715,16 +886,17 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                                 for (int h = 0; h < 2; h++) {
                                     const float v = lean_bf16_bits((uint16_t)(d >> (16 * h)));
                                     const int kk = k * 16 + 2 * qq + h + (j == jb ? 0 : 8);
-                                    A[(size_t)(16 * warp + g + 8 * half) * LEAN_BK + kk] =
-                                        (double)v * sc; // code 2^-126 x scale 2^119
+                                    A[(size_t)arow * BK + kk] =
+                                        (double)v * scale; // code 2^-126 x scale 2^119
                                 }
                             }
                         }
                     }
                 }
-            // the products, B as the descriptor reads it
+            // the products, B as the descriptor reads it; FP8: the stage's block times its rows'
+            // scales
             for (int part = 0; part < (SPLIT ? 2 : 1); part++)
-                for (int k = 0; k < 16; k++)
+                for (int k = 0; k < KS; k++)
                     for (int row = 0; row < 64 * WG; row++)
                         for (int n = 0; n < NT; n++) {
                             double sum = 0.0;
@@ -736,18 +908,18 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                                        &st[L::codes + L::sf + part * L::part +
                                            (l ^ (((l >> 7) & 7) << 4))],
                                        2);
-                                sum +=
-                                    A[(size_t)row * LEAN_BK + k * 16 + kk] * lean_bf16_bits(bits);
+                                sum += A[(size_t)row * BK + k * 16 + kk] * lean_bf16_bits(bits);
                             }
-                            acc[row * NT + n] += sum;
+                            acc[row * NT + n] += sum * rsc[row];
                         }
         }
-        // the epilogues' places
+        // the epilogues' places (NVFP4's sums are the values x 2^-7)
+        const double f = W8 ? 1.0 : 0x1p7;
         for (int warp = 0; warp < 4 * WG; warp++)
             for (int g = 0; g < 8; g++)
                 for (int n = 0; n < rows; n++) {
-                    const double lo = acc[(16 * warp + g) * NT + n] * 0x1p7,
-                                 hi = acc[(16 * warp + g + 8) * NT + n] * 0x1p7;
+                    const double lo = acc[(16 * warp + g) * NT + n] * f,
+                                 hi = acc[(16 * warp + g + 8) * NT + n] * f;
                     const int col = lean_out_col(gate_up, nb, warp, g, WG);
                     if (gate_up) {
                         const float gv = (float)(lo * s2e[0]), uv = (float)(hi * s2e[1]);
@@ -770,7 +942,7 @@ double lean_rel(const std::vector<double> &a, const std::vector<double> &b) {
     return den > 0.0 ? num / den : num;
 }
 
-template <int NT, bool SPLIT, int WG> double lean_check_one(lean_problem &p) {
+template <int NT, bool SPLIT, int WG, bool W8> double lean_check_one(lean_problem &p) {
     const int rows = NT - 1, D = p.D, F = p.F;
     double worst = 0.0;
     for (int e = 0; e < p.E; e++) {
@@ -783,7 +955,8 @@ template <int NT, bool SPLIT, int WG> double lean_check_one(lean_problem &p) {
         }
         const float *s2e = &p.s2[3 * e];
         std::vector<double> h;
-        lean_emulate<NT, SPLIT, WG>(true, xh, xl, rows, p.gu_q, p.gu_sf, e, 2 * F, D, F, s2e, h);
+        lean_emulate<NT, SPLIT, WG, W8>(true, xh, xl, rows, p.gu_q, p.gu_sf, p.gu_sc, e, 2 * F, D,
+                                        F, s2e, h);
         std::vector<double> href((size_t)rows * F);
         for (int n = 0; n < rows; n++)
             for (int f = 0; f < F; f++) {
@@ -804,7 +977,8 @@ template <int NT, bool SPLIT, int WG> double lean_check_one(lean_problem &p) {
             hl[i] = SPLIT ? lean_bf16((float)h[i] - hh[i]) : 0.0f;
         }
         std::vector<double> o, oref((size_t)rows * D);
-        lean_emulate<NT, SPLIT, WG>(false, hh, hl, rows, p.dn_q, p.dn_sf, e, D, F, D, s2e, o);
+        lean_emulate<NT, SPLIT, WG, W8>(false, hh, hl, rows, p.dn_q, p.dn_sf, p.dn_sc, e, D, F, D,
+                                        s2e, o);
         for (int n = 0; n < rows; n++)
             for (int d = 0; d < D; d++) {
                 double sum = 0.0;
@@ -824,32 +998,47 @@ template <int NT, bool SPLIT, int WG> double lean_check_one(lean_problem &p) {
 // the reference too: what differs is float's rounding of the gate and up sums); else -1 with the
 // case in msg.
 extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
-    lean_problem p;
-    lean_matrix(p.E * 2 * p.F, p.D, p.gu_q, p.gu_sf, p.gu_w);
-    lean_matrix(p.E * p.D, p.F, p.dn_q, p.dn_sf, p.dn_w);
-    p.s2.resize((size_t)3 * p.E);
-    for (auto &v : p.s2)
-        v = 0.5f + (float)(lean_rand() % 100) / 100.0f;
-    // one consumer warpgroup (forms 0 and 1: the same places), then two (form 2)
-    const double w[12] = {lean_check_one<8, false, 1>(p),  lean_check_one<8, true, 1>(p),
-                          lean_check_one<16, false, 1>(p), lean_check_one<16, true, 1>(p),
-                          lean_check_one<32, false, 1>(p), lean_check_one<32, true, 1>(p),
-                          lean_check_one<8, false, 2>(p),  lean_check_one<8, true, 2>(p),
-                          lean_check_one<16, false, 2>(p), lean_check_one<16, true, 2>(p),
-                          lean_check_one<32, false, 2>(p), lean_check_one<32, true, 2>(p)};
     double worst = 0.0;
-    for (int i = 0; i < 12; i++) {
-        if (!(w[i] < 1e-5)) {
-            snprintf(msg, n, "lean kernels emulated, %d rows, %s, %d warpgroup%s: max rel err %.3g",
-                     8 << (i % 6 / 2), i % 2 ? "high" : "medium", i / 6 + 1, i / 6 ? "s" : "",
-                     w[i]);
-            return -1;
+    for (int w8 = 0; w8 < 2; w8++) { // NVFP4, then FP8
+        lean_problem p;
+        p.w8 = w8;
+        if (w8) {
+            lean_matrix8(p.E, 2 * p.F, p.D, p.gu_q, p.gu_sc, p.gu_w);
+            lean_matrix8(p.E, p.D, p.F, p.dn_q, p.dn_sc, p.dn_w);
+        } else {
+            lean_matrix(p.E * 2 * p.F, p.D, p.gu_q, p.gu_sf, p.gu_w);
+            lean_matrix(p.E * p.D, p.F, p.dn_q, p.dn_sf, p.dn_w);
         }
-        worst = std::max(worst, w[i]);
+        p.s2.resize((size_t)3 * p.E);
+        for (auto &v : p.s2)
+            v = w8 ? 1.0f : 0.5f + (float)(lean_rand() % 100) / 100.0f;
+        // one consumer warpgroup (forms 0 and 1: the same places), then two (form 2)
+        auto all = [&](auto f8) {
+            constexpr bool W8 = decltype(f8)::value;
+            return std::vector<double>{
+                lean_check_one<8, false, 1, W8>(p),  lean_check_one<8, true, 1, W8>(p),
+                lean_check_one<16, false, 1, W8>(p), lean_check_one<16, true, 1, W8>(p),
+                lean_check_one<32, false, 1, W8>(p), lean_check_one<32, true, 1, W8>(p),
+                lean_check_one<8, false, 2, W8>(p),  lean_check_one<8, true, 2, W8>(p),
+                lean_check_one<16, false, 2, W8>(p), lean_check_one<16, true, 2, W8>(p),
+                lean_check_one<32, false, 2, W8>(p), lean_check_one<32, true, 2, W8>(p)};
+        };
+        const std::vector<double> w = w8 ? all(std::true_type()) : all(std::false_type());
+        for (int i = 0; i < 12; i++) {
+            if (!(w[i] < 1e-5)) {
+                snprintf(msg, n,
+                         "lean kernels emulated, %s, %d rows, %s, %d warpgroup%s: max rel err %.3g",
+                         w8 ? "FP8" : "NVFP4", 8 << (i % 6 / 2), i % 2 ? "high" : "medium",
+                         i / 6 + 1, i / 6 ? "s" : "", w[i]);
+                return -1;
+            }
+            worst = std::max(worst, w[i]);
+        }
     }
-    snprintf(msg, n,
-             "lean kernels emulated (8, 16 and 32 rows, medium and high, one and two "
-             "warpgroups): max rel err %.2g",
-             worst);
+    snprintf(
+        msg, n,
+        "lean kernels emulated (NVFP4 and FP8; 8, 16 and 32 rows, medium and high, one and two "
+        "warpgroups): max rel err %.2g",
+        worst);
     return 0;
 }

@@ -32,4 +32,17 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          const uint8_t *down_sf, const float *s2, int E, int D, int F,
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
+// The same for FP8 experts (E4M3 codes in fp8_pack_kernel's layout, fp32 scales a 128 x 128
+// block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (0, off, when unset), D and F multiples of
+// 128.
+int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
+
+// moe_lean_w4_experts for FP8 experts as cuda_prepare_experts_fp8 leaves them: each 128-k block's
+// sums folded into the totals times its rows' scale, as the tiles do; no tensor scales.
+void moe_lean_w8_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, const int32_t *pairs,
+                         const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
+                         const uint8_t *gate_up_q, const float *gate_up_s, const uint8_t *down_q,
+                         const float *down_s, int E, int D, int F, int64_t n_pairs, int rows,
+                         bool split, __nv_bfloat16 *h);
+
 #endif
