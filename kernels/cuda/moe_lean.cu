@@ -478,7 +478,12 @@ __launch_bounds__(lean_form<FORM>::threads,
     const int col = lean_out_col(GATE_UP, nb, warp, g, WG);
     const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
     const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
-    auto sum = [&](int i, float sc) { return W8 ? tot[i] : __fmul_rn(acc[i], sc); };
+    auto sum = [&](int i, float sc) {
+        if constexpr (W8)
+            return tot[i];
+        else
+            return __fmul_rn(acc[i], sc);
+    };
 #pragma unroll
     for (int j = 0; j < NT / 8; j++)
 #pragma unroll
