@@ -1406,7 +1406,7 @@ int cuda_moe_w4_wgmma_min(int pairs);
  * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: 2 unless set); returns the
  * setting before */
 int cuda_moe_w4_lean(int on);
-/* the same for their form (0 to 5; -1: MOESERVE_NVFP4_LEAN_FORM, 1 unless set) */
+/* the same for their form (0 to 4; -1: MOESERVE_NVFP4_LEAN_FORM, 1 unless set) */
 int cuda_moe_w4_lean_form(int form);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
@@ -1452,13 +1452,13 @@ int cuda_moe_lean_host_check(char *msg, size_t n);
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
- * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' six
+ * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' five
  * forms. */
 static void test_nvfp4_lean(void) {
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         const int old = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(0);
-        for (int form = 0; form <= 5; form++) {
+        for (int form = 0; form <= 4; form++) {
             /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and
              * 10 an expert); 2: of 16 at T = 24 (6), the tiles at T = 64 */
             cuda_moe_w4_lean_form(form);
@@ -1601,8 +1601,8 @@ int cuda_moe_w8_lean(int on);
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
- * NVFP4's: in forms 0 to 2 and 5 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a
- * multiple of 128, not of 256). */
+ * NVFP4's: in forms 0 to 2 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a multiple of
+ * 128, not of 256). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
@@ -1612,9 +1612,7 @@ static void test_fp8_lean(void) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             const int old = cuda_moe_w8_lean(1), old_form = cuda_moe_w4_lean_form(0);
-            static const int forms[] = {0, 1, 2, 5};
-            for (int fi = 0; fi < 4; fi++) {
-                const int form = forms[fi];
+            for (int form = 0; form <= 2; form++) {
                 cuda_moe_w4_lean_form(form);
                 cuda_moe_w8_lean(1);
                 printf("  on the lean kernels (MOESERVE_FP8_LEAN=1, form %d)\n", form);

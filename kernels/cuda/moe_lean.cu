@@ -29,15 +29,7 @@
 // tiles decode their B fragments. The k16 steps go in increasing k, each one m64nNTk16 wgmma on the
 // running sums (split: the hi part, then the lo part), as the tiles' one chain does: form 0 issues
 // a stage's 16 as one group after decoding them all, forms 1 and 2 as four groups of a 64-k chunk,
-// each chunk decoded while the one before runs; form 5 decodes the next stage's first chunk while
-// a stage's last groups run.
-// FP8 experts (W8) take the same kernels with a stage of 128 k, one block of the checkpoint's
-// scales: the codes are as many bytes a stage (lane q's 16 bytes of a row's 64-k chunk, a word a
-// k16 step in fp8_pack_kernel's layout, decoded by fp8_w8_decode and one bf16x2 product by 2^120,
-// as the tiles decode theirs), the scales a TMA box of the block's 32 fp32 scales a box of rows
-// ([E, Kd / 128, rows]); each block's sums start at zero and are folded into the totals times the
-// row's scale by __fmaf_rn at the stage's end, as the tiles fold them. Written and emulated on the
-// host (cuda_moe_lean_host_check), not yet run on a GPU: off unless MOESERVE_FP8_LEAN is set.
+// each chunk decoded while the one before runs.
 // The epilogues are the tiles': the tensor scales by __fmul_rn, silu(gate) x up rounded to BF16
 // (split: hi and lo), GEMM 2's rows in fp32 to out by pair.
 #include "kernels/cuda/moe_lean.h"
@@ -60,14 +52,12 @@ typedef __nv_bfloat16 bf16;
 // The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
 // stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense)
-// and the scales two groups a register (pairs); 4 as 1 with the pairs; 5 as 1 with the next
-// stage's first chunk decoded while the stage's last groups run (cross).
+// and the scales two groups a register (pairs); 4 as 1 with the pairs.
 template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
     static constexpr int wg = FORM == 2 ? 2 : 1;
     static constexpr bool dense = FORM == 3;
-    static constexpr bool pairs = FORM == 3 || FORM == 4; // the scales two groups a register
-    static constexpr bool cross = FORM == 5;
+    static constexpr bool pairs = FORM >= 3; // the scales two groups a register
     static constexpr int threads = 128 * wg + 32;
 };
 
@@ -236,10 +226,6 @@ __launch_bounds__(lean_form<FORM>::threads,
     constexpr int WG = lean_form<FORM>::wg;
     typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense, W8> L;
     constexpr int S = L::stages, SB = L::bytes, BK = L::bk, KS = BK / 16; // k16 steps a stage
-    // CROSS: a consumer waits for stage kt + 1 before it releases stage kt, so the producer must
-    // complete a stage without waiting for the release before it (LAG below); with two stages
-    // that would leave it no copies in flight, so those kernels run as form 1
-    constexpr bool CROSS = lean_form<FORM>::cross && S >= 3;
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -304,8 +290,7 @@ __launch_bounds__(lean_form<FORM>::threads,
         // (the async proxy: a proxy fence once it has landed) and arrives for the stage LAG
         // stages later, so that its waits never hold back the stages in flight; LAG = S - 1
         // keeps the producer from waiting on a stage the consumers still need it to arrive for
-        // (CROSS: S - 2, since the consumers wait for stage kt + 1 before they release stage kt)
-        constexpr int LAG = CROSS ? S - 2 : S - 1;
+        constexpr int LAG = S - 1;
         int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             if (kt >= pre) {
@@ -350,17 +335,15 @@ __launch_bounds__(lean_form<FORM>::threads,
 #pragma unroll
     for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
         tot[i] = 0.0f;
-    // the stage's words: NVFP4 a word pair a 64-k chunk and row (4 chunks), the rows' group scale
-    // bytes; FP8 16 bytes a chunk and row (2 chunks), a word a k16 step
-    struct words {
+    int s = 0, ph = 0;
+    for (int kt = 0; kt < nk; kt++) {
+        mbar_wait(full(s), ph);
+        const unsigned char *st = smem + s * SB;
+        // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
+        // 16 bytes a chunk and row (2 chunks), a word a k16 step
         uint2 wg[W8 ? 1 : 4], wh[W8 ? 1 : 4];
         uint4 cg[W8 ? 2 : 1], chh[W8 ? 2 : 1];
         uint32_t sgw[4] = {}, shw[4] = {};
-    };
-    auto load_words = [&](words &w, const unsigned char *st) {
-        auto &wg = w.wg, &wh = w.wh;
-        auto &cg = w.cg, &chh = w.chh;
-        auto &sgw = w.sgw, &shw = w.shw;
         if constexpr (W8) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
@@ -380,68 +363,46 @@ __launch_bounds__(lean_form<FORM>::threads,
             sgw[0] = sg.x, sgw[1] = sg.y, sgw[2] = sg.z, sgw[3] = sg.w;
             shw[0] = sh.x, shw[1] = sh.y, shw[2] = sh.z, shw[3] = sh.w;
         }
-    };
-    // k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale the
-    // half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives too). FP8:
-    // chunk k / 4, word k % 4, decoded to e4m3 2^-120 and multiplied by 2^120
-    auto decode = [&](const words &w, int k, uint32_t(&f)[4]) {
-        const auto &wg = w.wg, &wh = w.wh;
-        const auto &cg = w.cg, &chh = w.chh;
-        const auto &sgw = w.sgw, &shw = w.shw;
-        if constexpr (W8) {
-            constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
-            const uint4 &vg = cg[k / 4], &vh = chh[k / 4];
-            const uint32_t qg = k % 4 == 0 ? vg.x : k % 4 == 1 ? vg.y : k % 4 == 2 ? vg.z : vg.w;
-            const uint32_t qh = k % 4 == 0 ? vh.x : k % 4 == 1 ? vh.y : k % 4 == 2 ? vh.z : vh.w;
-            f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
-            f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
-            f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
-            f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
-        } else if constexpr (PAIRS) {
-            const int c = k / 4, jb = 2 * (k % 2);
-            const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
-            const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-            const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
-            const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
-            f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
-            f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
-            f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
-            f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
-        } else {
-            const int c = k / 4, jb = 2 * (k % 2);
-            const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
-            const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-            const uint32_t ag = wq_scale2(sgw[c], k % 4), ah = wq_scale2(shw[c], k % 4);
-            f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
-            f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
-            f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
-            f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
-        }
-    };
-    // PIPE: a 64-k chunk (4 steps) a group, two buffers: chunk c + 1 decodes while chunk c's
-    // products run. Chunks 2 and 3 (NVFP4) rewrite a buffer once the group that read it has
-    // retired (at most one pending); its registers are kept live to there (lean_keep), so that the
-    // compiler gives them to nothing else meanwhile. A stage ends with every group retired, as the
-    // producer's delayed arrivals need. CROSS: the next stage's first chunk is decoded into its
-    // buffer while the stage's last group runs (the stage's words are all decoded by then)
-    uint32_t frx[2][4][4]; // CROSS: the buffers carried from one stage to the next
-    words wx;              // and the words
-    int s = 0, ph = 0;
-    if constexpr (CROSS) {
-        mbar_wait(full(0), 0);
-        load_words(wx, smem);
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            decode(wx, i, frx[0][i]);
-    }
-    for (int kt = 0; kt < nk; kt++) {
-        words wl;
-        words &w = CROSS ? wx : wl;
-        if constexpr (!CROSS) {
-            mbar_wait(full(s), ph);
-            load_words(w, smem + s * SB);
-        }
-        const unsigned char *st = smem + s * SB;
+        // k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale
+        // the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives
+        // too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and multiplied by 2^120
+        auto decode = [&](int k, uint32_t(&f)[4]) {
+            if constexpr (W8) {
+                constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
+                const uint4 &vg = cg[k / 4], &vh = chh[k / 4];
+                const uint32_t qg = k % 4 == 0   ? vg.x
+                                    : k % 4 == 1 ? vg.y
+                                    : k % 4 == 2 ? vg.z
+                                                 : vg.w;
+                const uint32_t qh = k % 4 == 0   ? vh.x
+                                    : k % 4 == 1 ? vh.y
+                                    : k % 4 == 2 ? vh.z
+                                                 : vh.w;
+                f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
+                f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
+                f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
+                f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
+            } else if constexpr (PAIRS) {
+                const int c = k / 4, jb = 2 * (k % 2);
+                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
+                const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
+                const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
+                f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
+                f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
+                f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
+                f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
+            } else {
+                const int c = k / 4, jb = 2 * (k % 2);
+                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
+                const uint32_t ag = wq_scale2(sgw[c], k % 4), ah = wq_scale2(shw[c], k % 4);
+                f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
+                f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
+                f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
+                f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
+            }
+        };
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
         const uint64_t d0 = wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
@@ -469,51 +430,42 @@ __launch_bounds__(lean_form<FORM>::threads,
             if (lane == 0) mbar_arrive(empty(s));
         };
         if constexpr (PIPE) {
-            uint32_t frl[2][4][4];
-            uint32_t(&fr)[2][4][4] = CROSS ? frx : frl;
+            // a 64-k chunk (4 steps) a group, two buffers: chunk c + 1 decodes while chunk c's
+            // products run. Chunks 2 and 3 (NVFP4) rewrite a buffer once the group that read it
+            // has retired (at most one pending); its registers are kept live to there
+            // (lean_keep), so that the compiler gives them to nothing else meanwhile. The stage
+            // ends with every group retired, as the producer's delayed arrivals need: its stage
+            // kt + 1 completes only once this stage is released.
+            uint32_t fr[2][4][4];
 #pragma unroll
             for (int c = 0; c < KS / 4; c++) {
                 uint32_t(&f)[4][4] = fr[c & 1];
-                if (!CROSS || c > 0) { // (CROSS: chunk 0 decoded already)
-                    if (c >= 2) {
-                        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                        lean_keep(f);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        decode(w, 4 * c + i, f[i]);
+                if (c >= 2) {
+                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                    lean_keep(f);
                 }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    decode(4 * c + i, f[i]);
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
                 for (int i = 0; i < 4; i++)
                     mma(4 * c + i, f[i]);
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             }
-            if constexpr (CROSS) {
-                if (kt + 1 < nk) { // the producer completes stage kt + 1 without this release
-                    const int s1 = s + 1 == S ? 0 : s + 1, ph1 = s + 1 == S ? ph ^ 1 : ph;
-                    mbar_wait(full(s1), ph1);
-                    load_words(w, smem + s1 * SB);
-                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                    lean_keep(fr[0]);
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        decode(w, i, fr[0][i]);
-                }
-            }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             lean_keep(fr[0]);
             lean_keep(fr[1]);
             release();
         } else {
-            uint32_t fk[KS][4];
+            uint32_t fr[KS][4];
 #pragma unroll
             for (int k = 0; k < KS; k++)
-                decode(w, k, fk[k]);
+                decode(k, fr[k]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int k = 0; k < KS; k++)
-                mma(k, fk[k]);
+                mma(k, fr[k]);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release();
@@ -605,16 +557,15 @@ int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
 // MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
 // the default, in groups of a 64-k chunk, each chunk's decode beside the products of the one
 // before; 2 in those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and
-// the scales two groups a register; 4 as 1 with those scales; 5 as 1 with the next stage's first
-// chunk decoded while the stage's last groups run (kernels of two stages: as 1). FP8 takes forms
-// 0 to 2 and 5 of the same setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
+// the scales two groups a register; 4 as 1 with those scales. FP8 takes forms 0 to 2 of the same
+// setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
 static int g_lean_form = -1;
 static int lean_form_now() {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
-    return f <= 5 ? f : 1;
+    return f <= 4 ? f : 1;
 }
 
-// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 5), or back to
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 4), or back to
 // MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
     const int old = g_lean_form;
@@ -688,8 +639,6 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     a.ws2 = s2;
     a.topk = K;
     const int form = lean_form_now();
-    // FP8 runs NVFP4's forms with the scale pairs (3, 4) as form 1
-    constexpr auto q_form = [](int f) { return W8 && (f == 3 || f == 4) ? 1 : f; };
     auto both = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) {
@@ -704,11 +653,9 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         else if (form == 2)
             go(std::integral_constant<int, 2>());
         else if (form == 3)
-            go(std::integral_constant<int, q_form(3)>());
+            go(std::integral_constant < int, W8 ? 1 : 3 > ());
         else if (form == 4)
-            go(std::integral_constant<int, q_form(4)>());
-        else if (form == 5)
-            go(std::integral_constant<int, 5>());
+            go(std::integral_constant < int, W8 ? 1 : 4 > ());
         else
             go(std::integral_constant<int, 1>());
     };
@@ -1070,7 +1017,7 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
         p.s2.resize((size_t)3 * p.E);
         for (auto &v : p.s2)
             v = w8 ? 1.0f : 0.5f + (float)(lean_rand() % 100) / 100.0f;
-        // one consumer warpgroup (forms 0, 1, 3 to 5: the same places), then two (form 2)
+        // one consumer warpgroup (forms 0 and 1: the same places), then two (form 2)
         auto all = [&](auto f8) {
             constexpr bool W8 = decltype(f8)::value;
             return std::vector<double>{
