@@ -1406,7 +1406,7 @@ int cuda_moe_w4_wgmma_min(int pairs);
  * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: 2 unless set); returns the
  * setting before */
 int cuda_moe_w4_lean(int on);
-/* the same for their form (0 to 4; -1: MOESERVE_NVFP4_LEAN_FORM, 1 unless set) */
+/* the same for their form (0 to 4; -1: MOESERVE_NVFP4_LEAN_FORM, 4 unless set) */
 int cuda_moe_w4_lean_form(int form);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
@@ -1596,7 +1596,7 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
 /* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
  * (the tiny path against the grouped one, every tile shape), partial 128-k blocks, bad input
  * refused; with full (the --fp8 run) also Qwen3-30B-A3B's shape, checked and timed. */
-/* the same file: the FP8 experts' lean kernels (MOESERVE_FP8_LEAN; 0 when unset) */
+/* the same file: the FP8 experts' lean kernels (MOESERVE_FP8_LEAN; 2 when unset) */
 int cuda_moe_w8_lean(int on);
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
@@ -1634,7 +1634,11 @@ static void test_fp8(bool full) {
     model m;
     test_fp8_lean();
     if (model_fp8(&m, "fp8-small", 8, 256, 128, 2) == 0) {
+        /* the tiles at every size (the lean kernels, on by default up to 8 pairs an expert, have
+         * their cases above) */
+        const int old_lean = cuda_moe_w8_lean(0);
         quant_small_cases(&m);
+        cuda_moe_w8_lean(old_lean);
         check_experts_q(&m, A2A_PAYLOAD_FP8);
         /* high precision at prefill sizes on the wgmma kernel (forced on here): B tiles
          * decoded in shared memory, each 128-k block's sums folded into the totals times its

@@ -92,6 +92,7 @@
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/gemm_common.cuh"
 #include "kernels/cuda/hopper.cuh"
+#include "kernels/cuda/moe_lean.h"
 #include "kernels/quant.h"
 
 #define FP8G_BM      128 /* rows of a tile (two warpgroups of 64) */
@@ -978,13 +979,15 @@ static void fp8_act_codes(uint8_t *q, float *s, const IN *x, int64_t T, int D,
 
 // From more than MOESERVE_W8A8_MIN pairs an expert on average: default 15 (H200, Qwen3-30B-A3B's
 // experts, medium, against the W8A16 tiles: 16 pairs an expert 253.9 us against 274.3, 32 278.2
-// against 320.0; 48 until 2026-12-02).
+// against 320.0; 48 until 2026-12-02). Not where the lean kernels take the size (moe.cu tries them
+// first; MOESERVE_FP8_LEAN=1 takes them up to 16 pairs an expert).
 bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
     static int on = -1, min = -1;
     return n_pairs > (int64_t)cuda_env_count("MOESERVE_W8A8_MIN", 15, &min) * E &&
            D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
            ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
-           cuda_env_on("MOESERVE_W8A8", &on) && cuda_wgmma_device();
+           cuda_env_on("MOESERVE_W8A8", &on) && cuda_wgmma_device() &&
+           !moe_lean_w8_rows(n_pairs, E, D, F, false);
 }
 
 extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {

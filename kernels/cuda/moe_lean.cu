@@ -549,20 +549,22 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
 }
 
 int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_FP8_LEAN (0 when unset: not yet timed against the tiles on a GPU)
-    return lean_tile_rows(cuda_env_count("MOESERVE_FP8_LEAN", 0, &g_lean8), n_pairs, E, D, F, tiny,
+    // MOESERVE_FP8_LEAN (2 when unset: NVFP4's rule, which the H100's timings bear out for FP8
+    // too; docs/benchmarks.md, "One H100 (2026-12-06, eighteenth session)")
+    return lean_tile_rows(cuda_env_count("MOESERVE_FP8_LEAN", 2, &g_lean8), n_pairs, E, D, F, tiny,
                           LEAN_BK / 2);
 }
 
-// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1,
-// the default, in groups of a 64-k chunk, each chunk's decode beside the products of the one
-// before; 2 in those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and
-// the scales two groups a register; 4 as 1 with those scales. FP8 takes forms 0 to 2 of the same
-// setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
+// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1
+// in groups of a 64-k chunk, each chunk's decode beside the products of the one before; 2 in
+// those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
+// groups a register; 4, the default, as 1 with those scales (on an H100 faster than 1 at every
+// size it takes: docs/benchmarks.md, "One H100 (2026-12-06, eighteenth session)"). FP8 takes
+// forms 0 to 2 of the same setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
 static int g_lean_form = -1;
 static int lean_form_now() {
-    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 1, &g_lean_form);
-    return f <= 4 ? f : 1;
+    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 4, &g_lean_form);
+    return f <= 4 ? f : 4;
 }
 
 // Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 4), or back to
