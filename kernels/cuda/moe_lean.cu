@@ -29,7 +29,17 @@
 // tiles decode their B fragments. The k16 steps go in increasing k, each one m64nNTk16 wgmma on the
 // running sums (split: the hi part, then the lo part), as the tiles' one chain does: form 0 issues
 // a stage's 16 as one group after decoding them all, forms 1 and 2 as four groups of a 64-k chunk,
-// each chunk decoded while the one before runs.
+// each chunk decoded while the one before runs; form 4, the default since the eighteenth session,
+// is form 1 with two groups' scales a register (lean_scale_pair).
+// FP8 experts (W8) take the same kernels with a stage of 128 k, one block of the checkpoint's
+// scales: the codes are as many bytes a stage (lane q's 16 bytes of a row's 64-k chunk, a word a
+// k16 step in fp8_pack_kernel's layout, decoded by fp8_w8_decode and one bf16x2 product by 2^120,
+// as the tiles decode theirs), the scales a TMA box of the block's 32 fp32 scales a box of rows
+// ([E, Kd / 128, rows]); each block's sums start at zero and are folded into the totals times the
+// row's scale by __fmaf_rn at the stage's end, as the tiles fold them. On an H100 (docs/
+// benchmarks.md, "One H100 (2026-12-06, eighteenth session)"), DeepSeek-V3's experts in a chain
+// at 1 to 8 pairs an expert: 95 to 100% of the copy rate in medium, 93 to 99% in high, against
+// the tiles' 89 to 98% and 81 to 91%.
 // The epilogues are the tiles': the tensor scales by __fmul_rn, silu(gate) x up rounded to BF16
 // (split: hi and lo), GEMM 2's rows in fp32 to out by pair.
 #include "kernels/cuda/moe_lean.h"
