@@ -92,11 +92,17 @@ __host__ __device__ __forceinline__ void wq_pack_chunk(uint32_t out[8], const ui
                         out[2 * t + w] |= ((nib >> b) & 1u) << wq_code_pos(j, l, b);
                 }
 }
+// A rotation whose wrapped bits (the lowest r) miss the masks is a plain left shift under them,
+// which the compiler may place on the FMA pipe (IMAD.SHL) rather than the ALU's; only register
+// 3's magnitude (a rotation by 11, whose wrapped bits land at 6..8) needs the funnel shift.
+__device__ __forceinline__ uint32_t wq_rotl_masked(uint32_t q, int r) {
+    return r == 0 ? q : r <= 6 ? q << r : __funnelshift_l(q, q, r);
+}
 __device__ __forceinline__ uint32_t wq_decode(uint32_t q, int j) {
     const int rm = wq_rot(j, false), rs = wq_rot(j, true);
-    const uint32_t m = rm ? __funnelshift_l(q, q, rm) : q;
+    const uint32_t m = wq_rotl_masked(q, rm);
     if (rm == rs) return m & (WQ_MAG_MASK | WQ_SIGN_MASK);
-    return (m & WQ_MAG_MASK) | ((rs ? __funnelshift_l(q, q, rs) : q) & WQ_SIGN_MASK);
+    return (m & WQ_MAG_MASK) | (wq_rotl_masked(q, rs) & WQ_SIGN_MASK);
 }
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
     uint32_t d;
