@@ -62,7 +62,8 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + exp
 // wq_rot(j, true) its sign (wq_code_pos): register 0 takes a mask, 2 a rotation and a mask, 1 and
 // 3 two rotations and two masks; 11 instructions a word, where codes as nibbles at 4-bit steps
 // took 15; scripts/nvfp4_code_layout.py finds none cheaper by exhaustive search, and checks the
-// layout against the nibbles.
+// layout against the nibbles. Four of the five rotations are shifts under their masks
+// (wq_rotl_masked), so that 7 of the 11 are ALU instructions and 4 go to the FMA pipe.
 #define WQ_MAG_MASK  0x01C001C0u
 #define WQ_SIGN_MASK 0x80008000u
 __device__ __host__ constexpr int wq_rot(int j, bool sign) {
