@@ -1,7 +1,7 @@
-// NVFP4 experts at decode sizes with the weights as wgmma's A operand from registers
+// NVFP4 and FP8 experts at decode sizes with the weights as wgmma's A operand from registers
 // (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. The sizes it takes by default are those
 // where it was timed faster than the tiles (docs/benchmarks.md, "One H100 and one H200
-// (2026-12-06, seventeenth session)").
+// (2026-12-06, seventeenth session)"; FP8: "One H100 (2026-12-06, eighteenth session)").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
@@ -33,8 +33,8 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
 // The same for FP8 experts (E4M3 codes in fp8_pack_kernel's layout, fp32 scales a 128 x 128
-// block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (0, off, when unset), D and F multiples of
-// 128.
+// block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (the same values, 2 when unset), D and F
+// multiples of 128.
 int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
 
 // moe_lean_w4_experts for FP8 experts as cuda_prepare_experts_fp8 leaves them: each 128-k block's
