@@ -1454,25 +1454,29 @@ int cuda_moe_lean_host_check(char *msg, size_t n);
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
  * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' five
  * forms. */
+/* m's cases on the lean kernels (set: the format's switch, var its name) in forms 0 to last */
+static void lean_form_cases(const model *m, int (*set)(int), const char *var, int last) {
+    const int old = set(1), old_form = cuda_moe_w4_lean_form(0);
+    for (int form = 0; form <= last; form++) {
+        /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and 10 an
+         * expert); 2: of 16 at T = 24 (6), the tiles at T = 64 */
+        cuda_moe_w4_lean_form(form);
+        set(1);
+        printf("  on the lean kernels (%s=1, form %d)\n", var, form);
+        quant_small_cases(m);
+        set(2);
+        printf("  on the lean kernels (%s=2, form %d)\n", var, form);
+        run_case(m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
+        run_case(m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
+    }
+    cuda_moe_w4_lean_form(old_form);
+    set(old);
+}
+
 static void test_nvfp4_lean(void) {
     model m;
-    if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
-        const int old = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(0);
-        for (int form = 0; form <= 4; form++) {
-            /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and
-             * 10 an expert); 2: of 16 at T = 24 (6), the tiles at T = 64 */
-            cuda_moe_w4_lean_form(form);
-            cuda_moe_w4_lean(1);
-            printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=1, form %d)\n", form);
-            quant_small_cases(&m);
-            cuda_moe_w4_lean(2);
-            printf("  on the lean kernels (MOESERVE_NVFP4_LEAN=2, form %d)\n", form);
-            run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
-            run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
-        }
-        cuda_moe_w4_lean_form(old_form);
-        cuda_moe_w4_lean(old);
-    }
+    if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0)
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", 4);
     model_free(&m);
 }
 
@@ -1610,21 +1614,8 @@ static void test_fp8_lean(void) {
     } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
     for (int si = 0; si < 2; si++) {
         model m;
-        if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
-            const int old = cuda_moe_w8_lean(1), old_form = cuda_moe_w4_lean_form(0);
-            for (int form = 0; form <= 2; form++) {
-                cuda_moe_w4_lean_form(form);
-                cuda_moe_w8_lean(1);
-                printf("  on the lean kernels (MOESERVE_FP8_LEAN=1, form %d)\n", form);
-                quant_small_cases(&m);
-                cuda_moe_w8_lean(2);
-                printf("  on the lean kernels (MOESERVE_FP8_LEAN=2, form %d)\n", form);
-                run_case(&m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
-                run_case(&m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
-            }
-            cuda_moe_w4_lean_form(old_form);
-            cuda_moe_w8_lean(old);
-        }
+        if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0)
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", 2);
         model_free(&m);
     }
 }
