@@ -1448,12 +1448,6 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
  * msg */
 int cuda_moe_lean_host_check(char *msg, size_t n);
 
-/* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
- * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
- * slots and every pair on one expert, and each batch's last token alone bit for bit against its
- * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
- * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' five
- * forms. */
 /* m's cases on the lean kernels (set: the format's switch, var its name) in forms 0 to last */
 static void lean_form_cases(const model *m, int (*set)(int), const char *var, int last) {
     const int old = set(1), old_form = cuda_moe_w4_lean_form(0);
@@ -1473,6 +1467,12 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, in
     set(old);
 }
 
+/* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
+ * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
+ * slots and every pair on one expert, and each batch's last token alone bit for bit against its
+ * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
+ * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' five
+ * forms. */
 static void test_nvfp4_lean(void) {
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0)
@@ -1597,9 +1597,6 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
     return rc;
 }
 
-/* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
- * (the tiny path against the grouped one, every tile shape), partial 128-k blocks, bad input
- * refused; with full (the --fp8 run) also Qwen3-30B-A3B's shape, checked and timed. */
 /* the same file: the FP8 experts' lean kernels (MOESERVE_FP8_LEAN; 2 when unset) */
 int cuda_moe_w8_lean(int on);
 
@@ -1620,6 +1617,9 @@ static void test_fp8_lean(void) {
     }
 }
 
+/* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included
+ * (the tiny path against the grouped one, every tile shape), partial 128-k blocks, bad input
+ * refused; with full (the --fp8 run) also Qwen3-30B-A3B's shape, checked and timed. */
 static void test_fp8(bool full) {
     printf("FP8 experts (W8A16)\n");
     model m;

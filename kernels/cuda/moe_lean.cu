@@ -660,16 +660,17 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                   : lean_both<false, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
                                                    down_sf, E, D, F);
         };
+        constexpr int F3 = W8 ? 1 : 3, F4 = W8 ? 1 : 4; // FP8: forms 3 and 4 as 1
         if (form == 0)
             go(std::integral_constant<int, 0>());
+        else if (form == 1)
+            go(std::integral_constant<int, 1>());
         else if (form == 2)
             go(std::integral_constant<int, 2>());
         else if (form == 3)
-            go(std::integral_constant < int, W8 ? 1 : 3 > ());
-        else if (form == 4)
-            go(std::integral_constant < int, W8 ? 1 : 4 > ());
+            go(std::integral_constant<int, F3>());
         else
-            go(std::integral_constant<int, 1>());
+            go(std::integral_constant<int, F4>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
@@ -720,7 +721,6 @@ namespace {
 
 struct lean_problem {
     int E = 2, D = 512, F = 256, T = 0;
-    bool w8 = false;                               // FP8 weights (else NVFP4)
     std::vector<uint8_t> gu_q, gu_sf, dn_q, dn_sf; // packed as the device holds them
     std::vector<float> gu_sc, dn_sc;               // FP8: block scales [E, Kd / 128, w_rows]
     std::vector<float> gu_w, dn_w;                 // dequantized, no tensor scale
@@ -1018,7 +1018,6 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
     double worst = 0.0;
     for (int w8 = 0; w8 < 2; w8++) { // NVFP4, then FP8
         lean_problem p;
-        p.w8 = w8;
         if (w8) {
             lean_matrix8(p.E, 2 * p.F, p.D, p.gu_q, p.gu_sc, p.gu_w);
             lean_matrix8(p.E, p.D, p.F, p.dn_q, p.dn_sc, p.dn_w);
