@@ -8,14 +8,14 @@
 #      tiles bit for bit (their own shape always; Qwen3-30B-A3B's decode sizes with the switch)
 #   3. timings with the switch at each of LEANS, alternating, ROUNDS rounds: DeepSeek-V3's experts
 #      at T = 1, 2, 8, 16, 32, 64 (test_cuda_moe --deepseek-nvfp4-timing) and Qwen3-30B-A3B's at
-#      1, 8, 64
+#      1, 8, 64 (or QWEN_TS)
 #   4. decode steps of Qwen3-30B-A3B in NVFP4 (bench_step, batch 1, 8, 64), medium and high, with
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
-# switch's values for the timings and the steps (2z 2p 2w 2d 2s: MOESERVE_NVFP4_LEAN_FORM 0-4).
+# switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r: MOESERVE_NVFP4_LEAN_FORM 0-5).
 # FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN
-# (forms 0 to 2); parts 1 and 2 stay NVFP4's.
+# (forms 0 to 2 and 5); parts 1 and 2 stay NVFP4's.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -25,12 +25,12 @@ out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 fmt=${FMT:-nvfp4}
-lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s (MOESERVE_NVFP4_LEAN_FORM 0-4)
+lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s 2r (MOESERVE_NVFP4_LEAN_FORM 0-5)
     unset MOESERVE_NVFP4_LEAN MOESERVE_FP8_LEAN
     if [ "$fmt" = fp8 ]; then
-        export MOESERVE_FP8_LEAN=${1%[zpwds]}
+        export MOESERVE_FP8_LEAN=${1%[zpwdsr]}
     else
-        export MOESERVE_NVFP4_LEAN=${1%[zpwds]}
+        export MOESERVE_NVFP4_LEAN=${1%[zpwdsr]}
     fi
     unset MOESERVE_NVFP4_LEAN_FORM
     case $1 in
@@ -39,6 +39,7 @@ lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s (MOESERVE_
     *w) export MOESERVE_NVFP4_LEAN_FORM=2 ;;
     *d) export MOESERVE_NVFP4_LEAN_FORM=3 ;;
     *s) export MOESERVE_NVFP4_LEAN_FORM=4 ;;
+    *r) export MOESERVE_NVFP4_LEAN_FORM=5 ;;
     esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
@@ -66,7 +67,7 @@ if ! skip time; then
             timeout 300 "$b/tests/test_cuda_moe" \
                 --deepseek-$fmt-timing 32 1 2 8 16 32 64 > "$out/ds-$fmt-$lean-$round.txt" 2>&1
             grep -E "$fmt" "$out/ds-$fmt-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
-            for t in 1 8 64; do
+            for t in ${QWEN_TS:-1 8 64}; do
                 timeout 120 "$b/tests/test_cuda_moe" --$fmt-timing $t \
                     > "$out/qwen-$fmt-$lean-$round-$t.txt" 2>&1
                 grep -E "$fmt" "$out/qwen-$fmt-$lean-$round-$t.txt" | grep -vE '^FAIL' | tail -n 3

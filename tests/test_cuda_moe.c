@@ -1449,11 +1449,13 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
 int cuda_moe_lean_host_check(char *msg, size_t n);
 
 /* m's cases on the lean kernels (set: the format's switch, var its name) in forms 0 to last */
-static void lean_form_cases(const model *m, int (*set)(int), const char *var, int last) {
+static void lean_form_cases(const model *m, int (*set)(int), const char *var, const int *forms,
+                            int n_forms) {
     const int old = set(1), old_form = cuda_moe_w4_lean_form(0);
-    for (int form = 0; form <= last; form++) {
+    for (int f = 0; f < n_forms; f++) {
+        const int form = forms[f];
         /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and 10 an
-         * expert); 2: of 16 at T = 24 (6), the tiles at T = 64 */
+         * expert); 2: of 16 at T = 24 (6), at T = 64 the tiles (in form 5: tiles of 32 rows) */
         cuda_moe_w4_lean_form(form);
         set(1);
         printf("  on the lean kernels (%s=1, form %d)\n", var, form);
@@ -1471,12 +1473,13 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, in
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
- * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' five
+ * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' six
  * forms. */
 static void test_nvfp4_lean(void) {
+    static const int forms[] = {0, 1, 2, 3, 4, 5};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0)
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", 4);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 6);
     model_free(&m);
 }
 
@@ -1602,17 +1605,18 @@ int cuda_moe_w8_lean(int on);
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
- * NVFP4's: in forms 0 to 2 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a multiple of
- * 128, not of 256). */
+ * NVFP4's: in forms 0 to 2 and 5 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a
+ * multiple of 128, not of 256). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
         int D, F;
     } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
+    static const int forms[] = {0, 1, 2, 5}; /* 3 and 4 run as 1 */
     for (int si = 0; si < 2; si++) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0)
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", 2);
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 4);
         model_free(&m);
     }
 }

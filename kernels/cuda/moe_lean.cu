@@ -7,13 +7,15 @@
 // (docs/benchmarks.md, "One H100 and one H200 (2026-12-06, seventeenth session)"): DeepSeek-V3's
 // experts in medium, in a chain, at 2 to 8 pairs an expert 78 to 86% of the copy rate on the H100
 // (form 1) against the tiles' 65 to 70%, 56 to 64% on the H200 against 48 to 49%; behind the tiles
-// at 16 pairs an expert and on Qwen3-30B-A3B's small experts at T = 1, which the default rule
-// leaves to them.
+// on Qwen3-30B-A3B's small experts at T = 1, which the default rule leaves to them. At 16 pairs an
+// expert form 5 (two row tiles a warpgroup) is ahead of the tiles on the H100 (nineteenth
+// session: DeepSeek-V3's 59 / 44% against 54 / 39 to 44%), the other forms behind them.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.
 // Warps 0-3 are one consumer warpgroup, warp 4 the producer (form 2: two consumer warpgroups, 128
-// rows, warp 8 the producer; lean_form). A stage is 256 k:
+// rows, warp 8 the producer; form 5: 128 rows, the one warpgroup taking both 64-row tiles in turn,
+// each on its own sums; lean_form). A stage is 256 k:
 //   - two TMA boxes of 32 rows x 128 bytes of codes (128-byte swizzle) and two of 32 rows x 16
 //     scale bytes, on the stage's full barrier with their bytes;
 //   - the tile's activation rows, 256 k of each in BF16 (split: then their lo parts), copied by
@@ -29,8 +31,10 @@
 // tiles decode their B fragments. The k16 steps go in increasing k, each one m64nNTk16 wgmma on the
 // running sums (split: the hi part, then the lo part), as the tiles' one chain does: form 0 issues
 // a stage's 16 as one group after decoding them all, forms 1 and 2 as four groups of a 64-k chunk,
-// each chunk decoded while the one before runs; form 4, the default since the eighteenth session,
-// is form 1 with two groups' scales a register (lean_scale_pair).
+// each chunk decoded while the one before runs; form 4 is form 1 with two groups' scales a
+// register (lean_scale_pair), form 3 that with more blocks an SM, form 5 that with two row tiles a
+// warpgroup (a chunk's group a row tile, the tiles in turn). The default picks by the tile's rows
+// (lean_form_now).
 // FP8 experts (W8) take the same kernels with a stage of 128 k, one block of the checkpoint's
 // scales: the codes are as many bytes a stage (lane q's 16 bytes of a row's 64-k chunk, a word a
 // k16 step in fp8_pack_kernel's layout, decoded by fp8_w8_decode and one bf16x2 product by 2^120,
@@ -62,10 +66,13 @@ typedef __nv_bfloat16 bf16;
 // The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
 // stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense)
-// and the scales two groups a register (pairs); 4 as 1 with the pairs.
+// and the scales two groups a register (pairs); 4 as 1 with the pairs; 5 as 4 with two 64-row
+// tiles (rt) a consumer warpgroup sharing the stage's activations, as form 2's warpgroups do.
 template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
-    static constexpr int wg = FORM == 2 ? 2 : 1;
+    static constexpr int wg = FORM == 2 ? 2 : 1; // consumer warpgroups
+    static constexpr int rt = FORM == 5 ? 2 : 1; // 64-row tiles a consumer warpgroup
+    static constexpr int vw = wg * rt;           // 64-row tiles a block: the stage's layout
     static constexpr bool dense = FORM == 3;
     static constexpr bool pairs = FORM >= 3; // the scales two groups a register
     static constexpr int threads = 128 * wg + 32;
@@ -89,9 +96,10 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // 16 rows 4 in medium (17 KB), 2 in high (25 KB). That keeps 72 to 144 KB of weights in
     // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     // 32-row tiles two (their registers would allow three, the stages not): 4 in medium (25 KB),
-    // 2 in high (41 KB). Two warpgroups: two blocks of 288 threads (pipe: up to 96 registers),
-    // 110 KB each. DENSE (form 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks
-    // (3 stages in medium, 2 in high), 16-row tiles four (3, 2)
+    // 2 in high (41 KB). 128 rows a block (WG here: form 2's two warpgroups of 288 threads, pipe
+    // up to 96 registers; form 5's one, 96 to 148 registers): two blocks, 110 KB each. DENSE (form
+    // 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks (3 stages in medium, 2 in
+    // high), 16-row tiles four (3, 2)
     static constexpr int blocks = WG == 2    ? 2
                                   : NT == 8  ? (DENSE ? 5 : 4)
                                   : NT == 16 ? (DENSE ? 4 : 3)
@@ -228,13 +236,13 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
-                  lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense, W8>::bound)
+                  lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8>::bound)
     moe_lean_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tsf,
                     const lean_args a) {
 #if MOESERVE_WGMMA_DEVICE
     constexpr bool PIPE = lean_form<FORM>::pipe, PAIRS = lean_form<FORM>::pairs && !W8;
-    constexpr int WG = lean_form<FORM>::wg;
-    typedef lean_stage<NT, SPLIT, WG, lean_form<FORM>::dense, W8> L;
+    constexpr int WG = lean_form<FORM>::wg, RT = lean_form<FORM>::rt, VW = WG * RT;
+    typedef lean_stage<NT, SPLIT, VW, lean_form<FORM>::dense, W8> L;
     constexpr int S = L::stages, SB = L::bytes, BK = L::bk, KS = BK / 16; // k16 steps a stage
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
@@ -271,8 +279,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                 const uint32_t st = smem0 + s * SB;
                 mbar_arrive_tx(full(s), L::codes + L::sf_tx);
 #pragma unroll
-                for (int b = 0; b < 2 * WG; b++) {
-                    const int wr = lean_wrow(GATE_UP, b, e, a.w_rows, nb, a.N, WG);
+                for (int b = 0; b < 2 * VW; b++) {
+                    const int wr = lean_wrow(GATE_UP, b, e, a.w_rows, nb, a.N, VW);
                     tma_load_2d(st + b * LEAN_BOX * 128, &tq, kt * 128, wr, full(s));
                     if constexpr (W8) // the box's 32 scales of block kt: [E, nk, w_rows] fp32
                         tma_load_2d(st + L::codes + b * 128, &tsf, (wr - e * a.w_rows) * 4,
@@ -332,54 +340,70 @@ __launch_bounds__(lean_form<FORM>::threads,
         return;
     }
 
-    // the consumers: A rows g and g + 8 of the warp, as box b row r
+    // the consumers: A rows g and g + 8 of the warp, as box b row r, in each of its RT row tiles
+    // (row tile t: the rows of warp w + 4 WG t of the stage's layout)
     const int g = lane >> 2, q = lane & 3;
-    const lean_rows ar = lean_a_rows(GATE_UP, warp, g);
-    const int bg = ar.bg, rg = ar.rg, bh = ar.bh, rh = ar.rh;
+    int bg[RT], rg[RT], bh[RT], rh[RT];
+#pragma unroll
+    for (int t = 0; t < RT; t++) {
+        const lean_rows ar = lean_a_rows(GATE_UP, warp + 4 * WG * t, g);
+        bg[t] = ar.bg, rg[t] = ar.rg, bh[t] = ar.bh, rh[t] = ar.rh;
+    }
     // acc: the running sums (FP8: of the stage's block of 128 k, folded into tot times their
     // rows' block scales at its end, as the tiles do)
-    float acc[NT / 2], tot[W8 ? NT / 2 : 1];
+    float acc[RT][NT / 2], tot[RT][W8 ? NT / 2 : 1];
 #pragma unroll
-    for (int i = 0; i < NT / 2; i++)
-        acc[i] = 0.0f;
+    for (int t = 0; t < RT; t++) {
 #pragma unroll
-    for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
-        tot[i] = 0.0f;
+        for (int i = 0; i < NT / 2; i++)
+            acc[t][i] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
+            tot[t][i] = 0.0f;
+    }
     int s = 0, ph = 0;
     for (int kt = 0; kt < nk; kt++) {
         mbar_wait(full(s), ph);
         const unsigned char *st = smem + s * SB;
         // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
         // 16 bytes a chunk and row (2 chunks), a word a k16 step
-        uint2 wg[W8 ? 1 : 4], wh[W8 ? 1 : 4];
-        uint4 cg[W8 ? 2 : 1], chh[W8 ? 2 : 1];
-        uint32_t sgw[4] = {}, shw[4] = {};
-        if constexpr (W8) {
+        uint2 wg[RT][W8 ? 1 : 4], wh[RT][W8 ? 1 : 4];
+        uint4 cg[RT][W8 ? 2 : 1], chh[RT][W8 ? 2 : 1];
+        uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
 #pragma unroll
-            for (int c = 0; c < 2; c++) {
-                cg[c] = *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg, rg, c, q));
-                chh[c] = *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh, rh, c, q));
-            }
-        } else {
+        for (int t = 0; t < RT; t++) {
+            if constexpr (W8) {
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                wg[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg, rg, c, q));
-                wh[c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh, rh, c, q));
+                for (int c = 0; c < 2; c++) {
+                    cg[t][c] =
+                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg[t], rg[t], c, q));
+                    chh[t][c] =
+                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh[t], rh[t], c, q));
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    wg[t][c] =
+                        *reinterpret_cast<const uint2 *>(st + lean_word_off(bg[t], rg[t], c, q));
+                    wh[t][c] =
+                        *reinterpret_cast<const uint2 *>(st + lean_word_off(bh[t], rh[t], c, q));
+                }
+                const uint4 sg = *reinterpret_cast<const uint4 *>(st + L::codes +
+                                                                  (bg[t] * LEAN_BOX + rg[t]) * 16);
+                const uint4 sh = *reinterpret_cast<const uint4 *>(st + L::codes +
+                                                                  (bh[t] * LEAN_BOX + rh[t]) * 16);
+                sgw[t][0] = sg.x, sgw[t][1] = sg.y, sgw[t][2] = sg.z, sgw[t][3] = sg.w;
+                shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
             }
-            const uint4 sg =
-                *reinterpret_cast<const uint4 *>(st + L::codes + (bg * LEAN_BOX + rg) * 16);
-            const uint4 sh =
-                *reinterpret_cast<const uint4 *>(st + L::codes + (bh * LEAN_BOX + rh) * 16);
-            sgw[0] = sg.x, sgw[1] = sg.y, sgw[2] = sg.z, sgw[3] = sg.w;
-            shw[0] = sh.x, shw[1] = sh.y, shw[2] = sh.z, shw[3] = sh.w;
         }
-        // k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its group scale
-        // the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product wq_scale2 gives
-        // too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and multiplied by 2^120
-        auto decode = [&](int k, uint32_t(&f)[4]) {
+        // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its
+        // group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product
+        // wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and
+        // multiplied by 2^120
+        auto decode = [&](int t, int k, uint32_t(&f)[4]) {
             if constexpr (W8) {
                 constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
-                const uint4 &vg = cg[k / 4], &vh = chh[k / 4];
+                const uint4 &vg = cg[t][k / 4], &vh = chh[t][k / 4];
                 const uint32_t qg = k % 4 == 0   ? vg.x
                                     : k % 4 == 1 ? vg.y
                                     : k % 4 == 2 ? vg.z
@@ -394,19 +418,19 @@ __launch_bounds__(lean_form<FORM>::threads,
                 f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
             } else if constexpr (PAIRS) {
                 const int c = k / 4, jb = 2 * (k % 2);
-                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
-                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-                const uint32_t ag = lean_scale_pair(sgw[c], (k % 4) / 2);
-                const uint32_t ah = lean_scale_pair(shw[c], (k % 4) / 2);
+                const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                const uint32_t ag = lean_scale_pair(sgw[t][c], (k % 4) / 2);
+                const uint32_t ah = lean_scale_pair(shw[t][c], (k % 4) / 2);
                 f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
                 f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
                 f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
                 f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
             } else {
                 const int c = k / 4, jb = 2 * (k % 2);
-                const uint32_t qg = (k % 4) < 2 ? wg[c].x : wg[c].y;
-                const uint32_t qh = (k % 4) < 2 ? wh[c].x : wh[c].y;
-                const uint32_t ag = wq_scale2(sgw[c], k % 4), ah = wq_scale2(shw[c], k % 4);
+                const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                const uint32_t ag = wq_scale2(sgw[t][c], k % 4), ah = wq_scale2(shw[t][c], k % 4);
                 f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
                 f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
                 f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
@@ -416,66 +440,74 @@ __launch_bounds__(lean_form<FORM>::threads,
         // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
         // address / 16, below 2^14, so the offsets add to stage 0's without a carry
         const uint64_t d0 = wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
-        auto mma = [&](int k, const uint32_t(&f)[4]) {
+        auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
             const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-            lean_wgmma<NT>(acc, f, d);
-            if constexpr (SPLIT) lean_wgmma<NT>(acc, f, d + (L::part >> 4));
+            lean_wgmma<NT>(acc[t], f, d);
+            if constexpr (SPLIT) lean_wgmma<NT>(acc[t], f, d + (L::part >> 4));
         };
         // the stage's end, every group retired: FP8 folds its block's sums into the totals times
-        // the rows' scales (acc[4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the next
+        // the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the next
         // block's at zero; then the stage is released
         auto release = [&]() {
             if constexpr (W8) {
-                const float sg =
-                    *reinterpret_cast<const float *>(st + L::codes + bg * 128 + rg * 4);
-                const float sh =
-                    *reinterpret_cast<const float *>(st + L::codes + bh * 128 + rh * 4);
 #pragma unroll
-                for (int i = 0; i < NT / 2; i++) {
-                    tot[i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[i], tot[i]);
-                    acc[i] = 0.0f;
+                for (int t = 0; t < RT; t++) {
+                    const float sg =
+                        *reinterpret_cast<const float *>(st + L::codes + bg[t] * 128 + rg[t] * 4);
+                    const float sh =
+                        *reinterpret_cast<const float *>(st + L::codes + bh[t] * 128 + rh[t] * 4);
+#pragma unroll
+                    for (int i = 0; i < NT / 2; i++) {
+                        tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[t][i], tot[t][i]);
+                        acc[t][i] = 0.0f;
+                    }
                 }
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(empty(s));
         };
         if constexpr (PIPE) {
-            // a 64-k chunk (4 steps) a group, two buffers: chunk c + 1 decodes while chunk c's
-            // products run. Chunks 2 and 3 (NVFP4) rewrite a buffer once the group that read it
-            // has retired (at most one pending); its registers are kept live to there
-            // (lean_keep), so that the compiler gives them to nothing else meanwhile. The stage
-            // ends with every group retired, as the producer's delayed arrivals need: its stage
-            // kt + 1 completes only once this stage is released.
+            // a 64-k chunk (4 steps) of a row tile a group, chunk by chunk and in each the row
+            // tiles in turn, two buffers: a group decodes while the one before runs. From the
+            // third group on a buffer is rewritten once the group that read it has retired (at
+            // most one pending); its registers are kept live to there (lean_keep), so that the
+            // compiler gives them to nothing else meanwhile. The stage ends with every group
+            // retired, as the producer's delayed arrivals need: its stage kt + 1 completes only
+            // once this stage is released.
             uint32_t fr[2][4][4];
 #pragma unroll
-            for (int c = 0; c < KS / 4; c++) {
-                uint32_t(&f)[4][4] = fr[c & 1];
-                if (c >= 2) {
-                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                    lean_keep(f);
+            for (int c = 0; c < KS / 4; c++)
+#pragma unroll
+                for (int t = 0; t < RT; t++) {
+                    const int G = c * RT + t;
+                    uint32_t(&f)[4][4] = fr[G & 1];
+                    if (G >= 2) {
+                        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                        lean_keep(f);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        decode(t, 4 * c + i, f[i]);
+                    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        mma(t, 4 * c + i, f[i]);
+                    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 }
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    decode(4 * c + i, f[i]);
-                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    mma(4 * c + i, f[i]);
-                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             lean_keep(fr[0]);
             lean_keep(fr[1]);
             release();
         } else {
+            static_assert(RT == 1, "form 0: one row tile a warpgroup");
             uint32_t fr[KS][4];
 #pragma unroll
             for (int k = 0; k < KS; k++)
-                decode(k, fr[k]);
+                decode(0, k, fr[k]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int k = 0; k < KS; k++)
-                mma(k, fr[k]);
+                mma(0, k, fr[k]);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release();
@@ -483,40 +515,43 @@ __launch_bounds__(lean_form<FORM>::threads,
         if (++s == S) s = 0, ph ^= 1;
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
-    // acc[4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row g + 8.
-    // NVFP4 multiplies the sums by the tensor scales; FP8 has none
-    const int col = lean_out_col(GATE_UP, nb, warp, g, WG);
+    // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
+    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
     const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
     const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
-    auto sum = [&](int i, float sc) {
-        if constexpr (W8)
-            return tot[i];
-        else
-            return __fmul_rn(acc[i], sc);
-    };
 #pragma unroll
-    for (int j = 0; j < NT / 8; j++)
+    for (int t = 0; t < RT; t++) {
+        const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+        auto sum = [&](int i, float sc) {
+            if constexpr (W8)
+                return tot[t][i];
+            else
+                return __fmul_rn(acc[t][i], sc);
+        };
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int r = 8 * j + 2 * q + i;
-            if (r >= rows) continue;
-            if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of column col
-                const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
-                bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
-                if constexpr (SPLIT) {
-                    const float v = __fmul_rn(silu(gv), uv);
-                    const bf16 hi = __float2bfloat16_rn(v);
-                    *dst = hi;
-                    dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
-                } else {
-                    *dst = __float2bfloat16_rn(silu(gv) * uv);
+        for (int j = 0; j < NT / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = 8 * j + 2 * q + i;
+                if (r >= rows) continue;
+                if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
+                    const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
+                    bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
+                    if constexpr (SPLIT) {
+                        const float v = __fmul_rn(silu(gv), uv);
+                        const bf16 hi = __float2bfloat16_rn(v);
+                        *dst = hi;
+                        dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                    } else {
+                        *dst = __float2bfloat16_rn(silu(gv) * uv);
+                    }
+                } else { // rows g and g + 8: columns col and col + 8
+                    float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                    dst[0] = sum(4 * j + i, s0);
+                    dst[8] = sum(4 * j + 2 + i, s0);
                 }
-            } else { // rows g and g + 8: columns col and col + 8
-                float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
-                dst[0] = sum(4 * j + i, s0);
-                dst[8] = sum(4 * j + 2 + i, s0);
             }
-        }
+    }
 #else
     __trap(); // sm_100a: no wgmma (moe_lean_w4_rows takes a Hopper device only)
 #endif
@@ -538,47 +573,60 @@ extern "C" int cuda_moe_w8_lean(int on) {
     return old;
 }
 
+// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1
+// in groups of a 64-k chunk, each chunk's decode beside the products of the one before; 2 in
+// those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
+// groups a register; 4 as 1 with those scales; 5 as 4 with two 64-row tiles a consumer warpgroup,
+// so that a stage's activations, read from L2, meet 128 weight rows instead of 64. Unset (or 6),
+// by the tile's rows: NVFP4 form 3 for 8 rows, 5 for 32, and for 16 form 5 on experts of 4 M
+// weights a matrix or more (big), 4 on smaller ones (fewer column blocks: Qwen3-30B-A3B's lost 2
+// points in high in form 5); FP8 form 1. On an H100 those were the fastest or within a point of
+// it at every size timed (docs/benchmarks.md, "One H100 (2026-12-06, nineteenth session)"). FP8
+// takes forms 0 to 2 and 5 (3 and 4, whose difference is NVFP4's group scales, run as 1).
+#define LEAN_FORM_BY_ROWS 6
+static int g_lean_form = -1;
+static int lean_form_now(int rows, bool w8, bool big) {
+    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", LEAN_FORM_BY_ROWS, &g_lean_form);
+    if (f < LEAN_FORM_BY_ROWS) return f;
+    return w8 ? 1 : rows == 8 ? 3 : rows == 32 || big ? 5 : 4;
+}
+static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
+
 // The rows of a tile by the switch's mode: 0 off, 1 wherever the kernels fit, 2 where they were
-// timed faster than the tiles (Kd: the multiple both GEMMs' k must be, a stage's k)
-static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool tiny, int Kd) {
+// timed faster than the tiles, up to max_per pairs an expert on average (Kd: the multiple both
+// GEMMs' k must be, a stage's k)
+static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool tiny, int Kd,
+                          int max_per) {
     if ((mode != 1 && mode != 2) || !cuda_wgmma_device()) return 0;
     if (D % Kd || F % Kd || E <= 0) return 0;
     // tiles of twice the average pairs an expert, so that few experts take two (random routing:
-    // 2 % of them at 4 an expert with 8 rows); 2: up to 8 an expert, and on the tiny path only
-    // where the experts' bytes hide the prepare kernel (DeepSeek-V3's at T = 1, not
+    // 2 % of them at 4 an expert with 8 rows); 2: up to max_per an expert, and on the tiny path
+    // only where the experts' bytes hide the prepare kernel (DeepSeek-V3's at T = 1, not
     // Qwen3-30B-A3B's)
     const int64_t per = (n_pairs + E - 1) / E; // pairs an expert, on average
-    if (mode == 2 && (per > 8 || (tiny && (int64_t)D * F < (4 << 20)))) return 0;
+    if (mode == 2 && (per > max_per || (tiny && !lean_big(D, F)))) return 0;
     return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? 32 : 0;
 }
 
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset)
+    // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset): up to 8 pairs an expert, and
+    // up to 16 where 32-row tiles run in form 5 (two row tiles a warpgroup), which the H100's
+    // timings put ahead of the tiles there
+    const int max_per = lean_form_now(32, false, lean_big(D, F)) == 5 ? 16 : 8;
     return lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E, D, F, tiny,
-                          LEAN_BK);
+                          LEAN_BK, max_per);
 }
 
 int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_FP8_LEAN (2 when unset: NVFP4's rule, which the H100's timings bear out for FP8
-    // too; docs/benchmarks.md, "One H100 (2026-12-06, eighteenth session)")
+    // MOESERVE_FP8_LEAN (2 when unset: NVFP4's rule to 8 pairs an expert, which the H100's
+    // timings bear out for FP8 too; docs/benchmarks.md, "One H100 (2026-12-06, eighteenth
+    // session)")
     return lean_tile_rows(cuda_env_count("MOESERVE_FP8_LEAN", 2, &g_lean8), n_pairs, E, D, F, tiny,
-                          LEAN_BK / 2);
+                          LEAN_BK / 2, 8);
 }
 
-// MOESERVE_NVFP4_LEAN_FORM: the kernels' form (lean_form): 0 a stage's products in one group; 1
-// in groups of a 64-k chunk, each chunk's decode beside the products of the one before; 2 in
-// those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
-// groups a register; 4, the default, as 1 with those scales (on an H100 faster than 1 at every
-// size it takes: docs/benchmarks.md, "One H100 (2026-12-06, eighteenth session)"). FP8 takes
-// forms 0 to 2 of the same setting (3 and 4, whose difference is NVFP4's group scales, run as 1).
-static int g_lean_form = -1;
-static int lean_form_now() {
-    const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", 4, &g_lean_form);
-    return f <= 4 ? f : 4;
-}
-
-// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 4), or back to
-// MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 5, 6 by the tile's rows),
+// or back to MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
     const int old = g_lean_form;
     g_lean_form = form < 0 ? -1 : form;
@@ -588,7 +636,7 @@ extern "C" int cuda_moe_w4_lean_form(int form) {
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
                         int max_tiles) {
-    typedef lean_stage<NT, SPLIT, lean_form<FORM>::wg, lean_form<FORM>::dense, W8> L;
+    typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
     auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
@@ -613,7 +661,7 @@ template <bool SPLIT, int NT, int FORM, bool W8>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
-    constexpr int WG = lean_form<FORM>::wg;
+    constexpr int WG = lean_form<FORM>::vw; // 64-row tiles a block
     CUtensorMap q, sf;
     // GEMM 1: gate_up [E 2F rows, D]
     lean_maps<W8>(&q, &sf, gate_up_q, gate_up_sf, E, 2 * F, D);
@@ -650,7 +698,7 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     a.out = out;
     a.ws2 = s2;
     a.topk = K;
-    const int form = lean_form_now();
+    const int form = lean_form_now(rows, W8, lean_big(D, F));
     auto both = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) {
@@ -669,8 +717,10 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             go(std::integral_constant<int, 2>());
         else if (form == 3)
             go(std::integral_constant<int, F3>());
-        else
+        else if (form == 4)
             go(std::integral_constant<int, F4>());
+        else
+            go(std::integral_constant<int, 5>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());

@@ -1,7 +1,8 @@
 // NVFP4 and FP8 experts at decode sizes with the weights as wgmma's A operand from registers
 // (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. The sizes it takes by default are those
 // where it was timed faster than the tiles (docs/benchmarks.md, "One H100 and one H200
-// (2026-12-06, seventeenth session)"; FP8: "One H100 (2026-12-06, eighteenth session)").
+// (2026-12-06, seventeenth session)"; FP8: "One H100 (2026-12-06, eighteenth session)"; NVFP4
+// from 9 pairs an expert: "One H100 (2026-12-06, nineteenth session)").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
@@ -12,8 +13,9 @@
 // The rows of a tile (8, 16 or 32 pairs of one expert, twice the average pairs an expert) in which
 // the lean kernels take n_pairs pairs over E local experts of NVFP4 weights (D hidden, F expert
 // width), or 0 where they do not: on a Hopper device, D and F multiples of 256, and by
-// MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 8, and where
-// moe.cu takes its tiny path (tiny) only on experts of at least 4 M weights a matrix; 0 never.
+// MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 16 where
+// 32-row tiles run in form 5 (their default form; else up to 8), and where moe.cu takes its tiny
+// path (tiny) only on experts of at least 4 M weights a matrix; 0 never.
 // (moe.cu adds its own conditions: outside deterministic mode, and in high precision only where
 // its NVFP4 tiles sum in one chain.)
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
