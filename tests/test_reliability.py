@@ -836,13 +836,27 @@ def group_collect(socks, n_new):
     return good, bad
 
 
+def wait_running(srv, n_each, timeout=10.0):
+    """Until every rank of the group reports n_each requests running (rank 0's /server_info, the
+    ranks' reports of their last step), or timeout s: whether they did."""
+    deadline = time.time() + timeout * TIME_SCALE
+    while time.time() < deadline:
+        states = srv.json(srv.base, "GET", "/server_info").get("internal_states", [])
+        if len(states) == srv.np and all(st.get("num_running_reqs", 0) >= n_each for st in states):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def case_group_drain(srv, sig, target):
     """np 2, --no-load-balance: two requests of 800 tokens running on each rank; sig to target
     (a rank's pid, or the launcher): every request on both ranks finishes, both ranks and the
-    launcher exit 0."""
+    launcher exit 0. The signal goes as soon as both ranks run their two: after a fixed wait, on
+    an idle machine they had finished (800 tokens take about half a second), and the rank that
+    was not signalled then ended with its group before its main thread saw the drain."""
     n_new = 800
     socks = group_requests(srv, n_new)
-    time.sleep(0.8)
+    running = wait_running(srv, 2)
     t0 = time.time()
     who = "rank 1" if target == "rank1" else "rank 0" if target == "rank0" else "scripts/launch.sh"
     pid = srv.pids[1] if target == "rank1" else srv.pids[0] if target == "rank0" else srv.proc.pid
@@ -857,8 +871,8 @@ def case_group_drain(srv, sig, target):
     log = srv.log_text()
     # a rank signalled alone learns of the drain from its peer ("draining with it")
     check("np 2, %s to %s: each rank drained" % (name, who),
-          log.count("drained in") == 2 and (target != "rank1" or "rank 1 is draining: draining with it" in log),
-          srv.log_tail(20))
+          running and log.count("drained in") == 2 and (target != "rank1" or "rank 1 is draining: draining with it" in log),
+          "requests running at the signal: %s\n    %s" % (running, srv.log_tail(20)))
 
 
 def case_group_drain_balanced(srv):
