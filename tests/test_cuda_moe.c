@@ -1448,7 +1448,8 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
  * msg */
 int cuda_moe_lean_host_check(char *msg, size_t n);
 
-/* m's cases on the lean kernels (set: the format's switch, var its name) in forms 0 to last */
+/* m's cases on the lean kernels (set: the format's switch, var its name) in each of forms[n_forms]
+ */
 static void lean_form_cases(const model *m, int (*set)(int), const char *var, const int *forms,
                             int n_forms) {
     const int old = set(1), old_form = cuda_moe_w4_lean_form(0);
