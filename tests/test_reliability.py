@@ -881,11 +881,8 @@ def case_group_drain_balanced(srv):
     n_new = 800
     socks = [(raw_post(srv.base, "/generate", gen_body([5, 6, 7, i], n_new, stream=i % 2 == 0)), i % 2 == 0)
              for i in range(6)]
-    # the signal as soon as rank 1 runs relayed ones (a fixed wait could outlast them)
-    on1, deadline = 0, time.time() + 10 * TIME_SCALE
-    while on1 == 0 and time.time() < deadline:
-        time.sleep(0.01)
-        on1 = srv.json(srv.ports[1], "GET", "/server_info")["internal_states"][1]["num_running_reqs"]
+    wait_running(srv, 1)  # the signal as soon as rank 1 runs relayed ones, not after a fixed wait
+    on1 = srv.json(srv.ports[1], "GET", "/server_info")["internal_states"][1]["num_running_reqs"]
     t0 = time.time()
     os.kill(srv.pids[0], signal.SIGTERM)
     good, bad = group_collect(socks, n_new)

@@ -9,7 +9,8 @@
 // (form 1) against the tiles' 65 to 70%, 56 to 64% on the H200 against 48 to 49%; behind the tiles
 // on Qwen3-30B-A3B's small experts at T = 1, which the default rule leaves to them. At 16 pairs an
 // expert form 5 (two row tiles a warpgroup) is ahead of the tiles on the H100 (nineteenth
-// session: DeepSeek-V3's 59 / 44% against 54 / 39 to 44%), the other forms behind them.
+// session: DeepSeek-V3's 59 / 44% against 52 to 58 / 39 to 45% over the calls, against 58 / 40 to
+// 42% in the same one), the other forms behind them.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.
@@ -577,7 +578,7 @@ extern "C" int cuda_moe_w8_lean(int on) {
 // in groups of a 64-k chunk, each chunk's decode beside the products of the one before; 2 in
 // those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
 // groups a register; 4 as 1 with those scales; 5 as 4 with two 64-row tiles a consumer warpgroup,
-// so that a stage's activations, read from L2, meet 128 weight rows instead of 64. Unset (or 6),
+// so that a stage's activations, read from L2, meet 128 weight rows instead of 64. Unset (or 6+),
 // by the tile's rows: NVFP4 form 3 for 8 rows, 5 for 32, and for 16 form 5 on experts of 4 M
 // weights a matrix or more (big), 4 on smaller ones (fewer column blocks: Qwen3-30B-A3B's lost 2
 // points in high in form 5); FP8 form 1. On an H100 those were the fastest or within a point of
