@@ -13,9 +13,9 @@
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
-# switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r: MOESERVE_NVFP4_LEAN_FORM 0-5).
+# switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM 0-6).
 # FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN
-# (forms 0 to 2 and 5); parts 1 and 2 stay NVFP4's.
+# (forms 0 to 2, 5 and 6); parts 1 and 2 stay NVFP4's.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -25,12 +25,12 @@ out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 fmt=${FMT:-nvfp4}
-lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s 2r (MOESERVE_NVFP4_LEAN_FORM 0-5)
+lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s 2r 2m (MOESERVE_NVFP4_LEAN_FORM 0-6)
     unset MOESERVE_NVFP4_LEAN MOESERVE_FP8_LEAN
     if [ "$fmt" = fp8 ]; then
-        export MOESERVE_FP8_LEAN=${1%[zpwdsr]}
+        export MOESERVE_FP8_LEAN=${1%[zpwdsrm]}
     else
-        export MOESERVE_NVFP4_LEAN=${1%[zpwdsr]}
+        export MOESERVE_NVFP4_LEAN=${1%[zpwdsrm]}
     fi
     unset MOESERVE_NVFP4_LEAN_FORM
     case $1 in
@@ -40,6 +40,7 @@ lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s 2r (MOESER
     *d) export MOESERVE_NVFP4_LEAN_FORM=3 ;;
     *s) export MOESERVE_NVFP4_LEAN_FORM=4 ;;
     *r) export MOESERVE_NVFP4_LEAN_FORM=5 ;;
+    *m) export MOESERVE_NVFP4_LEAN_FORM=6 ;;
     esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"

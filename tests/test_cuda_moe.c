@@ -1406,7 +1406,8 @@ int cuda_moe_w4_wgmma_min(int pairs);
  * the sizes timed faster, 0 off, -1 as MOESERVE_NVFP4_LEAN says: 2 unless set); returns the
  * setting before */
 int cuda_moe_w4_lean(int on);
-/* the same for their form (0 to 4; -1: MOESERVE_NVFP4_LEAN_FORM, 4 unless set) */
+/* the same for their form (0 to 6, 7 by the tile's rows; -1: MOESERVE_NVFP4_LEAN_FORM, by the
+ * tile's rows unless set) */
 int cuda_moe_w4_lean_form(int form);
 
 /* A quantized format's experts on the wgmma kernel (set: its test hook, forced on here; line: the
@@ -1456,7 +1457,8 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
     for (int f = 0; f < n_forms; f++) {
         const int form = forms[f];
         /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and 10 an
-         * expert); 2: of 16 at T = 24 (6), at T = 64 the tiles (in form 5: tiles of 32 rows) */
+         * expert); 2: of 16 at T = 24 (6), at T = 64 the tiles (NVFP4 in forms 5 and 6, FP8 in
+         * high precision in form 6: tiles of 32 rows) */
         cuda_moe_w4_lean_form(form);
         set(1);
         printf("  on the lean kernels (%s=1, form %d)\n", var, form);
@@ -1474,13 +1476,13 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
- * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' six
+ * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' seven
  * forms. */
 static void test_nvfp4_lean(void) {
-    static const int forms[] = {0, 1, 2, 3, 4, 5};
+    static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0)
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 6);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
     model_free(&m);
 }
 
@@ -1606,18 +1608,18 @@ int cuda_moe_w8_lean(int on);
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
- * NVFP4's: in forms 0 to 2 and 5 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a
+ * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a
  * multiple of 128, not of 256). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
         int D, F;
     } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
-    static const int forms[] = {0, 1, 2, 5}; /* 3 and 4 run as 1 */
+    static const int forms[] = {0, 1, 2, 5, 6}; /* 3 and 4 run as 1 */
     for (int si = 0; si < 2; si++) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0)
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 4);
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
         model_free(&m);
     }
 }

@@ -987,7 +987,7 @@ bool fp8_w8a8_takes(int64_t n_pairs, int E, int D, int F) {
            D % FP8G_BK == 0 && F % 64 == 0 && D > 0 && F > 0 &&
            ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM && !ops_cuda_deterministic() &&
            cuda_env_on("MOESERVE_W8A8", &on) && cuda_wgmma_device() &&
-           !moe_lean_w8_rows(n_pairs, E, D, F, false);
+           !moe_lean_w8_rows(n_pairs, E, D, F, false, false);
 }
 
 extern "C" int cuda_moe_fp8_w8a8(int64_t n_pairs, int E, int D, int F) {

@@ -2482,8 +2482,9 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     if constexpr (WF != WF_BF16) { // decode sizes on the lean kernels where they are switched on
         const bool tiny = (int64_t)T * K <= MOE_TINY_PAIRS;
         const int rows = ops_cuda_deterministic() ? 0
-                         : WF == WF_FP8 ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny)
-                                        : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, tiny);
+                         : WF == WF_FP8
+                             ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny, !medium)
+                             : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, tiny);
         if (rows && (medium || q_one_chain())) {
             moe_run_lean<WF>(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
             return;

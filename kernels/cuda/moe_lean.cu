@@ -8,15 +8,16 @@
 // experts in medium, in a chain, at 2 to 8 pairs an expert 78 to 86% of the copy rate on the H100
 // (form 1) against the tiles' 65 to 70%, 56 to 64% on the H200 against 48 to 49%; behind the tiles
 // on Qwen3-30B-A3B's small experts at T = 1, which the default rule leaves to them. At 16 pairs an
-// expert form 5 (two row tiles a warpgroup) is ahead of the tiles on the H100 (nineteenth
-// session: DeepSeek-V3's 59 / 44% against 52 to 58 / 39 to 45% over the calls, against 58 / 40 to
-// 42% in the same one), the other forms behind them.
+// expert form 6 (two consumer warpgroups of two row tiles each, one block an SM) is ahead of the
+// tiles on the H100 (twentieth session: DeepSeek-V3's 70.5 / 57% against 58 / 43%; FP8 in high
+// 81 to 84% against 70%), and the producer's arrival one stage after a stage's copies instead of
+// S - 1 (LAG) took DeepSeek-V3's NVFP4 experts at 8 pairs an expert from 82 / 70% to 85 / 75%.
 //
 // A block is one tile of an expert's pairs (at most NT, the tokens of wgmma's N) and 64 weight
 // rows: GEMM 1's 32 gate rows and the 32 up rows of the same columns, or GEMM 2's 64 down rows.
 // Warps 0-3 are one consumer warpgroup, warp 4 the producer (form 2: two consumer warpgroups, 128
 // rows, warp 8 the producer; form 5: 128 rows, the one warpgroup taking both 64-row tiles in turn,
-// each on its own sums; lean_form). A stage is 256 k:
+// each on its own sums; form 6: 256 rows, two such warpgroups; lean_form). A stage is 256 k:
 //   - two TMA boxes of 32 rows x 128 bytes of codes (128-byte swizzle) and two of 32 rows x 16
 //     scale bytes, on the stage's full barrier with their bytes;
 //   - the tile's activation rows, 256 k of each in BF16 (split: then their lo parts), copied by
@@ -34,8 +35,8 @@
 // a stage's 16 as one group after decoding them all, forms 1 and 2 as four groups of a 64-k chunk,
 // each chunk decoded while the one before runs; form 4 is form 1 with two groups' scales a
 // register (lean_scale_pair), form 3 that with more blocks an SM, form 5 that with two row tiles a
-// warpgroup (a chunk's group a row tile, the tiles in turn). The default picks by the tile's rows
-// (lean_form_now).
+// warpgroup (a chunk's group a row tile, the tiles in turn), form 6 form 5 with two warpgroups.
+// The default picks by the tile's rows (lean_form_now).
 // FP8 experts (W8) take the same kernels with a stage of 128 k, one block of the checkpoint's
 // scales: the codes are as many bytes a stage (lane q's 16 bytes of a row's 64-k chunk, a word a
 // k16 step in fp8_pack_kernel's layout, decoded by fp8_w8_decode and one bf16x2 product by 2^120,
@@ -68,11 +69,12 @@ typedef __nv_bfloat16 bf16;
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
 // stage's activations, each with its own 64 weight rows; 3 as 1 with more blocks an SM (dense)
 // and the scales two groups a register (pairs); 4 as 1 with the pairs; 5 as 4 with two 64-row
-// tiles (rt) a consumer warpgroup sharing the stage's activations, as form 2's warpgroups do.
+// tiles (rt) a consumer warpgroup sharing the stage's activations, as form 2's warpgroups do; 6
+// as 5 with two consumer warpgroups (256 weight rows a stage, one block an SM).
 template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
-    static constexpr int wg = FORM == 2 ? 2 : 1; // consumer warpgroups
-    static constexpr int rt = FORM == 5 ? 2 : 1; // 64-row tiles a consumer warpgroup
+    static constexpr int wg = FORM == 2 || FORM == 6 ? 2 : 1; // consumer warpgroups
+    static constexpr int rt = FORM >= 5 ? 2 : 1;              // 64-row tiles a consumer warpgroup
     static constexpr int vw = wg * rt;           // 64-row tiles a block: the stage's layout
     static constexpr bool dense = FORM == 3;
     static constexpr bool pairs = FORM >= 3; // the scales two groups a register
@@ -100,15 +102,19 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // 2 in high (41 KB). 128 rows a block (WG here: form 2's two warpgroups of 288 threads, pipe
     // up to 96 registers; form 5's one, 96 to 148 registers): two blocks, 110 KB each. DENSE (form
     // 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks (3 stages in medium, 2 in
-    // high), 16-row tiles four (3, 2)
-    static constexpr int blocks = WG == 2    ? 2
+    // high), 16-row tiles four (3, 2). 256 rows a block (form 6): one block, 224 KB, so that 32-row
+    // tiles keep three stages of 36 KB of weights in flight in medium (four of 52 KB), two in high
+    // (three of 68 KB), where form 5's two blocks keep two and one of 18 KB each
+    static constexpr int blocks = WG == 4    ? 1
+                                  : WG == 2  ? 2
                                   : NT == 8  ? (DENSE ? 5 : 4)
                                   : NT == 16 ? (DENSE ? 4 : 3)
                                              : 2;
     // what the launch bounds ask: 4 of the dense 8-row tiles (ptxas held to 80 registers
     // serializes their wgmma; form 1's 79 registers let 5 fit anyway)
     static constexpr int bound = DENSE && NT == 8 ? 4 : blocks;
-    static constexpr int room = (WG == 2    ? 110
+    static constexpr int room = (WG == 4    ? 224
+                                 : WG == 2  ? 110
                                  : NT == 8  ? (DENSE ? 42 : 53)
                                  : NT == 16 ? (DENSE ? 54 : 74)
                                             : 110) *
@@ -306,10 +312,15 @@ __launch_bounds__(lean_form<FORM>::threads,
             src =
                 a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
         // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
-        // (the async proxy: a proxy fence once it has landed) and arrives for the stage LAG
-        // stages later, so that its waits never hold back the stages in flight; LAG = S - 1
-        // keeps the producer from waiting on a stage the consumers still need it to arrive for
-        constexpr int LAG = S - 1;
+        // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
+        // stage later (LAG), so that its wait does not hold back the next stage's loads: their
+        // group was requested a round before. The arrival for stage kt comes after the loads of
+        // stage kt + LAG, which wait for the release of stage kt + LAG - S; with LAG = S - 1 (as
+        // until the twentieth session) the consumers, done with stage kt - 1, waited for the
+        // producer's next round (its wake-up, the loads' issue) before they could start stage kt
+        // (H100: DeepSeek-V3's experts at 8 pairs an expert 70 -> 75% of the copy rate in high,
+        // docs/benchmarks.md). With two stages LAG 0 was slower in high on 8-row tiles.
+        constexpr int LAG = 1;
         int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             if (kt >= pre) {
@@ -578,18 +589,22 @@ extern "C" int cuda_moe_w8_lean(int on) {
 // in groups of a 64-k chunk, each chunk's decode beside the products of the one before; 2 in
 // those groups, two consumer warpgroups a block; 3 as 1 with more blocks an SM and the scales two
 // groups a register; 4 as 1 with those scales; 5 as 4 with two 64-row tiles a consumer warpgroup,
-// so that a stage's activations, read from L2, meet 128 weight rows instead of 64. Unset (or 6+),
-// by the tile's rows: NVFP4 form 3 for 8 rows, 5 for 32, and for 16 form 5 on experts of 4 M
-// weights a matrix or more (big), 4 on smaller ones (fewer column blocks: Qwen3-30B-A3B's lost 2
-// points in high in form 5); FP8 form 1. On an H100 those were the fastest or within a point of
-// it at every size timed (docs/benchmarks.md, "One H100 (2026-12-06, nineteenth session)"). FP8
-// takes forms 0 to 2 and 5 (3 and 4, whose difference is NVFP4's group scales, run as 1).
-#define LEAN_FORM_BY_ROWS 6
+// so that a stage's activations, read from L2, meet 128 weight rows instead of 64; 6 as 5 with
+// two consumer warpgroups (256 rows, one block an SM). Unset (or 7+), by the tile's rows: NVFP4
+// form 3 for 8 rows; for 16 form 5 on experts of 4 M weights a matrix or more (big), 4 on smaller
+// ones (fewer column blocks: Qwen3-30B-A3B's lost 2 points in high in form 5); for 32 form 6,
+// except small experts in medium precision (form 5: Qwen3-30B-A3B's at T = 256 198 against 206
+// us, where in high form 6 took 239 against 267); FP8 form 1, and 6 for 32 rows. On an H100
+// those were the fastest or within a point of it at every size timed (docs/benchmarks.md, "One
+// H100 (2026-12-06, twentieth session)"). FP8 takes forms 0 to 2, 5 and 6 (3 and 4, whose
+// difference is NVFP4's group scales, run as 1).
+#define LEAN_FORM_BY_ROWS 7
 static int g_lean_form = -1;
-static int lean_form_now(int rows, bool w8, bool big) {
+static int lean_form_now(int rows, bool w8, bool big, bool split) {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", LEAN_FORM_BY_ROWS, &g_lean_form);
     if (f < LEAN_FORM_BY_ROWS) return f;
-    return w8 ? 1 : rows == 8 ? 3 : rows == 32 || big ? 5 : 4;
+    if (rows == 32) return big || split || w8 ? 6 : 5;
+    return w8 ? 1 : rows == 8 ? 3 : big ? 5 : 4;
 }
 static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
 
@@ -611,22 +626,25 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
 
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
     // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset): up to 8 pairs an expert, and
-    // up to 16 where 32-row tiles run in form 5 (two row tiles a warpgroup), which the H100's
+    // up to 16 where 32-row tiles run in form 5 or 6 (two row tiles a warpgroup), which the H100's
     // timings put ahead of the tiles there
-    const int max_per = lean_form_now(32, false, lean_big(D, F)) == 5 ? 16 : 8;
+    const int max_per = lean_form_now(32, false, lean_big(D, F), false) >= 5 ? 16 : 8;
     return lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E, D, F, tiny,
                           LEAN_BK, max_per);
 }
 
-int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
-    // MOESERVE_FP8_LEAN (2 when unset: NVFP4's rule to 8 pairs an expert, which the H100's
-    // timings bear out for FP8 too; docs/benchmarks.md, "One H100 (2026-12-06, eighteenth
-    // session)")
+int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split) {
+    // MOESERVE_FP8_LEAN (2 when unset): NVFP4's rule to 8 pairs an expert, which the H100's
+    // timings bear out for FP8 too (docs/benchmarks.md, "One H100 (2026-12-06, eighteenth
+    // session)"), and in high precision up to 16 where 32-row tiles run in form 6 (DeepSeek-V3's
+    // experts at 16 pairs an expert: 84% of the copy rate against the tiles' 70%; in medium the
+    // W8A8 GEMMs' 97%, "One H100 (2026-12-06, twentieth session)")
+    const int max_per = split && lean_form_now(32, true, lean_big(D, F), true) == 6 ? 16 : 8;
     return lean_tile_rows(cuda_env_count("MOESERVE_FP8_LEAN", 2, &g_lean8), n_pairs, E, D, F, tiny,
-                          LEAN_BK / 2, 8);
+                          LEAN_BK / 2, max_per);
 }
 
-// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 5, 6 by the tile's rows),
+// Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 6, 7 by the tile's rows),
 // or back to MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
     const int old = g_lean_form;
@@ -699,7 +717,7 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     a.out = out;
     a.ws2 = s2;
     a.topk = K;
-    const int form = lean_form_now(rows, W8, lean_big(D, F));
+    const int form = lean_form_now(rows, W8, lean_big(D, F), split);
     auto both = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) {
@@ -720,8 +738,10 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             go(std::integral_constant<int, F3>());
         else if (form == 4)
             go(std::integral_constant<int, F4>());
-        else
+        else if (form == 5 || D % 256) // form 6: D a multiple of 256 (FP8's lean D: of 128)
             go(std::integral_constant<int, 5>());
+        else
+            go(std::integral_constant<int, 6>());
     };
     if (rows == 8)
         both(std::integral_constant<int, 8>());
@@ -1079,7 +1099,8 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
         p.s2.resize((size_t)3 * p.E);
         for (auto &v : p.s2)
             v = w8 ? 1.0f : 0.5f + (float)(lean_rand() % 100) / 100.0f;
-        // one consumer warpgroup (forms 0 and 1: the same places), then two (form 2)
+        // one 64-row tile a block (forms 0, 1, 3 and 4: the same places), two (forms 2 and 5)
+        // and four (form 6)
         auto all = [&](auto f8) {
             constexpr bool W8 = decltype(f8)::value;
             return std::vector<double>{
@@ -1088,15 +1109,19 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
                 lean_check_one<32, false, 1, W8>(p), lean_check_one<32, true, 1, W8>(p),
                 lean_check_one<8, false, 2, W8>(p),  lean_check_one<8, true, 2, W8>(p),
                 lean_check_one<16, false, 2, W8>(p), lean_check_one<16, true, 2, W8>(p),
-                lean_check_one<32, false, 2, W8>(p), lean_check_one<32, true, 2, W8>(p)};
+                lean_check_one<32, false, 2, W8>(p), lean_check_one<32, true, 2, W8>(p),
+                lean_check_one<8, false, 4, W8>(p),  lean_check_one<8, true, 4, W8>(p),
+                lean_check_one<16, false, 4, W8>(p), lean_check_one<16, true, 4, W8>(p),
+                lean_check_one<32, false, 4, W8>(p), lean_check_one<32, true, 4, W8>(p)};
         };
         const std::vector<double> w = w8 ? all(std::true_type()) : all(std::false_type());
-        for (int i = 0; i < 12; i++) {
+        for (int i = 0; i < 18; i++) {
             if (!(w[i] < 1e-5)) {
                 snprintf(msg, n,
-                         "lean kernels emulated, %s, %d rows, %s, %d warpgroup%s: max rel err %.3g",
+                         "lean kernels emulated, %s, %d rows, %s, %d row tiles a block: max rel "
+                         "err %.3g",
                          w8 ? "FP8" : "NVFP4", 8 << (i % 6 / 2), i % 2 ? "high" : "medium",
-                         i / 6 + 1, i / 6 ? "s" : "", w[i]);
+                         1 << (i / 6), w[i]);
                 return -1;
             }
             worst = std::max(worst, w[i]);
@@ -1104,8 +1129,8 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
     }
     snprintf(
         msg, n,
-        "lean kernels emulated (NVFP4 and FP8; 8, 16 and 32 rows, medium and high, one and two "
-        "warpgroups): max rel err %.2g",
+        "lean kernels emulated (NVFP4 and FP8; 8, 16 and 32 rows, medium and high, one, two and "
+        "four row tiles a block): max rel err %.2g",
         worst);
     return 0;
 }

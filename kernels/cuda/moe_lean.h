@@ -2,7 +2,8 @@
 // (kernels/cuda/moe_lean.cu), for moe.cu: CUDA C++ only. The sizes it takes by default are those
 // where it was timed faster than the tiles (docs/benchmarks.md, "One H100 and one H200
 // (2026-12-06, seventeenth session)"; FP8: "One H100 (2026-12-06, eighteenth session)"; NVFP4
-// from 9 pairs an expert: "One H100 (2026-12-06, nineteenth session)").
+// from 9 pairs an expert: "One H100 (2026-12-06, nineteenth session)"; FP8 in high precision from
+// 9: "One H100 (2026-12-06, twentieth session)").
 #ifndef MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 #define MOESERVE_KERNELS_CUDA_MOE_LEAN_H
 
@@ -14,10 +15,10 @@
 // the lean kernels take n_pairs pairs over E local experts of NVFP4 weights (D hidden, F expert
 // width), or 0 where they do not: on a Hopper device, D and F multiples of 256, and by
 // MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 16 where
-// 32-row tiles run in form 5 (their default form; else up to 8), and where moe.cu takes its tiny
-// path (tiny) only on experts of at least 4 M weights a matrix; 0 never.
-// (moe.cu adds its own conditions: outside deterministic mode, and in high precision only where
-// its NVFP4 tiles sum in one chain.)
+// 32-row tiles run in form 5 or 6 (their default forms; else up to 8), and where moe.cu takes its
+// tiny path (tiny) only on experts of at least 4 M weights a matrix; 0 never. (moe.cu adds its own
+// conditions: outside deterministic mode, and in high precision only where its NVFP4 tiles sum in
+// one chain.)
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
 
 // Both GEMMs from moe.cu's prepared inputs, its prepare kernel run with tiles of `rows` rows:
@@ -35,9 +36,10 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
 // The same for FP8 experts (E4M3 codes in fp8_pack_kernel's layout, fp32 scales a 128 x 128
-// block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (the same values, 2 when unset), D and F
+// block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (the same values, 2 when unset: up to 8
+// pairs an expert, in high precision (split) up to 16 where 32-row tiles run in form 6), D and F
 // multiples of 128.
-int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
+int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split);
 
 // moe_lean_w4_experts for FP8 experts as cuda_prepare_experts_fp8 leaves them: each 128-k block's
 // sums folded into the totals times its rows' scale, as the tiles do; no tensor scales.
