@@ -130,8 +130,9 @@
 // experts, medium (tests/test_cuda_moe --fp8, one call, % of the copy rate), T = 64 195.0 us
 // (74.2%) against 256.0 (56.9%), T = 16 131.2 us (72.1%), T = 1 23.9 us against 25.3.
 // At decode sizes outside deterministic mode (by default up to 8 pairs an expert on average, NVFP4
-// up to 16) FP8 and NVFP4 experts run on the lean kernels instead (moe_lean.h: the weights as
-// wgmma's A operand, the same sums; MOESERVE_FP8_LEAN, MOESERVE_NVFP4_LEAN).
+// and FP8 in high precision up to 16) FP8 and NVFP4 experts run on the lean kernels instead
+// (moe_lean.h: the weights as wgmma's A operand, the same sums; MOESERVE_FP8_LEAN,
+// MOESERVE_NVFP4_LEAN).
 // One exception (fp8_gemm.h, fp8_w8a8_takes): in medium precision outside deterministic mode, from
 // 16 pairs an expert, GEMM 1 quantizes x per token per 128 channels and runs on the FP8 tensor
 // cores (W8A8, kernels/cuda/fp8_gemm.cu), writing the same h, and GEMM 2 quantizes h the same way
