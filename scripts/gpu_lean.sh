@@ -13,9 +13,9 @@
 #      the switch at each of LEANS
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
-# switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM 0-6).
-# FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN
-# (forms 0 to 2, 5 and 6); parts 1 and 2 stay NVFP4's.
+# switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM
+# 0-6). FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to
+# MOESERVE_FP8_LEAN (forms 0 to 2, 5 and 6); parts 1 and 2 stay NVFP4's.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -25,7 +25,7 @@ out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 fmt=${FMT:-nvfp4}
-lean_env() { # a value of LEANS: 2 (the default form), 2z 2p 2w 2d 2s 2r 2m (MOESERVE_NVFP4_LEAN_FORM 0-6)
+lean_env() { # a value of LEANS: 2 (the default form), 2z .. 2m (MOESERVE_NVFP4_LEAN_FORM 0-6)
     unset MOESERVE_NVFP4_LEAN MOESERVE_FP8_LEAN
     if [ "$fmt" = fp8 ]; then
         export MOESERVE_FP8_LEAN=${1%[zpwdsrm]}
