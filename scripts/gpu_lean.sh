@@ -14,8 +14,9 @@
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
 # switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM
-# 0-6). FMT=fp8 times and steps FP8 experts instead, the values of LEANS going to
-# MOESERVE_FP8_LEAN (forms 0 to 2, 5 and 6); parts 1 and 2 stay NVFP4's.
+# 0-6; 2t: the default form with 24-row tiles, MOESERVE_LEAN_ROWS24=1). FMT=fp8 times and steps
+# FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN (forms 0 to 2, 5 and 6);
+# parts 1 and 2 stay NVFP4's.
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -25,14 +26,14 @@ out=${OUT:-/tmp/gpu-lean}
 mkdir -p "$out"
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 fmt=${FMT:-nvfp4}
-lean_env() { # a value of LEANS: 2 (the default form), 2z .. 2m (MOESERVE_NVFP4_LEAN_FORM 0-6)
+lean_env() { # a value of LEANS: 2 (the default form), 2z .. 2m (MOESERVE_NVFP4_LEAN_FORM 0-6), 2t
     unset MOESERVE_NVFP4_LEAN MOESERVE_FP8_LEAN
     if [ "$fmt" = fp8 ]; then
-        export MOESERVE_FP8_LEAN=${1%[zpwdsrm]}
+        export MOESERVE_FP8_LEAN=${1%[zpwdsrmt]}
     else
-        export MOESERVE_NVFP4_LEAN=${1%[zpwdsrm]}
+        export MOESERVE_NVFP4_LEAN=${1%[zpwdsrmt]}
     fi
-    unset MOESERVE_NVFP4_LEAN_FORM
+    unset MOESERVE_NVFP4_LEAN_FORM MOESERVE_LEAN_ROWS24
     case $1 in
     *z) export MOESERVE_NVFP4_LEAN_FORM=0 ;;
     *p) export MOESERVE_NVFP4_LEAN_FORM=1 ;;
@@ -41,6 +42,7 @@ lean_env() { # a value of LEANS: 2 (the default form), 2z .. 2m (MOESERVE_NVFP4_
     *s) export MOESERVE_NVFP4_LEAN_FORM=4 ;;
     *r) export MOESERVE_NVFP4_LEAN_FORM=5 ;;
     *m) export MOESERVE_NVFP4_LEAN_FORM=6 ;;
+    *t) export MOESERVE_LEAN_ROWS24=1 ;;
     esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"

@@ -1449,6 +1449,10 @@ static void wgmma_against_tiles(const model *m, int (*set)(int), const char *fmt
  * msg */
 int cuda_moe_lean_host_check(char *msg, size_t n);
 
+/* the same file: 24-row tiles from 9 to 16 pairs an expert (MOESERVE_LEAN_ROWS24) on (1), off (0)
+ * or as the variable says (-1); returns the setting before */
+int cuda_moe_lean_rows24(int on);
+
 /* m's cases on the lean kernels (set: the format's switch, var its name) in each of forms[n_forms]
  */
 static void lean_form_cases(const model *m, int (*set)(int), const char *var, const int *forms,
@@ -1477,12 +1481,17 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
  * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' seven
- * forms. */
+ * forms, and with 24-row tiles (MOESERVE_LEAN_ROWS24) in forms 5 and 6. */
 static void test_nvfp4_lean(void) {
-    static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
+    static const int forms[] = {0, 1, 2, 3, 4, 5, 6}, forms24[] = {5, 6};
     model m;
-    if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0)
+    if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
+        const int old24 = cuda_moe_lean_rows24(1);
+        printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms24, 2);
+        cuda_moe_lean_rows24(old24);
+    }
     model_free(&m);
 }
 
@@ -1608,18 +1617,23 @@ int cuda_moe_w8_lean(int on);
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
- * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), on D 512 F 256 and on F 384 (a
- * multiple of 128, not of 256). */
+ * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), 24-row tiles in 5 and 6, on D 512
+ * F 256 and on F 384 (a multiple of 128, not of 256). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
         int D, F;
     } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
-    static const int forms[] = {0, 1, 2, 5, 6}; /* 3 and 4 run as 1 */
+    static const int forms[] = {0, 1, 2, 5, 6}, forms24[] = {5, 6}; /* 3 and 4 run as 1 */
     for (int si = 0; si < 2; si++) {
         model m;
-        if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0)
+        if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
+            const int old24 = cuda_moe_lean_rows24(1);
+            printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms24, 2);
+            cuda_moe_lean_rows24(old24);
+        }
         model_free(&m);
     }
 }

@@ -2436,8 +2436,8 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
 }
 
 // NVFP4 and FP8 experts on the lean kernels (moe_lean.h; MOESERVE_NVFP4_LEAN, MOESERVE_FP8_LEAN):
-// the prepare kernel with tiles of `rows` pairs (8, 16 or 32), then both GEMMs with the weights as
-// wgmma's A operand; h in the workspace after the prepare kernel's outputs, as moe_run has it.
+// the prepare kernel with tiles of `rows` pairs (8, 16, 24 or 32), then both GEMMs with the weights
+// as wgmma's A operand; h in the workspace after the prepare kernel's outputs, as moe_run has it.
 template <int WF>
 static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows, int rows, bool split) {

@@ -99,12 +99,13 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // 16 rows 4 in medium (17 KB), 2 in high (25 KB). That keeps 72 to 144 KB of weights in
     // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     // 32-row tiles two (their registers would allow three, the stages not): 4 in medium (25 KB),
-    // 2 in high (41 KB). 128 rows a block (WG here: form 2's two warpgroups of 288 threads, pipe
-    // up to 96 registers; form 5's one, 96 to 148 registers): two blocks, 110 KB each. DENSE (form
-    // 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks (3 stages in medium, 2 in
-    // high), 16-row tiles four (3, 2). 256 rows a block (form 6): one block, 224 KB, so that 32-row
-    // tiles keep three stages of 36 KB of weights in flight in medium (four of 52 KB), two in high
-    // (three of 68 KB), where form 5's two blocks keep two and one of 18 KB each
+    // 2 in high (41 KB); 24-row tiles as those. 128 rows a block (WG here: form 2's two warpgroups
+    // of 288 threads, pipe up to 96 registers; form 5's one, 96 to 148 registers): two blocks, 110
+    // KB each. DENSE (form 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks (3
+    // stages in medium, 2 in high), 16-row tiles four (3, 2). 256 rows a block (form 6): one block,
+    // 224 KB, so that 32-row tiles keep three stages of 36 KB of weights in flight in medium (four
+    // of 52 KB), two in high (three of 68 KB), where form 5's two blocks keep two and one of 18 KB
+    // each
     static constexpr int blocks = WG == 4    ? 1
                                   : WG == 2  ? 2
                                   : NT == 8  ? (DENSE ? 5 : 4)
@@ -196,6 +197,15 @@ __device__ __forceinline__ void lean_wgmma<16>(float *d, const uint32_t (&a)[4],
                  "%6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
                    "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void lean_wgmma<24>(float *d, const uint32_t (&a)[4], uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
+                 "%6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
@@ -328,9 +338,12 @@ __launch_bounds__(lean_form<FORM>::threads,
                 weights(kt, s);
             }
             const uint32_t act = smem0 + s * SB + L::codes + L::sf;
+            // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
+            constexpr bool ROW_LANES = NT == 24;
 #pragma unroll
-            for (int j = 0; j < NT * BK / 256; j++) {
-                const int u = lane / NT + (32 / NT) * j; // chunk of the stage's BK k
+            for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
+                if (ROW_LANES && lane >= NT) break;
+                const int u = ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
                 const uint32_t dst = act + lean_act_off<NT>(u, n);
                 const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
 #pragma unroll
@@ -603,10 +616,23 @@ static int g_lean_form = -1;
 static int lean_form_now(int rows, bool w8, bool big, bool split) {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", LEAN_FORM_BY_ROWS, &g_lean_form);
     if (f < LEAN_FORM_BY_ROWS) return f;
-    if (rows == 32) return big || split || w8 ? 6 : 5;
+    if (rows >= 24) return big || split || w8 ? 6 : 5;
     return w8 ? 1 : rows == 8 ? 3 : big ? 5 : 4;
 }
 static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
+
+// MOESERVE_LEAN_ROWS24=1: tiles of 24 rows instead of 32 from 9 to 16 pairs an expert (wgmma's
+// m64n24k16: a quarter fewer products and activation bytes a stage for the padded rows, where
+// random routing puts 16 +- 4 pairs on an expert at 16 on average; the few experts past 24 take
+// a second tile). Off by default: written, not yet timed (docs/benchmarks.md, "One H100
+// (2026-12-06, twentieth session)"). Forms 5 and 6 only: the others run 24-row tiles as form 5.
+static int g_rows24 = -1;
+static bool lean_rows24_on() { return cuda_env_count("MOESERVE_LEAN_ROWS24", 0, &g_rows24) == 1; }
+extern "C" int cuda_moe_lean_rows24(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_rows24;
+    g_rows24 = on < 0 ? -1 : on;
+    return old;
+}
 
 // The rows of a tile by the switch's mode: 0 off, 1 wherever the kernels fit, 2 where they were
 // timed faster than the tiles, up to max_per pairs an expert on average (Kd: the multiple both
@@ -621,7 +647,7 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
     // Qwen3-30B-A3B's)
     const int64_t per = (n_pairs + E - 1) / E; // pairs an expert, on average
     if (mode == 2 && (per > max_per || (tiny && !lean_big(D, F)))) return 0;
-    return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? 32 : 0;
+    return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? (lean_rows24_on() ? 24 : 32) : 0;
 }
 
 int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
@@ -728,7 +754,12 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                                                    down_sf, E, D, F);
         };
         constexpr int F3 = W8 ? 1 : 3, F4 = W8 ? 1 : 4; // FP8: forms 3 and 4 as 1
-        if (form == 0)
+        if constexpr (NT == 24) {                       // 24 rows: forms 5 and 6 alone
+            if (form == 6 && D % 256 == 0)
+                go(std::integral_constant<int, 6>());
+            else
+                go(std::integral_constant<int, 5>());
+        } else if (form == 0)
             go(std::integral_constant<int, 0>());
         else if (form == 1)
             go(std::integral_constant<int, 1>());
@@ -747,6 +778,8 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         both(std::integral_constant<int, 8>());
     else if (rows == 16)
         both(std::integral_constant<int, 16>());
+    else if (rows == 24)
+        both(std::integral_constant<int, 24>());
     else
         both(std::integral_constant<int, 32>());
 }
@@ -1100,37 +1133,47 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
         for (auto &v : p.s2)
             v = w8 ? 1.0f : 0.5f + (float)(lean_rand() % 100) / 100.0f;
         // one 64-row tile a block (forms 0, 1, 3 and 4: the same places), two (forms 2 and 5)
-        // and four (form 6)
+        // and four (form 6); 24-row tiles in forms 5 and 6 alone
+        struct one {
+            int rows, vw;
+            bool split;
+            double err;
+        };
         auto all = [&](auto f8) {
             constexpr bool W8 = decltype(f8)::value;
-            return std::vector<double>{
-                lean_check_one<8, false, 1, W8>(p),  lean_check_one<8, true, 1, W8>(p),
-                lean_check_one<16, false, 1, W8>(p), lean_check_one<16, true, 1, W8>(p),
-                lean_check_one<32, false, 1, W8>(p), lean_check_one<32, true, 1, W8>(p),
-                lean_check_one<8, false, 2, W8>(p),  lean_check_one<8, true, 2, W8>(p),
-                lean_check_one<16, false, 2, W8>(p), lean_check_one<16, true, 2, W8>(p),
-                lean_check_one<32, false, 2, W8>(p), lean_check_one<32, true, 2, W8>(p),
-                lean_check_one<8, false, 4, W8>(p),  lean_check_one<8, true, 4, W8>(p),
-                lean_check_one<16, false, 4, W8>(p), lean_check_one<16, true, 4, W8>(p),
-                lean_check_one<32, false, 4, W8>(p), lean_check_one<32, true, 4, W8>(p)};
+            std::vector<one> v;
+            auto add = [&](auto nt, auto vw) {
+                constexpr int NT = decltype(nt)::value, VW = decltype(vw)::value;
+                v.push_back({NT, VW, false, lean_check_one<NT, false, VW, W8>(p)});
+                v.push_back({NT, VW, true, lean_check_one<NT, true, VW, W8>(p)});
+            };
+            auto rows = [&](auto vw) {
+                add(std::integral_constant<int, 8>(), vw);
+                add(std::integral_constant<int, 16>(), vw);
+                add(std::integral_constant<int, 32>(), vw);
+            };
+            rows(std::integral_constant<int, 1>());
+            rows(std::integral_constant<int, 2>());
+            rows(std::integral_constant<int, 4>());
+            add(std::integral_constant<int, 24>(), std::integral_constant<int, 2>());
+            add(std::integral_constant<int, 24>(), std::integral_constant<int, 4>());
+            return v;
         };
-        const std::vector<double> w = w8 ? all(std::true_type()) : all(std::false_type());
-        for (int i = 0; i < 18; i++) {
-            if (!(w[i] < 1e-5)) {
+        for (const one &c : w8 ? all(std::true_type()) : all(std::false_type())) {
+            if (!(c.err < 1e-5)) {
                 snprintf(msg, n,
                          "lean kernels emulated, %s, %d rows, %s, %d row tiles a block: max rel "
                          "err %.3g",
-                         w8 ? "FP8" : "NVFP4", 8 << (i % 6 / 2), i % 2 ? "high" : "medium",
-                         1 << (i / 6), w[i]);
+                         w8 ? "FP8" : "NVFP4", c.rows, c.split ? "high" : "medium", c.vw, c.err);
                 return -1;
             }
-            worst = std::max(worst, w[i]);
+            worst = std::max(worst, c.err);
         }
     }
     snprintf(
         msg, n,
-        "lean kernels emulated (NVFP4 and FP8; 8, 16 and 32 rows, medium and high, one, two and "
-        "four row tiles a block): max rel err %.2g",
+        "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, one, two "
+        "and four row tiles a block): max rel err %.2g",
         worst);
     return 0;
 }

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-// The rows of a tile (8, 16 or 32 pairs of one expert, twice the average pairs an expert) in which
+// The rows of a tile (8, 16, 24 or 32 pairs of one expert, about twice the average) in which
 // the lean kernels take n_pairs pairs over E local experts of NVFP4 weights (D hidden, F expert
 // width), or 0 where they do not: on a Hopper device, D and F multiples of 256, and by
 // MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 16 where
