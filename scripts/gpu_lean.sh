@@ -16,7 +16,10 @@
 # switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM
 # 0-6; 2t: the default form with 24-row tiles, MOESERVE_LEAN_ROWS24=1). FMT=fp8 times and steps
 # FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN (forms 0 to 2, 5 and 6);
-# parts 1 and 2 stay NVFP4's.
+# parts 1 and 2 stay NVFP4's. DS_TS sets DeepSeek-V3's sizes (default 1 2 8 16 32 64); APART=1
+# times each in a process of its own: in one process on an H100 the sizes before T = 64, at 84 to
+# 91% of the copy rate, took 8 points off its medium figure (docs/benchmarks.md, "One H100
+# (2026-12-06, twentieth session)").
 set -u
 cd "$(dirname "$0")/.."
 b=${BUILD:-build}
@@ -67,8 +70,15 @@ if ! skip time; then
         for lean in ${LEANS:-0 2}; do
             echo "-- round $round, $fmt, lean switch $lean"
             lean_env "$lean"
-            timeout 300 "$b/tests/test_cuda_moe" \
-                --deepseek-$fmt-timing 32 1 2 8 16 32 64 > "$out/ds-$fmt-$lean-$round.txt" 2>&1
+            if [ "${APART:-0}" = 1 ]; then # each size in a process of its own (see above)
+                for t in ${DS_TS:-1 2 8 16 32 64}; do
+                    timeout 120 "$b/tests/test_cuda_moe" --deepseek-"$fmt"-timing 32 "$t"
+                done > "$out/ds-$fmt-$lean-$round.txt" 2>&1
+            else
+                # shellcheck disable=SC2086
+                timeout 300 "$b/tests/test_cuda_moe" --deepseek-"$fmt"-timing 32 \
+                    ${DS_TS:-1 2 8 16 32 64} > "$out/ds-$fmt-$lean-$round.txt" 2>&1
+            fi
             grep -E "$fmt" "$out/ds-$fmt-$lean-$round.txt" | grep -vE '^FAIL' | tail -n 12
             for t in ${QWEN_TS:-1 8 64}; do
                 timeout 120 "$b/tests/test_cuda_moe" --$fmt-timing $t \
