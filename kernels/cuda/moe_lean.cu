@@ -605,12 +605,12 @@ extern "C" int cuda_moe_w8_lean(int on) {
 // so that a stage's activations, read from L2, meet 128 weight rows instead of 64; 6 as 5 with
 // two consumer warpgroups (256 rows, one block an SM). Unset (or 7+), by the tile's rows: NVFP4
 // form 3 for 8 rows; for 16 form 5 on experts of 4 M weights a matrix or more (big), 4 on smaller
-// ones (fewer column blocks: Qwen3-30B-A3B's lost 2 points in high in form 5); for 32 form 6,
-// except small experts in medium precision (form 5: Qwen3-30B-A3B's at T = 256 198 against 206
-// us, where in high form 6 took 239 against 267); FP8 form 1, and 6 for 32 rows. On an H100
-// those were the fastest or within a point of it at every size timed (docs/benchmarks.md, "One
-// H100 (2026-12-06, twentieth session)"). FP8 takes forms 0 to 2, 5 and 6 (3 and 4, whose
-// difference is NVFP4's group scales, run as 1).
+// ones (fewer column blocks: Qwen3-30B-A3B's lost 2 points in high in form 5); for 32 (and 24)
+// form 6, except small experts in medium precision (form 5: Qwen3-30B-A3B's at T = 256 198
+// against 206 us, where in high form 6 took 239 against 267); FP8 form 1, and 6 for 32 (24)
+// rows. On an H100 those were the fastest or within a point of it at every size timed
+// (docs/benchmarks.md, "One H100 (2026-12-06, twentieth session)"). FP8 takes forms 0 to 2, 5
+// and 6 (3 and 4, whose difference is NVFP4's group scales, run as 1).
 #define LEAN_FORM_BY_ROWS 7
 static int g_lean_form = -1;
 static int lean_form_now(int rows, bool w8, bool big, bool split) {
