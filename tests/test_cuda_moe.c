@@ -1476,6 +1476,15 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
     set(old);
 }
 
+/* The same with 24-row tiles (MOESERVE_LEAN_ROWS24), in forms 5 and 6, the forms that take them */
+static void lean_rows24_cases(const model *m, int (*set)(int), const char *var) {
+    static const int forms24[] = {5, 6};
+    const int old24 = cuda_moe_lean_rows24(1);
+    printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
+    lean_form_cases(m, set, var, forms24, 2);
+    cuda_moe_lean_rows24(old24);
+}
+
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
@@ -1483,14 +1492,11 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
  * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' seven
  * forms, and with 24-row tiles (MOESERVE_LEAN_ROWS24) in forms 5 and 6. */
 static void test_nvfp4_lean(void) {
-    static const int forms[] = {0, 1, 2, 3, 4, 5, 6}, forms24[] = {5, 6};
+    static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
-        const int old24 = cuda_moe_lean_rows24(1);
-        printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms24, 2);
-        cuda_moe_lean_rows24(old24);
+        lean_rows24_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN");
     }
     model_free(&m);
 }
@@ -1624,15 +1630,12 @@ static void test_fp8_lean(void) {
         const char *name;
         int D, F;
     } shapes[] = {{"fp8-lean", 512, 256}, {"fp8-lean-384", 256, 384}};
-    static const int forms[] = {0, 1, 2, 5, 6}, forms24[] = {5, 6}; /* 3 and 4 run as 1 */
+    static const int forms[] = {0, 1, 2, 5, 6}; /* 3 and 4 run as 1 */
     for (int si = 0; si < 2; si++) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
-            const int old24 = cuda_moe_lean_rows24(1);
-            printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms24, 2);
-            cuda_moe_lean_rows24(old24);
+            lean_rows24_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN");
         }
         model_free(&m);
     }
