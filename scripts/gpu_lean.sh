@@ -14,7 +14,7 @@
 # Logs go to ${OUT:-/tmp/gpu-lean}; each part prints its summary lines. SKIP="bench check time
 # step" leaves parts out; ROUNDS (default 2) sets the timing rounds, LEANS (default "0 2") the
 # switch's values for the timings and the steps (2z 2p 2w 2d 2s 2r 2m: MOESERVE_NVFP4_LEAN_FORM
-# 0-6; 2t: the default form with 24-row tiles, MOESERVE_LEAN_ROWS24=1). FMT=fp8 times and steps
+# 0-6; 2t: the default form with 32-row tiles, MOESERVE_LEAN_ROWS24=0). FMT=fp8 times and steps
 # FP8 experts instead, the values of LEANS going to MOESERVE_FP8_LEAN (forms 0 to 2, 5 and 6);
 # parts 1 and 2 stay NVFP4's. DS_TS sets DeepSeek-V3's sizes (default 1 2 8 16 32 64); APART=1
 # times each in a process of its own: in one process on an H100 the sizes before T = 64, at 84 to
@@ -45,7 +45,7 @@ lean_env() { # a value of LEANS: 2 (the default form), 2z .. 2m (MOESERVE_NVFP4_
     *s) export MOESERVE_NVFP4_LEAN_FORM=4 ;;
     *r) export MOESERVE_NVFP4_LEAN_FORM=5 ;;
     *m) export MOESERVE_NVFP4_LEAN_FORM=6 ;;
-    *t) export MOESERVE_LEAN_ROWS24=1 ;;
+    *t) export MOESERVE_LEAN_ROWS24=0 ;;
     esac
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"

@@ -1453,11 +1453,14 @@ int cuda_moe_lean_host_check(char *msg, size_t n);
  * or as the variable says (-1); returns the setting before */
 int cuda_moe_lean_rows24(int on);
 
-/* m's cases on the lean kernels (set: the format's switch, var its name) in each of forms[n_forms]
- */
+/* m's cases on the lean kernels (set: the format's switch, var its name) in each of forms[n_forms],
+ * the tiles of 9 to 16 pairs an expert 24 rows (rows24 1) or 32 (0) */
 static void lean_form_cases(const model *m, int (*set)(int), const char *var, const int *forms,
-                            int n_forms) {
+                            int n_forms, int rows24) {
     const int old = set(1), old_form = cuda_moe_w4_lean_form(0);
+    const int old24 = cuda_moe_lean_rows24(rows24);
+    printf("  tiles of %d rows from 9 to 16 pairs an expert (MOESERVE_LEAN_ROWS24=%d)\n",
+           rows24 ? 24 : 32, rows24);
     for (int f = 0; f < n_forms; f++) {
         const int form = forms[f];
         /* 1: tiles of 8 rows to T = 16 (4 pairs an expert), of 32 at T = 64 and 40 (16 and 10 an
@@ -1472,17 +1475,18 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
         run_case(m, 24, ROUTE_RANDOM, 0.0, 24, true, NULL);
         run_case(m, 64, ROUTE_RANDOM, 0.0, 64, true, NULL);
     }
+    cuda_moe_lean_rows24(old24);
     cuda_moe_w4_lean_form(old_form);
     set(old);
 }
 
-/* The same with 24-row tiles (MOESERVE_LEAN_ROWS24), in forms 5 and 6, the forms that take them */
-static void lean_rows24_cases(const model *m, int (*set)(int), const char *var) {
+/* m's cases in every form given with 32-row tiles, then in forms 5 and 6 (the forms that take
+ * them) with 24-row tiles, the default */
+static void lean_all_cases(const model *m, int (*set)(int), const char *var, const int *forms,
+                           int n_forms) {
     static const int forms24[] = {5, 6};
-    const int old24 = cuda_moe_lean_rows24(1);
-    printf("  24-row tiles (MOESERVE_LEAN_ROWS24=1)\n");
-    lean_form_cases(m, set, var, forms24, 2);
-    cuda_moe_lean_rows24(old24);
+    lean_form_cases(m, set, var, forms, n_forms, 0);
+    lean_form_cases(m, set, var, forms24, 2, 1);
 }
 
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
@@ -1495,8 +1499,7 @@ static void test_nvfp4_lean(void) {
     static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
-        lean_rows24_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN");
+        lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
     }
     model_free(&m);
 }
@@ -1634,8 +1637,7 @@ static void test_fp8_lean(void) {
     for (int si = 0; si < 2; si++) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
-            lean_rows24_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN");
+            lean_all_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
         }
         model_free(&m);
     }

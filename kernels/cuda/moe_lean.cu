@@ -621,13 +621,15 @@ static int lean_form_now(int rows, bool w8, bool big, bool split) {
 }
 static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
 
-// MOESERVE_LEAN_ROWS24=1: tiles of 24 rows instead of 32 from 9 to 16 pairs an expert (wgmma's
-// m64n24k16: a quarter fewer products and activation bytes a stage for the padded rows, where
-// random routing puts 16 +- 4 pairs on an expert at 16 on average; the few experts past 24 take
-// a second tile). Off by default: written, not yet timed (docs/benchmarks.md, "One H100
-// (2026-12-06, twentieth session)"). Forms 5 and 6 only: the others run 24-row tiles as form 5.
+// MOESERVE_LEAN_ROWS24 (1 when unset; 0: 32 rows): tiles of 24 rows instead of 32 from 9 to 16
+// pairs an expert (wgmma's m64n24k16: a quarter fewer products and activation bytes a stage for
+// the padded rows, where random routing puts 16 +- 4 pairs on an expert at 16 on average; the few
+// experts past 24 take a second tile). On an H100, DeepSeek-V3's NVFP4 experts at 16 pairs an
+// expert 70.0 -> 71.7% of the copy rate in medium, 58.7 -> 60.7% in high; FP8 in high 84.6 ->
+// 85.0%; Qwen3-30B-A3B's NVFP4 at T = 256 in high 47.3 -> 48.9% (docs/benchmarks.md, "One H100
+// (2026-12-06, twenty-first session)"). Forms 5 and 6 only: the others run 24-row tiles as form 5.
 static int g_rows24 = -1;
-static bool lean_rows24_on() { return cuda_env_count("MOESERVE_LEAN_ROWS24", 0, &g_rows24) == 1; }
+static bool lean_rows24_on() { return cuda_env_count("MOESERVE_LEAN_ROWS24", 1, &g_rows24) == 1; }
 extern "C" int cuda_moe_lean_rows24(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_rows24;
     g_rows24 = on < 0 ? -1 : on;
