@@ -1480,13 +1480,34 @@ static void lean_form_cases(const model *m, int (*set)(int), const char *var, co
     set(old);
 }
 
+/* the same file: GEMM 2's form under form 6 (MOESERVE_LEAN_FORM2) 5 or 6, by the precision (0),
+ * or as the variable says (-1); returns the setting before */
+int cuda_moe_lean_form2(int form);
+
+/* the same file: 24-row tiles of up to 16 rows on wgmma's n16 (MOESERVE_LEAN_NARROW) on (1), off
+ * (0) or as the variable says (-1); returns the setting before */
+int cuda_moe_lean_narrow(int on);
+
 /* m's cases in every form given with 32-row tiles, then in forms 5 and 6 (the forms that take
- * them) with 24-row tiles, the default */
+ * them) with 24-row tiles, the default (those of up to 16 rows on wgmma's n16, GEMM 2 under form 6
+ * in form 5 in medium precision and 6 in high); then form 6 with GEMM 2 in form 5 and in form 6
+ * in both precisions, and forms 5 and 6 with every 24-row tile on n24 */
 static void lean_all_cases(const model *m, int (*set)(int), const char *var, const int *forms,
                            int n_forms) {
-    static const int forms24[] = {5, 6};
+    static const int forms24[] = {5, 6}, form6[] = {6};
     lean_form_cases(m, set, var, forms, n_forms, 0);
     lean_form_cases(m, set, var, forms24, 2, 1);
+    for (int f2 = 5; f2 <= 6; f2++) {
+        const int old2 = cuda_moe_lean_form2(f2);
+        printf("  GEMM 2 in form %d (MOESERVE_LEAN_FORM2=%d)\n", f2, f2);
+        lean_form_cases(m, set, var, form6, 1, 1);
+        lean_form_cases(m, set, var, form6, 1, 0);
+        cuda_moe_lean_form2(old2);
+    }
+    const int old_narrow = cuda_moe_lean_narrow(0);
+    printf("  24-row tiles on n24 whatever their rows (MOESERVE_LEAN_NARROW=0)\n");
+    lean_form_cases(m, set, var, forms24, 2, 1);
+    cuda_moe_lean_narrow(old_narrow);
 }
 
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F

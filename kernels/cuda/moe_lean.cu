@@ -179,6 +179,7 @@ struct lean_args {
     float *out;       // GEMM 2's output [T K, N], rows by pair
     const float *ws2; // NVFP4's tensor scales [E, 3] (FP8: none)
     int Kd, N, topk, n_col_blocks, w_rows;
+    int narrow; // MOESERVE_LEAN_NARROW: 24-row tiles of up to 16 rows on wgmma's n16
 };
 
 // d += a b over k16, B (NT tokens) through descriptor b
@@ -386,158 +387,174 @@ __launch_bounds__(lean_form<FORM>::threads,
         for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
             tot[t][i] = 0.0f;
     }
-    int s = 0, ph = 0;
-    for (int kt = 0; kt < nk; kt++) {
-        mbar_wait(full(s), ph);
-        const unsigned char *st = smem + s * SB;
-        // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
-        // 16 bytes a chunk and row (2 chunks), a word a k16 step
-        uint2 wg[RT][W8 ? 1 : 4], wh[RT][W8 ? 1 : 4];
-        uint4 cg[RT][W8 ? 2 : 1], chh[RT][W8 ? 2 : 1];
-        uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
+    // the stage loop; NARROW: 24-row tiles of 16 rows or fewer (a.narrow), whose products take
+    // wgmma's n16 (the first 16 of the tile's columns, the same sums) for a third less work
+    auto stages = [&](auto narrow_c) {
+        constexpr bool NARROW = decltype(narrow_c)::value;
+        constexpr int NW = NARROW ? 16 : NT;
+        int s = 0, ph = 0;
+        for (int kt = 0; kt < nk; kt++) {
+            mbar_wait(full(s), ph);
+            const unsigned char *st = smem + s * SB;
+            // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
+            // 16 bytes a chunk and row (2 chunks), a word a k16 step
+            [[maybe_unused]] uint2 wg[RT][W8 ? 1 : 4], wh[RT][W8 ? 1 : 4];
+            [[maybe_unused]] uint4 cg[RT][W8 ? 2 : 1], chh[RT][W8 ? 2 : 1];
+            [[maybe_unused]] uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
 #pragma unroll
-        for (int t = 0; t < RT; t++) {
-            if constexpr (W8) {
+            for (int t = 0; t < RT; t++) {
+                if constexpr (W8) {
 #pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    cg[t][c] =
-                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg[t], rg[t], c, q));
-                    chh[t][c] =
-                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh[t], rh[t], c, q));
+                    for (int c = 0; c < 2; c++) {
+                        cg[t][c] = *reinterpret_cast<const uint4 *>(
+                            st + lean_word8_off(bg[t], rg[t], c, q));
+                        chh[t][c] = *reinterpret_cast<const uint4 *>(
+                            st + lean_word8_off(bh[t], rh[t], c, q));
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        wg[t][c] = *reinterpret_cast<const uint2 *>(
+                            st + lean_word_off(bg[t], rg[t], c, q));
+                        wh[t][c] = *reinterpret_cast<const uint2 *>(
+                            st + lean_word_off(bh[t], rh[t], c, q));
+                    }
+                    const uint4 sg = *reinterpret_cast<const uint4 *>(
+                        st + L::codes + (bg[t] * LEAN_BOX + rg[t]) * 16);
+                    const uint4 sh = *reinterpret_cast<const uint4 *>(
+                        st + L::codes + (bh[t] * LEAN_BOX + rh[t]) * 16);
+                    sgw[t][0] = sg.x, sgw[t][1] = sg.y, sgw[t][2] = sg.z, sgw[t][3] = sg.w;
+                    shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
                 }
-            } else {
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    wg[t][c] =
-                        *reinterpret_cast<const uint2 *>(st + lean_word_off(bg[t], rg[t], c, q));
-                    wh[t][c] =
-                        *reinterpret_cast<const uint2 *>(st + lean_word_off(bh[t], rh[t], c, q));
+            }
+            // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS:
+            // its group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product
+            // wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and
+            // multiplied by 2^120
+            auto decode = [&](int t, int k, uint32_t(&f)[4]) {
+                if constexpr (W8) {
+                    constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
+                    const uint4 &vg = cg[t][k / 4], &vh = chh[t][k / 4];
+                    const uint32_t qg = k % 4 == 0   ? vg.x
+                                        : k % 4 == 1 ? vg.y
+                                        : k % 4 == 2 ? vg.z
+                                                     : vg.w;
+                    const uint32_t qh = k % 4 == 0   ? vh.x
+                                        : k % 4 == 1 ? vh.y
+                                        : k % 4 == 2 ? vh.z
+                                                     : vh.w;
+                    f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
+                    f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
+                    f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
+                    f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
+                } else if constexpr (PAIRS) {
+                    const int c = k / 4, jb = 2 * (k % 2);
+                    const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                    const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                    const uint32_t ag = lean_scale_pair(sgw[t][c], (k % 4) / 2);
+                    const uint32_t ah = lean_scale_pair(shw[t][c], (k % 4) / 2);
+                    f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
+                    f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
+                    f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
+                    f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
+                } else {
+                    const int c = k / 4, jb = 2 * (k % 2);
+                    const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                    const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                    const uint32_t ag = wq_scale2(sgw[t][c], k % 4),
+                                   ah = wq_scale2(shw[t][c], k % 4);
+                    f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
+                    f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
+                    f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
+                    f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
                 }
-                const uint4 sg = *reinterpret_cast<const uint4 *>(st + L::codes +
-                                                                  (bg[t] * LEAN_BOX + rg[t]) * 16);
-                const uint4 sh = *reinterpret_cast<const uint4 *>(st + L::codes +
-                                                                  (bh[t] * LEAN_BOX + rh[t]) * 16);
-                sgw[t][0] = sg.x, sgw[t][1] = sg.y, sgw[t][2] = sg.z, sgw[t][3] = sg.w;
-                shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
-            }
-        }
-        // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS: its
-        // group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product
-        // wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and
-        // multiplied by 2^120
-        auto decode = [&](int t, int k, uint32_t(&f)[4]) {
-            if constexpr (W8) {
-                constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
-                const uint4 &vg = cg[t][k / 4], &vh = chh[t][k / 4];
-                const uint32_t qg = k % 4 == 0   ? vg.x
-                                    : k % 4 == 1 ? vg.y
-                                    : k % 4 == 2 ? vg.z
-                                                 : vg.w;
-                const uint32_t qh = k % 4 == 0   ? vh.x
-                                    : k % 4 == 1 ? vh.y
-                                    : k % 4 == 2 ? vh.z
-                                                 : vh.w;
-                f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
-                f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
-                f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
-                f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
-            } else if constexpr (PAIRS) {
-                const int c = k / 4, jb = 2 * (k % 2);
-                const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
-                const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
-                const uint32_t ag = lean_scale_pair(sgw[t][c], (k % 4) / 2);
-                const uint32_t ah = lean_scale_pair(shw[t][c], (k % 4) / 2);
-                f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
-                f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
-                f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
-                f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
-            } else {
-                const int c = k / 4, jb = 2 * (k % 2);
-                const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
-                const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
-                const uint32_t ag = wq_scale2(sgw[t][c], k % 4), ah = wq_scale2(shw[t][c], k % 4);
-                f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
-                f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
-                f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
-                f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
-            }
-        };
-        // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
-        // address / 16, below 2^14, so the offsets add to stage 0's without a carry
-        const uint64_t d0 = wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
-        auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
-            const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-            lean_wgmma<NT>(acc[t], f, d);
-            if constexpr (SPLIT) lean_wgmma<NT>(acc[t], f, d + (L::part >> 4));
-        };
-        // the stage's end, every group retired: FP8 folds its block's sums into the totals times
-        // the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the next
-        // block's at zero; then the stage is released
-        auto release = [&]() {
-            if constexpr (W8) {
+            };
+            // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
+            // address / 16, below 2^14, so the offsets add to stage 0's without a carry
+            const uint64_t d0 =
+                wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
+            auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
+                const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
+                lean_wgmma<NW>(acc[t], f, d);
+                if constexpr (SPLIT) lean_wgmma<NW>(acc[t], f, d + (L::part >> 4));
+            };
+            // the stage's end, every group retired: FP8 folds its block's sums into the totals
+            // times the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the
+            // next block's at zero; then the stage is released
+            auto release = [&]() {
+                if constexpr (W8) {
 #pragma unroll
-                for (int t = 0; t < RT; t++) {
-                    const float sg =
-                        *reinterpret_cast<const float *>(st + L::codes + bg[t] * 128 + rg[t] * 4);
-                    const float sh =
-                        *reinterpret_cast<const float *>(st + L::codes + bh[t] * 128 + rh[t] * 4);
+                    for (int t = 0; t < RT; t++) {
+                        const float sg = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bg[t] * 128 + rg[t] * 4);
+                        const float sh = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bh[t] * 128 + rh[t] * 4);
 #pragma unroll
-                    for (int i = 0; i < NT / 2; i++) {
-                        tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[t][i], tot[t][i]);
-                        acc[t][i] = 0.0f;
+                        for (int i = 0; i < NT / 2; i++) {
+                            tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[t][i], tot[t][i]);
+                            acc[t][i] = 0.0f;
+                        }
                     }
                 }
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(s));
-        };
-        if constexpr (PIPE) {
-            // a 64-k chunk (4 steps) of a row tile a group, chunk by chunk and in each the row
-            // tiles in turn, two buffers: a group decodes while the one before runs. From the
-            // third group on a buffer is rewritten once the group that read it has retired (at
-            // most one pending); its registers are kept live to there (lean_keep), so that the
-            // compiler gives them to nothing else meanwhile. The stage ends with every group
-            // retired, as the producer's delayed arrivals need: its stage kt + 1 completes only
-            // once this stage is released.
-            uint32_t fr[2][4][4];
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(s));
+            };
+            if constexpr (PIPE) {
+                // a 64-k chunk (4 steps) of a row tile a group, chunk by chunk and in each the row
+                // tiles in turn, two buffers: a group decodes while the one before runs. From the
+                // third group on a buffer is rewritten once the group that read it has retired (at
+                // most one pending); its registers are kept live to there (lean_keep), so that the
+                // compiler gives them to nothing else meanwhile. The stage ends with every group
+                // retired, as the producer's delayed arrivals need: its stage kt + 1 completes only
+                // once this stage is released.
+                uint32_t fr[2][4][4];
 #pragma unroll
-            for (int c = 0; c < KS / 4; c++)
+                for (int c = 0; c < KS / 4; c++)
 #pragma unroll
-                for (int t = 0; t < RT; t++) {
-                    const int G = c * RT + t;
-                    uint32_t(&f)[4][4] = fr[G & 1];
-                    if (G >= 2) {
-                        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                        lean_keep(f);
+                    for (int t = 0; t < RT; t++) {
+                        const int G = c * RT + t;
+                        uint32_t(&f)[4][4] = fr[G & 1];
+                        if (G >= 2) {
+                            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                            lean_keep(f);
+                        }
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            decode(t, 4 * c + i, f[i]);
+                        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            mma(t, 4 * c + i, f[i]);
+                        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                     }
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                lean_keep(fr[0]);
+                lean_keep(fr[1]);
+                release();
+            } else {
+                static_assert(RT == 1, "form 0: one row tile a warpgroup");
+                uint32_t fr[KS][4];
 #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        decode(t, 4 * c + i, f[i]);
-                    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+                for (int k = 0; k < KS; k++)
+                    decode(0, k, fr[k]);
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        mma(t, 4 * c + i, f[i]);
-                    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                }
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            lean_keep(fr[0]);
-            lean_keep(fr[1]);
-            release();
-        } else {
-            static_assert(RT == 1, "form 0: one row tile a warpgroup");
-            uint32_t fr[KS][4];
-#pragma unroll
-            for (int k = 0; k < KS; k++)
-                decode(0, k, fr[k]);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int k = 0; k < KS; k++)
-                mma(0, k, fr[k]);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            release();
+                for (int k = 0; k < KS; k++)
+                    mma(0, k, fr[k]);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                release();
+            }
+            if (++s == S) s = 0, ph ^= 1;
         }
-        if (++s == S) s = 0, ph ^= 1;
+    };
+    if constexpr (NT == 24) {
+        if (a.narrow && rows <= 16)
+            stages(std::true_type());
+        else
+            stages(std::false_type());
+    } else {
+        stages(std::false_type());
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
     // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
@@ -680,13 +697,25 @@ extern "C" int cuda_moe_w4_lean_form(int form) {
     return old;
 }
 
+// MOESERVE_LEAN_NARROW (1 when unset; 0 off): a 24-row tile of 16 rows or fewer (about half of
+// them at 16 pairs an expert on average) runs its products on wgmma's m64n16k16, a third less
+// tensor work for the same sums. On an H100, DeepSeek-V3's NVFP4 experts at 16 pairs an expert
+// 71.7 -> 72.9% of the copy rate in medium, high and FP8 unchanged (docs/benchmarks.md, "One H100
+// (2026-12-06, twenty-first session)").
+static int g_lean_narrow = -1;
+extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_lean_narrow;
+    g_lean_narrow = on < 0 ? -1 : on;
+    return old;
+}
+
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
-static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, const lean_args &a,
-                        int max_tiles) {
+static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
     auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
+    a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
                     tsf, a);
@@ -704,11 +733,23 @@ static void lean_maps(CUtensorMap *q, CUtensorMap *sf, const uint8_t *codes, con
              : tma_map_rows(scales, n, Kd / 16, LEAN_BOX, 16, true);
 }
 
-template <bool SPLIT, int NT, int FORM, bool W8>
+// MOESERVE_LEAN_FORM2: GEMM 2's form where GEMM 1 runs form 6: 5 or 6; unset (or another value)
+// 5 in medium precision and 6 in high. GEMM 2 has 8 stages a block at DeepSeek-V3's k 2048,
+// where form 6's one block an SM leaves each block's start and end exposed and form 5's two
+// overlap them. On an H100, DeepSeek-V3's NVFP4 experts at 16 pairs an expert: medium +1.1
+// points, high -4.3 (docs/benchmarks.md, "One H100 (2026-12-06, twenty-first session)").
+static int g_lean_form2 = -1;
+extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precision), -1 the variable
+    const int old = g_lean_form2;
+    g_lean_form2 = form < 0 ? -1 : form;
+    return old;
+}
+
+template <bool SPLIT, int NT, int FORM, bool W8, int FORM2 = FORM>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
-    constexpr int WG = lean_form<FORM>::vw; // 64-row tiles a block
+    constexpr int WG = lean_form<FORM>::vw, WG2 = lean_form<FORM2>::vw; // 64-row tiles a block
     CUtensorMap q, sf;
     // GEMM 1: gate_up [E 2F rows, D]
     lean_maps<W8>(&q, &sf, gate_up_q, gate_up_sf, E, 2 * F, D);
@@ -724,8 +765,8 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.Kd = F;
     a.N = D;
     a.w_rows = D;
-    a.n_col_blocks = D / (WG * 2 * LEAN_BOX);
-    lean_launch<false, SPLIT, NT, FORM, W8>(q, sf, a, max_tiles);
+    a.n_col_blocks = D / (WG2 * 2 * LEAN_BOX);
+    lean_launch<false, SPLIT, NT, FORM2, W8>(q, sf, a, max_tiles);
 }
 
 template <bool W8>
@@ -750,6 +791,16 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) {
             constexpr int FORM = decltype(fm)::value;
+            if constexpr (FORM == 6) {
+                const int f2 = cuda_env_count("MOESERVE_LEAN_FORM2", 0, &g_lean_form2);
+                if (f2 == 5 || (f2 != 6 && !split)) {
+                    split ? lean_both<true, NT, 6, W8, 5>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                          down_q, down_sf, E, D, F)
+                          : lean_both<false, NT, 6, W8, 5>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                           down_q, down_sf, E, D, F);
+                    return;
+                }
+            }
             split ? lean_both<true, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
                                                   down_sf, E, D, F)
                   : lean_both<false, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
