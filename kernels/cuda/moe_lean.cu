@@ -745,7 +745,7 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
     return old;
 }
 
-template <bool SPLIT, int NT, int FORM, bool W8, int FORM2 = FORM>
+template <bool SPLIT, int NT, int FORM, bool W8, int FORM2>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
@@ -789,22 +789,20 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     const int form = lean_form_now(rows, W8, lean_big(D, F), split);
     auto both = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        auto go = [&](auto fm) {
+        auto go = [&](auto fm) { // GEMM 1 in form FORM, GEMM 2 in FORM2
             constexpr int FORM = decltype(fm)::value;
+            auto run = [&](auto fm2) {
+                constexpr int FORM2 = decltype(fm2)::value;
+                split ? lean_both<true, NT, FORM, W8, FORM2>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                             down_q, down_sf, E, D, F)
+                      : lean_both<false, NT, FORM, W8, FORM2>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                              down_q, down_sf, E, D, F);
+            };
             if constexpr (FORM == 6) {
                 const int f2 = cuda_env_count("MOESERVE_LEAN_FORM2", 0, &g_lean_form2);
-                if (f2 == 5 || (f2 != 6 && !split)) {
-                    split ? lean_both<true, NT, 6, W8, 5>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                          down_q, down_sf, E, D, F)
-                          : lean_both<false, NT, 6, W8, 5>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                           down_q, down_sf, E, D, F);
-                    return;
-                }
+                if (f2 == 5 || (f2 != 6 && !split)) return run(std::integral_constant<int, 5>());
             }
-            split ? lean_both<true, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
-                                                  down_sf, E, D, F)
-                  : lean_both<false, NT, FORM, W8>(a, max_tiles, gate_up_q, gate_up_sf, down_q,
-                                                   down_sf, E, D, F);
+            run(fm);
         };
         constexpr int F3 = W8 ? 1 : 3, F4 = W8 ? 1 : 4; // FP8: forms 3 and 4 as 1
         if constexpr (NT == 24) {                       // 24 rows: forms 5 and 6 alone
