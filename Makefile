@@ -152,8 +152,10 @@ $(BUILD)/bench_step: $(BUILD)/scripts/bench_step.o $(LIB_OBJS)
 # The rate at which a weight matrix streams with no arithmetic, against a device copy (a Hopper
 # device; docs/benchmarks.md): bench_stream in the wgmma kernels' TMA box shapes, bench_stream_rows
 # in the tiny path's cp.async ring of row slices (kernels/cuda/moe.cu); bench_nvfp4_decode, NVFP4
-# weights at decode sizes decoded into wgmma's A registers (W4A16 and W4A8) against the copy rate.
-STREAM_BENCHES := $(BUILD)/bench_stream $(BUILD)/bench_stream_rows $(BUILD)/bench_nvfp4_decode
+# weights at decode sizes decoded into wgmma's A registers (W4A16 and W4A8) against the copy rate;
+# bench_wgmma_rate, the wgmma a multiprocessor issues a cycle at decode sizes' small N.
+STREAM_BENCHES := $(BUILD)/bench_stream $(BUILD)/bench_stream_rows $(BUILD)/bench_nvfp4_decode \
+                  $(BUILD)/bench_wgmma_rate
 ifneq ($(CU_OBJS),)
 all: $(STREAM_BENCHES)
 endif

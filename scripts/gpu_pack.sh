@@ -26,7 +26,7 @@ pack_build() {
     local src=$1 dest=$2 b t
     mkdir -p "$dest/tests"
     for b in moeserve moeserve-bench bench_step bench_a2a_cuda quant_kl bench_stream bench_stream_rows \
-        bench_nvfp4_decode; do
+        bench_nvfp4_decode bench_wgmma_rate; do
         if [ -x "$src/$b" ]; then cp "$src/$b" "$dest/"; fi
     done
     for t in "$src"/tests/test_cuda_*; do

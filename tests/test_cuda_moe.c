@@ -260,6 +260,15 @@ int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_one_chain(int D, int F);
 int cuda_moe_q_one_chain(void);
+/* kernels/cuda/moe_lean.cu: NVFP4's high precision products stacked (MOESERVE_LEAN_STACK) on (1),
+ * off (0) or as the variable says (-1), returning the setting before; and whether the kernels
+ * stack them now */
+int cuda_moe_lean_stack(int on);
+int cuda_moe_lean_stacked(void);
+/* the same file: NVFP4's lean kernels on a grid of the blocks resident at once, each taking items
+ * in turn (MOESERVE_LEAN_PERSIST) on (1), off (0) or as the variable says (-1); returns the setting
+ * before */
+int cuda_moe_lean_persist(int on);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -643,8 +652,9 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
          * Where the batch's GEMM 1 ran on the FP8 tensor cores (medium precision at prefill sizes,
          * outside deterministic mode: other sums than the token alone's W8A16 tiles), or its GEMMs
          * on wgmma in high precision with the tiles' fp32 add of the lo products
-         * (MOESERVE_ONE_CHAIN=0), it stays within the tolerance of them instead. Medium's wgmma
-         * sums are the mma.sync tiles' bit for bit.
+         * (MOESERVE_ONE_CHAIN=0), or NVFP4's lean kernels stack high precision's products
+         * (MOESERVE_LEAN_STACK: two sums, where the tiles keep one chain), it stays within the
+         * tolerance of them instead. Medium's wgmma sums are the mma.sync tiles' bit for bit.
          */
         if (T > 1) {
             float *one = xmalloc((size_t)K * D * sizeof(float));
@@ -656,6 +666,8 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                  cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
                 (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
+                (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
+                 cuda_moe_lean_stacked()) ||
                 (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (w8a8_down) { /* h on the FP8 grid in the batch: the token alone against the CPU */
@@ -1521,6 +1533,22 @@ static void test_nvfp4_lean(void) {
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
+        static const int stacked[] = {1, 2, 3, 4, 5, 6}, stacked24[] = {5, 6};
+        const int old_stack = cuda_moe_lean_stack(1);
+        printf("  high precision's products stacked (MOESERVE_LEAN_STACK=1)\n");
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
+        const int old_persist = cuda_moe_lean_persist(1);
+        printf(
+            "  a grid of the blocks resident at once, items in turn (MOESERVE_LEAN_PERSIST=1)\n");
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
+        cuda_moe_lean_stack(0);
+        printf("  the same, high precision's products in one chain (MOESERVE_LEAN_STACK=0)\n");
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
+        cuda_moe_lean_persist(old_persist);
+        cuda_moe_lean_stack(old_stack);
     }
     model_free(&m);
 }

@@ -167,6 +167,14 @@ template <int NT> __host__ __device__ inline int lean_act_off(int u, int n) {
 template <int NT> __host__ __device__ constexpr int lean_b_off(int k) {
     return (k / 4) * (NT * 128) + (k % 4) * 32;
 }
+// Stacked (high precision, lean_stack_on): x's hi and lo parts as one B of 2 NT rows, their 8-row
+// groups in turn (hi rows 0-7, lo rows 0-7, hi 8-15, ...), so that one wgmma of n 2 NW takes a
+// tile's first NW columns' hi and lo products: row n's part p (0 hi, 1 lo) at B row
+// 16 (n / 8) + 8 p + n % 8 of atoms of 2 NT rows
+template <int NT> __host__ __device__ inline int lean_act_off_stacked(int u, int n, int p) {
+    return (u / 8) * (2 * NT * 128) + (16 * (n / 8) + 8 * p + n % 8) * 128 +
+           (((u % 8) ^ (n & 7)) * 16);
+}
 
 struct lean_args {
     const bf16 *act; // GATE_UP: xb [T, Kd], rows by pair / topk; else h [n, Kd] in grouped order
@@ -211,6 +219,26 @@ __device__ __forceinline__ void lean_wgmma<24>(float *d, const uint32_t (&a)[4],
 }
 
 template <>
+__device__ __forceinline__ void lean_wgmma<48>(float *d, const uint32_t (&a)[4], uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
+                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+                 "%22, %23}, {%24, %25, %26, %27}, %28, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void lean_wgmma<64>(float *d, const uint32_t (&a)[4], uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WGMMA_D32_STR "}, "
+                 "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+                 : WGMMA_D32_OUT(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
 __device__ __forceinline__ void lean_wgmma<32>(float *d, const uint32_t (&a)[4], uint64_t b) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
                  "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, "
@@ -251,7 +279,7 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
                   lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8>::bound)
@@ -262,6 +290,9 @@ __launch_bounds__(lean_form<FORM>::threads,
     constexpr int WG = lean_form<FORM>::wg, RT = lean_form<FORM>::rt, VW = WG * RT;
     typedef lean_stage<NT, SPLIT, VW, lean_form<FORM>::dense, W8> L;
     constexpr int S = L::stages, SB = L::bytes, BK = L::bk, KS = BK / 16; // k16 steps a stage
+    // STACK (lean_stack_on): high precision's hi and lo products of a k16 step as one wgmma's
+    // columns (lean_act_off_stacked), in two sums added at the end
+    static_assert(!STACK || (SPLIT && !W8), "stacked: NVFP4 in high precision");
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -275,15 +306,22 @@ __launch_bounds__(lean_form<FORM>::threads,
         pdl_trigger();
     }
     // GEMM 2 reads the tile table before its wait: the prepare kernel wrote it, complete before
-    // GEMM 1's blocks passed their waits (and so before this grid could launch)
-    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
-    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
-    const int4 ti = __ldcg(&a.tiles[tile]);
-    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
+    // GEMM 1's blocks passed their waits (and so before this grid could launch). A block takes the
+    // items blockIdx.x, + gridDim.x, ... (item i: tile i / n_col_blocks, column block i %
+    // n_col_blocks): one where the grid has them all, several where the host sized it to the
+    // blocks resident at once (lean_persist_on), the stages' ring running on from one to the next
+    const int n_items = __ldcg(a.n_tiles) * a.n_col_blocks;
+    if ((int)blockIdx.x >= n_items) return; // idle block of the upper-bound grid
+    int e = 0, nb = 0, row0 = 0, rows = 0;
+    auto item = [&](int i) {
+        const int4 ti = __ldcg(&a.tiles[i / a.n_col_blocks]);
+        nb = i % a.n_col_blocks;
+        e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
+    };
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
-            mbar_init(full(s), 1 + 32); // the TMA lane's arrival, the producer lanes' copies
+            mbar_init(full(s), 1 + 32);  // the TMA lane's arrival, the producer lanes' copies
             mbar_init(empty(s), 4 * WG); // each consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -309,19 +347,16 @@ __launch_bounds__(lean_form<FORM>::threads,
             }
         };
         int pre = 0;
-        if (!GATE_UP) { // the first stages' weights before the wait for h
+        item(blockIdx.x);
+        if (!GATE_UP) { // the first item's first stages' weights before the wait for h
             pre = min(S, nk);
             for (int kt = 0; kt < pre; kt++)
                 weights(kt, kt);
             pdl_wait();
         }
-        // this lane's activation row n = lane % NT (NULL past the tile: zeros) and its chunks of
-        // 8 k, u = lane / NT + (32 / NT) j
+        // this lane's activation row n = lane % NT and its chunks of 8 k, u = lane / NT + (32 /
+        // NT) j
         const int n = lane % NT;
-        const bf16 *src = nullptr;
-        if (n < rows)
-            src =
-                a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
         // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
         // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
         // stage later (LAG), so that its wait does not hold back the next stage's loads: their
@@ -331,38 +366,49 @@ __launch_bounds__(lean_form<FORM>::threads,
         // producer's next round (its wake-up, the loads' issue) before they could start stage kt
         // (H100: DeepSeek-V3's experts at 8 pairs an expert 70 -> 75% of the copy rate in high,
         // docs/benchmarks.md). With two stages LAG 0 was slower in high on 8-row tiles.
+        // Across items the ring runs on: gs counts the block's stages.
         constexpr int LAG = 1;
-        int s = 0, ph = 0;
-        for (int kt = 0; kt < nk; kt++) {
-            if (kt >= pre) {
-                mbar_wait(empty(s), ph ^ 1);
-                weights(kt, s);
-            }
-            const uint32_t act = smem0 + s * SB + L::codes + L::sf;
-            // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
-            constexpr bool ROW_LANES = NT == 24;
+        int s = 0, ph = 0, gs = 0;
+        for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+            if (it != (int)blockIdx.x) item(it);
+            const bf16 *src = nullptr; // row n's (NULL past the tile: zeros)
+            if (n < rows)
+                src = a.act +
+                      (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
+            for (int kt = 0; kt < nk; kt++, gs++) {
+                if (gs >= pre) {
+                    mbar_wait(empty(s), ph ^ 1);
+                    weights(kt, s);
+                }
+                const uint32_t act = smem0 + s * SB + L::codes + L::sf;
+                // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
+                constexpr bool ROW_LANES = NT == 24;
 #pragma unroll
-            for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
-                if (ROW_LANES && lane >= NT) break;
-                const int u = ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
-                const uint32_t dst = act + lean_act_off<NT>(u, n);
-                const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
+                for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
+                    if (ROW_LANES && lane >= NT) break;
+                    const int u =
+                        ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
+                    const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
 #pragma unroll
-                for (int part = 0; part < (SPLIT ? 2 : 1); part++)
-                    cp_async16(dst + part * L::part, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
+                    for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
+                        const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
+                                                   : act + lean_act_off<NT>(u, n) + part * L::part;
+                        cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
+                    }
+                }
+                cp_async_commit();
+                if (gs >= LAG) {
+                    cp_async_wait<LAG>();
+                    fence_proxy_async();
+                    mbar_arrive(full((gs - LAG) % S));
+                }
+                if (++s == S) s = 0, ph ^= 1;
             }
-            cp_async_commit();
-            if (kt >= LAG) {
-                cp_async_wait<LAG>();
-                fence_proxy_async();
-                mbar_arrive(full((kt - LAG) % S));
-            }
-            if (++s == S) s = 0, ph ^= 1;
         }
         cp_async_wait<0>();
         fence_proxy_async();
-        for (int kt = max(0, nk - LAG); kt < nk; kt++)
-            mbar_arrive(full(kt % S));
+        for (int x = max(0, gs - LAG); x < gs; x++)
+            mbar_arrive(full(x % S));
         return;
     }
 
@@ -377,22 +423,15 @@ __launch_bounds__(lean_form<FORM>::threads,
     }
     // acc: the running sums (FP8: of the stage's block of 128 k, folded into tot times their
     // rows' block scales at its end, as the tiles do)
-    float acc[RT][NT / 2], tot[RT][W8 ? NT / 2 : 1];
-#pragma unroll
-    for (int t = 0; t < RT; t++) {
-#pragma unroll
-        for (int i = 0; i < NT / 2; i++)
-            acc[t][i] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
-            tot[t][i] = 0.0f;
-    }
-    // the stage loop; NARROW: 24-row tiles of 16 rows or fewer (a.narrow), whose products take
-    // wgmma's n16 (the first 16 of the tile's columns, the same sums) for a third less work
+    constexpr int NA = STACK ? NT : NT / 2; // accumulators a row tile
+    float acc[RT][NA], tot[RT][W8 ? NT / 2 : 1];
+    // the stage loop of an item (the ring's place s, ph running on across items); NARROW: 24-row
+    // tiles of 16 rows or fewer (a.narrow), whose products take wgmma's n16 (the first 16 of the
+    // tile's columns, the same sums) for a third less work
+    int s = 0, ph = 0;
     auto stages = [&](auto narrow_c) {
         constexpr bool NARROW = decltype(narrow_c)::value;
         constexpr int NW = NARROW ? 16 : NT;
-        int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             mbar_wait(full(s), ph);
             const unsigned char *st = smem + s * SB;
@@ -475,8 +514,12 @@ __launch_bounds__(lean_form<FORM>::threads,
                 wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
             auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
                 const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-                lean_wgmma<NW>(acc[t], f, d);
-                if constexpr (SPLIT) lean_wgmma<NW>(acc[t], f, d + (L::part >> 4));
+                if constexpr (STACK) {
+                    lean_wgmma<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
+                } else {
+                    lean_wgmma<NW>(acc[t], f, d);
+                    if constexpr (SPLIT) lean_wgmma<NW>(acc[t], f, d + (L::part >> 4));
+                }
             };
             // the stage's end, every group retired: FP8 folds its block's sums into the totals
             // times the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the
@@ -548,51 +591,84 @@ __launch_bounds__(lean_form<FORM>::threads,
             if (++s == S) s = 0, ph ^= 1;
         }
     };
-    if constexpr (NT == 24) {
-        if (a.narrow && rows <= 16)
-            stages(std::true_type());
-        else
-            stages(std::false_type());
-    } else {
-        stages(std::false_type());
-    }
-    pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
-    // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
-    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
-    const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
-    const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
+    // FP8's running sums are zero again after each stage (release), NVFP4's after each item
 #pragma unroll
-    for (int t = 0; t < RT; t++) {
-        const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
-        auto sum = [&](int i, float sc) {
-            if constexpr (W8)
-                return tot[t][i];
-            else
-                return __fmul_rn(acc[t][i], sc);
-        };
+    for (int t = 0; t < RT; t++)
 #pragma unroll
-        for (int j = 0; j < NT / 8; j++)
+        for (int i = 0; i < NA; i++)
+            acc[t][i] = 0.0f;
+    // an item's products and epilogue. FP8 takes one item a block (the loop around its kernels'
+    // wgmma serialized them in forms 5 and 6), NVFP4 its items in turn
+    auto consume = [&](int it) {
+        item(it);
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = 8 * j + 2 * q + i;
-                if (r >= rows) continue;
-                if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
-                    const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
-                    bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
-                    if constexpr (SPLIT) {
-                        const float v = __fmul_rn(silu(gv), uv);
-                        const bf16 hi = __float2bfloat16_rn(v);
-                        *dst = hi;
-                        dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
-                    } else {
-                        *dst = __float2bfloat16_rn(silu(gv) * uv);
-                    }
-                } else { // rows g and g + 8: columns col and col + 8
-                    float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
-                    dst[0] = sum(4 * j + i, s0);
-                    dst[8] = sum(4 * j + 2 + i, s0);
-                }
+        for (int t = 0; t < RT; t++) {
+            if constexpr (!W8) {
+                if (it != (int)blockIdx.x)
+#pragma unroll
+                    for (int i = 0; i < NA; i++)
+                        acc[t][i] = 0.0f;
             }
+#pragma unroll
+            for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
+                tot[t][i] = 0.0f;
+        }
+        if constexpr (NT == 24) {
+            if (a.narrow && rows <= 16)
+                stages(std::true_type());
+            else
+                stages(std::false_type());
+        } else {
+            stages(std::false_type());
+        }
+        pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
+        // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
+        // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
+        const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
+        const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
+#pragma unroll
+        for (int t = 0; t < RT; t++) {
+            const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+            auto sum = [&](int i, float sc) {
+                if constexpr (W8)
+                    return tot[t][i];
+                else if constexpr (STACK) // n8 block j's hi sums in block 2 j, its lo sums in 2 j +
+                                          // 1
+                    return __fmul_rn(
+                        __fadd_rn(acc[t][i + 4 * (i / 4)], acc[t][i + 4 * (i / 4) + 4]), sc);
+                else
+                    return __fmul_rn(acc[t][i], sc);
+            };
+#pragma unroll
+            for (int j = 0; j < NT / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int r = 8 * j + 2 * q + i;
+                    if (r >= rows) continue;
+                    if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
+                        const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
+                        bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
+                        if constexpr (SPLIT) {
+                            const float v = __fmul_rn(silu(gv), uv);
+                            const bf16 hi = __float2bfloat16_rn(v);
+                            *dst = hi;
+                            dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                        } else {
+                            *dst = __float2bfloat16_rn(silu(gv) * uv);
+                        }
+                    } else { // rows g and g + 8: columns col and col + 8
+                        float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                        dst[0] = sum(4 * j + i, s0);
+                        dst[8] = sum(4 * j + 2 + i, s0);
+                    }
+                }
+        }
+    };
+    if constexpr (W8) {
+        consume(blockIdx.x);
+    } else {
+        for (int it = blockIdx.x; it < n_items; it += gridDim.x)
+            consume(it);
     }
 #else
     __trap(); // sm_100a: no wgmma (moe_lean_w4_rows takes a Hopper device only)
@@ -709,14 +785,41 @@ extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the
     return old;
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8>
+// MOESERVE_LEAN_PERSIST (0 when unset; 1 on): a grid of the blocks resident at once (occupancy
+// query), each taking items (tile, column block) in turn with its stages' ring running on from one
+// to the next, instead of a block an item. GEMM 2 has 8 stages a block at DeepSeek-V3's k 2048,
+// whose start (the ring's first stages from memory) and end (the last stages' products with no
+// loads behind them) a block an item leaves exposed.
+static int g_lean_persist = -1;
+static bool lean_persist_on() {
+    return cuda_env_count("MOESERVE_LEAN_PERSIST", 0, &g_lean_persist) == 1;
+}
+extern "C" int cuda_moe_lean_persist(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_lean_persist;
+    g_lean_persist = on < 0 ? -1 : on;
+    return old;
+}
+
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
-    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8>;
+    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
-    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
+    int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
+    if (!W8 && lean_persist_on()) { // FP8's kernels take one item a block
+        static int resident = 0;    // blocks of this kernel resident at once on the device
+        if (resident == 0) {
+            int per_sm = 0, sms = 0, dev = 0;
+            cudaGetDevice(&dev);
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, lean_form<FORM>::threads,
+                                                          L::smem);
+            resident = per_sm * sms > 0 ? per_sm * sms : 1;
+        }
+        blocks = std::min<int64_t>(blocks, resident);
+    }
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
                     tsf, a);
 }
@@ -745,7 +848,23 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
     return old;
 }
 
-template <bool SPLIT, int NT, int FORM, bool W8, int FORM2>
+// MOESERVE_LEAN_STACK (0 when unset; 1 on): NVFP4 in high precision takes a k16 step's hi and lo
+// products as one wgmma of twice the columns (x's hi rows and lo rows stacked as B), in two sums
+// added at the end, instead of two wgmma on one chain. A wgmma of n8 or n16 costs a multiprocessor
+// about 14 cycles either way (build/bench_wgmma_rate, H100), so high precision's two products a
+// 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. Other sums
+// than the tiles' one chain: a token's rows then depend on which kernel the batch's size takes
+// (deterministic mode never runs the lean kernels).
+static int g_lean_stack = -1;
+static bool lean_stack_on() { return cuda_env_count("MOESERVE_LEAN_STACK", 0, &g_lean_stack) == 1; }
+extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_lean_stack;
+    g_lean_stack = on < 0 ? -1 : on;
+    return old;
+}
+extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); } // what the kernels take now
+
+template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
@@ -757,7 +876,7 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.N = F;
     a.w_rows = 2 * F;
     a.n_col_blocks = F / (WG * LEAN_BOX);
-    lean_launch<true, SPLIT, NT, FORM, W8>(q, sf, a, max_tiles);
+    lean_launch<true, SPLIT, NT, FORM, W8, STACK>(q, sf, a, max_tiles);
     // GEMM 2: down [E D rows, F], its activations h in grouped order
     lean_maps<W8>(&q, &sf, down_q, down_sf, E, D, F);
     a.act = a.h;
@@ -766,7 +885,7 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.N = D;
     a.w_rows = D;
     a.n_col_blocks = D / (WG2 * 2 * LEAN_BOX);
-    lean_launch<false, SPLIT, NT, FORM2, W8>(q, sf, a, max_tiles);
+    lean_launch<false, SPLIT, NT, FORM2, W8, STACK>(q, sf, a, max_tiles);
 }
 
 template <bool W8>
@@ -793,10 +912,15 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             constexpr int FORM = decltype(fm)::value;
             auto run = [&](auto fm2) {
                 constexpr int FORM2 = decltype(fm2)::value;
-                split ? lean_both<true, NT, FORM, W8, FORM2>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                             down_q, down_sf, E, D, F)
-                      : lean_both<false, NT, FORM, W8, FORM2>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                              down_q, down_sf, E, D, F);
+                if (!split)
+                    lean_both<false, NT, FORM, W8, FORM2, false>(
+                        a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                else if (!W8 && FORM != 0 && lean_stack_on()) // form 0 would serialize it
+                    lean_both<true, NT, FORM, W8, FORM2, !W8 && FORM != 0>(
+                        a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                else
+                    lean_both<true, NT, FORM, W8, FORM2, false>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                                down_q, down_sf, E, D, F);
             };
             if constexpr (FORM == 6) {
                 const int f2 = cuda_env_count("MOESERVE_LEAN_FORM2", 0, &g_lean_form2);
@@ -972,7 +1096,7 @@ float lean_silu(float g) { return g / (1.0f + expf(-g)); }
 // q [E w_rows, Kd / 2 | Kd] with NVFP4's scale bytes sf [E w_rows, Kd / 16] or FP8's block scales
 // sc [E, Kd / 128, w_rows], expert e's tile of `rows` rows; y [rows, N] (GEMM 1: h's fp32 values
 // before rounding, from the gate and up rows; GEMM 2: out)
-template <int NT, bool SPLIT, int WG, bool W8>
+template <int NT, bool SPLIT, int WG, bool W8, bool STACK>
 void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector<float> &act_lo,
                   int rows, const std::vector<uint8_t> &q, const std::vector<uint8_t> &sf,
                   const std::vector<float> &sc, int e, int w_rows, int Kd, int N, const float *s2e,
@@ -1010,9 +1134,9 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                             const std::vector<float> &src = part ? act_lo : act;
                             const uint16_t bits =
                                 lean_to_bits(src[(size_t)n * Kd + kt * BK + u * 8 + i]);
-                            memcpy(&st[L::codes + L::sf + part * L::part + lean_act_off<NT>(u, n) +
-                                       2 * i],
-                                   &bits, 2);
+                            const int off = STACK ? lean_act_off_stacked<NT>(u, n, part)
+                                                  : part * L::part + lean_act_off<NT>(u, n);
+                            memcpy(&st[L::codes + L::sf + off + 2 * i], &bits, 2);
                         }
             // A: every thread's fragments, as values; FP8: each A row's block scale
             std::vector<double> A((size_t)64 * WG * BK), rsc(64 * WG, 1.0);
@@ -1072,13 +1196,14 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                     for (int row = 0; row < 64 * WG; row++)
                         for (int n = 0; n < NT; n++) {
                             double sum = 0.0;
+                            // STACK: B of 2 NT rows, token n's part at row bn
+                            const int bn = STACK ? 16 * (n / 8) + 8 * part + n % 8 : n;
+                            const int b0 =
+                                STACK ? lean_b_off<2 * NT>(k) : part * L::part + lean_b_off<NT>(k);
                             for (int kk = 0; kk < 16; kk++) {
-                                const int l =
-                                    lean_b_off<NT>(k) + (n / 8) * 1024 + (n % 8) * 128 + 2 * kk;
+                                const int l = b0 + (bn / 8) * 1024 + (bn % 8) * 128 + 2 * kk;
                                 uint16_t bits;
-                                memcpy(&bits,
-                                       &st[L::codes + L::sf + part * L::part +
-                                           (l ^ (((l >> 7) & 7) << 4))],
+                                memcpy(&bits, &st[L::codes + L::sf + (l ^ (((l >> 7) & 7) << 4))],
                                        2);
                                 sum += A[(size_t)row * BK + k * 16 + kk] * lean_bf16_bits(bits);
                             }
@@ -1114,7 +1239,8 @@ double lean_rel(const std::vector<double> &a, const std::vector<double> &b) {
     return den > 0.0 ? num / den : num;
 }
 
-template <int NT, bool SPLIT, int WG, bool W8> double lean_check_one(lean_problem &p) {
+template <int NT, bool SPLIT, int WG, bool W8, bool STACK = false>
+double lean_check_one(lean_problem &p) {
     const int rows = NT - 1, D = p.D, F = p.F;
     double worst = 0.0;
     for (int e = 0; e < p.E; e++) {
@@ -1127,8 +1253,8 @@ template <int NT, bool SPLIT, int WG, bool W8> double lean_check_one(lean_proble
         }
         const float *s2e = &p.s2[3 * e];
         std::vector<double> h;
-        lean_emulate<NT, SPLIT, WG, W8>(true, xh, xl, rows, p.gu_q, p.gu_sf, p.gu_sc, e, 2 * F, D,
-                                        F, s2e, h);
+        lean_emulate<NT, SPLIT, WG, W8, STACK>(true, xh, xl, rows, p.gu_q, p.gu_sf, p.gu_sc, e,
+                                               2 * F, D, F, s2e, h);
         std::vector<double> href((size_t)rows * F);
         for (int n = 0; n < rows; n++)
             for (int f = 0; f < F; f++) {
@@ -1149,8 +1275,8 @@ template <int NT, bool SPLIT, int WG, bool W8> double lean_check_one(lean_proble
             hl[i] = SPLIT ? lean_bf16((float)h[i] - hh[i]) : 0.0f;
         }
         std::vector<double> o, oref((size_t)rows * D);
-        lean_emulate<NT, SPLIT, WG, W8>(false, hh, hl, rows, p.dn_q, p.dn_sf, p.dn_sc, e, D, F, D,
-                                        s2e, o);
+        lean_emulate<NT, SPLIT, WG, W8, STACK>(false, hh, hl, rows, p.dn_q, p.dn_sf, p.dn_sc, e, D,
+                                               F, D, s2e, o);
         for (int n = 0; n < rows; n++)
             for (int d = 0; d < D; d++) {
                 double sum = 0.0;
@@ -1187,7 +1313,7 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
         // and four (form 6); 24-row tiles in forms 5 and 6 alone
         struct one {
             int rows, vw;
-            bool split;
+            bool split, stack;
             double err;
         };
         auto all = [&](auto f8) {
@@ -1195,8 +1321,10 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
             std::vector<one> v;
             auto add = [&](auto nt, auto vw) {
                 constexpr int NT = decltype(nt)::value, VW = decltype(vw)::value;
-                v.push_back({NT, VW, false, lean_check_one<NT, false, VW, W8>(p)});
-                v.push_back({NT, VW, true, lean_check_one<NT, true, VW, W8>(p)});
+                v.push_back({NT, VW, false, false, lean_check_one<NT, false, VW, W8>(p)});
+                v.push_back({NT, VW, true, false, lean_check_one<NT, true, VW, W8>(p)});
+                if constexpr (!W8) // high precision's products stacked
+                    v.push_back({NT, VW, true, true, lean_check_one<NT, true, VW, W8, true>(p)});
             };
             auto rows = [&](auto vw) {
                 add(std::integral_constant<int, 8>(), vw);
@@ -1215,7 +1343,11 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
                 snprintf(msg, n,
                          "lean kernels emulated, %s, %d rows, %s, %d row tiles a block: max rel "
                          "err %.3g",
-                         w8 ? "FP8" : "NVFP4", c.rows, c.split ? "high" : "medium", c.vw, c.err);
+                         w8 ? "FP8" : "NVFP4", c.rows,
+                         c.stack   ? "high, stacked"
+                         : c.split ? "high"
+                                   : "medium",
+                         c.vw, c.err);
                 return -1;
             }
             worst = std::max(worst, c.err);
@@ -1223,8 +1355,8 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
     }
     snprintf(
         msg, n,
-        "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, one, two "
-        "and four row tiles a block): max rel err %.2g",
+        "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, NVFP4's "
+        "high stacked too, one, two and four row tiles a block): max rel err %.2g",
         worst);
     return 0;
 }
