@@ -261,14 +261,10 @@ int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_one_chain(int D, int F);
 int cuda_moe_q_one_chain(void);
 /* kernels/cuda/moe_lean.cu: NVFP4's high precision products stacked (MOESERVE_LEAN_STACK) on (1),
- * off (0) or as the variable says (-1), returning the setting before; and whether the kernels
- * stack them now */
+ * off (0) or as the variable says (-1), returning the setting before; and whether the switch is on
+ * now (form 0 never stacks them) */
 int cuda_moe_lean_stack(int on);
 int cuda_moe_lean_stacked(void);
-/* the same file: NVFP4's lean kernels on a grid of the blocks resident at once, each taking items
- * in turn (MOESERVE_LEAN_PERSIST) on (1), off (0) or as the variable says (-1); returns the setting
- * before */
-int cuda_moe_lean_persist(int on);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -1527,27 +1523,21 @@ static void lean_all_cases(const model *m, int (*set)(int), const char *var, con
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
  * rows in the batch: lean against lean (tiles of 8, 16 and 32 rows) up to 16 pairs an expert,
  * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' seven
- * forms, and with 24-row tiles (MOESERVE_LEAN_ROWS24) in forms 5 and 6. */
+ * forms, and with 24-row tiles (MOESERVE_LEAN_ROWS24) in forms 5 and 6. High precision's products
+ * stacked (the default: other sums than the tiles', so the token alone within the tolerance of its
+ * rows instead), then in one chain in forms 1 to 6 (bit for bit). */
 static void test_nvfp4_lean(void) {
     static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
-        static const int stacked[] = {1, 2, 3, 4, 5, 6}, stacked24[] = {5, 6};
-        const int old_stack = cuda_moe_lean_stack(1);
-        printf("  high precision's products stacked (MOESERVE_LEAN_STACK=1)\n");
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
-        const int old_persist = cuda_moe_lean_persist(1);
-        printf(
-            "  a grid of the blocks resident at once, items in turn (MOESERVE_LEAN_PERSIST=1)\n");
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
-        cuda_moe_lean_stack(0);
-        printf("  the same, high precision's products in one chain (MOESERVE_LEAN_STACK=0)\n");
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked, 6, 0);
-        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", stacked24, 2, 1);
-        cuda_moe_lean_persist(old_persist);
+        /* the cases above stack high precision's products (the default); forms 1 to 6 again
+         * with them in one chain, the tiles' sums bit for bit */
+        static const int chained[] = {1, 2, 3, 4, 5, 6}, chained24[] = {5, 6};
+        const int old_stack = cuda_moe_lean_stack(0);
+        printf("  high precision's products in one chain (MOESERVE_LEAN_STACK=0)\n");
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", chained, 6, 0);
+        lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", chained24, 2, 1);
         cuda_moe_lean_stack(old_stack);
     }
     model_free(&m);

@@ -306,18 +306,11 @@ __launch_bounds__(lean_form<FORM>::threads,
         pdl_trigger();
     }
     // GEMM 2 reads the tile table before its wait: the prepare kernel wrote it, complete before
-    // GEMM 1's blocks passed their waits (and so before this grid could launch). A block takes the
-    // items blockIdx.x, + gridDim.x, ... (item i: tile i / n_col_blocks, column block i %
-    // n_col_blocks): one where the grid has them all, several where the host sized it to the
-    // blocks resident at once (lean_persist_on), the stages' ring running on from one to the next
-    const int n_items = __ldcg(a.n_tiles) * a.n_col_blocks;
-    if ((int)blockIdx.x >= n_items) return; // idle block of the upper-bound grid
-    int e = 0, nb = 0, row0 = 0, rows = 0;
-    auto item = [&](int i) {
-        const int4 ti = __ldcg(&a.tiles[i / a.n_col_blocks]);
-        nb = i % a.n_col_blocks;
-        e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
-    };
+    // GEMM 1's blocks passed their waits (and so before this grid could launch)
+    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
+    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
+    const int4 ti = __ldcg(&a.tiles[tile]);
+    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
@@ -347,16 +340,19 @@ __launch_bounds__(lean_form<FORM>::threads,
             }
         };
         int pre = 0;
-        item(blockIdx.x);
-        if (!GATE_UP) { // the first item's first stages' weights before the wait for h
+        if (!GATE_UP) { // the first stages' weights before the wait for h
             pre = min(S, nk);
             for (int kt = 0; kt < pre; kt++)
                 weights(kt, kt);
             pdl_wait();
         }
-        // this lane's activation row n = lane % NT and its chunks of 8 k, u = lane / NT + (32 /
-        // NT) j
+        // this lane's activation row n = lane % NT (NULL past the tile: zeros) and its chunks of
+        // 8 k, u = lane / NT + (32 / NT) j
         const int n = lane % NT;
+        const bf16 *src = nullptr;
+        if (n < rows)
+            src =
+                a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
         // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
         // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
         // stage later (LAG), so that its wait does not hold back the next stage's loads: their
@@ -366,49 +362,40 @@ __launch_bounds__(lean_form<FORM>::threads,
         // producer's next round (its wake-up, the loads' issue) before they could start stage kt
         // (H100: DeepSeek-V3's experts at 8 pairs an expert 70 -> 75% of the copy rate in high,
         // docs/benchmarks.md). With two stages LAG 0 was slower in high on 8-row tiles.
-        // Across items the ring runs on: gs counts the block's stages.
         constexpr int LAG = 1;
-        int s = 0, ph = 0, gs = 0;
-        for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-            if (it != (int)blockIdx.x) item(it);
-            const bf16 *src = nullptr; // row n's (NULL past the tile: zeros)
-            if (n < rows)
-                src = a.act +
-                      (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
-            for (int kt = 0; kt < nk; kt++, gs++) {
-                if (gs >= pre) {
-                    mbar_wait(empty(s), ph ^ 1);
-                    weights(kt, s);
-                }
-                const uint32_t act = smem0 + s * SB + L::codes + L::sf;
-                // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
-                constexpr bool ROW_LANES = NT == 24;
-#pragma unroll
-                for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
-                    if (ROW_LANES && lane >= NT) break;
-                    const int u =
-                        ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
-                    const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
-#pragma unroll
-                    for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
-                        const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
-                                                   : act + lean_act_off<NT>(u, n) + part * L::part;
-                        cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
-                    }
-                }
-                cp_async_commit();
-                if (gs >= LAG) {
-                    cp_async_wait<LAG>();
-                    fence_proxy_async();
-                    mbar_arrive(full((gs - LAG) % S));
-                }
-                if (++s == S) s = 0, ph ^= 1;
+        int s = 0, ph = 0;
+        for (int kt = 0; kt < nk; kt++) {
+            if (kt >= pre) {
+                mbar_wait(empty(s), ph ^ 1);
+                weights(kt, s);
             }
+            const uint32_t act = smem0 + s * SB + L::codes + L::sf;
+            // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
+            constexpr bool ROW_LANES = NT == 24;
+#pragma unroll
+            for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
+                if (ROW_LANES && lane >= NT) break;
+                const int u = ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
+                const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
+#pragma unroll
+                for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
+                    const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
+                                               : act + lean_act_off<NT>(u, n) + part * L::part;
+                    cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
+                }
+            }
+            cp_async_commit();
+            if (kt >= LAG) {
+                cp_async_wait<LAG>();
+                fence_proxy_async();
+                mbar_arrive(full((kt - LAG) % S));
+            }
+            if (++s == S) s = 0, ph ^= 1;
         }
         cp_async_wait<0>();
         fence_proxy_async();
-        for (int x = max(0, gs - LAG); x < gs; x++)
-            mbar_arrive(full(x % S));
+        for (int kt = max(0, nk - LAG); kt < nk; kt++)
+            mbar_arrive(full(kt % S));
         return;
     }
 
@@ -425,13 +412,21 @@ __launch_bounds__(lean_form<FORM>::threads,
     // rows' block scales at its end, as the tiles do)
     constexpr int NA = STACK ? NT : NT / 2; // accumulators a row tile
     float acc[RT][NA], tot[RT][W8 ? NT / 2 : 1];
-    // the stage loop of an item (the ring's place s, ph running on across items); NARROW: 24-row
-    // tiles of 16 rows or fewer (a.narrow), whose products take wgmma's n16 (the first 16 of the
-    // tile's columns, the same sums) for a third less work
-    int s = 0, ph = 0;
+#pragma unroll
+    for (int t = 0; t < RT; t++) {
+#pragma unroll
+        for (int i = 0; i < NA; i++)
+            acc[t][i] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
+            tot[t][i] = 0.0f;
+    }
+    // the stage loop; NARROW: 24-row tiles of 16 rows or fewer (a.narrow), whose products take
+    // wgmma's n16 (the first 16 of the tile's columns, the same sums) for a third less work
     auto stages = [&](auto narrow_c) {
         constexpr bool NARROW = decltype(narrow_c)::value;
         constexpr int NW = NARROW ? 16 : NT;
+        int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             mbar_wait(full(s), ph);
             const unsigned char *st = smem + s * SB;
@@ -513,10 +508,10 @@ __launch_bounds__(lean_form<FORM>::threads,
             const uint64_t d0 =
                 wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
             auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
-                const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
                 if constexpr (STACK) {
                     lean_wgmma<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
                 } else {
+                    const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
                     lean_wgmma<NW>(acc[t], f, d);
                     if constexpr (SPLIT) lean_wgmma<NW>(acc[t], f, d + (L::part >> 4));
                 }
@@ -591,84 +586,54 @@ __launch_bounds__(lean_form<FORM>::threads,
             if (++s == S) s = 0, ph ^= 1;
         }
     };
-    // FP8's running sums are zero again after each stage (release), NVFP4's after each item
-#pragma unroll
-    for (int t = 0; t < RT; t++)
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            acc[t][i] = 0.0f;
-    // an item's products and epilogue. FP8 takes one item a block (the loop around its kernels'
-    // wgmma serialized them in forms 5 and 6), NVFP4 its items in turn
-    auto consume = [&](int it) {
-        item(it);
-#pragma unroll
-        for (int t = 0; t < RT; t++) {
-            if constexpr (!W8) {
-                if (it != (int)blockIdx.x)
-#pragma unroll
-                    for (int i = 0; i < NA; i++)
-                        acc[t][i] = 0.0f;
-            }
-#pragma unroll
-            for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
-                tot[t][i] = 0.0f;
-        }
-        if constexpr (NT == 24) {
-            if (a.narrow && rows <= 16)
-                stages(std::true_type());
-            else
-                stages(std::false_type());
-        } else {
+    if constexpr (NT == 24) {
+        if (a.narrow && rows <= 16)
+            stages(std::true_type());
+        else
             stages(std::false_type());
-        }
-        pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
-        // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
-        // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
-        const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
-        const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
-#pragma unroll
-        for (int t = 0; t < RT; t++) {
-            const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
-            auto sum = [&](int i, float sc) {
-                if constexpr (W8)
-                    return tot[t][i];
-                else if constexpr (STACK) // n8 block j's hi sums in block 2 j, its lo sums in 2 j +
-                                          // 1
-                    return __fmul_rn(
-                        __fadd_rn(acc[t][i + 4 * (i / 4)], acc[t][i + 4 * (i / 4) + 4]), sc);
-                else
-                    return __fmul_rn(acc[t][i], sc);
-            };
-#pragma unroll
-            for (int j = 0; j < NT / 8; j++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int r = 8 * j + 2 * q + i;
-                    if (r >= rows) continue;
-                    if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
-                        const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
-                        bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
-                        if constexpr (SPLIT) {
-                            const float v = __fmul_rn(silu(gv), uv);
-                            const bf16 hi = __float2bfloat16_rn(v);
-                            *dst = hi;
-                            dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
-                        } else {
-                            *dst = __float2bfloat16_rn(silu(gv) * uv);
-                        }
-                    } else { // rows g and g + 8: columns col and col + 8
-                        float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
-                        dst[0] = sum(4 * j + i, s0);
-                        dst[8] = sum(4 * j + 2 + i, s0);
-                    }
-                }
-        }
-    };
-    if constexpr (W8) {
-        consume(blockIdx.x);
     } else {
-        for (int it = blockIdx.x; it < n_items; it += gridDim.x)
-            consume(it);
+        stages(std::false_type());
+    }
+    pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
+    // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
+    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
+    const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
+    const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
+#pragma unroll
+    for (int t = 0; t < RT; t++) {
+        const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+        auto sum = [&](int i, float sc) {
+            if constexpr (W8)
+                return tot[t][i];
+            else if constexpr (STACK) // n8 block j's hi sums in block 2 j, its lo sums in 2 j + 1
+                return __fmul_rn(__fadd_rn(acc[t][i + 4 * (i / 4)], acc[t][i + 4 * (i / 4) + 4]),
+                                 sc);
+            else
+                return __fmul_rn(acc[t][i], sc);
+        };
+#pragma unroll
+        for (int j = 0; j < NT / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = 8 * j + 2 * q + i;
+                if (r >= rows) continue;
+                if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
+                    const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
+                    bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
+                    if constexpr (SPLIT) {
+                        const float v = __fmul_rn(silu(gv), uv);
+                        const bf16 hi = __float2bfloat16_rn(v);
+                        *dst = hi;
+                        dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                    } else {
+                        *dst = __float2bfloat16_rn(silu(gv) * uv);
+                    }
+                } else { // rows g and g + 8: columns col and col + 8
+                    float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                    dst[0] = sum(4 * j + i, s0);
+                    dst[8] = sum(4 * j + 2 + i, s0);
+                }
+            }
     }
 #else
     __trap(); // sm_100a: no wgmma (moe_lean_w4_rows takes a Hopper device only)
@@ -785,21 +750,6 @@ extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the
     return old;
 }
 
-// MOESERVE_LEAN_PERSIST (0 when unset; 1 on): a grid of the blocks resident at once (occupancy
-// query), each taking items (tile, column block) in turn with its stages' ring running on from one
-// to the next, instead of a block an item. GEMM 2 has 8 stages a block at DeepSeek-V3's k 2048,
-// whose start (the ring's first stages from memory) and end (the last stages' products with no
-// loads behind them) a block an item leaves exposed.
-static int g_lean_persist = -1;
-static bool lean_persist_on() {
-    return cuda_env_count("MOESERVE_LEAN_PERSIST", 0, &g_lean_persist) == 1;
-}
-extern "C" int cuda_moe_lean_persist(int on) { // test hook: on (1), off (0), the variable (-1)
-    const int old = g_lean_persist;
-    g_lean_persist = on < 0 ? -1 : on;
-    return old;
-}
-
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
@@ -807,19 +757,7 @@ static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
-    int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
-    if (!W8 && lean_persist_on()) { // FP8's kernels take one item a block
-        static int resident = 0;    // blocks of this kernel resident at once on the device
-        if (resident == 0) {
-            int per_sm = 0, sms = 0, dev = 0;
-            cudaGetDevice(&dev);
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, lean_form<FORM>::threads,
-                                                          L::smem);
-            resident = per_sm * sms > 0 ? per_sm * sms : 1;
-        }
-        blocks = std::min<int64_t>(blocks, resident);
-    }
+    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
                     tsf, a);
 }
@@ -848,15 +786,19 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
     return old;
 }
 
-// MOESERVE_LEAN_STACK (0 when unset; 1 on): NVFP4 in high precision takes a k16 step's hi and lo
+// MOESERVE_LEAN_STACK (1 when unset; 0 off): NVFP4 in high precision takes a k16 step's hi and lo
 // products as one wgmma of twice the columns (x's hi rows and lo rows stacked as B), in two sums
 // added at the end, instead of two wgmma on one chain. A wgmma of n8 or n16 costs a multiprocessor
 // about 14 cycles either way (build/bench_wgmma_rate, H100), so high precision's two products a
-// 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. Other sums
-// than the tiles' one chain: a token's rows then depend on which kernel the batch's size takes
-// (deterministic mode never runs the lean kernels).
+// 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. On an H100,
+// DeepSeek-V3's NVFP4 experts in high precision at 1 to 32 tokens an expert's share (T = 1 to
+// 32): 77.5 -> 80.9% of the copy rate at T = 1, 84 -> 88% at 16, 72 to 75 -> 77 to 81% at 32
+// (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second session)"). Other sums than the
+// tiles' one chain: a token's NVFP4 rows in high precision then depend on whether its batch's size
+// takes the lean kernels or the tiles (0 keeps the one chain and those bits); deterministic mode
+// never runs the lean kernels.
 static int g_lean_stack = -1;
-static bool lean_stack_on() { return cuda_env_count("MOESERVE_LEAN_STACK", 0, &g_lean_stack) == 1; }
+static bool lean_stack_on() { return cuda_env_count("MOESERVE_LEAN_STACK", 1, &g_lean_stack) == 1; }
 extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_lean_stack;
     g_lean_stack = on < 0 ? -1 : on;
