@@ -102,7 +102,10 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // 2 in high (41 KB); 24-row tiles as those. 128 rows a block (WG here: form 2's two warpgroups
     // of 288 threads, pipe up to 96 registers; form 5's one, 96 to 148 registers): two blocks, 110
     // KB each. DENSE (form 3: form 1's 79 and 88 registers allow it): 8-row tiles five blocks (3
-    // stages in medium, 2 in high), 16-row tiles four (3, 2). 256 rows a block (form 6): one block,
+    // stages in medium, 2 in high; the shared memory sized for five, but at 78 to 88 registers a
+    // 5-warp block's warps fit 5 or 6 to a scheduler, so 4 run: ncu's occupancy, docs/
+    // benchmarks.md, twenty-second session), 16-row tiles four (3, 2). 256 rows a block (form 6):
+    // one block,
     // 224 KB, so that 32-row tiles keep three stages of 36 KB of weights in flight in medium (four
     // of 52 KB), two in high (three of 68 KB), where form 5's two blocks keep two and one of 18 KB
     // each
