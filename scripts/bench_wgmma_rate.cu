@@ -18,30 +18,6 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/hopper.cuh"
 
-template <int N> __device__ __forceinline__ void mma(float *d, const uint32_t (&a)[4], uint64_t b);
-template <> __device__ __forceinline__ void mma<8>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-template <> __device__ __forceinline__ void mma<16>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-template <> __device__ __forceinline__ void mma<32>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, "
-                 "1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
 // C wgmma of N a k16 step; the B tile (up to 32 rows x 128 bytes, 4 KB) at the smem's start
 template <int N, int C>
 __global__ void __launch_bounds__(256) rate_kernel(float *out, long long *rec, int iters) {
@@ -65,7 +41,7 @@ __global__ void __launch_bounds__(256) rate_kernel(float *out, long long *rec, i
         for (int s = 0; s < 4; s++)
 #pragma unroll
             for (int c = 0; c < C; c++)
-                mma<N>(d[c], a, wgmma_desc_sw128(base + 32 * s + 1024 * c));
+                wgmma_rs_bf16<N>(d[c], a, wgmma_desc_sw128(base + 32 * s + 1024 * c));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         a[0] += 0x00010001u; // the next step's A registers, as a decode would write them

@@ -193,65 +193,6 @@ struct lean_args {
     int narrow; // MOESERVE_LEAN_NARROW: 24-row tiles of up to 16 rows on wgmma's n16
 };
 
-// d += a b over k16, B (NT tokens) through descriptor b
-template <int NT>
-__device__ __forceinline__ void lean_wgmma(float *d, const uint32_t (&a)[4], uint64_t b);
-template <>
-__device__ __forceinline__ void lean_wgmma<8>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-template <>
-__device__ __forceinline__ void lean_wgmma<16>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-template <>
-__device__ __forceinline__ void lean_wgmma<24>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-template <>
-__device__ __forceinline__ void lean_wgmma<48>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-                 "%22, %23}, {%24, %25, %26, %27}, %28, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-template <>
-__device__ __forceinline__ void lean_wgmma<64>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WGMMA_D32_STR "}, "
-                 "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
-                 : WGMMA_D32_OUT(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-template <>
-__device__ __forceinline__ void lean_wgmma<32>(float *d, const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, "
-                 "%6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, "
-                 "1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
 // Groups 2 h and 2 h + 1 of a word of four scale bytes as one pair of BF16 scales (lo, hi): each
 // half as wq_scale2 makes it (byte c to (c << 4) + WQ_SF_BIAS), two groups for one PRMT and one
 // IMAD; lean_mul_half takes one half of it in both lanes, which the multiply reads as an operand
@@ -512,11 +453,11 @@ __launch_bounds__(lean_form<FORM>::threads,
                 wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
             auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
                 if constexpr (STACK) {
-                    lean_wgmma<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
+                    wgmma_rs_bf16<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
                 } else {
                     const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-                    lean_wgmma<NW>(acc[t], f, d);
-                    if constexpr (SPLIT) lean_wgmma<NW>(acc[t], f, d + (L::part >> 4));
+                    wgmma_rs_bf16<NW>(acc[t], f, d);
+                    if constexpr (SPLIT) wgmma_rs_bf16<NW>(acc[t], f, d + (L::part >> 4));
                 }
             };
             // the stage's end, every group retired: FP8 folds its block's sums into the totals
