@@ -105,10 +105,9 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // stages in medium, 2 in high; the shared memory sized for five, but at 78 to 88 registers a
     // 5-warp block's warps fit 5 or 6 to a scheduler, so 4 run: ncu's occupancy, docs/
     // benchmarks.md, twenty-second session), 16-row tiles four (3, 2). 256 rows a block (form 6):
-    // one block,
-    // 224 KB, so that 32-row tiles keep three stages of 36 KB of weights in flight in medium (four
-    // of 52 KB), two in high (three of 68 KB), where form 5's two blocks keep two and one of 18 KB
-    // each
+    // one block, 224 KB, so that 32-row tiles keep three stages of 36 KB of weights in flight in
+    // medium (four of 52 KB), two in high (three of 68 KB), where form 5's two blocks keep two and
+    // one of 18 KB each
     static constexpr int blocks = WG == 4    ? 1
                                   : WG == 2  ? 2
                                   : NT == 8  ? (DENSE ? 5 : 4)
@@ -735,8 +734,8 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
 // added at the end, instead of two wgmma on one chain. A wgmma of n8 or n16 costs a multiprocessor
 // about 14 cycles either way (build/bench_wgmma_rate, H100), so high precision's two products a
 // 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. On an H100,
-// DeepSeek-V3's NVFP4 experts in high precision at 1 to 32 tokens an expert's share (T = 1 to
-// 32): 77.5 -> 80.9% of the copy rate at T = 1, 84 -> 88% at 16, 72 to 75 -> 77 to 81% at 32
+// DeepSeek-V3's NVFP4 experts in high precision, in a chain: 77.5 -> 80.9% of the copy rate at
+// T = 1, 84 -> 88% at 16, 72 to 75 -> 77 to 81% at 32, 1.2 to 6.4 points at every T from 1 to 32
 // (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second session)"). Other sums than the
 // tiles' one chain: a token's NVFP4 rows in high precision then depend on whether its batch's size
 // takes the lean kernels or the tiles (0 keeps the one chain and those bits); deterministic mode
@@ -748,7 +747,7 @@ extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the 
     g_lean_stack = on < 0 ? -1 : on;
     return old;
 }
-extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); } // what the kernels take now
+extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); } // the switch (form 0: never)
 
 template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
