@@ -734,8 +734,8 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
 // added at the end, instead of two wgmma on one chain. A wgmma of n8 or n16 costs a multiprocessor
 // about 14 cycles either way (build/bench_wgmma_rate, H100), so high precision's two products a
 // 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. On an H100,
-// DeepSeek-V3's NVFP4 experts in high precision, in a chain: 77.5 -> 80.9% of the copy rate at
-// T = 1, 84 -> 88% at 16, 72 to 75 -> 77 to 81% at 32, 1.2 to 6.4 points at every T from 1 to 32
+// DeepSeek-V3's NVFP4 experts in high precision, in a chain (means of two rounds): 77.6 -> 80.9%
+// of the copy rate at T = 1, 84.0 -> 88.3% at 16, 73.6 -> 79.4% at 32, 1.3 to 5.8 points at each T
 // (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second session)"). Other sums than the
 // tiles' one chain: a token's NVFP4 rows in high precision then depend on whether its batch's size
 // takes the lean kernels or the tiles (0 keeps the one chain and those bits); deterministic mode
