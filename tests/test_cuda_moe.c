@@ -260,7 +260,7 @@ int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_one_chain(int D, int F);
 int cuda_moe_q_one_chain(void);
-/* kernels/cuda/moe_lean.cu: NVFP4's high precision products stacked (MOESERVE_LEAN_STACK) on (1),
+/* kernels/cuda/moe_lean.cu: high precision's products stacked (MOESERVE_LEAN_STACK) on (1),
  * off (0) or as the variable says (-1), returning the setting before; and whether the switch is on
  * now (form 0 never stacks them) */
 int cuda_moe_lean_stack(int on);
@@ -648,7 +648,7 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
          * Where the batch's GEMM 1 ran on the FP8 tensor cores (medium precision at prefill sizes,
          * outside deterministic mode: other sums than the token alone's W8A16 tiles), or its GEMMs
          * on wgmma in high precision with the tiles' fp32 add of the lo products
-         * (MOESERVE_ONE_CHAIN=0), or NVFP4's lean kernels stack high precision's products
+         * (MOESERVE_ONE_CHAIN=0), or the lean kernels stack high precision's products
          * (MOESERVE_LEAN_STACK: two sums, where the tiles keep one chain), it stays within the
          * tolerance of them instead. Medium's wgmma sums are the mma.sync tiles' bit for bit.
          */
@@ -662,8 +662,8 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                  cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
                 (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
-                (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
-                 cuda_moe_lean_stacked()) ||
+                ((m->w.wformat == MOE_W_NVFP4 || m->w.wformat == MOE_W_FP8) &&
+                 p == MATMUL_PRECISION_HIGH && cuda_moe_lean_stacked()) ||
                 (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (w8a8_down) { /* h on the FP8 grid in the batch: the token alone against the CPU */
@@ -1666,7 +1666,8 @@ int cuda_moe_w8_lean(int on);
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
  * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), 24-row tiles in 5 and 6, on D 512
- * F 256 and on F 384 (a multiple of 128, not of 256). */
+ * F 256 and on F 384 (a multiple of 128, not of 256); high precision's products stacked (the
+ * default), then in one chain in forms 1, 2, 5 and 6 (bit for bit). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
@@ -1677,6 +1678,13 @@ static void test_fp8_lean(void) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_all_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
+            /* high precision's products in one chain too, the tiles' sums bit for bit */
+            static const int chained[] = {1, 2, 5, 6}, chained24[] = {5, 6};
+            const int old_stack = cuda_moe_lean_stack(0);
+            printf("  high precision's products in one chain (MOESERVE_LEAN_STACK=0)\n");
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", chained, 4, 0);
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", chained24, 2, 1);
+            cuda_moe_lean_stack(old_stack);
         }
         model_free(&m);
     }

@@ -235,7 +235,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     constexpr int S = L::stages, SB = L::bytes, BK = L::bk, KS = BK / 16; // k16 steps a stage
     // STACK (lean_stack_on): high precision's hi and lo products of a k16 step as one wgmma's
     // columns (lean_act_off_stacked), in two sums added at the end
-    static_assert(!STACK || (SPLIT && !W8), "stacked: NVFP4 in high precision");
+    static_assert(!STACK || SPLIT, "stacked: high precision");
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -470,11 +470,17 @@ __launch_bounds__(lean_form<FORM>::threads,
                                                                           bg[t] * 128 + rg[t] * 4);
                         const float sh = *reinterpret_cast<const float *>(st + L::codes +
                                                                           bh[t] * 128 + rh[t] * 4);
+                        // STACK: n8 block j's hi sums in block 2 j, its lo sums in 2 j + 1
 #pragma unroll
-                        for (int i = 0; i < NT / 2; i++) {
-                            tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh, acc[t][i], tot[t][i]);
+                        for (int i = 0; i < NT / 2; i++)
+                            tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh,
+                                                  STACK ? __fadd_rn(acc[t][i + 4 * (i / 4)],
+                                                                    acc[t][i + 4 * (i / 4) + 4])
+                                                        : acc[t][i],
+                                                  tot[t][i]);
+#pragma unroll
+                        for (int i = 0; i < NA; i++)
                             acc[t][i] = 0.0f;
-                        }
                     }
                 }
                 __syncwarp();
@@ -729,17 +735,17 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
     return old;
 }
 
-// MOESERVE_LEAN_STACK (1 when unset; 0 off): NVFP4 in high precision takes a k16 step's hi and lo
-// products as one wgmma of twice the columns (x's hi rows and lo rows stacked as B), in two sums
-// added at the end, instead of two wgmma on one chain. A wgmma of n8 or n16 costs a multiprocessor
-// about 14 cycles either way (build/bench_wgmma_rate, H100), so high precision's two products a
-// 64 x 16 block of weights hold it to 36 weights a cycle, one stacked product to 74. On an H100,
-// DeepSeek-V3's NVFP4 experts in high precision, in a chain (means of two rounds): 77.6 -> 80.9%
-// of the copy rate at T = 1, 84.0 -> 88.3% at 16, 73.6 -> 79.4% at 32, 1.3 to 5.8 points at each T
-// (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second session)"). Other sums than the
-// tiles' one chain: a token's NVFP4 rows in high precision then depend on whether its batch's size
-// takes the lean kernels or the tiles (0 keeps the one chain and those bits); deterministic mode
-// never runs the lean kernels.
+// MOESERVE_LEAN_STACK (1 when unset; 0 off): high precision takes a k16 step's hi and lo products
+// as one wgmma of twice the columns (x's hi rows and lo rows stacked as B), in two sums added at
+// the end (FP8: at each block's fold), instead of two wgmma on one chain. A wgmma of n8 or n16
+// costs a multiprocessor about 14 cycles either way (build/bench_wgmma_rate, H100), so high
+// precision's two products a 64 x 16 block of weights hold it to 36 weights a cycle, one stacked
+// product to 74. On an H100, DeepSeek-V3's NVFP4 experts in high precision, in a chain (means of
+// two rounds): 77.6 -> 80.9% of the copy rate at T = 1, 84.0 -> 88.3% at 16, 73.6 -> 79.4% at 32,
+// 1.3 to 5.8 points at each T (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second
+// session)"). Other sums than the tiles' one chain: a token's rows in high precision then depend
+// on whether its batch's size takes the lean kernels or the tiles (0 keeps the one chain and
+// those bits); deterministic mode never runs the lean kernels.
 static int g_lean_stack = -1;
 static bool lean_stack_on() { return cuda_env_count("MOESERVE_LEAN_STACK", 1, &g_lean_stack) == 1; }
 extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the variable (-1)
@@ -747,7 +753,8 @@ extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the 
     g_lean_stack = on < 0 ? -1 : on;
     return old;
 }
-extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); } // the switch (form 0: never)
+// the switch (form 0 and FP8's 32-row tiles never stack)
+extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); }
 
 template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
@@ -795,13 +802,16 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         constexpr int NT = decltype(nt)::value;
         auto go = [&](auto fm) { // GEMM 1 in form FORM, GEMM 2 in FORM2
             constexpr int FORM = decltype(fm)::value;
+            // stacked: not form 0 (it would serialize the products), nor FP8's 32-row tiles
+            // (168 registers and spills, where 148 hold the one chain)
+            constexpr bool STACKS = FORM != 0 && !(W8 && NT == 32);
             auto run = [&](auto fm2) {
                 constexpr int FORM2 = decltype(fm2)::value;
                 if (!split)
                     lean_both<false, NT, FORM, W8, FORM2, false>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
-                else if (!W8 && FORM != 0 && lean_stack_on()) // form 0 would serialize it
-                    lean_both<true, NT, FORM, W8, FORM2, !W8 && FORM != 0>(
+                else if (STACKS && lean_stack_on())
+                    lean_both<true, NT, FORM, W8, FORM2, STACKS>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
                 else
                     lean_both<true, NT, FORM, W8, FORM2, false>(a, max_tiles, gate_up_q, gate_up_sf,
@@ -1208,8 +1218,7 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
                 constexpr int NT = decltype(nt)::value, VW = decltype(vw)::value;
                 v.push_back({NT, VW, false, false, lean_check_one<NT, false, VW, W8>(p)});
                 v.push_back({NT, VW, true, false, lean_check_one<NT, true, VW, W8>(p)});
-                if constexpr (!W8) // high precision's products stacked
-                    v.push_back({NT, VW, true, true, lean_check_one<NT, true, VW, W8, true>(p)});
+                v.push_back({NT, VW, true, true, lean_check_one<NT, true, VW, W8, true>(p)});
             };
             auto rows = [&](auto vw) {
                 add(std::integral_constant<int, 8>(), vw);
@@ -1238,10 +1247,9 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
             worst = std::max(worst, c.err);
         }
     }
-    snprintf(
-        msg, n,
-        "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, NVFP4's "
-        "high stacked too, one, two and four row tiles a block): max rel err %.2g",
-        worst);
+    snprintf(msg, n,
+             "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, high "
+             "stacked too, one, two and four row tiles a block): max rel err %.2g",
+             worst);
     return 0;
 }
