@@ -260,11 +260,11 @@ int cuda_moe_w8_wgmma_takes(int64_t n_pairs, int E, int D, int F, int high);
 int cuda_moe_w8_wgmma(int on);
 int cuda_moe_bf16_one_chain(int D, int F);
 int cuda_moe_q_one_chain(void);
-/* kernels/cuda/moe_lean.cu: high precision's products stacked (MOESERVE_LEAN_STACK) on (1),
- * off (0) or as the variable says (-1), returning the setting before; and whether the switch is on
- * now (form 0 never stacks them) */
+/* kernels/cuda/moe_lean.cu: high precision's products stacked (MOESERVE_LEAN_STACK) for NVFP4
+ * (1), NVFP4 and FP8 (2), neither (0) or as the variable says (-1), returning the setting before;
+ * and whether the switch stacks NVFP4's (w8 0) or FP8's (1) now (form 0 never stacks them) */
 int cuda_moe_lean_stack(int on);
-int cuda_moe_lean_stacked(void);
+int cuda_moe_lean_stacked(int w8);
 /* kernels/cuda/fp8_gemm.cu: the FP8 x FP8 GEMM's tile configuration from now on (returns the
  * old one) */
 int cuda_fp8_grouped_gemm_config(int config);
@@ -662,8 +662,10 @@ static void run_case(const model *m, int T, int mode, double skip, int max_check
                  cuda_moe_bf16_wgmma(n_pairs, m->E, D, m->F, 1)) ||
                 (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w4_wgmma_takes(n_pairs, m->E, D, m->F, 1)) ||
-                ((m->w.wformat == MOE_W_NVFP4 || m->w.wformat == MOE_W_FP8) &&
-                 p == MATMUL_PRECISION_HIGH && cuda_moe_lean_stacked()) ||
+                (m->w.wformat == MOE_W_NVFP4 && p == MATMUL_PRECISION_HIGH &&
+                 cuda_moe_lean_stacked(0)) ||
+                (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
+                 cuda_moe_lean_stacked(1)) ||
                 (m->w.wformat == MOE_W_FP8 && p == MATMUL_PRECISION_HIGH &&
                  !cuda_moe_q_one_chain() && cuda_moe_w8_wgmma_takes(n_pairs, m->E, D, m->F, 1));
             if (w8a8_down) { /* h on the FP8 grid in the batch: the token alone against the CPU */
@@ -1666,8 +1668,8 @@ int cuda_moe_w8_lean(int on);
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
  * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), 24-row tiles in 5 and 6, on D 512
- * F 256 and on F 384 (a multiple of 128, not of 256); high precision's products stacked (the
- * default), then in one chain in forms 1, 2, 5 and 6 (bit for bit). */
+ * F 256 and on F 384 (a multiple of 128, not of 256); high precision's products in one chain
+ * (the default: bit for bit), then stacked in forms 1, 2, 5 and 6 (within the tolerance). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
@@ -1678,12 +1680,12 @@ static void test_fp8_lean(void) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_all_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
-            /* high precision's products in one chain too, the tiles' sums bit for bit */
-            static const int chained[] = {1, 2, 5, 6}, chained24[] = {5, 6};
-            const int old_stack = cuda_moe_lean_stack(0);
-            printf("  high precision's products in one chain (MOESERVE_LEAN_STACK=0)\n");
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", chained, 4, 0);
-            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", chained24, 2, 1);
+            /* high precision's products stacked (MOESERVE_LEAN_STACK=2; not the default) */
+            static const int stacked[] = {1, 2, 5, 6}, stacked24[] = {5, 6};
+            const int old_stack = cuda_moe_lean_stack(2);
+            printf("  high precision's products stacked (MOESERVE_LEAN_STACK=2)\n");
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", stacked, 4, 0);
+            lean_form_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", stacked24, 2, 1);
             cuda_moe_lean_stack(old_stack);
         }
         model_free(&m);

@@ -735,26 +735,32 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
     return old;
 }
 
-// MOESERVE_LEAN_STACK (1 when unset; 0 off): high precision takes a k16 step's hi and lo products
-// as one wgmma of twice the columns (x's hi rows and lo rows stacked as B), in two sums added at
-// the end (FP8: at each block's fold), instead of two wgmma on one chain. A wgmma of n8 or n16
-// costs a multiprocessor about 14 cycles either way (build/bench_wgmma_rate, H100), so high
-// precision's two products a 64 x 16 block of weights hold it to 36 weights a cycle, one stacked
-// product to 74. On an H100, DeepSeek-V3's NVFP4 experts in high precision, in a chain (means of
-// two rounds): 77.6 -> 80.9% of the copy rate at T = 1, 84.0 -> 88.3% at 16, 73.6 -> 79.4% at 32,
-// 1.3 to 5.8 points at each T (docs/benchmarks.md, "One H100 (2026-12-06, twenty-second
-// session)"). Other sums than the tiles' one chain: a token's rows in high precision then depend
-// on whether its batch's size takes the lean kernels or the tiles (0 keeps the one chain and
-// those bits); deterministic mode never runs the lean kernels.
+// MOESERVE_LEAN_STACK (1 when unset: NVFP4; 2 NVFP4 and FP8; 0 neither): high precision takes a
+// k16 step's hi and lo products as one wgmma of twice the columns (x's hi rows and lo rows stacked
+// as B), in two sums added at the end (FP8: at each block's fold), instead of two wgmma on one
+// chain. A wgmma of n8 or n16 costs a multiprocessor about 14 cycles either way
+// (build/bench_wgmma_rate, H100), so high precision's two products a 64 x 16 block of weights hold
+// it to 36 weights a cycle, one stacked product to 74. On an H100, DeepSeek-V3's NVFP4 experts in
+// high precision, in a chain (means of two rounds): 77.6 -> 80.9% of the copy rate at T = 1, 84.0
+// -> 88.3% at 16, 73.6 -> 79.4% at 32, 1.3 to 5.8 points at each T (docs/benchmarks.md, "One H100
+// (2026-12-06, twenty-second session)"). FP8's decode is lighter: stacked, its experts gained 0.4
+// to 0.5 points at T = 1 to 8 and nothing from 16 ("One H100 (2026-12-06, twenty-third
+// session)"), too little for the trade, so FP8 keeps its one chain unless asked. Other sums than
+// the tiles' one chain: a token's stacked rows in high precision then depend on whether its
+// batch's size takes the lean kernels or the tiles (0 keeps the one chain and those bits);
+// deterministic mode never runs the lean kernels.
 static int g_lean_stack = -1;
-static bool lean_stack_on() { return cuda_env_count("MOESERVE_LEAN_STACK", 1, &g_lean_stack) == 1; }
-extern "C" int cuda_moe_lean_stack(int on) { // test hook: on (1), off (0), the variable (-1)
+static bool lean_stack_on(bool w8) {
+    const int v = cuda_env_count("MOESERVE_LEAN_STACK", 1, &g_lean_stack);
+    return w8 ? v == 2 : v == 1 || v == 2;
+}
+extern "C" int cuda_moe_lean_stack(int on) { // test hook: 0, 1, 2 as the variable, or it (-1)
     const int old = g_lean_stack;
     g_lean_stack = on < 0 ? -1 : on;
     return old;
 }
-// the switch (form 0 and FP8's 32-row tiles never stack)
-extern "C" int cuda_moe_lean_stacked(void) { return lean_stack_on(); }
+// the switch for NVFP4 (w8 0) or FP8 (1); form 0 and FP8's 32-row tiles never stack
+extern "C" int cuda_moe_lean_stacked(int w8) { return lean_stack_on(w8); }
 
 template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
@@ -810,7 +816,7 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                 if (!split)
                     lean_both<false, NT, FORM, W8, FORM2, false>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
-                else if (STACKS && lean_stack_on())
+                else if (STACKS && lean_stack_on(W8))
                     lean_both<true, NT, FORM, W8, FORM2, STACKS>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
                 else
