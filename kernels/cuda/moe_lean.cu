@@ -743,13 +743,13 @@ extern "C" int cuda_moe_lean_form2(int form) { // test hook: 5, 6, 0 (by precisi
 // it to 36 weights a cycle, one stacked product to 74. On an H100, DeepSeek-V3's NVFP4 experts in
 // high precision, in a chain (means of two rounds): 77.6 -> 80.9% of the copy rate at T = 1, 84.0
 // -> 88.3% at 16, 73.6 -> 79.4% at 32, 1.3 to 5.8 points at each T (docs/benchmarks.md, "One H100
-// (2026-12-06, twenty-second session)"); on an H200 3.2 to 5.1 points at every T, 57.1 -> 61.2%
-// at T = 1. FP8's decode is lighter: stacked, its experts gained 0.4 to 0.5 points at T = 1 to 8
-// on an H100 and 0.65 to 1.15 at T = 1 to 4 on an H200, nothing above ("One H100 (2026-12-06,
-// twenty-third session)"), too little for the trade, so FP8 keeps its one chain unless asked.
-// Other sums than the tiles' one chain: a token's stacked rows in high precision then depend on
-// whether its batch's size takes the lean kernels or the tiles (0 keeps the one chain and those
-// bits); deterministic mode never runs the lean kernels.
+// (2026-12-06, twenty-second session)"); on an H200, 3.2 to 5.1 points at every T, 57.1 -> 61.2%
+// at T = 1 ("One H100, then one H200 (2026-12-06, twenty-third session)"). FP8's decode is
+// lighter: stacked, its experts gained 0.4 to 0.5 points at T = 1 to 8 on an H100 and 0.65 to
+// 1.15 at T = 1 to 4 on an H200, nothing above (same section), too little for the trade, so FP8
+// keeps its one chain unless asked. Other sums than the tiles' one chain: a token's stacked rows
+// in high precision then depend on whether its batch's size takes the lean kernels or the tiles
+// (0 keeps the one chain and those bits); deterministic mode never runs the lean kernels.
 static int g_lean_stack = -1;
 static bool lean_stack_on(bool w8) {
     const int v = cuda_env_count("MOESERVE_LEAN_STACK", 1, &g_lean_stack);
