@@ -214,6 +214,12 @@ __device__ __forceinline__ uint32_t lean_mul_half(uint32_t x, uint32_t s, int hi
     return d;
 }
 
+// Stacked (lean_act_off_stacked): sum i of an n8 block j (i = 4 j + r) as the hi sums in the
+// accumulators' block 2 j plus the lo sums in block 2 j + 1
+__device__ __forceinline__ float lean_hi_lo(const float *acc, int i) {
+    return __fadd_rn(acc[i + 4 * (i / 4)], acc[i + 4 * (i / 4) + 4]);
+}
+
 // A fragments that an issued wgmma may still read: a use the compiler must keep them intact for,
 // placed after the wait that retires it.
 __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
@@ -470,14 +476,11 @@ __launch_bounds__(lean_form<FORM>::threads,
                                                                           bg[t] * 128 + rg[t] * 4);
                         const float sh = *reinterpret_cast<const float *>(st + L::codes +
                                                                           bh[t] * 128 + rh[t] * 4);
-                        // STACK: n8 block j's hi sums in block 2 j, its lo sums in 2 j + 1
 #pragma unroll
                         for (int i = 0; i < NT / 2; i++)
-                            tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh,
-                                                  STACK ? __fadd_rn(acc[t][i + 4 * (i / 4)],
-                                                                    acc[t][i + 4 * (i / 4) + 4])
-                                                        : acc[t][i],
-                                                  tot[t][i]);
+                            tot[t][i] =
+                                __fmaf_rn(i % 4 < 2 ? sg : sh,
+                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
 #pragma unroll
                         for (int i = 0; i < NA; i++)
                             acc[t][i] = 0.0f;
@@ -554,9 +557,8 @@ __launch_bounds__(lean_form<FORM>::threads,
         auto sum = [&](int i, float sc) {
             if constexpr (W8)
                 return tot[t][i];
-            else if constexpr (STACK) // n8 block j's hi sums in block 2 j, its lo sums in 2 j + 1
-                return __fmul_rn(__fadd_rn(acc[t][i + 4 * (i / 4)], acc[t][i + 4 * (i / 4) + 4]),
-                                 sc);
+            else if constexpr (STACK)
+                return __fmul_rn(lean_hi_lo(acc[t], i), sc);
             else
                 return __fmul_rn(acc[t][i], sc);
         };
