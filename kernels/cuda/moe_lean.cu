@@ -613,20 +613,28 @@ extern "C" int cuda_moe_w8_lean(int on) {
 // groups a register; 4 as 1 with those scales; 5 as 4 with two 64-row tiles a consumer warpgroup,
 // so that a stage's activations, read from L2, meet 128 weight rows instead of 64; 6 as 5 with
 // two consumer warpgroups (256 rows, one block an SM). Unset (or 7+), by the tile's rows: NVFP4
-// form 3 for 8 rows; for 16 form 5 on experts of 4 M weights a matrix or more (big), 4 on smaller
-// ones (fewer column blocks: Qwen3-30B-A3B's lost 2 points in high in form 5); for 32 (and 24)
-// form 6, except small experts in medium precision (form 5: Qwen3-30B-A3B's at T = 256 198
-// against 206 us, where in high form 6 took 239 against 267); FP8 form 1, and 6 for 32 (24)
-// rows. On an H100 those were the fastest or within a point of it at every size timed
-// (docs/benchmarks.md, "One H100 (2026-12-06, twentieth session)"). FP8 takes forms 0 to 2, 5
-// and 6 (3 and 4, whose difference is NVFP4's group scales, run as 1).
+// form 3 for 8 rows in medium precision, 4 in high; for 16 form 5 on experts of 4 M weights a
+// matrix or more (big), 4 on smaller ones (fewer column blocks: Qwen3-30B-A3B's lost 2 points in
+// high in form 5); for 32 (and 24) form 6, except small experts in medium precision (form 5:
+// Qwen3-30B-A3B's at T = 256 198 against 206 us, where in high form 6 took 239 against 267); FP8
+// form 1, 5 for 16 rows of big experts in high, and 6 for 32 (24) rows. On an H100 those were the
+// fastest or within a point of it at every size timed (docs/benchmarks.md, "One H100 (2026-12-06,
+// twentieth session)"). On an H200 (twenty-fourth session) two took the lead: form 3's 8-row
+// tiles in high hold 82 registers, so four blocks an SM run where five were meant, with two
+// stages each (form 4: three), and on the H200's bandwidth that leaves too little in flight
+// (DeepSeek-V3's experts at T = 1 to 16: 62 to 65% of the copy rate against form 4's 65 to 70%);
+// FP8's 16-row tiles in high read as many activation bytes from L2 as weight bytes in form 1, the
+// L2 at 88% of its peak (ncu), which form 5's two row tiles halve (T = 32: 74 -> 79%, and on the
+// H100 92 -> 94%, twentieth session). FP8 takes forms 0 to 2, 5 and 6 (3 and 4, whose difference
+// is NVFP4's group scales, run as 1).
 #define LEAN_FORM_BY_ROWS 7
 static int g_lean_form = -1;
 static int lean_form_now(int rows, bool w8, bool big, bool split) {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", LEAN_FORM_BY_ROWS, &g_lean_form);
     if (f < LEAN_FORM_BY_ROWS) return f;
     if (rows >= 24) return big || split || w8 ? 6 : 5;
-    return w8 ? 1 : rows == 8 ? 3 : big ? 5 : 4;
+    if (w8) return rows == 16 && big && split ? 5 : 1;
+    return rows == 8 ? (split ? 4 : 3) : big ? 5 : 4;
 }
 static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
 
