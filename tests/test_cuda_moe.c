@@ -1520,6 +1520,57 @@ static void lean_all_cases(const model *m, int (*set)(int), const char *var, con
     cuda_moe_lean_narrow(old_narrow);
 }
 
+/* the same file: NVFP4's 4-row tiles at one pair an expert or fewer in stacked high precision
+ * (MOESERVE_LEAN_ROWS4) on (1), off (0) or as the variable says (-1); returns the setting before */
+int cuda_moe_lean_rows4(int on);
+/* the same file: the tile rows the NVFP4 lean kernels take n_pairs pairs in (0: not theirs) */
+int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int split);
+
+/* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
+ * expert on average), and the same bits as 8-row tiles in forms 3 and 4 (their hi and lo rows in
+ * one n8 instead of n16: each column's sums the same), at T = 1 to 4 of m (whose E holds them). */
+static void lean_rows4_cases(const model *m) {
+    const int E = m->E, D = m->D, F = m->F, K = m->K;
+    const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
+    const int old4 = cuda_moe_lean_rows4(1), old_stack = cuda_moe_lean_stack(1);
+    CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 4, "4-row tiles at %d pairs over %d experts",
+          E, E);
+    CHECK(cuda_moe_w4_lean_rows(E + 1, E, D, F, 0, 1) == 8, "8-row tiles past one pair an expert");
+    CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 0) == 8, "8-row tiles in medium precision");
+    cuda_moe_lean_stack(0);
+    CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 8, "8-row tiles in one chain");
+    cuda_moe_lean_stack(1);
+    cuda_moe_lean_rows4(0);
+    CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 8, "8-row tiles, MOESERVE_LEAN_ROWS4=0");
+    set_precision(MATMUL_PRECISION_HIGH);
+    for (int T = 1; T <= 4 && T * K <= E; T++) {
+        const size_t no = (size_t)T * K * D;
+        float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
+              *b = xmalloc(no * 4);
+        int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+        for (size_t i = 0; i < (size_t)T * D; i++)
+            x[i] = rng_uniform();
+        make_routing(ids, T, K, E, ROUTE_RANDOM, 0.0);
+        for (int form = 3; form <= 4; form++) {
+            cuda_moe_w4_lean_form(form);
+            cuda_moe_lean_rows4(1);
+            gpu_moe(m, a, x, ids, T);
+            cuda_moe_lean_rows4(0);
+            gpu_moe(m, b, x, ids, T);
+            CHECK(memcmp(a, b, no * 4) == 0, "%s T=%d form %d: 4-row tiles the 8-row tiles' bits",
+                  m->name, T, form);
+        }
+        free(x);
+        free(a);
+        free(b);
+        free(ids);
+    }
+    cuda_moe_lean_stack(old_stack);
+    cuda_moe_lean_rows4(old4);
+    cuda_moe_w4_lean_form(old_form);
+    cuda_moe_w4_lean(old_lean);
+}
+
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
@@ -1527,12 +1578,14 @@ static void lean_all_cases(const model *m, int (*set)(int), const char *var, con
  * lean against the tiles and the wgmma kernel above (T 300, 400); in each of the kernels' seven
  * forms, and with 24-row tiles (MOESERVE_LEAN_ROWS24) in forms 5 and 6. High precision's products
  * stacked (the default: other sums than the tiles', so the token alone within the tolerance of its
- * rows instead), then in one chain in forms 1 to 6 (bit for bit). */
+ * rows instead; at one pair an expert or fewer in 4-row tiles, lean_rows4_cases), then in one
+ * chain in forms 1 to 6 (bit for bit). */
 static void test_nvfp4_lean(void) {
     static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
+        lean_rows4_cases(&m);
         /* the cases above stack high precision's products (the default); forms 1 to 6 again
          * with them in one chain, the tiles' sums bit for bit */
         static const int chained[] = {1, 2, 3, 4, 5, 6}, chained24[] = {5, 6};

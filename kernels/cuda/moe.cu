@@ -2436,8 +2436,9 @@ static void moe_run_tiny(float *out, const float *x, const int32_t *topk_ids, co
 }
 
 // NVFP4 and FP8 experts on the lean kernels (moe_lean.h; MOESERVE_NVFP4_LEAN, MOESERVE_FP8_LEAN):
-// the prepare kernel with tiles of `rows` pairs (8, 16, 24 or 32), then both GEMMs with the weights
-// as wgmma's A operand; h in the workspace after the prepare kernel's outputs, as moe_run has it.
+// the prepare kernel with tiles of `rows` pairs (4, 8, 16, 24 or 32), then both GEMMs with the
+// weights as wgmma's A operand; h in the workspace after the prepare kernel's outputs, as moe_run
+// has it.
 template <int WF>
 static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, const moe_experts *w,
                          int T, int K, int D, int F, const int32_t *n_rows, int rows, bool split) {
@@ -2485,7 +2486,7 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
         const int rows = ops_cuda_deterministic() ? 0
                          : WF == WF_FP8
                              ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny, !medium)
-                             : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, tiny);
+                             : moe_lean_w4_rows((int64_t)T * K, w->E, D, F, tiny, !medium);
         if (rows && (medium || q_one_chain())) {
             moe_run_lean<WF>(out, x, topk_ids, w, T, K, D, F, n_rows, rows, !medium);
             return;

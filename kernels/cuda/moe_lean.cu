@@ -110,15 +110,15 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     // one of 18 KB each
     static constexpr int blocks = WG == 4    ? 1
                                   : WG == 2  ? 2
-                                  : NT == 8  ? (DENSE ? 5 : 4)
+                                  : NT <= 8  ? (DENSE ? 5 : 4)
                                   : NT == 16 ? (DENSE ? 4 : 3)
                                              : 2;
     // what the launch bounds ask: 4 of the dense 8-row tiles (ptxas held to 80 registers
     // serializes their wgmma; form 1's 79 registers let 5 fit anyway)
-    static constexpr int bound = DENSE && NT == 8 ? 4 : blocks;
+    static constexpr int bound = DENSE && NT <= 8 ? 4 : blocks;
     static constexpr int room = (WG == 4    ? 224
                                  : WG == 2  ? 110
-                                 : NT == 8  ? (DENSE ? 42 : 53)
+                                 : NT <= 8  ? (DENSE ? 42 : 53)
                                  : NT == 16 ? (DENSE ? 54 : 74)
                                             : 110) *
                                 1024;
@@ -172,10 +172,14 @@ template <int NT> __host__ __device__ constexpr int lean_b_off(int k) {
 // Stacked (high precision, lean_stack_on): x's hi and lo parts as one B of 2 NT rows, their 8-row
 // groups in turn (hi rows 0-7, lo rows 0-7, hi 8-15, ...), so that one wgmma of n 2 NW takes a
 // tile's first NW columns' hi and lo products: row n's part p (0 hi, 1 lo) at B row
-// 16 (n / 8) + 8 p + n % 8 of atoms of 2 NT rows
+// 16 (n / 8) + 8 p + n % 8 of atoms of 2 NT rows. 4-row tiles: the hi rows 0-3, then the lo rows,
+// one 8-row group (B row 4 p + n), so that n8 takes both.
+template <int NT> __host__ __device__ constexpr int lean_stack_row(int n, int p) {
+    return NT == 4 ? 4 * p + n : 16 * (n / 8) + 8 * p + n % 8;
+}
 template <int NT> __host__ __device__ inline int lean_act_off_stacked(int u, int n, int p) {
-    return (u / 8) * (2 * NT * 128) + (16 * (n / 8) + 8 * p + n % 8) * 128 +
-           (((u % 8) ^ (n & 7)) * 16);
+    const int br = lean_stack_row<NT>(n, p);
+    return (u / 8) * (2 * NT * 128) + br * 128 + (((u % 8) ^ (br & 7)) * 16);
 }
 
 struct lean_args {
@@ -242,6 +246,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     // STACK (lean_stack_on): high precision's hi and lo products of a k16 step as one wgmma's
     // columns (lean_act_off_stacked), in two sums added at the end
     static_assert(!STACK || SPLIT, "stacked: high precision");
+    static_assert(NT != 4 || (STACK && !W8), "4-row tiles: NVFP4 stacked alone");
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -548,22 +553,30 @@ __launch_bounds__(lean_form<FORM>::threads,
     }
     pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
     // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
-    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none
+    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none. 4-row tiles: lanes q
+    // 0 and 1 hold the hi sums of rows 2 q, 2 q + 1, lanes q + 2 their lo sums (lo4, from them)
     const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
     const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
 #pragma unroll
     for (int t = 0; t < RT; t++) {
         const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+        [[maybe_unused]] float lo4[4];
+        if constexpr (NT == 4)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                lo4[i] = __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
         auto sum = [&](int i, float sc) {
             if constexpr (W8)
                 return tot[t][i];
+            else if constexpr (NT == 4)
+                return __fmul_rn(__fadd_rn(acc[t][i], lo4[i]), sc);
             else if constexpr (STACK)
                 return __fmul_rn(lean_hi_lo(acc[t], i), sc);
             else
                 return __fmul_rn(acc[t][i], sc);
         };
 #pragma unroll
-        for (int j = 0; j < NT / 8; j++)
+        for (int j = 0; j < (NT + 7) / 8; j++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int r = 8 * j + 2 * q + i;
@@ -634,7 +647,7 @@ static int lean_form_now(int rows, bool w8, bool big, bool split) {
     if (f < LEAN_FORM_BY_ROWS) return f;
     if (rows >= 24) return big || split || w8 ? 6 : 5;
     if (w8) return rows == 16 && big && split ? 5 : 1;
-    return rows == 8 ? (split ? 4 : 3) : big ? 5 : 4;
+    return rows <= 8 ? (split ? 4 : 3) : big ? 5 : 4;
 }
 static bool lean_big(int D, int F) { return (int64_t)D * F >= (4 << 20); }
 
@@ -669,13 +682,35 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
     return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? (lean_rows24_on() ? 24 : 32) : 0;
 }
 
-int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny) {
+// MOESERVE_LEAN_ROWS4 (0 when unset: 8 rows; 1 on): NVFP4's tiles of 4 rows at one pair an expert
+// or fewer on average in high precision with the products stacked. x's hi and lo rows of a stage
+// then fill one 8-row group, wgmma's n8, instead of two: 4 KB a stage less (13 KB instead of 17),
+// so that form 4's 53 KB a block hold four stages of weights in flight instead of three; the same
+// sums as 8-row tiles stacked. DeepSeek-V3's experts over 256 of them reach one pair an expert at
+// 32 tokens a step.
+static int g_rows4 = -1;
+static bool lean_stack_on(bool w8);
+static bool lean_rows4_on() { return cuda_env_count("MOESERVE_LEAN_ROWS4", 0, &g_rows4) == 1; }
+extern "C" int cuda_moe_lean_rows4(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_rows4;
+    g_rows4 = on < 0 ? -1 : on;
+    return old;
+}
+
+int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split) {
     // MOESERVE_NVFP4_LEAN (cuda_env_count: the value, 2 when unset): up to 8 pairs an expert, and
     // up to 16 where 32-row tiles run in form 5 or 6 (two row tiles a warpgroup), which the H100's
     // timings put ahead of the tiles there
     const int max_per = lean_form_now(32, false, lean_big(D, F), false) >= 5 ? 16 : 8;
-    return lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E, D, F, tiny,
-                          LEAN_BK, max_per);
+    const int rows = lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E,
+                                    D, F, tiny, LEAN_BK, max_per);
+    const bool four = rows == 8 && n_pairs <= E && split && lean_stack_on(false) &&
+                      lean_rows4_on() && lean_form_now(4, false, lean_big(D, F), true) != 0;
+    return four ? 4 : rows;
+}
+// Test hook: the rows moe_lean_w4_rows gives (0: not on the lean kernels)
+extern "C" int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int split) {
+    return moe_lean_w4_rows(n_pairs, E, D, F, tiny != 0, split != 0);
 }
 
 int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split) {
@@ -821,10 +856,13 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             constexpr int FORM = decltype(fm)::value;
             // stacked: not form 0 (it would serialize the products), nor FP8's 32-row tiles
             // (168 registers and spills, where 148 hold the one chain)
-            constexpr bool STACKS = FORM != 0 && !(W8 && NT == 32);
+            [[maybe_unused]] constexpr bool STACKS = FORM != 0 && !(W8 && NT == 32);
             auto run = [&](auto fm2) {
                 constexpr int FORM2 = decltype(fm2)::value;
-                if (!split)
+                if constexpr (NT == 4) // stacked high precision alone (moe_lean_w4_rows)
+                    lean_both<true, NT, FORM, W8, FORM2, true>(a, max_tiles, gate_up_q, gate_up_sf,
+                                                               down_q, down_sf, E, D, F);
+                else if (!split)
                     lean_both<false, NT, FORM, W8, FORM2, false>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
                 else if (STACKS && lean_stack_on(W8))
@@ -841,7 +879,12 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             run(fm);
         };
         constexpr int F3 = W8 ? 1 : 3, F4 = W8 ? 1 : 4; // FP8: forms 3 and 4 as 1
-        if constexpr (NT == 24) {                       // 24 rows: forms 5 and 6 alone
+        if constexpr (NT == 4) {                        // 4 rows: forms 3 and 4 alone
+            if (form == 3)
+                go(std::integral_constant<int, 3>());
+            else
+                go(std::integral_constant<int, 4>());
+        } else if constexpr (NT == 24) { // 24 rows: forms 5 and 6 alone
             if (form == 6 && D % 256 == 0)
                 go(std::integral_constant<int, 6>());
             else
@@ -861,6 +904,8 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
         else
             go(std::integral_constant<int, 6>());
     };
+    if constexpr (!W8)
+        if (rows == 4) return both(std::integral_constant<int, 4>());
     if (rows == 8)
         both(std::integral_constant<int, 8>());
     else if (rows == 16)
@@ -1109,7 +1154,7 @@ void lean_emulate(bool gate_up, const std::vector<float> &act, const std::vector
                         for (int n = 0; n < NT; n++) {
                             double sum = 0.0;
                             // STACK: B of 2 NT rows, token n's part at row bn
-                            const int bn = STACK ? 16 * (n / 8) + 8 * part + n % 8 : n;
+                            const int bn = STACK ? lean_stack_row<NT>(n, part) : n;
                             const int b0 =
                                 STACK ? lean_b_off<2 * NT>(k) : part * L::part + lean_b_off<NT>(k);
                             for (int kk = 0; kk < 16; kk++) {
@@ -1222,7 +1267,7 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
         for (auto &v : p.s2)
             v = w8 ? 1.0f : 0.5f + (float)(lean_rand() % 100) / 100.0f;
         // one 64-row tile a block (forms 0, 1, 3 and 4: the same places), two (forms 2 and 5)
-        // and four (form 6); 24-row tiles in forms 5 and 6 alone
+        // and four (form 6); 24-row tiles in forms 5 and 6 alone, 4-row ones in forms 3 and 4
         struct one {
             int rows, vw;
             bool split, stack;
@@ -1242,6 +1287,8 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
                 add(std::integral_constant<int, 16>(), vw);
                 add(std::integral_constant<int, 32>(), vw);
             };
+            if constexpr (!W8) // 4-row tiles: NVFP4 stacked, one row tile a block
+                v.push_back({4, 1, true, true, lean_check_one<4, true, 1, false, true>(p)});
             rows(std::integral_constant<int, 1>());
             rows(std::integral_constant<int, 2>());
             rows(std::integral_constant<int, 4>());
@@ -1266,7 +1313,8 @@ extern "C" int cuda_moe_lean_host_check(char *msg, size_t n) {
     }
     snprintf(msg, n,
              "lean kernels emulated (NVFP4 and FP8; 8, 16, 24 and 32 rows, medium and high, high "
-             "stacked too, one, two and four row tiles a block): max rel err %.2g",
+             "stacked too, one, two and four row tiles a block; NVFP4's 4 rows stacked): max rel "
+             "err %.2g",
              worst);
     return 0;
 }

@@ -11,15 +11,16 @@
 
 #include <cstdint>
 
-// The rows of a tile (8, 16, 24 or 32 pairs of one expert, about twice the average) in which
-// the lean kernels take n_pairs pairs over E local experts of NVFP4 weights (D hidden, F expert
-// width), or 0 where they do not: on a Hopper device, D and F multiples of 256, and by
-// MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the default), up to 16 where
-// 32-row tiles run in form 5 or 6 (their default forms; else up to 8), and where moe.cu takes its
-// tiny path (tiny) only on experts of at least 4 M weights a matrix; 0 never. (moe.cu adds its own
-// conditions: outside deterministic mode, and in high precision only where its NVFP4 tiles sum in
-// one chain.)
-int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny);
+// The rows of a tile (8, 16, 24 or 32 pairs of one expert, about twice the average; 4 at one
+// pair an expert or fewer in high precision (split) with the products stacked, by
+// MOESERVE_LEAN_ROWS4) in which the lean kernels take n_pairs pairs over E local experts of NVFP4
+// weights (D hidden, F expert width), or 0 where they do not: on a Hopper device, D and F
+// multiples of 256, and by MOESERVE_NVFP4_LEAN: 1, up to 16 pairs an expert on average; 2 (the
+// default), up to 16 where 32-row tiles run in form 5 or 6 (their default forms; else up to 8),
+// and where moe.cu takes its tiny path (tiny) only on experts of at least 4 M weights a matrix; 0
+// never. (moe.cu adds its own conditions: outside deterministic mode, and in high precision only
+// where its NVFP4 tiles sum in one chain.)
+int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split);
 
 // Both GEMMs from moe.cu's prepared inputs, its prepare kernel run with tiles of `rows` rows:
 // xb [AP, T, D] (x in BF16; split: its lo parts xb_lo elements on), pairs [n_pairs] in grouped
