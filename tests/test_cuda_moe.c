@@ -1527,8 +1527,9 @@ int cuda_moe_lean_rows4(int on);
 int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int split);
 
 /* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
- * expert on average), and the same bits as 8-row tiles in forms 3 and 4 (their hi and lo rows in
- * one n8 instead of n16: each column's sums the same), at T = 1 to 4 of m (whose E holds them). */
+ * expert on average), against the CPU, and the same bits as 8-row tiles in forms 3 and 4 (their
+ * hi and lo rows in one n8 instead of n16: each column's sums the same), at T = 1 to 4 of m (whose
+ * E holds them). */
 static void lean_rows4_cases(const model *m) {
     const int E = m->E, D = m->D, F = m->F, K = m->K;
     const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
@@ -1554,6 +1555,9 @@ static void lean_rows4_cases(const model *m) {
         for (int form = 3; form <= 4; form++) {
             cuda_moe_w4_lean_form(form);
             cuda_moe_lean_rows4(1);
+            printf("  4-row tiles (MOESERVE_LEAN_ROWS4=1, form %d), T=%d\n", form, T);
+            run_case(m, T, ROUTE_RANDOM, 0.0, T, true, NULL); /* against the CPU */
+            set_precision(MATMUL_PRECISION_HIGH);
             gpu_moe(m, a, x, ids, T);
             cuda_moe_lean_rows4(0);
             gpu_moe(m, b, x, ids, T);
