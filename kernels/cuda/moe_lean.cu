@@ -93,9 +93,10 @@ template <int NT, bool SPLIT, int WG = 1, bool DENSE = false, bool W8 = false> s
     static constexpr int bytes = codes + sf + (SPLIT ? 2 : 1) * part;
     static_assert(sf_tx <= sf, "the scales in their room");
     static_assert(bytes % 1024 == 0, "stages on the swizzle's 1024-byte pattern");
-    // blocks an SM: 8-row tiles four (their launch bounds hold them to 96 registers a thread,
-    // which four blocks of 160 threads allow; 16-row tiles spill there and take three), and as
-    // many stages (2 to 4) as fit them: 8 rows 4 in medium (13 KB a stage), 3 in high (17 KB);
+    // blocks an SM (4-row tiles as 8-row ones): 8-row tiles four (their launch bounds hold them to
+    // 96 registers a thread, which four blocks of 160 threads allow; 16-row tiles spill there and
+    // take three), and as many stages (2 to 4) as fit them: 8 rows 4 in medium (13 KB a stage), 3
+    // in high (17 KB; 4-row tiles 13 KB, 4);
     // 16 rows 4 in medium (17 KB), 2 in high (25 KB). That keeps 72 to 144 KB of weights in
     // flight an SM; the copy rate times a 1.5 us latency over 132 SMs is about 48
     // 32-row tiles two (their registers would allow three, the stages not): 4 in medium (25 KB),
