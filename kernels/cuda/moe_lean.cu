@@ -683,15 +683,20 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
     return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? (lean_rows24_on() ? 24 : 32) : 0;
 }
 
-// MOESERVE_LEAN_ROWS4 (0 when unset: 8 rows; 1 on): NVFP4's tiles of 4 rows at one pair an expert
+// MOESERVE_LEAN_ROWS4 (1 when unset; 0: 8 rows): NVFP4's tiles of 4 rows at one pair an expert
 // or fewer on average in high precision with the products stacked. x's hi and lo rows of a stage
 // then fill one 8-row group, wgmma's n8, instead of two: 4 KB a stage less (13 KB instead of 17),
 // so that form 4's 53 KB a block hold four stages of weights in flight instead of three; the same
 // sums as 8-row tiles stacked. DeepSeek-V3's experts over 256 of them reach one pair an expert at
-// 32 tokens a step.
+// 32 tokens a step. On an H100 (docs/benchmarks.md, "One H100 (2026-12-07, twenty-fifth
+// session)"), DeepSeek-V3's shape over 32 experts in a chain at T = 1 / 2 / 4: 82.2 / 142.7 /
+// 199.6 -> 80.9 / 140.4 / 198.4 us; Qwen3-30B-A3B's at T = 8: 64.8 -> 62.6 us, at T = 16: 95.2
+// -> 91.9; its decode steps at batch 8 and 16 in high 1.3 to 2% faster. (Form 3 was faster
+// still there, 79.9 / 139.6 / 197.2 us; form 4 stays, as on the H200 form 4's extra stage is
+// what made the 8-row tiles faster; the H200 has not run 4-row tiles yet.)
 static int g_rows4 = -1;
 static bool lean_stack_on(bool w8);
-static bool lean_rows4_on() { return cuda_env_count("MOESERVE_LEAN_ROWS4", 0, &g_rows4) == 1; }
+static bool lean_rows4_on() { return cuda_env_count("MOESERVE_LEAN_ROWS4", 1, &g_rows4) == 1; }
 extern "C" int cuda_moe_lean_rows4(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_rows4;
     g_rows4 = on < 0 ? -1 : on;
