@@ -1520,53 +1520,6 @@ static void lean_all_cases(const model *m, int (*set)(int), const char *var, con
     cuda_moe_lean_narrow(old_narrow);
 }
 
-/* the same file: the lean GEMMs' grids (MOESERVE_LEAN_PERSIST) a block an item (0), as many
- * blocks as fit at once (1) or N blocks (N > 1), each taking items in turn; or as the variable
- * says (-1); returns the setting before */
-int cuda_moe_lean_persist(int on);
-
-/* m's lean kernels (set: the format's switch) in each of forms[n_forms], both precisions, at T =
- * 4, 24 and 64: grids of 3 blocks and of as many as fit (each block taking items in turn, its
- * ring of stages going on) against a block an item, bit for bit; 3 blocks against the CPU too */
-static void lean_persist_cases(const model *m, int (*set)(int), const int *forms, int n_forms) {
-    static const int Ts[] = {4, 24, 64};
-    const int old = set(1), old_form = cuda_moe_w4_lean_form(0), old_p = cuda_moe_lean_persist(0);
-    for (int f = 0; f < n_forms; f++) {
-        cuda_moe_w4_lean_form(forms[f]);
-        for (int ti = 0; ti < 3; ti++) {
-            const int T = Ts[ti];
-            const size_t no = (size_t)T * m->K * m->D;
-            float *x = xmalloc((size_t)T * m->D * sizeof(float)), *a = xmalloc(no * 4),
-                  *b = xmalloc(no * 4);
-            int32_t *ids = xmalloc((size_t)T * m->K * sizeof(int32_t));
-            for (size_t i = 0; i < (size_t)T * m->D; i++)
-                x[i] = rng_uniform();
-            make_routing(ids, T, m->K, m->E, ROUTE_RANDOM, 0.0);
-            for (int prec = 0; prec < 2; prec++) {
-                set_precision(prec ? MATMUL_PRECISION_HIGH : MATMUL_PRECISION_MEDIUM);
-                cuda_moe_lean_persist(0);
-                gpu_moe(m, a, x, ids, T);
-                for (int g = 1; g <= 3; g += 2) {
-                    cuda_moe_lean_persist(g);
-                    gpu_moe(m, b, x, ids, T);
-                    CHECK(memcmp(a, b, no * 4) == 0,
-                          "%s form %d T=%d %s: grids of %s, a block an item's bits", m->name,
-                          forms[f], T, prec ? "high" : "medium", g == 1 ? "the resident" : "3");
-                }
-            }
-            printf("  grids of 3 blocks (MOESERVE_LEAN_PERSIST=3, form %d), T=%d\n", forms[f], T);
-            run_case(m, T, ROUTE_RANDOM, 0.0, T, true, NULL); /* against the CPU */
-            free(x);
-            free(a);
-            free(b);
-            free(ids);
-        }
-    }
-    cuda_moe_lean_persist(old_p);
-    cuda_moe_w4_lean_form(old_form);
-    set(old);
-}
-
 /* the same file: NVFP4's 4-row tiles at one pair an expert or fewer in stacked high precision
  * (MOESERVE_LEAN_ROWS4) on (1), off (0) or as the variable says (-1); returns the setting before */
 int cuda_moe_lean_rows4(int on);
@@ -1637,7 +1590,6 @@ static void test_nvfp4_lean(void) {
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
         lean_rows4_cases(&m);
-        lean_persist_cases(&m, cuda_moe_w4_lean, forms, 7);
         /* the cases above stack high precision's products (the default); forms 1 to 6 again
          * with them in one chain, the tiles' sums bit for bit */
         static const int chained[] = {1, 2, 3, 4, 5, 6}, chained24[] = {5, 6};
@@ -1785,7 +1737,6 @@ static void test_fp8_lean(void) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_all_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
-            lean_persist_cases(&m, cuda_moe_w8_lean, forms, 5);
             /* high precision's products stacked (MOESERVE_LEAN_STACK=2; not the default) */
             static const int stacked[] = {1, 2, 5, 6}, stacked24[] = {5, 6};
             const int old_stack = cuda_moe_lean_stack(2);

@@ -60,10 +60,10 @@
 
 typedef __nv_bfloat16 bf16;
 
-#define LEAN_BK    256                  /* k a stage */
-#define LEAN_BOX   32                   /* weight rows a TMA box, two a stage */
-#define LEAN_CODES (2 * LEAN_BOX * 128) /* 8192 */
-#define LEAN_SF    (2 * LEAN_BOX * 16)  /* 1024 */
+#define LEAN_BK     256 /* k a stage */
+#define LEAN_BOX    32  /* weight rows a TMA box, two a stage */
+#define LEAN_CODES  (2 * LEAN_BOX * 128) /* 8192 */
+#define LEAN_SF     (2 * LEAN_BOX * 16)  /* 1024 */
 
 // The kernels' forms (moe_lean_kernel's FORM): 0 a stage's products in one group, one consumer
 // warpgroup; 1 in four groups (pipe); 2 in four groups, two consumer warpgroups (wg) sharing the
@@ -75,7 +75,7 @@ template <int FORM> struct lean_form {
     static constexpr bool pipe = FORM >= 1;
     static constexpr int wg = FORM == 2 || FORM == 6 ? 2 : 1; // consumer warpgroups
     static constexpr int rt = FORM >= 5 ? 2 : 1;              // 64-row tiles a consumer warpgroup
-    static constexpr int vw = wg * rt; // 64-row tiles a block: the stage's layout
+    static constexpr int vw = wg * rt;           // 64-row tiles a block: the stage's layout
     static constexpr bool dense = FORM == 3;
     static constexpr bool pairs = FORM >= 3; // the scales two groups a register
     static constexpr int threads = 128 * wg + 32;
@@ -194,8 +194,7 @@ struct lean_args {
     float *out;       // GEMM 2's output [T K, N], rows by pair
     const float *ws2; // NVFP4's tensor scales [E, 3] (FP8: none)
     int Kd, N, topk, n_col_blocks, w_rows;
-    int n_items; // (tile, column block) items of the upper-bound grid: max_tiles x n_col_blocks
-    int narrow;  // MOESERVE_LEAN_NARROW: 24-row tiles of up to 16 rows on wgmma's n16
+    int narrow; // MOESERVE_LEAN_NARROW: 24-row tiles of up to 16 rows on wgmma's n16
 };
 
 // Groups 2 h and 2 h + 1 of a word of four scale bytes as one pair of BF16 scales (lo, hi): each
@@ -263,20 +262,10 @@ __launch_bounds__(lean_form<FORM>::threads,
     }
     // GEMM 2 reads the tile table before its wait: the prepare kernel wrote it, complete before
     // GEMM 1's blocks passed their waits (and so before this grid could launch)
-    const int n_tiles = __ldcg(a.n_tiles);
-    if (blockIdx.x / a.n_col_blocks >= n_tiles) return; // idle block of the upper-bound grid
-    // A block takes the items (tile, column block) blockIdx.x, + gridDim.x, ... of the tiles
-    // there are: one where the grid is the upper bound, several where it is as many blocks as fit
-    // at once (lean_launch, MOESERVE_LEAN_PERSIST), the ring of stages going on from one item to
-    // the next, so that an item's first weights are on their way during the item before.
-    int item = blockIdx.x, tile = 0, nb = 0, e = 0, row0 = 0, rows = 0;
-    auto take = [&]() { // item's tile; false once past the last
-        tile = item / a.n_col_blocks, nb = item % a.n_col_blocks;
-        if (item >= a.n_items || tile >= n_tiles) return false;
-        const int4 ti = __ldcg(&a.tiles[tile]);
-        e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
-        return true;
-    };
+    const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
+    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
+    const int4 ti = __ldcg(&a.tiles[tile]);
+    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
@@ -305,68 +294,63 @@ __launch_bounds__(lean_form<FORM>::threads,
                 }
             }
         };
-        int s = 0, ph = 0; // the ring's place, from item to item
-        for (; take(); item += gridDim.x) {
-            const int s0 = s; // the item's stage kt is (s0 + kt) % S
-            int pre = 0;
-            if (!GATE_UP && item == (int)blockIdx.x) { // the first stages' weights before the wait
-                pre = min(S, nk);
-                for (int kt = 0; kt < pre; kt++)
-                    weights(kt, (s0 + kt) % S);
-                pdl_wait();
-            }
-            // this lane's activation row n = lane % NT (NULL past the tile: zeros) and its chunks
-            // of 8 k, u = lane / NT + (32 / NT) j
-            const int n = lane % NT;
-            const bf16 *src = nullptr;
-            if (n < rows)
-                src = a.act +
-                      (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
-            // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
-            // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
-            // stage later (LAG), so that its wait does not hold back the next stage's loads: their
-            // group was requested a round before. The arrival for stage kt comes after the loads of
-            // stage kt + LAG, which wait for the release of stage kt + LAG - S; with LAG = S - 1
-            // (as until the twentieth session) the consumers, done with stage kt - 1, waited for
-            // the producer's next round (its wake-up, the loads' issue) before they could start
-            // stage kt (H100: DeepSeek-V3's experts at 8 pairs an expert 70 -> 75% of the copy rate
-            // in high, docs/benchmarks.md). With two stages LAG 0 was slower in high on 8-row
-            // tiles.
-            constexpr int LAG = 1;
-            for (int kt = 0; kt < nk; kt++) {
-                if (kt >= pre) {
-                    mbar_wait(empty(s), ph ^ 1);
-                    weights(kt, s);
-                }
-                const uint32_t act = smem0 + s * SB + L::codes + L::sf;
-                // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
-                constexpr bool ROW_LANES = NT == 24;
-#pragma unroll
-                for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
-                    if (ROW_LANES && lane >= NT) break;
-                    const int u =
-                        ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
-                    const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
-#pragma unroll
-                    for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
-                        const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
-                                                   : act + lean_act_off<NT>(u, n) + part * L::part;
-                        cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
-                    }
-                }
-                cp_async_commit();
-                if (kt >= LAG) {
-                    cp_async_wait<LAG>();
-                    fence_proxy_async();
-                    mbar_arrive(full((s0 + kt - LAG) % S));
-                }
-                if (++s == S) s = 0, ph ^= 1;
-            }
-            cp_async_wait<0>();
-            fence_proxy_async();
-            for (int kt = max(0, nk - LAG); kt < nk; kt++)
-                mbar_arrive(full((s0 + kt) % S));
+        int pre = 0;
+        if (!GATE_UP) { // the first stages' weights before the wait for h
+            pre = min(S, nk);
+            for (int kt = 0; kt < pre; kt++)
+                weights(kt, kt);
+            pdl_wait();
         }
+        // this lane's activation row n = lane % NT (NULL past the tile: zeros) and its chunks of
+        // 8 k, u = lane / NT + (32 / NT) j
+        const int n = lane % NT;
+        const bf16 *src = nullptr;
+        if (n < rows)
+            src =
+                a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
+        // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
+        // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
+        // stage later (LAG), so that its wait does not hold back the next stage's loads: their
+        // group was requested a round before. The arrival for stage kt comes after the loads of
+        // stage kt + LAG, which wait for the release of stage kt + LAG - S; with LAG = S - 1 (as
+        // until the twentieth session) the consumers, done with stage kt - 1, waited for the
+        // producer's next round (its wake-up, the loads' issue) before they could start stage kt
+        // (H100: DeepSeek-V3's experts at 8 pairs an expert 70 -> 75% of the copy rate in high,
+        // docs/benchmarks.md). With two stages LAG 0 was slower in high on 8-row tiles.
+        constexpr int LAG = 1;
+        int s = 0, ph = 0;
+        for (int kt = 0; kt < nk; kt++) {
+            if (kt >= pre) {
+                mbar_wait(empty(s), ph ^ 1);
+                weights(kt, s);
+            }
+            const uint32_t act = smem0 + s * SB + L::codes + L::sf;
+            // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
+            constexpr bool ROW_LANES = NT == 24;
+#pragma unroll
+            for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
+                if (ROW_LANES && lane >= NT) break;
+                const int u = ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
+                const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
+#pragma unroll
+                for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
+                    const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
+                                               : act + lean_act_off<NT>(u, n) + part * L::part;
+                    cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
+                }
+            }
+            cp_async_commit();
+            if (kt >= LAG) {
+                cp_async_wait<LAG>();
+                fence_proxy_async();
+                mbar_arrive(full((kt - LAG) % S));
+            }
+            if (++s == S) s = 0, ph ^= 1;
+        }
+        cp_async_wait<0>();
+        fence_proxy_async();
+        for (int kt = max(0, nk - LAG); kt < nk; kt++)
+            mbar_arrive(full(kt % S));
         return;
     }
 
@@ -383,241 +367,238 @@ __launch_bounds__(lean_form<FORM>::threads,
     // rows' block scales at its end, as the tiles do)
     constexpr int NA = STACK ? NT : NT / 2; // accumulators a row tile
     float acc[RT][NA], tot[RT][W8 ? NT / 2 : 1];
-    int s = 0, ph = 0; // the ring's place, from item to item
-    for (; take(); item += gridDim.x) {
 #pragma unroll
-        for (int t = 0; t < RT; t++) {
+    for (int t = 0; t < RT; t++) {
 #pragma unroll
-            for (int i = 0; i < NA; i++)
-                acc[t][i] = 0.0f;
+        for (int i = 0; i < NA; i++)
+            acc[t][i] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
-                tot[t][i] = 0.0f;
-        }
-        // the stage loop; NARROW: 24-row tiles of 16 rows or fewer (a.narrow), whose products take
-        // wgmma's n16 (the first 16 of the tile's columns, the same sums) for a third less work
-        auto stages = [&](auto narrow_c) {
-            constexpr bool NARROW = decltype(narrow_c)::value;
-            constexpr int NW = NARROW ? 16 : NT;
-            for (int kt = 0; kt < nk; kt++) {
-                mbar_wait(full(s), ph);
-                const unsigned char *st = smem + s * SB;
-                // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes;
-                // FP8: 16 bytes a chunk and row (2 chunks), a word a k16 step
-                [[maybe_unused]] uint2 wg[RT][W8 ? 1 : 4], wh[RT][W8 ? 1 : 4];
-                [[maybe_unused]] uint4 cg[RT][W8 ? 2 : 1], chh[RT][W8 ? 2 : 1];
-                [[maybe_unused]] uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
+        for (int i = 0; i < (W8 ? NT / 2 : 1); i++)
+            tot[t][i] = 0.0f;
+    }
+    // the stage loop; NARROW: 24-row tiles of 16 rows or fewer (a.narrow), whose products take
+    // wgmma's n16 (the first 16 of the tile's columns, the same sums) for a third less work
+    auto stages = [&](auto narrow_c) {
+        constexpr bool NARROW = decltype(narrow_c)::value;
+        constexpr int NW = NARROW ? 16 : NT;
+        int s = 0, ph = 0;
+        for (int kt = 0; kt < nk; kt++) {
+            mbar_wait(full(s), ph);
+            const unsigned char *st = smem + s * SB;
+            // NVFP4: a word pair a 64-k chunk and row (4 chunks), the rows' group scale bytes; FP8:
+            // 16 bytes a chunk and row (2 chunks), a word a k16 step
+            [[maybe_unused]] uint2 wg[RT][W8 ? 1 : 4], wh[RT][W8 ? 1 : 4];
+            [[maybe_unused]] uint4 cg[RT][W8 ? 2 : 1], chh[RT][W8 ? 2 : 1];
+            [[maybe_unused]] uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
 #pragma unroll
-                for (int t = 0; t < RT; t++) {
-                    if constexpr (W8) {
+            for (int t = 0; t < RT; t++) {
+                if constexpr (W8) {
 #pragma unroll
-                        for (int c = 0; c < 2; c++) {
-                            cg[t][c] = *reinterpret_cast<const uint4 *>(
-                                st + lean_word8_off(bg[t], rg[t], c, q));
-                            chh[t][c] = *reinterpret_cast<const uint4 *>(
-                                st + lean_word8_off(bh[t], rh[t], c, q));
-                        }
-                    } else {
-#pragma unroll
-                        for (int c = 0; c < 4; c++) {
-                            wg[t][c] = *reinterpret_cast<const uint2 *>(
-                                st + lean_word_off(bg[t], rg[t], c, q));
-                            wh[t][c] = *reinterpret_cast<const uint2 *>(
-                                st + lean_word_off(bh[t], rh[t], c, q));
-                        }
-                        const uint4 sg = *reinterpret_cast<const uint4 *>(
-                            st + L::codes + (bg[t] * LEAN_BOX + rg[t]) * 16);
-                        const uint4 sh = *reinterpret_cast<const uint4 *>(
-                            st + L::codes + (bh[t] * LEAN_BOX + rh[t]) * 16);
-                        sgw[t][0] = sg.x, sgw[t][1] = sg.y, sgw[t][2] = sg.z, sgw[t][3] = sg.w;
-                        shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
+                    for (int c = 0; c < 2; c++) {
+                        cg[t][c] = *reinterpret_cast<const uint4 *>(
+                            st + lean_word8_off(bg[t], rg[t], c, q));
+                        chh[t][c] = *reinterpret_cast<const uint4 *>(
+                            st + lean_word8_off(bh[t], rh[t], c, q));
                     }
-                }
-                // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2;
-                // PAIRS: its group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a
-                // product wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3
-                // 2^-120 and multiplied by 2^120
-                auto decode = [&](int t, int k, uint32_t(&f)[4]) {
-                    if constexpr (W8) {
-                        constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
-                        const uint4 &vg = cg[t][k / 4], &vh = chh[t][k / 4];
-                        const uint32_t qg = k % 4 == 0   ? vg.x
-                                            : k % 4 == 1 ? vg.y
-                                            : k % 4 == 2 ? vg.z
-                                                         : vg.w;
-                        const uint32_t qh = k % 4 == 0   ? vh.x
-                                            : k % 4 == 1 ? vh.y
-                                            : k % 4 == 2 ? vh.z
-                                                         : vh.w;
-                        f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
-                        f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
-                        f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
-                        f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
-                    } else if constexpr (PAIRS) {
-                        const int c = k / 4, jb = 2 * (k % 2);
-                        const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
-                        const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
-                        const uint32_t ag = lean_scale_pair(sgw[t][c], (k % 4) / 2);
-                        const uint32_t ah = lean_scale_pair(shw[t][c], (k % 4) / 2);
-                        f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
-                        f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
-                        f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
-                        f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
-                    } else {
-                        const int c = k / 4, jb = 2 * (k % 2);
-                        const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
-                        const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
-                        const uint32_t ag = wq_scale2(sgw[t][c], k % 4),
-                                       ah = wq_scale2(shw[t][c], k % 4);
-                        f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
-                        f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
-                        f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
-                        f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
-                    }
-                };
-                // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
-                // address / 16, below 2^14, so the offsets add to stage 0's without a carry
-                const uint64_t d0 =
-                    wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
-                auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
-                    if constexpr (STACK) {
-                        wgmma_rs_bf16<2 * NW>(acc[t], f,
-                                              d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
-                    } else {
-                        const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
-                        wgmma_rs_bf16<NW>(acc[t], f, d);
-                        if constexpr (SPLIT) wgmma_rs_bf16<NW>(acc[t], f, d + (L::part >> 4));
-                    }
-                };
-                // the stage's end, every group retired: FP8 folds its block's sums into the totals
-                // times the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts
-                // the next block's at zero; then the stage is released
-                auto release = [&]() {
-                    if constexpr (W8) {
-#pragma unroll
-                        for (int t = 0; t < RT; t++) {
-                            const float sg = *reinterpret_cast<const float *>(
-                                st + L::codes + bg[t] * 128 + rg[t] * 4);
-                            const float sh = *reinterpret_cast<const float *>(
-                                st + L::codes + bh[t] * 128 + rh[t] * 4);
-#pragma unroll
-                            for (int i = 0; i < NT / 2; i++)
-                                tot[t][i] =
-                                    __fmaf_rn(i % 4 < 2 ? sg : sh,
-                                              STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
-#pragma unroll
-                            for (int i = 0; i < NA; i++)
-                                acc[t][i] = 0.0f;
-                        }
-                    }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(empty(s));
-                };
-                if constexpr (PIPE) {
-                    // a 64-k chunk (4 steps) of a row tile a group, chunk by chunk and in each the
-                    // row tiles in turn, two buffers: a group decodes while the one before runs.
-                    // From the third group on a buffer is rewritten once the group that read it has
-                    // retired (at most one pending); its registers are kept live to there
-                    // (lean_keep), so that the compiler gives them to nothing else meanwhile. The
-                    // stage ends with every group retired, as the producer's delayed arrivals need:
-                    // its stage kt + 1 completes only once this stage is released.
-                    uint32_t fr[2][4][4];
-#pragma unroll
-                    for (int c = 0; c < KS / 4; c++)
-#pragma unroll
-                        for (int t = 0; t < RT; t++) {
-                            const int G = c * RT + t;
-                            uint32_t(&f)[4][4] = fr[G & 1];
-                            if (G >= 2) {
-                                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                                lean_keep(f);
-                            }
-#pragma unroll
-                            for (int i = 0; i < 4; i++)
-                                decode(t, 4 * c + i, f[i]);
-                            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                            for (int i = 0; i < 4; i++)
-                                mma(t, 4 * c + i, f[i]);
-                            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                        }
-                    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                    lean_keep(fr[0]);
-                    lean_keep(fr[1]);
-                    release();
                 } else {
-                    static_assert(RT == 1, "form 0: one row tile a warpgroup");
-                    uint32_t fr[KS][4];
 #pragma unroll
-                    for (int k = 0; k < KS; k++)
-                        decode(0, k, fr[k]);
-                    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                    for (int k = 0; k < KS; k++)
-                        mma(0, k, fr[k]);
-                    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                    release();
+                    for (int c = 0; c < 4; c++) {
+                        wg[t][c] = *reinterpret_cast<const uint2 *>(
+                            st + lean_word_off(bg[t], rg[t], c, q));
+                        wh[t][c] = *reinterpret_cast<const uint2 *>(
+                            st + lean_word_off(bh[t], rh[t], c, q));
+                    }
+                    const uint4 sg = *reinterpret_cast<const uint4 *>(
+                        st + L::codes + (bg[t] * LEAN_BOX + rg[t]) * 16);
+                    const uint4 sh = *reinterpret_cast<const uint4 *>(
+                        st + L::codes + (bh[t] * LEAN_BOX + rh[t]) * 16);
+                    sgw[t][0] = sg.x, sgw[t][1] = sg.y, sgw[t][2] = sg.z, sgw[t][3] = sg.w;
+                    shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
                 }
-                if (++s == S) s = 0, ph ^= 1;
             }
-        };
-        if constexpr (NT == 24) {
-            if (a.narrow && rows <= 16)
-                stages(std::true_type());
-            else
-                stages(std::false_type());
-        } else {
-            stages(std::false_type());
-        }
-        pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
-        // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
-        // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none. 4-row tiles: lanes q
-        // 0 and 1 hold the hi sums of rows 2 q, 2 q + 1, lanes q + 2 their lo sums (lo4, from them)
-        const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
-        const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
-#pragma unroll
-        for (int t = 0; t < RT; t++) {
-            const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
-            [[maybe_unused]] float lo4[4];
-            if constexpr (NT == 4)
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    lo4[i] = __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
-            auto sum = [&](int i, float sc) {
-                if constexpr (W8)
-                    return tot[t][i];
-                else if constexpr (NT == 4)
-                    return __fmul_rn(__fadd_rn(acc[t][i], lo4[i]), sc);
-                else if constexpr (STACK)
-                    return __fmul_rn(lean_hi_lo(acc[t], i), sc);
-                else
-                    return __fmul_rn(acc[t][i], sc);
+            // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS:
+            // its group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product
+            // wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and
+            // multiplied by 2^120
+            auto decode = [&](int t, int k, uint32_t(&f)[4]) {
+                if constexpr (W8) {
+                    constexpr uint32_t p120 = FP8_W8_BF16_2P120 | FP8_W8_BF16_2P120 << 16;
+                    const uint4 &vg = cg[t][k / 4], &vh = chh[t][k / 4];
+                    const uint32_t qg = k % 4 == 0   ? vg.x
+                                        : k % 4 == 1 ? vg.y
+                                        : k % 4 == 2 ? vg.z
+                                                     : vg.w;
+                    const uint32_t qh = k % 4 == 0   ? vh.x
+                                        : k % 4 == 1 ? vh.y
+                                        : k % 4 == 2 ? vh.z
+                                                     : vh.w;
+                    f[0] = bf16x2_mul(fp8_w8_decode(qg, 0), p120);
+                    f[1] = bf16x2_mul(fp8_w8_decode(qh, 0), p120);
+                    f[2] = bf16x2_mul(fp8_w8_decode(qg, 1), p120);
+                    f[3] = bf16x2_mul(fp8_w8_decode(qh, 1), p120);
+                } else if constexpr (PAIRS) {
+                    const int c = k / 4, jb = 2 * (k % 2);
+                    const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                    const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                    const uint32_t ag = lean_scale_pair(sgw[t][c], (k % 4) / 2);
+                    const uint32_t ah = lean_scale_pair(shw[t][c], (k % 4) / 2);
+                    f[0] = lean_mul_half(wq_decode(qg, jb), ag, k % 2);
+                    f[1] = lean_mul_half(wq_decode(qh, jb), ah, k % 2);
+                    f[2] = lean_mul_half(wq_decode(qg, jb + 1), ag, k % 2);
+                    f[3] = lean_mul_half(wq_decode(qh, jb + 1), ah, k % 2);
+                } else {
+                    const int c = k / 4, jb = 2 * (k % 2);
+                    const uint32_t qg = (k % 4) < 2 ? wg[t][c].x : wg[t][c].y;
+                    const uint32_t qh = (k % 4) < 2 ? wh[t][c].x : wh[t][c].y;
+                    const uint32_t ag = wq_scale2(sgw[t][c], k % 4),
+                                   ah = wq_scale2(shw[t][c], k % 4);
+                    f[0] = bf16x2_mul(wq_decode(qg, jb), ag);
+                    f[1] = bf16x2_mul(wq_decode(qh, jb), ah);
+                    f[2] = bf16x2_mul(wq_decode(qg, jb + 1), ag);
+                    f[3] = bf16x2_mul(wq_decode(qh, jb + 1), ah);
+                }
             };
+            // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
+            // address / 16, below 2^14, so the offsets add to stage 0's without a carry
+            const uint64_t d0 =
+                wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
+            auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
+                if constexpr (STACK) {
+                    wgmma_rs_bf16<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
+                } else {
+                    const uint64_t d = d0 + (uint32_t)(lean_b_off<NT>(k) >> 4);
+                    wgmma_rs_bf16<NW>(acc[t], f, d);
+                    if constexpr (SPLIT) wgmma_rs_bf16<NW>(acc[t], f, d + (L::part >> 4));
+                }
+            };
+            // the stage's end, every group retired: FP8 folds its block's sums into the totals
+            // times the rows' scales (acc[t][4 j + i]: i 0, 1 row g, 2, 3 row g + 8) and starts the
+            // next block's at zero; then the stage is released
+            auto release = [&]() {
+                if constexpr (W8) {
 #pragma unroll
-            for (int j = 0; j < (NT + 7) / 8; j++)
+                    for (int t = 0; t < RT; t++) {
+                        const float sg = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bg[t] * 128 + rg[t] * 4);
+                        const float sh = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bh[t] * 128 + rh[t] * 4);
 #pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int r = 8 * j + 2 * q + i;
-                    if (r >= rows) continue;
-                    if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
-                        const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
-                        bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
-                        if constexpr (SPLIT) {
-                            const float v = __fmul_rn(silu(gv), uv);
-                            const bf16 hi = __float2bfloat16_rn(v);
-                            *dst = hi;
-                            dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
-                        } else {
-                            *dst = __float2bfloat16_rn(silu(gv) * uv);
-                        }
-                    } else { // rows g and g + 8: columns col and col + 8
-                        float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
-                        dst[0] = sum(4 * j + i, s0);
-                        dst[8] = sum(4 * j + 2 + i, s0);
+                        for (int i = 0; i < NT / 2; i++)
+                            tot[t][i] =
+                                __fmaf_rn(i % 4 < 2 ? sg : sh,
+                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
+#pragma unroll
+                        for (int i = 0; i < NA; i++)
+                            acc[t][i] = 0.0f;
                     }
                 }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(s));
+            };
+            if constexpr (PIPE) {
+                // a 64-k chunk (4 steps) of a row tile a group, chunk by chunk and in each the row
+                // tiles in turn, two buffers: a group decodes while the one before runs. From the
+                // third group on a buffer is rewritten once the group that read it has retired (at
+                // most one pending); its registers are kept live to there (lean_keep), so that the
+                // compiler gives them to nothing else meanwhile. The stage ends with every group
+                // retired, as the producer's delayed arrivals need: its stage kt + 1 completes only
+                // once this stage is released.
+                uint32_t fr[2][4][4];
+#pragma unroll
+                for (int c = 0; c < KS / 4; c++)
+#pragma unroll
+                    for (int t = 0; t < RT; t++) {
+                        const int G = c * RT + t;
+                        uint32_t(&f)[4][4] = fr[G & 1];
+                        if (G >= 2) {
+                            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                            lean_keep(f);
+                        }
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            decode(t, 4 * c + i, f[i]);
+                        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            mma(t, 4 * c + i, f[i]);
+                        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                    }
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                lean_keep(fr[0]);
+                lean_keep(fr[1]);
+                release();
+            } else {
+                static_assert(RT == 1, "form 0: one row tile a warpgroup");
+                uint32_t fr[KS][4];
+#pragma unroll
+                for (int k = 0; k < KS; k++)
+                    decode(0, k, fr[k]);
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int k = 0; k < KS; k++)
+                    mma(0, k, fr[k]);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                release();
+            }
+            if (++s == S) s = 0, ph ^= 1;
         }
+    };
+    if constexpr (NT == 24) {
+        if (a.narrow && rows <= 16)
+            stages(std::true_type());
+        else
+            stages(std::false_type());
+    } else {
+        stages(std::false_type());
+    }
+    pdl_wait(); // before the first write (a no-op where the kernel waited at its start)
+    // acc[t][4 j + i] (FP8: tot): n8 block j; i 0, 1 row g columns 8 j + 2 q, + 1; i 2, 3 row
+    // g + 8. NVFP4 multiplies the sums by the tensor scales; FP8 has none. 4-row tiles: lanes q
+    // 0 and 1 hold the hi sums of rows 2 q, 2 q + 1, lanes q + 2 their lo sums (lo4, from them)
+    const float s0 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + (GATE_UP ? 0 : 2)]);
+    const float s1 = W8 ? 1.0f : __ldg(&a.ws2[3 * e + 1]);
+#pragma unroll
+    for (int t = 0; t < RT; t++) {
+        const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+        [[maybe_unused]] float lo4[4];
+        if constexpr (NT == 4)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                lo4[i] = __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
+        auto sum = [&](int i, float sc) {
+            if constexpr (W8)
+                return tot[t][i];
+            else if constexpr (NT == 4)
+                return __fmul_rn(__fadd_rn(acc[t][i], lo4[i]), sc);
+            else if constexpr (STACK)
+                return __fmul_rn(lean_hi_lo(acc[t], i), sc);
+            else
+                return __fmul_rn(acc[t][i], sc);
+        };
+#pragma unroll
+        for (int j = 0; j < (NT + 7) / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = 8 * j + 2 * q + i;
+                if (r >= rows) continue;
+                if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
+                    const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
+                    bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
+                    if constexpr (SPLIT) {
+                        const float v = __fmul_rn(silu(gv), uv);
+                        const bf16 hi = __float2bfloat16_rn(v);
+                        *dst = hi;
+                        dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                    } else {
+                        *dst = __float2bfloat16_rn(silu(gv) * uv);
+                    }
+                } else { // rows g and g + 8: columns col and col + 8
+                    float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                    dst[0] = sum(4 * j + i, s0);
+                    dst[8] = sum(4 * j + 2 + i, s0);
+                }
+            }
     }
 #else
     __trap(); // sm_100a: no wgmma (moe_lean_w4_rows takes a Hopper device only)
@@ -662,20 +643,6 @@ extern "C" int cuda_moe_w8_lean(int on) {
 // is NVFP4's group scales, run as 1).
 #define LEAN_FORM_BY_ROWS 7
 static int g_lean_form = -1;
-
-// MOESERVE_LEAN_PERSIST (0 when unset; 1 on; N > 1: grids of N blocks, for the tests): each
-// GEMM's grid as many blocks as fit at once, each block taking (tile, column block) items in turn
-// with its ring of stages going on from one item to the next, instead of a block an item: an
-// item's start (its tile's read, its first weights' latency) then overlaps the item before, where
-// otherwise a new block starts with an empty ring (forms 5 and 6 run one or two blocks an SM,
-// GEMM 2 eight stages a block at DeepSeek-V3's k 2048). The same sums either way.
-static int g_lean_persist = -1;
-static int lean_persist() { return cuda_env_count("MOESERVE_LEAN_PERSIST", 0, &g_lean_persist); }
-extern "C" int cuda_moe_lean_persist(int on) { // test hook: as the variable's values, or it (-1)
-    const int old = g_lean_persist;
-    g_lean_persist = on < 0 ? -1 : on;
-    return old;
-}
 static int lean_form_now(int rows, bool w8, bool big, bool split) {
     const int f = cuda_env_count("MOESERVE_NVFP4_LEAN_FORM", LEAN_FORM_BY_ROWS, &g_lean_form);
     if (f < LEAN_FORM_BY_ROWS) return f;
@@ -790,24 +757,7 @@ static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
-    const int64_t items = (int64_t)max_tiles * a.n_col_blocks;
-    a.n_items = (int)items;
-    int64_t blocks = items;
-    const int persist = lean_persist();
-    if (persist > 1) {
-        blocks = std::min(blocks, (int64_t)persist);
-    } else if (persist == 1) { // as many blocks as fit at once, each taking items in turn
-        static int64_t resident = 0;
-        if (!resident) {
-            int dev = 0, sms = 0, per_sm = 0;
-            CUDA_CHECK(cudaGetDevice(&dev));
-            CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-            CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per_sm, kernel, lean_form<FORM>::threads, L::smem));
-            resident = (int64_t)std::max(per_sm, 1) * sms;
-        }
-        blocks = std::min(blocks, resident);
-    }
+    const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
                     tsf, a);
 }
