@@ -689,9 +689,10 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
 // so that form 4's 53 KB a block hold four stages of weights in flight instead of three; the same
 // sums as 8-row tiles stacked. DeepSeek-V3's experts over 256 of them reach one pair an expert at
 // 32 tokens a step. On an H100 (docs/benchmarks.md, "One H100 (2026-12-07, twenty-fifth
-// session)"), DeepSeek-V3's shape over 32 experts in a chain at T = 1 / 2 / 4: 82.2 / 142.7 /
-// 199.6 -> 80.9 / 140.4 / 198.4 us; Qwen3-30B-A3B's at T = 8: 64.8 -> 62.6 us, at T = 16: 95.2
-// -> 91.9; its decode steps at batch 8 and 16 in high 1.3 to 2% faster. (Form 3 was faster
+// session)"), DeepSeek-V3's shape over 32 experts in a chain at T = 1 / 2 / 4 (means of the
+// second call's two runs): 82.2 / 142.7 / 199.6 -> 80.9 / 140.4 / 198.4 us; Qwen3-30B-A3B's at
+// T = 8: 64.8 -> 62.6 us, at T = 16: 95.2 -> 91.9; its decode steps at batch 8 and 16 in high
+// 1.4 and 2.2% faster (means of two). (Form 3 was faster
 // still there, 79.9 / 139.6 / 197.2 us; form 4 stays, as on the H200 form 4's extra stage is
 // what made the 8-row tiles faster; the H200 has not run 4-row tiles yet.)
 static int g_rows4 = -1;
