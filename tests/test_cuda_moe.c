@@ -1575,6 +1575,64 @@ static void lean_rows4_cases(const model *m) {
     cuda_moe_w4_lean(old_lean);
 }
 
+/* the same file: NVFP4's pipelined forms of three stages or more carrying a stage's last products
+ * into the next stage (MOESERVE_LEAN_CARRY) on (1), off (0) or as the variable says (-1); returns
+ * the setting before */
+int cuda_moe_lean_carry(int on);
+
+/* MOESERVE_LEAN_CARRY on a model whose rings go round (D 2048: GEMM 1 8 stages of 256 k, F 1024:
+ * GEMM 2 4), so that a stage is released while the next one runs and the ring's slots are taken
+ * again: in forms 1 to 6 (the default rule for 4-row tiles), in both precisions, at T = 2 (4-row
+ * tiles in high, 8-row in medium), 12 (8 rows), 24 (16) and 48 (24): carried against not carried
+ * bit for bit, and carried against the CPU at T = 12 and 48. */
+static void lean_carry_cases(void) {
+    static const int Ts[] = {2, 12, 24, 48};
+    model m;
+    if (model_nvfp4(&m, "nvfp4-lean-deep", 8, 2048, 1024, 2) != 0) {
+        model_free(&m);
+        return;
+    }
+    const int D = m.D, K = m.K;
+    const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
+    const int old_carry = cuda_moe_lean_carry(0);
+    for (int form = 1; form <= 6; form++) {
+        cuda_moe_w4_lean_form(form);
+        for (int ti = 0; ti < 4; ti++) {
+            const int T = Ts[ti];
+            const size_t no = (size_t)T * K * D;
+            float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
+                  *b = xmalloc(no * 4);
+            int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+            for (size_t i = 0; i < (size_t)T * D; i++)
+                x[i] = rng_uniform();
+            make_routing(ids, T, K, m.E, ROUTE_RANDOM, 0.0);
+            for (int p = 0; p < 2; p++) {
+                set_precision(p ? MATMUL_PRECISION_HIGH : MATMUL_PRECISION_MEDIUM);
+                cuda_moe_lean_carry(0);
+                gpu_moe(&m, a, x, ids, T);
+                cuda_moe_lean_carry(1);
+                gpu_moe(&m, b, x, ids, T);
+                CHECK(memcmp(a, b, no * 4) == 0,
+                      "%s form %d T=%d %s: carried, the same bits as not carried", m.name, form, T,
+                      p ? "high" : "medium");
+            }
+            if (T == 12 || T == 48) {
+                printf("  carried (MOESERVE_LEAN_CARRY=1, form %d), T=%d\n", form, T);
+                run_case(&m, T, ROUTE_RANDOM, 0.0, 4, false, NULL); /* against the CPU */
+            }
+            free(x);
+            free(a);
+            free(b);
+            free(ids);
+        }
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
+    cuda_moe_lean_carry(old_carry);
+    cuda_moe_w4_lean_form(old_form);
+    cuda_moe_w4_lean(old_lean);
+    model_free(&m);
+}
+
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
@@ -1590,6 +1648,7 @@ static void test_nvfp4_lean(void) {
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
         lean_rows4_cases(&m);
+        lean_carry_cases();
         /* the cases above stack high precision's products (the default); forms 1 to 6 again
          * with them in one chain, the tiles' sums bit for bit */
         static const int chained[] = {1, 2, 3, 4, 5, 6}, chained24[] = {5, 6};
