@@ -233,10 +233,12 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-// the kernels MOESERVE_LEAN_CARRY applies to (lean_carry_on): NVFP4's pipelined forms with three
-// stages or more (the stage loop's CARRY)
+// the kernels MOESERVE_LEAN_CARRY applies to (lean_carry_on): the pipelined forms with three
+// stages or more (the stage loop's CARRY); FP8 in one row tile a warpgroup (forms 1 and 2: with
+// two, ptxas serializes every product of a loop that folds the sums at the next stage's first
+// wait, C7514, however the fold is placed)
 template <int FORM, bool W8> __host__ __device__ constexpr bool lean_carries(int stages) {
-    return lean_form<FORM>::pipe && !W8 && stages >= 3;
+    return lean_form<FORM>::pipe && stages >= 3 && (!W8 || lean_form<FORM>::rt == 1);
 }
 
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool CARRY_ON>
@@ -387,17 +389,32 @@ __launch_bounds__(lean_form<FORM>::threads,
     auto stages = [&](auto narrow_c) {
         constexpr bool NARROW = decltype(narrow_c)::value;
         constexpr int NW = NARROW ? 16 : NT;
-        // CARRY (lean_carry_on): NVFP4's pipelined forms with three stages or more leave a stage's
+        // CARRY (lean_carry_on): the pipelined forms with three stages or more leave a stage's
         // last group running into the next stage: stage kt + 1's barrier wait, its words' loads and
         // its first chunk's decode run beside stage kt's last group, and stage kt is released once
         // that has retired (before stage kt + 1's first products, whose descriptors are made after
         // that wait: ptxas serializes the products where a register a pending wgmma reads is
         // written). Stage kt + 1's full barrier needs the producer's loads of stage kt + 2, which
         // wait for the release of stage kt + 2 - S: kt - 1 or before from three stages on (with
-        // two, stage kt itself, so two stages end as before). FP8 folds its sums at each stage's
-        // end.
+        // two, stage kt itself, so two stages end as before). FP8 folds stage kt's sums into the
+        // totals there too, in the same order as before, and starts stage kt + 1's from zero (the
+        // rows' scales of stage kt, psg and psh, read from its shared memory before its release).
         constexpr bool CARRY = CARRY_ON && lean_carries<FORM, W8>(S);
         [[maybe_unused]] uint32_t frc[2][4][4]; // CARRY: the A fragments' two buffers
+        [[maybe_unused]] float psg[RT], psh[RT];
+        // FP8: row tile t's block sums into the totals times the rows' block scales (acc[t][4 j +
+        // i]: i 0, 1 row g, 2, 3 row g + 8), and the next block's sums from zero
+        [[maybe_unused]] auto fold = [&](int t, float sg, float sh) {
+            if constexpr (W8) {
+#pragma unroll
+                for (int i = 0; i < NT / 2; i++)
+                    tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh,
+                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
+#pragma unroll
+                for (int i = 0; i < NA; i++)
+                    acc[t][i] = 0.0f;
+            }
+        };
         int s = 0, ph = 0, sp = 0;              // sp: the stage before (CARRY releases it)
         for (int kt = 0; kt < nk; kt++) {
             mbar_wait(full(s), ph);
@@ -409,7 +426,7 @@ __launch_bounds__(lean_form<FORM>::threads,
             [[maybe_unused]] uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
 #pragma unroll
             for (int t = 0; t < RT; t++) {
-                if constexpr (W8) {
+                if constexpr (W8 && !CARRY) {
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         cg[t][c] = *reinterpret_cast<const uint4 *>(
@@ -417,7 +434,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                         chh[t][c] = *reinterpret_cast<const uint4 *>(
                             st + lean_word8_off(bh[t], rh[t], c, q));
                     }
-                } else if constexpr (!CARRY) { // (CARRY: a chunk's words at its decode, load_chunk)
+                } else if constexpr (!W8 &&
+                                     !CARRY) { // (CARRY: a chunk's words at its decode, load_chunk)
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         wg[t][c] = *reinterpret_cast<const uint2 *>(
@@ -436,6 +454,13 @@ __launch_bounds__(lean_form<FORM>::threads,
             // CARRY: row tile t's words and scales of chunk c, loaded just before its decode, so
             // that the stage's other chunks take no registers while the stage before still runs
             [[maybe_unused]] auto load_chunk = [&](int t, int c) {
+                if constexpr (W8) {
+                    cg[t][c] =
+                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg[t], rg[t], c, q));
+                    chh[t][c] =
+                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh[t], rh[t], c, q));
+                    return;
+                }
                 wg[t][c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg[t], rg[t], c, q));
                 wh[t][c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh[t], rh[t], c, q));
                 sgw[t][c] = *reinterpret_cast<const uint32_t *>(
@@ -511,14 +536,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                                                                           bg[t] * 128 + rg[t] * 4);
                         const float sh = *reinterpret_cast<const float *>(st + L::codes +
                                                                           bh[t] * 128 + rh[t] * 4);
-#pragma unroll
-                        for (int i = 0; i < NT / 2; i++)
-                            tot[t][i] =
-                                __fmaf_rn(i % 4 < 2 ? sg : sh,
-                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
-#pragma unroll
-                        for (int i = 0; i < NA; i++)
-                            acc[t][i] = 0.0f;
+                        fold(t, sg, sh);
                     }
                 }
                 __syncwarp();
@@ -554,8 +572,22 @@ __launch_bounds__(lean_form<FORM>::threads,
                             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
                             lean_keep(fr[1]);
                             if (kt > 0) {
+                                if constexpr (W8) {
+#pragma unroll
+                                    for (int u = 0; u < RT; u++)
+                                        fold(u, psg[u], psh[u]);
+                                }
                                 __syncwarp();
                                 if (lane == 0) mbar_arrive(empty(sp));
+                            }
+                            if constexpr (W8) {
+#pragma unroll
+                                for (int u = 0; u < RT; u++) {
+                                    psg[u] = *reinterpret_cast<const float *>(
+                                        st + L::codes + bg[u] * 128 + rg[u] * 4);
+                                    psh[u] = *reinterpret_cast<const float *>(
+                                        st + L::codes + bh[u] * 128 + rh[u] * 4);
+                                }
                             }
                             int sv = s; // the descriptors from here on
                             asm volatile("" : "+r"(sv)::"memory");
@@ -594,6 +626,11 @@ __launch_bounds__(lean_form<FORM>::threads,
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             lean_keep(frc[0]);
             lean_keep(frc[1]);
+            if constexpr (W8) {
+#pragma unroll
+                for (int u = 0; u < RT; u++)
+                    fold(u, psg[u], psh[u]);
+            }
         }
     };
     if constexpr (NT == 24) {
@@ -819,10 +856,10 @@ static void lean_go(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, 
                     tsf, a);
 }
 
-// MOESERVE_LEAN_CARRY (0 when unset; 1 on): NVFP4's pipelined forms with three stages or more
-// (lean_carries) leave a stage's last group of products running while the next stage's barrier,
-// words and first chunk's decode are taken (the stage loop's CARRY); the same sums. Not yet timed
-// on a GPU (docs/benchmarks.md, twenty-sixth session).
+// MOESERVE_LEAN_CARRY (0 when unset; 1 on): the pipelined forms with three stages or more
+// (lean_carries: NVFP4's, and FP8's forms 1 and 2) leave a stage's last group of products running
+// while the next stage's barrier, words and first chunk's decode are taken (the stage loop's
+// CARRY); the same sums. Not yet run on a GPU (docs/benchmarks.md, twenty-sixth session).
 static int g_lean_carry = -1;
 static bool lean_carry_on() { return cuda_env_count("MOESERVE_LEAN_CARRY", 0, &g_lean_carry) == 1; }
 extern "C" int cuda_moe_lean_carry(int on) { // test hook: on (1), off (0), the variable (-1)
