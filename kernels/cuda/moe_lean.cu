@@ -434,8 +434,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                         chh[t][c] = *reinterpret_cast<const uint4 *>(
                             st + lean_word8_off(bh[t], rh[t], c, q));
                     }
-                } else if constexpr (!W8 &&
-                                     !CARRY) { // (CARRY: a chunk's words at its decode, load_chunk)
+                } else if constexpr (!W8 && !CARRY) { // (CARRY: each chunk's at its decode)
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         wg[t][c] = *reinterpret_cast<const uint2 *>(
@@ -650,12 +649,14 @@ __launch_bounds__(lean_form<FORM>::threads,
 #pragma unroll
     for (int t = 0; t < RT; t++) {
         const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
+        // (carried kernels: the sums through a move, as ptxas serializes the stage loop's
+        // products where a shuffle reads them directly)
         [[maybe_unused]] float lo4[4];
         if constexpr (NT == 4)
 #pragma unroll
-            for (int i = 0; i < 4; i++) { // (CARRY: through a move, or ptxas serializes the
-                float v = acc[t][i];      // products of the stage loop, whose sums a shuffle
-                if constexpr (CARRY_ON)   // would read directly)
+            for (int i = 0; i < 4; i++) {
+                float v = acc[t][i];
+                if constexpr (CARRY_ON)
                     asm volatile("mov.b32 %0, %1;\n" : "=f"(v) : "f"(acc[t][i]));
                 lo4[i] = __shfl_xor_sync(0xffffffffu, v, 2);
             }
