@@ -1575,9 +1575,9 @@ static void lean_rows4_cases(const model *m) {
     cuda_moe_w4_lean(old_lean);
 }
 
-/* the same file: NVFP4's pipelined forms of three stages or more carrying a stage's last products
- * into the next stage (MOESERVE_LEAN_CARRY) on (1), off (0) or as the variable says (-1); returns
- * the setting before */
+/* the same file: the pipelined forms of three stages or more (NVFP4's, FP8's 1 and 2) carrying a
+ * stage's last products into the next stage (MOESERVE_LEAN_CARRY) on (1), off (0) or as the
+ * variable says (-1); returns the setting before */
 int cuda_moe_lean_carry(int on);
 
 /* MOESERVE_LEAN_CARRY on m, a model whose rings go round (D 2048, F 1024: NVFP4's GEMM 1 8 stages
