@@ -450,6 +450,10 @@ __launch_bounds__(lean_form<FORM>::threads,
                     shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
                 }
             }
+            // FP8: the stage's block scale of box b's row r
+            [[maybe_unused]] auto scale8 = [&](int b, int r) {
+                return *reinterpret_cast<const float *>(st + L::codes + b * 128 + r * 4);
+            };
             // CARRY: row tile t's words and scales of chunk c, loaded just before its decode, so
             // that the stage's other chunks take no registers while the stage before still runs
             [[maybe_unused]] auto load_chunk = [&](int t, int c) {
@@ -530,13 +534,8 @@ __launch_bounds__(lean_form<FORM>::threads,
             auto release = [&]() {
                 if constexpr (W8) {
 #pragma unroll
-                    for (int t = 0; t < RT; t++) {
-                        const float sg = *reinterpret_cast<const float *>(st + L::codes +
-                                                                          bg[t] * 128 + rg[t] * 4);
-                        const float sh = *reinterpret_cast<const float *>(st + L::codes +
-                                                                          bh[t] * 128 + rh[t] * 4);
-                        fold(t, sg, sh);
-                    }
+                    for (int t = 0; t < RT; t++)
+                        fold(t, scale8(bg[t], rg[t]), scale8(bh[t], rh[t]));
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty(s));
@@ -581,12 +580,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                             }
                             if constexpr (W8) {
 #pragma unroll
-                                for (int u = 0; u < RT; u++) {
-                                    psg[u] = *reinterpret_cast<const float *>(
-                                        st + L::codes + bg[u] * 128 + rg[u] * 4);
-                                    psh[u] = *reinterpret_cast<const float *>(
-                                        st + L::codes + bh[u] * 128 + rh[u] * 4);
-                                }
+                                for (int u = 0; u < RT; u++)
+                                    psg[u] = scale8(bg[u], rg[u]), psh[u] = scale8(bh[u], rh[u]);
                             }
                             int sv = s; // the descriptors from here on
                             asm volatile("" : "+r"(sv)::"memory");
