@@ -1576,8 +1576,9 @@ static void lean_rows4_cases(const model *m) {
 }
 
 /* the same file: the pipelined forms of three stages or more (NVFP4's, FP8's 1 and 2) carrying a
- * stage's last products into the next stage (MOESERVE_LEAN_CARRY) on (1), off (0) or as the
- * variable says (-1); returns the setting before */
+ * stage's last products into the next stage (MOESERVE_LEAN_CARRY) everywhere (1), off (0), in
+ * NVFP4's form 6 in high precision alone (2) or as the variable says (-1, 2 when unset); returns
+ * the setting before */
 int cuda_moe_lean_carry(int on);
 
 /* MOESERVE_LEAN_CARRY on m, a model whose rings go round (D 2048, F 1024: NVFP4's GEMM 1 8 stages

@@ -233,7 +233,7 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-// the kernels MOESERVE_LEAN_CARRY applies to (lean_carry_on): the pipelined forms with three
+// the kernels MOESERVE_LEAN_CARRY applies to (lean_launch): the pipelined forms with three
 // stages or more (the stage loop's CARRY); FP8 in one row tile a warpgroup (forms 1 and 2: with
 // two, ptxas serializes every product of a loop that folds the sums at the next stage's first
 // wait, C7514, however the fold is placed)
@@ -389,7 +389,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     auto stages = [&](auto narrow_c) {
         constexpr bool NARROW = decltype(narrow_c)::value;
         constexpr int NW = NARROW ? 16 : NT;
-        // CARRY (lean_carry_on): the pipelined forms with three stages or more leave a stage's
+        // CARRY (lean_launch): the pipelined forms with three stages or more leave a stage's
         // last group running into the next stage: stage kt + 1's barrier wait, its words' loads and
         // its first chunk's decode run beside stage kt's last group, and stage kt is released once
         // that has retired (before stage kt + 1's first products, whose descriptors are made after
@@ -852,13 +852,17 @@ static void lean_go(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, 
                     tsf, a);
 }
 
-// MOESERVE_LEAN_CARRY (0 when unset; 1 on): the pipelined forms with three stages or more
-// (lean_carries: NVFP4's, and FP8's forms 1 and 2) leave a stage's last group of products running
-// while the next stage's barrier, words and first chunk's decode are taken (the stage loop's
-// CARRY); the same sums. Not yet run on a GPU (docs/benchmarks.md, twenty-sixth session).
+// MOESERVE_LEAN_CARRY (2 when unset; 1 everywhere; 0 off): the pipelined forms with three stages
+// or more (lean_carries: NVFP4's, and FP8's forms 1 and 2) leave a stage's last group of products
+// running while the next stage's barrier, words and first chunk's decode are taken (the stage
+// loop's CARRY); the same sums. 2: where it was timed faster, NVFP4's form 6 in high precision
+// (16 pairs an expert). On an H100, DeepSeek-V3's NVFP4 experts at T = 64 in high, in a chain,
+// three rounds: 508 / 525 / 536 -> 493 / 489 / 493 us; everywhere else carried was level or
+// slower (medium at T = 2: 134 -> 158 us; Qwen3-30B-A3B's decode steps at batch 64 in high 15.11
+// -> 15.55 ms) (docs/benchmarks.md, "One H100 (2026-12-07, twenty-seventh session)").
 static int g_lean_carry = -1;
-static bool lean_carry_on() { return cuda_env_count("MOESERVE_LEAN_CARRY", 0, &g_lean_carry) == 1; }
-extern "C" int cuda_moe_lean_carry(int on) { // test hook: on (1), off (0), the variable (-1)
+static int lean_carry_mode() { return cuda_env_count("MOESERVE_LEAN_CARRY", 2, &g_lean_carry); }
+extern "C" int cuda_moe_lean_carry(int on) { // test hook: 0, 1, 2 as the variable, or it (-1)
     const int old = g_lean_carry;
     g_lean_carry = on < 0 ? -1 : on;
     return old;
@@ -867,9 +871,11 @@ extern "C" int cuda_moe_lean_carry(int on) { // test hook: on (1), off (0), the 
 template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
-    if constexpr (lean_carries<FORM, W8>(L::stages))
-        if (lean_carry_on())
+    if constexpr (lean_carries<FORM, W8>(L::stages)) {
+        const int c = lean_carry_mode();
+        if (c == 1 || (c == 2 && FORM == 6 && !W8 && SPLIT))
             return lean_go<GATE_UP, SPLIT, NT, FORM, W8, STACK, true>(tq, tsf, a, max_tiles);
+    }
     lean_go<GATE_UP, SPLIT, NT, FORM, W8, STACK, false>(tq, tsf, a, max_tiles);
 }
 
