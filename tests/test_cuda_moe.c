@@ -1575,65 +1575,6 @@ static void lean_rows4_cases(const model *m) {
     cuda_moe_w4_lean(old_lean);
 }
 
-/* the same file: the pipelined forms of three stages or more (NVFP4's, FP8's 1 and 2) carrying a
- * stage's last products into the next stage (MOESERVE_LEAN_CARRY) everywhere (1), off (0), in
- * NVFP4's form 6 in high precision alone (2) or as the variable says (-1, 2 when unset); returns
- * the setting before */
-int cuda_moe_lean_carry(int on);
-
-/* MOESERVE_LEAN_CARRY on m, a model whose rings go round (D 2048, F 1024: NVFP4's GEMM 1 8 stages
- * of 256 k and GEMM 2 4, FP8's 16 and 8 of 128 k), so that a stage is released while the next one
- * runs and the ring's slots are taken again: in the forms given (their rule's tiles of 4 rows for
- * NVFP4), in both precisions and in high precision with MOESERVE_LEAN_STACK=stack_alt too, at T =
- * 2 (NVFP4's 4-row tiles in high, else 8 rows), 12 (8 rows), 24 (16) and 48 (24): carried against
- * not carried bit for bit, and carried against the CPU at T = 12 and 48. set: the format's switch
- * of the lean kernels. */
-static void lean_carry_cases(const model *m, int (*set)(int), const int *forms, int n_forms,
-                             int stack_alt) {
-    static const int Ts[] = {2, 12, 24, 48};
-    const int D = m->D, K = m->K;
-    const int old_lean = set(1), old_form = cuda_moe_w4_lean_form(-1);
-    const int old_carry = cuda_moe_lean_carry(0), old_stack = cuda_moe_lean_stack(-1);
-    for (int f = 0; f < n_forms; f++) {
-        cuda_moe_w4_lean_form(forms[f]);
-        for (int ti = 0; ti < 4; ti++) {
-            const int T = Ts[ti];
-            const size_t no = (size_t)T * K * D;
-            float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
-                  *b = xmalloc(no * 4);
-            int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
-            for (size_t i = 0; i < (size_t)T * D; i++)
-                x[i] = rng_uniform();
-            make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
-            for (int p = 0; p < 3; p++) { /* medium, high, high with stack_alt */
-                set_precision(p ? MATMUL_PRECISION_HIGH : MATMUL_PRECISION_MEDIUM);
-                cuda_moe_lean_stack(p == 2 ? stack_alt : -1);
-                cuda_moe_lean_carry(0);
-                gpu_moe(m, a, x, ids, T);
-                cuda_moe_lean_carry(1);
-                gpu_moe(m, b, x, ids, T);
-                CHECK(memcmp(a, b, no * 4) == 0,
-                      "%s form %d T=%d %s%s: carried, the same bits as not carried", m->name,
-                      forms[f], T, p ? "high" : "medium", p == 2 ? " (the other stacking)" : "");
-            }
-            cuda_moe_lean_stack(-1);
-            if (T == 12 || T == 48) {
-                printf("  carried (MOESERVE_LEAN_CARRY=1, form %d), T=%d\n", forms[f], T);
-                run_case(m, T, ROUTE_RANDOM, 0.0, 4, false, NULL); /* against the CPU */
-            }
-            free(x);
-            free(a);
-            free(b);
-            free(ids);
-        }
-    }
-    set_precision(MATMUL_PRECISION_HIGH);
-    cuda_moe_lean_stack(old_stack);
-    cuda_moe_lean_carry(old_carry);
-    cuda_moe_w4_lean_form(old_form);
-    set(old_lean);
-}
-
 /* The lean kernels (moe_lean.cu, the weights as wgmma's A operand) on a shape they take (D and F
  * multiples of 256), switched on: against the CPU at decode sizes in both precisions, with skipped
  * slots and every pair on one expert, and each batch's last token alone bit for bit against its
@@ -1658,10 +1599,6 @@ static void test_nvfp4_lean(void) {
         lean_form_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", chained24, 2, 1);
         cuda_moe_lean_stack(old_stack);
     }
-    model_free(&m);
-    static const int carried[] = {1, 2, 3, 4, 5, 6};
-    if (model_nvfp4(&m, "nvfp4-lean-deep", 8, 2048, 1024, 2) == 0)
-        lean_carry_cases(&m, cuda_moe_w4_lean, carried, 6, 0);
     model_free(&m);
 }
 
@@ -1810,12 +1747,6 @@ static void test_fp8_lean(void) {
         }
         model_free(&m);
     }
-    /* FP8 carries in forms 1 and 2 (moe_lean.cu's lean_carries); 5 and 6 run as before */
-    static const int carried[] = {1, 2, 5, 6};
-    model m;
-    if (model_fp8(&m, "fp8-lean-deep", 8, 2048, 1024, 2) == 0)
-        lean_carry_cases(&m, cuda_moe_w8_lean, carried, 4, 2);
-    model_free(&m);
 }
 
 /* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included

@@ -233,15 +233,7 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-// the kernels MOESERVE_LEAN_CARRY applies to (lean_launch): the pipelined forms with three
-// stages or more (the stage loop's CARRY); FP8 in one row tile a warpgroup (forms 1 and 2: with
-// two, ptxas serializes every product of a loop that folds the sums at the next stage's first
-// wait, C7514, however the fold is placed)
-template <int FORM, bool W8> __host__ __device__ constexpr bool lean_carries(int stages) {
-    return lean_form<FORM>::pipe && stages >= 3 && (!W8 || lean_form<FORM>::rt == 1);
-}
-
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool CARRY_ON>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
                   lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8>::bound)
@@ -389,33 +381,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     auto stages = [&](auto narrow_c) {
         constexpr bool NARROW = decltype(narrow_c)::value;
         constexpr int NW = NARROW ? 16 : NT;
-        // CARRY (lean_launch): the pipelined forms with three stages or more leave a stage's
-        // last group running into the next stage: stage kt + 1's barrier wait, its words' loads and
-        // its first chunk's decode run beside stage kt's last group, and stage kt is released once
-        // that has retired (before stage kt + 1's first products, whose descriptors are made after
-        // that wait: ptxas serializes the products where a register a pending wgmma reads is
-        // written). Stage kt + 1's full barrier needs the producer's loads of stage kt + 2, which
-        // wait for the release of stage kt + 2 - S: kt - 1 or before from three stages on (with
-        // two, stage kt itself, so two stages end as before). FP8 folds stage kt's sums into the
-        // totals there too, in the same order as before, and starts stage kt + 1's from zero (the
-        // rows' scales of stage kt, psg and psh, read from its shared memory before its release).
-        constexpr bool CARRY = CARRY_ON && lean_carries<FORM, W8>(S);
-        [[maybe_unused]] uint32_t frc[2][4][4]; // CARRY: the A fragments' two buffers
-        [[maybe_unused]] float psg[RT], psh[RT];
-        // FP8: row tile t's block sums into the totals times the rows' block scales (acc[t][4 j +
-        // i]: i 0, 1 row g, 2, 3 row g + 8), and the next block's sums from zero
-        [[maybe_unused]] auto fold = [&](int t, float sg, float sh) {
-            if constexpr (W8) {
-#pragma unroll
-                for (int i = 0; i < NT / 2; i++)
-                    tot[t][i] = __fmaf_rn(i % 4 < 2 ? sg : sh,
-                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
-#pragma unroll
-                for (int i = 0; i < NA; i++)
-                    acc[t][i] = 0.0f;
-            }
-        };
-        int s = 0, ph = 0, sp = 0;              // sp: the stage before (CARRY releases it)
+        int s = 0, ph = 0;
         for (int kt = 0; kt < nk; kt++) {
             mbar_wait(full(s), ph);
             const unsigned char *st = smem + s * SB;
@@ -426,7 +392,7 @@ __launch_bounds__(lean_form<FORM>::threads,
             [[maybe_unused]] uint32_t sgw[RT][4] = {}, shw[RT][4] = {};
 #pragma unroll
             for (int t = 0; t < RT; t++) {
-                if constexpr (W8 && !CARRY) {
+                if constexpr (W8) {
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         cg[t][c] = *reinterpret_cast<const uint4 *>(
@@ -434,7 +400,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                         chh[t][c] = *reinterpret_cast<const uint4 *>(
                             st + lean_word8_off(bh[t], rh[t], c, q));
                     }
-                } else if constexpr (!W8 && !CARRY) { // (CARRY: each chunk's at its decode)
+                } else {
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         wg[t][c] = *reinterpret_cast<const uint2 *>(
@@ -450,27 +416,6 @@ __launch_bounds__(lean_form<FORM>::threads,
                     shw[t][0] = sh.x, shw[t][1] = sh.y, shw[t][2] = sh.z, shw[t][3] = sh.w;
                 }
             }
-            // FP8: the stage's block scale of box b's row r
-            [[maybe_unused]] auto scale8 = [&](int b, int r) {
-                return *reinterpret_cast<const float *>(st + L::codes + b * 128 + r * 4);
-            };
-            // CARRY: row tile t's words and scales of chunk c, loaded just before its decode, so
-            // that the stage's other chunks take no registers while the stage before still runs
-            [[maybe_unused]] auto load_chunk = [&](int t, int c) {
-                if constexpr (W8) {
-                    cg[t][c] =
-                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bg[t], rg[t], c, q));
-                    chh[t][c] =
-                        *reinterpret_cast<const uint4 *>(st + lean_word8_off(bh[t], rh[t], c, q));
-                    return;
-                }
-                wg[t][c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bg[t], rg[t], c, q));
-                wh[t][c] = *reinterpret_cast<const uint2 *>(st + lean_word_off(bh[t], rh[t], c, q));
-                sgw[t][c] = *reinterpret_cast<const uint32_t *>(
-                    st + L::codes + (bg[t] * LEAN_BOX + rg[t]) * 16 + 4 * c);
-                shw[t][c] = *reinterpret_cast<const uint32_t *>(
-                    st + L::codes + (bh[t] * LEAN_BOX + rh[t]) * 16 + 4 * c);
-            };
             // row tile t's k16 step k's A fragments. NVFP4: chunk k / 4, word (k % 4) / 2; PAIRS:
             // its group scale the half k % 2 of the scale pair k / 2 (lean_scale_pair: a product
             // wq_scale2 gives too). FP8: chunk k / 4, word k % 4, decoded to e4m3 2^-120 and
@@ -515,10 +460,8 @@ __launch_bounds__(lean_form<FORM>::threads,
             };
             // step k's B: atom k / 4, its 32 bytes (k % 4); the descriptor's start field is the
             // address / 16, below 2^14, so the offsets add to stage 0's without a carry
-            auto desc0 = [&](int sv) {
-                return wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(sv * (SB >> 4));
-            };
-            uint64_t d0 = desc0(s);
+            const uint64_t d0 =
+                wgmma_desc_sw128(smem0 + L::codes + L::sf) + (uint32_t)(s * (SB >> 4));
             auto mma = [&](int t, int k, const uint32_t(&f)[4]) {
                 if constexpr (STACK) {
                     wgmma_rs_bf16<2 * NW>(acc[t], f, d0 + (uint32_t)(lean_b_off<2 * NT>(k) >> 4));
@@ -534,8 +477,20 @@ __launch_bounds__(lean_form<FORM>::threads,
             auto release = [&]() {
                 if constexpr (W8) {
 #pragma unroll
-                    for (int t = 0; t < RT; t++)
-                        fold(t, scale8(bg[t], rg[t]), scale8(bh[t], rh[t]));
+                    for (int t = 0; t < RT; t++) {
+                        const float sg = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bg[t] * 128 + rg[t] * 4);
+                        const float sh = *reinterpret_cast<const float *>(st + L::codes +
+                                                                          bh[t] * 128 + rh[t] * 4);
+#pragma unroll
+                        for (int i = 0; i < NT / 2; i++)
+                            tot[t][i] =
+                                __fmaf_rn(i % 4 < 2 ? sg : sh,
+                                          STACK ? lean_hi_lo(acc[t], i) : acc[t][i], tot[t][i]);
+#pragma unroll
+                        for (int i = 0; i < NA; i++)
+                            acc[t][i] = 0.0f;
+                    }
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty(s));
@@ -545,60 +500,33 @@ __launch_bounds__(lean_form<FORM>::threads,
                 // tiles in turn, two buffers: a group decodes while the one before runs. From the
                 // third group on a buffer is rewritten once the group that read it has retired (at
                 // most one pending); its registers are kept live to there (lean_keep), so that the
-                // compiler gives them to nothing else meanwhile. Without CARRY the stage ends with
-                // every group retired, as the producer's delayed arrivals need with two stages: its
-                // stage kt + 1 completes only once this stage is released. With CARRY the buffers
-                // go on in turn from the stage before (an even number of groups a stage).
-                static_assert(KS / 4 * RT % 2 == 0, "the buffers in turn across stages");
-                uint32_t frl[2][4][4];
-                uint32_t(&fr)[2][4][4] = CARRY ? frc : frl;
+                // compiler gives them to nothing else meanwhile. The stage ends with every group
+                // retired, as the producer's delayed arrivals need: its stage kt + 1 completes only
+                // once this stage is released.
+                uint32_t fr[2][4][4];
 #pragma unroll
                 for (int c = 0; c < KS / 4; c++)
 #pragma unroll
                     for (int t = 0; t < RT; t++) {
                         const int G = c * RT + t;
                         uint32_t(&f)[4][4] = fr[G & 1];
-                        if (G >= 2 || (CARRY && G == 0)) { // (kt 0: nothing pends)
+                        if (G >= 2) {
                             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                             lean_keep(f);
                         }
-                        if constexpr (CARRY) load_chunk(t, c);
 #pragma unroll
                         for (int i = 0; i < 4; i++)
                             decode(t, 4 * c + i, f[i]);
-                        if (CARRY && G == 0) { // stage kt - 1's last group retired: its release
-                            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                            lean_keep(fr[1]);
-                            if (kt > 0) {
-                                if constexpr (W8) {
-#pragma unroll
-                                    for (int u = 0; u < RT; u++)
-                                        fold(u, psg[u], psh[u]);
-                                }
-                                __syncwarp();
-                                if (lane == 0) mbar_arrive(empty(sp));
-                            }
-                            if constexpr (W8) {
-#pragma unroll
-                                for (int u = 0; u < RT; u++)
-                                    psg[u] = scale8(bg[u], rg[u]), psh[u] = scale8(bh[u], rh[u]);
-                            }
-                            int sv = s; // the descriptors from here on
-                            asm volatile("" : "+r"(sv)::"memory");
-                            d0 = desc0(sv);
-                        }
                         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
                         for (int i = 0; i < 4; i++)
                             mma(t, 4 * c + i, f[i]);
                         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                     }
-                if constexpr (!CARRY) {
-                    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                    lean_keep(fr[0]);
-                    lean_keep(fr[1]);
-                    release();
-                }
+                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+                lean_keep(fr[0]);
+                lean_keep(fr[1]);
+                release();
             } else {
                 static_assert(RT == 1, "form 0: one row tile a warpgroup");
                 uint32_t fr[KS][4];
@@ -613,18 +541,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                 asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
                 release();
             }
-            sp = s;
             if (++s == S) s = 0, ph ^= 1;
-        }
-        if constexpr (CARRY) { // the last stage's groups (no one waits for its release)
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            lean_keep(frc[0]);
-            lean_keep(frc[1]);
-            if constexpr (W8) {
-#pragma unroll
-                for (int u = 0; u < RT; u++)
-                    fold(u, psg[u], psh[u]);
-            }
         }
     };
     if constexpr (NT == 24) {
@@ -644,17 +561,11 @@ __launch_bounds__(lean_form<FORM>::threads,
 #pragma unroll
     for (int t = 0; t < RT; t++) {
         const int col = lean_out_col(GATE_UP, nb, warp + 4 * WG * t, g, VW);
-        // (carried kernels: the sums through a move, as ptxas serializes the stage loop's
-        // products where a shuffle reads them directly)
         [[maybe_unused]] float lo4[4];
         if constexpr (NT == 4)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float v = acc[t][i];
-                if constexpr (CARRY_ON)
-                    asm volatile("mov.b32 %0, %1;\n" : "=f"(v) : "f"(acc[t][i]));
-                lo4[i] = __shfl_xor_sync(0xffffffffu, v, 2);
-            }
+            for (int i = 0; i < 4; i++)
+                lo4[i] = __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
         auto sum = [&](int i, float sc) {
             if constexpr (W8)
                 return tot[t][i];
@@ -840,43 +751,16 @@ extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the
     return old;
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool CARRY_ON>
-static void lean_go(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
+static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
-    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK, CARRY_ON>;
+    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
     const int64_t blocks = (int64_t)max_tiles * a.n_col_blocks;
     cuda_launch_pdl(kernel, dim3((unsigned)blocks), dim3(lean_form<FORM>::threads), L::smem, tq,
                     tsf, a);
-}
-
-// MOESERVE_LEAN_CARRY (2 when unset; 1 everywhere; 0 off): the pipelined forms with three stages
-// or more (lean_carries: NVFP4's, and FP8's forms 1 and 2) leave a stage's last group of products
-// running while the next stage's barrier, words and first chunk's decode are taken (the stage
-// loop's CARRY); the same sums. 2: where it was timed faster, NVFP4's form 6 in high precision
-// (16 pairs an expert). On an H100, DeepSeek-V3's NVFP4 experts at T = 64 in high, in a chain,
-// three rounds: 508 / 525 / 536 -> 493 / 489 / 493 us; everywhere else carried was level or
-// slower (medium at T = 2: 134 -> 158 us; Qwen3-30B-A3B's decode steps at batch 64 in high 15.11
-// -> 15.55 ms) (docs/benchmarks.md, "One H100 (2026-12-07, twenty-seventh session)").
-static int g_lean_carry = -1;
-static int lean_carry_mode() { return cuda_env_count("MOESERVE_LEAN_CARRY", 2, &g_lean_carry); }
-extern "C" int cuda_moe_lean_carry(int on) { // test hook: 0, 1, 2 as the variable, or it (-1)
-    const int old = g_lean_carry;
-    g_lean_carry = on < 0 ? -1 : on;
-    return old;
-}
-
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
-static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
-    typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
-    if constexpr (lean_carries<FORM, W8>(L::stages)) {
-        const int c = lean_carry_mode();
-        if (c == 1 || (c == 2 && FORM == 6 && !W8 && SPLIT))
-            return lean_go<GATE_UP, SPLIT, NT, FORM, W8, STACK, true>(tq, tsf, a, max_tiles);
-    }
-    lean_go<GATE_UP, SPLIT, NT, FORM, W8, STACK, false>(tq, tsf, a, max_tiles);
 }
 
 // the tensor maps of one GEMM's weights [E w_rows, Kd]: the codes in boxes of 32 rows x 128 bytes
