@@ -1543,6 +1543,14 @@ static void lean_rows4_cases(const model *m) {
     cuda_moe_lean_stack(1);
     cuda_moe_lean_rows4(0);
     CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 8, "8-row tiles, MOESERVE_LEAN_ROWS4=0");
+    cuda_moe_lean_rows4(1);
+    /* the rule (2): the tiny path's sizes on small experts (Qwen3-30B-A3B's) take the lean
+     * kernels in high precision past 8 pairs alone */
+    cuda_moe_w4_lean(2);
+    CHECK(cuda_moe_w4_lean_rows(16, 128, 2048, 768, 1, 1) == 4, "the tiny path's 16 pairs in high");
+    CHECK(cuda_moe_w4_lean_rows(8, 128, 2048, 768, 1, 1) == 0, "the tiny path's 8 pairs in high");
+    CHECK(cuda_moe_w4_lean_rows(16, 128, 2048, 768, 1, 0) == 0, "the tiny path's 16 in medium");
+    cuda_moe_w4_lean(1);
     set_precision(MATMUL_PRECISION_HIGH);
     for (int T = 1; T <= 4 && T * K <= E; T++) {
         const size_t no = (size_t)T * K * D;

@@ -677,7 +677,7 @@ static int lean_tile_rows(int mode, int64_t n_pairs, int E, int D, int F, bool t
     // tiles of twice the average pairs an expert, so that few experts take two (random routing:
     // 2 % of them at 4 an expert with 8 rows); 2: up to max_per an expert, and on the tiny path
     // only where the experts' bytes hide the prepare kernel (DeepSeek-V3's at T = 1, not
-    // Qwen3-30B-A3B's)
+    // Qwen3-30B-A3B's; tiny: the caller's say, moe_lean_w4_rows)
     const int64_t per = (n_pairs + E - 1) / E; // pairs an expert, on average
     if (mode == 2 && (per > max_per || (tiny && !lean_big(D, F)))) return 0;
     return per <= 4 ? 8 : per <= 8 ? 16 : per <= 16 ? (lean_rows24_on() ? 24 : 32) : 0;
@@ -709,8 +709,14 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split
     // up to 16 where 32-row tiles run in form 5 or 6 (two row tiles a warpgroup), which the H100's
     // timings put ahead of the tiles there
     const int max_per = lean_form_now(32, false, lean_big(D, F), false) >= 5 ? 16 : 8;
+    // and on the tiny path's small experts in high precision past 8 pairs (more than one token
+    // at K 8), where the tiny GEMMs' high precision is the slower: on an H100, Qwen3-30B-A3B's
+    // experts at T = 2 in a chain 28.0 -> 24.5 us, its decode steps at batch 2 3.765 -> 3.634 ms
+    // (means of two), T = 1 level (19.3 / 19.5 us) (docs/benchmarks.md, "One H100 (2026-12-07,
+    // twenty-seventh session)")
+    const bool tiny_path = tiny && !(split && n_pairs > 8);
     const int rows = lean_tile_rows(cuda_env_count("MOESERVE_NVFP4_LEAN", 2, &g_lean), n_pairs, E,
-                                    D, F, tiny, LEAN_BK, max_per);
+                                    D, F, tiny_path, LEAN_BK, max_per);
     const bool four = rows == 8 && n_pairs <= E && split && lean_stack_on(false) &&
                       lean_rows4_on() && lean_form_now(4, false, lean_big(D, F), true) != 0;
     return four ? 4 : rows;
