@@ -1293,11 +1293,19 @@ static void test_deepseek(bool compare, int max_T) {
 
 /* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
  * busy expert, empty calls. */
+/* the same file: the prepare kernel launched with PDL (MOESERVE_PREP_PDL) on (1), off (0) or as
+ * the variable says (-1); returns the setting before */
+int cuda_moe_prep_pdl(int on);
+
 /* moe_experts_q (the model's call) against moe_input_quant then moe_experts: the same bits at T =
- * 1 to 3 (the tiny path's sizes and one past them at K = 8), in both precisions. */
+ * 1 to 3 (the tiny path's sizes and one past them at K = 8), 12 and 40, in both precisions; and
+ * the same two calls with the prepare kernel launched with PDL behind moe_input_quant's kernel
+ * (MOESERVE_PREP_PDL=1), which it must wait for: the same bits as launched the ordinary way. */
 static void check_experts_q(const model *m, int payload) {
+    static const int Ts[] = {1, 2, 3, 12, 40};
     const int D = m->D, K = m->K;
-    for (int T = 1; T <= 3; T++) {
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+        const int T = Ts[ti];
         const size_t nx = (size_t)T * D, no = (size_t)T * K * D;
         float *x_h = xmalloc(nx * 4), *a_h = xmalloc(no * 4), *b_h = xmalloc(no * 4);
         int32_t *ids_h = xmalloc((size_t)T * K * 4);
@@ -1321,6 +1329,14 @@ static void check_experts_q(const model *m, int payload) {
             CHECK(memcmp(a_h, b_h, no * 4) == 0,
                   "%s %s T=%d: moe_experts_q differs from moe_input_quant then moe_experts",
                   m->name, precision_name[p], T);
+            const int old_pdl = cuda_moe_prep_pdl(1);
+            gpu->moe_input_quant(xq, x, T, D, payload);
+            gpu->moe_experts(out, xq, ids, &m->w, T, K, D, m->F);
+            cuda_moe_prep_pdl(old_pdl);
+            gpu->to_host(b_h, out, no * 4);
+            CHECK(memcmp(a_h, b_h, no * 4) == 0,
+                  "%s %s T=%d: the prepare kernel launched with PDL, the same bits", m->name,
+                  precision_name[p], T);
         }
         set_precision(MATMUL_PRECISION_HIGH);
         gpu->dev_free(x);
