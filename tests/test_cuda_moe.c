@@ -1542,10 +1542,16 @@ int cuda_moe_lean_rows4(int on);
 /* the same file: the tile rows the NVFP4 lean kernels take n_pairs pairs in (0: not theirs) */
 int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int split);
 
+/* the same file: the tiny path's sizes on the 4-row tiles with no prepare kernel
+ * (MOESERVE_LEAN_TINY) on (1), off (0) or as the variable says (-1); returns the setting before */
+int cuda_moe_lean_tiny(int on);
+
 /* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
  * expert on average), against the CPU, and the same bits as 8-row tiles in forms 3 and 4 (their
  * hi and lo rows in one n8 instead of n16: each column's sums the same), at T = 1 to 4 of m (whose
- * E holds them). */
+ * E holds them). MOESERVE_LEAN_TINY there (each block grouping topk_ids itself, x converted in
+ * GEMM 1): the same bits as the 4-row tiles after the prepare kernel, against the CPU with skipped
+ * slots, and moe_experts_n with a device count of rows. */
 static void lean_rows4_cases(const model *m) {
     const int E = m->E, D = m->D, F = m->F, K = m->K;
     const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
@@ -1587,6 +1593,19 @@ static void lean_rows4_cases(const model *m) {
             gpu_moe(m, b, x, ids, T);
             CHECK(memcmp(a, b, no * 4) == 0, "%s T=%d form %d: 4-row tiles the 8-row tiles' bits",
                   m->name, T, form);
+            cuda_moe_lean_rows4(1);
+            const int old_tiny = cuda_moe_lean_tiny(1);
+            gpu_moe(m, b, x, ids, T);
+            CHECK(memcmp(a, b, no * 4) == 0,
+                  "%s T=%d form %d: 4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY), the "
+                  "same bits",
+                  m->name, T, form);
+            printf("  4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY=1, form %d), T=%d\n",
+                   form, T);
+            run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
+            if (T > 1) run_rows_n(m, T, T - 1);
+            set_precision(MATMUL_PRECISION_HIGH);
+            cuda_moe_lean_tiny(old_tiny);
         }
         free(x);
         free(a);

@@ -1,7 +1,8 @@
-// Device helpers shared by the grouped GEMMs (moe.cu, fp8_gemm.cu, bf16_gemm.cu): cp.async copies
-// into shared memory, a pair of fp32 values as BF16, high precision's hi + lo split of them, the
-// experts' SiLU, and the decode of NVFP4 weights. The same functions in both files keep the gate
-// and up products' BF16 outputs the same bits whichever kernel computed them.
+// Device helpers shared by the grouped GEMMs (moe.cu, moe_lean.cu, fp8_gemm.cu, bf16_gemm.cu):
+// cp.async copies into shared memory, a pair of fp32 values as BF16, high precision's hi + lo
+// split of them, the experts' SiLU, the decode of NVFP4 weights, and the tiny path's grouping. The
+// same functions in both files keep the gate and up products' BF16 outputs the same bits whichever
+// kernel computed them.
 #ifndef MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
 #define MOESERVE_KERNELS_CUDA_GEMM_COMMON_CUH
 
@@ -113,6 +114,48 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
 // group g's (0..3) scale of a word of four scale bytes, in both halves as BF16 bits
 __device__ __forceinline__ uint32_t wq_scale2(uint32_t scales, int g) {
     return __byte_perm(scales, 0, 0x4040 + g * 0x0101) * 16u + (WQ_SF_BIAS | WQ_SF_BIAS << 16);
+}
+
+// The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
+// busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its
+// expert's pairs in (t, k) order. Writes s_tile = {expert, rows} of tile `tile` ({-1, 0} past the
+// last tile), s_pair[r] = the pair id of row r and s_tok[r] its token (pair / topk: one
+// division a lane here, not one a chunk of x in each thread). The same function in GEMM 1 and
+// GEMM 2 (with their R) gives each the same pairs; h rows are addressed by pair id, so the two
+// need not agree on tiles. (moe_lean.cu's TINY kernels group the same way, with h rows by pair id
+// too.)
+__device__ inline void tiny_group(const int32_t *topk_ids, int n, int E, int R, int topk, int tile,
+                                  int *s_tile, int *s_pair, int *s_tok) {
+    const int lane = threadIdx.x & 31;
+    const unsigned full = 0xffffffffu;
+    const int id = lane < n ? __ldcg(&topk_ids[lane]) : -1;
+    if (id >= E) __trap(); // broken invariant: ids index the local experts
+    const unsigned same = __match_any_sync(full, id);
+    const bool leader = id >= 0 && __ffs(same) - 1 == lane;
+    const int nch = leader ? (unsigned)(__popc(same) + R - 1) / R : 0;
+    int incl = nch;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(full, incl, o);
+        if (lane >= o) incl += v;
+    }
+    const int base = incl - nch;
+    const unsigned hit = __ballot_sync(full, leader && tile >= base && tile < base + nch);
+    if (!hit) {
+        if (lane == 0) s_tile[0] = -1, s_tile[1] = 0;
+        return;
+    }
+    const int L = __ffs(hit) - 1;
+    const unsigned mask = __shfl_sync(full, same, L);
+    const int e = __shfl_sync(full, id, L);
+    const int first = (tile - __shfl_sync(full, base, L)) * R;
+    if ((mask >> lane) & 1u) {
+        const int rank = __popc(mask & ((1u << lane) - 1u));
+        if (rank >= first && rank < first + R) {
+            s_pair[rank - first] = lane;
+            s_tok[rank - first] = (unsigned)lane / topk;
+        }
+    }
+    if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
 }
 
 #endif

@@ -1175,47 +1175,6 @@ template <class C, int WF> struct moe_b_layout {
     static constexpr size_t smem = (size_t)STAGES * A_STAGE + bytes;
 };
 
-// The tiny path's grouping, by warp 0 of a block from topk_ids[n] (n <= 32) alone: tiles are the
-// busy experts in order of their first pair, each cut into chunks of R rows; a tile's rows are its
-// expert's pairs in (t, k) order. Writes s_tile = {expert, rows} of tile `tile` ({-1, 0} past the
-// last tile), s_pair[r] = the pair id of row r and s_tok[r] its token (pair / topk: one
-// division a lane here, not one a chunk of x in each thread). The same function in GEMM 1 and
-// GEMM 2 (with their R) gives each the same pairs; h rows are addressed by pair id, so the two
-// need not agree on tiles.
-__device__ void tiny_group(const int32_t *topk_ids, int n, int E, int R, int topk, int tile,
-                           int *s_tile, int *s_pair, int *s_tok) {
-    const int lane = threadIdx.x & 31;
-    const unsigned full = 0xffffffffu;
-    const int id = lane < n ? __ldcg(&topk_ids[lane]) : -1;
-    if (id >= E) __trap(); // broken invariant: ids index the local experts
-    const unsigned same = __match_any_sync(full, id);
-    const bool leader = id >= 0 && __ffs(same) - 1 == lane;
-    const int nch = leader ? (unsigned)(__popc(same) + R - 1) / R : 0;
-    int incl = nch;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(full, incl, o);
-        if (lane >= o) incl += v;
-    }
-    const int base = incl - nch;
-    const unsigned hit = __ballot_sync(full, leader && tile >= base && tile < base + nch);
-    if (!hit) {
-        if (lane == 0) s_tile[0] = -1, s_tile[1] = 0;
-        return;
-    }
-    const int L = __ffs(hit) - 1;
-    const unsigned mask = __shfl_sync(full, same, L);
-    const int e = __shfl_sync(full, id, L);
-    const int first = (tile - __shfl_sync(full, base, L)) * R;
-    if ((mask >> lane) & 1u) {
-        const int rank = __popc(mask & ((1u << lane) - 1u));
-        if (rank >= first && rank < first + R) {
-            s_pair[rank - first] = lane;
-            s_tok[rank - first] = (unsigned)lane / topk;
-        }
-    }
-    if (lane == 0) s_tile[0] = e, s_tile[1] = min(R, __popc(mask) - first);
-}
-
 // A_FULL's layout of x's rows in shared memory (at sAf: [A_PARTS][nk][R1 rows][BK], swizzled):
 // chunk c (8 values, p then q) of tile row r in BF16 (high: the hi parts, then the lo parts).
 template <class C>
@@ -2485,6 +2444,18 @@ static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, co
                             F, n_pairs, rows, split, h);
 }
 
+// The tiny path's sizes of NVFP4 experts on the lean kernels with no prepare kernel
+// (moe_lean_w4_tiny); h in the workspace, [2, T K, F] by pair id.
+static void moe_run_lean_tiny(float *out, const float *x, const int32_t *topk_ids,
+                              const moe_experts *w, int T, int K, int D, int F,
+                              const int32_t *n_rows) {
+    const size_t n_pairs = (size_t)T * K;
+    bf16 *h = (bf16 *)moe_workspace(align256(2 * n_pairs * F * 2));
+    moe_lean_w4_experts_tiny(out, x, topk_ids, n_rows, T, K, (const uint8_t *)w->gate_up,
+                             (const uint8_t *)w->gate_up_sf, (const uint8_t *)w->down_all,
+                             (const uint8_t *)w->down_sf, w->s2, w->E, D, F, h);
+}
+
 // Whether high precision's FP8 and NVFP4 experts sum the hi and lo products in one chain
 // (moe_tile_cfg's ONE) at every size: in deterministic mode, and outside it unless
 // MOESERVE_ONE_CHAIN=0 (the tiles' fp32 add of the lo products, other sums than the W8A16 and
@@ -2505,6 +2476,12 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if constexpr (WF != WF_BF16) { // decode sizes on the lean kernels where they are switched on
         const bool tiny = (int64_t)T * K <= MOE_TINY_PAIRS;
+        if constexpr (WF == WF_NVFP4)
+            if (tiny && !medium && q_one_chain() && !ops_cuda_deterministic() &&
+                moe_lean_w4_tiny((int64_t)T * K, w->E, D, F)) {
+                moe_run_lean_tiny(out, x, topk_ids, w, T, K, D, F, n_rows);
+                return;
+            }
         const int rows = ops_cuda_deterministic() ? 0
                          : WF == WF_FP8
                              ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny, !medium)

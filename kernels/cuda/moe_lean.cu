@@ -195,6 +195,11 @@ struct lean_args {
     const float *ws2; // NVFP4's tensor scales [E, 3] (FP8: none)
     int Kd, N, topk, n_col_blocks, w_rows;
     int narrow; // MOESERVE_LEAN_NARROW: 24-row tiles of up to 16 rows on wgmma's n16
+    // TINY (no prepare kernel): GEMM 1's x [T, Kd] in fp32 and the n_ids expert ids of topk_ids
+    // over E experts, which each block groups itself (tiny_group); h rows are pair ids
+    const float *x;
+    const int32_t *topk_ids, *n_rows; // n_rows: NULL, or the device count of tokens to take
+    int n_ids, E;
 };
 
 // Groups 2 h and 2 h + 1 of a word of four scale bytes as one pair of BF16 scales (lo, hi): each
@@ -233,7 +238,7 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool TINY>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
                   lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8>::bound)
@@ -248,6 +253,7 @@ __launch_bounds__(lean_form<FORM>::threads,
     // columns (lean_act_off_stacked), in two sums added at the end
     static_assert(!STACK || SPLIT, "stacked: high precision");
     static_assert(NT != 4 || (STACK && !W8), "4-row tiles: NVFP4 stacked alone");
+    static_assert(!TINY || NT == 4, "TINY: 4-row tiles alone");
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -261,11 +267,23 @@ __launch_bounds__(lean_form<FORM>::threads,
         pdl_trigger();
     }
     // GEMM 2 reads the tile table before its wait: the prepare kernel wrote it, complete before
-    // GEMM 1's blocks passed their waits (and so before this grid could launch)
+    // GEMM 1's blocks passed their waits (and so before this grid could launch). TINY: each block
+    // groups topk_ids itself (warp 0, tiny_group: the tiny path's tiles, its rows' pair ids and
+    // tokens in s_tiny), GEMM 2 before its wait too (the ids were complete before GEMM 1's blocks
+    // passed theirs)
     const int tile = blockIdx.x / a.n_col_blocks, nb = blockIdx.x % a.n_col_blocks;
-    if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
-    const int4 ti = __ldcg(&a.tiles[tile]);
-    const int e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
+    __shared__ int s_tiny[TINY ? 2 + 2 * NT : 1]; // {expert, rows}, pair ids [NT], tokens [NT]
+    int e, row0 = 0, rows;
+    if constexpr (TINY) {
+        if (threadIdx.x < 32) { // warp 0
+            const int n = a.n_rows ? min(a.n_ids, max(0, __ldcg(a.n_rows)) * a.topk) : a.n_ids;
+            tiny_group(a.topk_ids, n, a.E, NT, a.topk, tile, s_tiny, s_tiny + 2, s_tiny + 2 + NT);
+        }
+    } else {
+        if (tile >= __ldcg(a.n_tiles)) return; // idle block of the upper-bound grid
+        const int4 ti = __ldcg(&a.tiles[tile]);
+        e = ti.x, row0 = ti.y, rows = ti.z - ti.y;
+    }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
@@ -275,6 +293,12 @@ __launch_bounds__(lean_form<FORM>::threads,
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    if constexpr (TINY) {
+        e = s_tiny[0], rows = s_tiny[1];
+        if (e < 0) return; // idle block of the upper-bound grid
+    }
+    // TINY: row r's pair id (GEMM 1's h row, GEMM 2's activation and output row) and token
+    [[maybe_unused]] auto pair_of = [&](int r) { return s_tiny[2 + r]; };
     const int nk = a.Kd / BK;
 
     if (warp == 4 * WG) { // the producer
@@ -305,9 +329,28 @@ __launch_bounds__(lean_form<FORM>::threads,
         // 8 k, u = lane / NT + (32 / NT) j
         const int n = lane % NT;
         const bf16 *src = nullptr;
-        if (n < rows)
+        if (TINY && n < rows)
+            src = GATE_UP ? nullptr : a.act + (int64_t)pair_of(n) * a.Kd; // GEMM 1: xs below
+        else if (n < rows)
             src =
                 a.act + (int64_t)(GATE_UP ? __ldcg(&a.pairs[row0 + n]) / a.topk : row0 + n) * a.Kd;
+        // TINY's GEMM 1: row n's x in fp32, a stage's chunks loaded one stage ahead into xr and
+        // converted to BF16 (split: hi and lo) as the prepare kernel converts them (prep_convert)
+        constexpr bool XF = TINY && GATE_UP;
+        constexpr int XCH = NT * BK / 256; // chunks of 8 k a lane a stage
+        [[maybe_unused]] const float *xs =
+            XF && n < rows ? a.x + (int64_t)s_tiny[2 + NT + n] * a.Kd : nullptr;
+        [[maybe_unused]] float4 xr[XF ? XCH : 1][2];
+        [[maybe_unused]] auto x_load = [&](int kt) {
+#pragma unroll
+            for (int j = 0; j < XCH; j++) {
+                const int u = lane / NT + (32 / NT) * j;
+                const float4 *p = reinterpret_cast<const float4 *>(xs + kt * BK + u * 8);
+                xr[j][0] = xs ? __ldcg(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+                xr[j][1] = xs ? __ldcg(p + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        };
+        if constexpr (XF) x_load(0);
         // a stage's copies are one group. A lane makes its group of stage kt visible to wgmma
         // (the async proxy: a proxy fence once it has landed) and arrives for the stage one
         // stage later (LAG), so that its wait does not hold back the next stage's loads: their
@@ -325,10 +368,30 @@ __launch_bounds__(lean_form<FORM>::threads,
                 weights(kt, s);
             }
             const uint32_t act = smem0 + s * SB + L::codes + L::sf;
+            if constexpr (XF) { // x's chunks of this stage converted, the next stage's loaded
+#pragma unroll
+                for (int j = 0; j < XCH; j++) {
+                    const int u = lane / NT + (32 / NT) * j;
+                    uint4 hi, lo;
+                    split_bf16x2(xr[j][0].x, xr[j][0].y, &hi.x, &lo.x);
+                    split_bf16x2(xr[j][0].z, xr[j][0].w, &hi.y, &lo.y);
+                    split_bf16x2(xr[j][1].x, xr[j][1].y, &hi.z, &lo.z);
+                    split_bf16x2(xr[j][1].z, xr[j][1].w, &hi.w, &lo.w);
+#pragma unroll
+                    for (int part = 0; part < 2; part++) {
+                        const uint4 w = part ? lo : hi;
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                                         act + lean_act_off_stacked<NT>(u, n, part)),
+                                     "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                                     : "memory");
+                    }
+                }
+                if (kt + 1 < nk) x_load(kt + 1);
+            }
             // lane n copies chunks u of row n % NT; 24-row tiles: lanes 0 to 23 their row's all
             constexpr bool ROW_LANES = NT == 24;
 #pragma unroll
-            for (int j = 0; j < (ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
+            for (int j = 0; j < (XF ? 0 : ROW_LANES ? BK / 8 : NT * BK / 256); j++) {
                 if (ROW_LANES && lane >= NT) break;
                 const int u = ROW_LANES ? j : lane / NT + (32 / NT) * j; // chunk of the stage's BK
                 const bf16 *p = src ? src + kt * BK + u * 8 : a.act;
@@ -584,7 +647,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                 if (r >= rows) continue;
                 if constexpr (GATE_UP) { // row g the gate, row g + 8 the up projection of col
                     const float gv = sum(4 * j + i, s0), uv = sum(4 * j + 2 + i, s1);
-                    bf16 *dst = a.h + (int64_t)(row0 + r) * a.N + col;
+                    bf16 *dst = a.h + (int64_t)(TINY ? pair_of(r) : row0 + r) * a.N + col;
                     if constexpr (SPLIT) {
                         const float v = __fmul_rn(silu(gv), uv);
                         const bf16 hi = __float2bfloat16_rn(v);
@@ -594,7 +657,9 @@ __launch_bounds__(lean_form<FORM>::threads,
                         *dst = __float2bfloat16_rn(silu(gv) * uv);
                     }
                 } else { // rows g and g + 8: columns col and col + 8
-                    float *dst = a.out + (int64_t)__ldcg(&a.pairs[row0 + r]) * a.N + col;
+                    float *dst = a.out +
+                                 (int64_t)(TINY ? pair_of(r) : __ldcg(&a.pairs[row0 + r])) * a.N +
+                                 col;
                     dst[0] = sum(4 * j + i, s0);
                     dst[8] = sum(4 * j + 2 + i, s0);
                 }
@@ -721,6 +786,23 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split
                       lean_rows4_on() && lean_form_now(4, false, lean_big(D, F), true) != 0;
     return four ? 4 : rows;
 }
+// MOESERVE_LEAN_TINY (0 when unset; 1 on): the tiny path's sizes (moe.cu's T K up to 16) in
+// stacked high precision on the lean kernels' 4-row tiles with no prepare kernel (TINY: each
+// block groups topk_ids itself, GEMM 1 converts its rows of x from fp32 a stage ahead, h rows by
+// pair id), wherever the 4-row tiles would take the size were it not tiny; the same sums as the
+// 4-row tiles after the prepare kernel. Not yet run on a GPU (docs/benchmarks.md,
+// twenty-seventh session).
+static int g_lean_tiny = -1;
+extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_lean_tiny;
+    g_lean_tiny = on < 0 ? -1 : on;
+    return old;
+}
+bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F) {
+    return cuda_env_count("MOESERVE_LEAN_TINY", 0, &g_lean_tiny) == 1 &&
+           moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;
+}
+
 // Test hook: the rows moe_lean_w4_rows gives (0: not on the lean kernels)
 extern "C" int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int split) {
     return moe_lean_w4_rows(n_pairs, E, D, F, tiny != 0, split != 0);
@@ -757,10 +839,10 @@ extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the
     return old;
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool TINY>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
-    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK>;
+    auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK, TINY>;
     static size_t set = 0;
     cuda_smem_allow(kernel, L::smem, &set);
     a.narrow = cuda_env_count("MOESERVE_LEAN_NARROW", 1, &g_lean_narrow) == 1;
@@ -821,7 +903,7 @@ extern "C" int cuda_moe_lean_stack(int on) { // test hook: 0, 1, 2 as the variab
 // the switch for NVFP4 (w8 0) or FP8 (1); form 0 and FP8's 32-row tiles never stack
 extern "C" int cuda_moe_lean_stacked(int w8) { return lean_stack_on(w8); }
 
-template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK>
+template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK, bool TINY = false>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
@@ -833,8 +915,8 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.N = F;
     a.w_rows = 2 * F;
     a.n_col_blocks = F / (WG * LEAN_BOX);
-    lean_launch<true, SPLIT, NT, FORM, W8, STACK>(q, sf, a, max_tiles);
-    // GEMM 2: down [E D rows, F], its activations h in grouped order
+    lean_launch<true, SPLIT, NT, FORM, W8, STACK, TINY>(q, sf, a, max_tiles);
+    // GEMM 2: down [E D rows, F], its activations h in grouped order (TINY: by pair id)
     lean_maps<W8>(&q, &sf, down_q, down_sf, E, D, F);
     a.act = a.h;
     a.act_lo = a.h_lo;
@@ -842,7 +924,7 @@ static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
     a.N = D;
     a.w_rows = D;
     a.n_col_blocks = D / (WG2 * 2 * LEAN_BOX);
-    lean_launch<false, SPLIT, NT, FORM2, W8, STACK>(q, sf, a, max_tiles);
+    lean_launch<false, SPLIT, NT, FORM2, W8, STACK, TINY>(q, sf, a, max_tiles);
 }
 
 template <bool W8>
@@ -850,8 +932,14 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                          const int4 *tiles, const int32_t *n_tiles, int max_tiles, int K,
                          const uint8_t *gate_up_q, const uint8_t *gate_up_sf, const uint8_t *down_q,
                          const uint8_t *down_sf, const float *s2, int E, int D, int F,
-                         int64_t n_pairs, int rows, bool split, bf16 *h) {
+                         int64_t n_pairs, int rows, bool split, bf16 *h, const float *x = nullptr,
+                         const int32_t *topk_ids = nullptr, const int32_t *n_rows = nullptr) {
     lean_args a = {};
+    a.x = x; // TINY (topk_ids given): x and topk_ids in place of the prepare kernel's outputs
+    a.topk_ids = topk_ids;
+    a.n_rows = n_rows;
+    a.n_ids = (int)n_pairs;
+    a.E = E;
     a.act = xb;
     a.act_lo = xb_lo;
     a.pairs = pairs;
@@ -872,10 +960,14 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             [[maybe_unused]] constexpr bool STACKS = FORM != 0 && !(W8 && NT == 32);
             auto run = [&](auto fm2) {
                 constexpr int FORM2 = decltype(fm2)::value;
-                if constexpr (NT == 4) // stacked high precision alone (moe_lean_w4_rows)
-                    lean_both<true, NT, FORM, W8, FORM2, true>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                               down_q, down_sf, E, D, F);
-                else if (!split)
+                if constexpr (NT == 4) { // stacked high precision alone (moe_lean_w4_rows)
+                    if (topk_ids)
+                        lean_both<true, NT, FORM, W8, FORM2, true, true>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                    else
+                        lean_both<true, NT, FORM, W8, FORM2, true>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                } else if (!split)
                     lean_both<false, NT, FORM, W8, FORM2, false>(
                         a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
                 else if (STACKS && lean_stack_on(W8))
@@ -936,6 +1028,18 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                          int64_t n_pairs, int rows, bool split, bf16 *h) {
     lean_experts<false>(out, xb, xb_lo, pairs, tiles, n_tiles, max_tiles, K, gate_up_q, gate_up_sf,
                         down_q, down_sf, s2, E, D, F, n_pairs, rows, split, h);
+}
+
+void moe_lean_w4_experts_tiny(float *out, const float *x, const int32_t *topk_ids,
+                              const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
+                              const uint8_t *gate_up_sf, const uint8_t *down_q,
+                              const uint8_t *down_sf, const float *s2, int E, int D, int F,
+                              bf16 *h) {
+    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 3) / 4);
+    lean_experts<false>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
+                        gate_up_sf, down_q, down_sf, s2, E, D, F, n_pairs, 4, true, h, x, topk_ids,
+                        n_rows);
 }
 
 void moe_lean_w8_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,
