@@ -1291,12 +1291,12 @@ static void test_deepseek(bool compare, int max_T) {
 
 /* ---- quantized experts: the cases both formats run ---- */
 
-/* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
- * busy expert, empty calls. */
 /* the same file: the prepare kernel launched with PDL (MOESERVE_PREP_PDL) on (1), off (0) or as
  * the variable says (-1); returns the setting before */
 int cuda_moe_prep_pdl(int on);
 
+/* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
+ * busy expert, empty calls. */
 /* moe_experts_q (the model's call) against moe_input_quant then moe_experts: the same bits at T =
  * 1 to 3 (the tiny path's sizes and one past them at K = 8), 12 and 40, in both precisions; and
  * the same two calls with the prepare kernel launched with PDL behind moe_input_quant's kernel
