@@ -42,6 +42,19 @@ __device__ __forceinline__ void split_bf16x2(float a0, float a1, uint32_t *hi, u
     *hi = *reinterpret_cast<const uint32_t *>(&h);
     *lo = pack_bf16x2(__fsub_rn(a0, hf.x), __fsub_rn(a1, hf.y));
 }
+// Eight activations (p then q) as BF16 in one 16-byte chunk: rounded, or split into hi and lo
+// (the prepare kernel's conversion, and every kernel that converts x itself)
+__device__ __forceinline__ uint4 pack_bf16x8(const float4 &p, const float4 &q) {
+    return make_uint4(pack_bf16x2(p.x, p.y), pack_bf16x2(p.z, p.w), pack_bf16x2(q.x, q.y),
+                      pack_bf16x2(q.z, q.w));
+}
+__device__ __forceinline__ void split_bf16x8(const float4 &p, const float4 &q, uint4 *hi,
+                                             uint4 *lo) {
+    split_bf16x2(p.x, p.y, &hi->x, &lo->x);
+    split_bf16x2(p.z, p.w, &hi->y, &lo->y);
+    split_bf16x2(q.x, q.y, &hi->z, &lo->z);
+    split_bf16x2(q.z, q.w, &hi->w, &lo->w);
+}
 
 // silu(g) = g / (1 + e^-g), the division by the approximate reciprocal (__fdividef: 2 ulp, no
 // branch): the IEEE division's check for its slow path put a branch around every output, so a

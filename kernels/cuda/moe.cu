@@ -781,16 +781,10 @@ __device__ __forceinline__ void prep_convert(const moe_prep_args &a, int b, int 
         uint4 v;
         if (a.xb_lo) {
             uint4 r;
-            split_bf16x2(p.x, p.y, &v.x, &r.x);
-            split_bf16x2(p.z, p.w, &v.y, &r.y);
-            split_bf16x2(q.x, q.y, &v.z, &r.z);
-            split_bf16x2(q.z, q.w, &v.w, &r.w);
+            split_bf16x8(p, q, &v, &r);
             reinterpret_cast<uint4 *>(a.xb_lo)[i] = r;
         } else {
-            v.x = pack_bf16x2(p.x, p.y);
-            v.y = pack_bf16x2(p.z, p.w);
-            v.z = pack_bf16x2(q.x, q.y);
-            v.w = pack_bf16x2(q.z, q.w);
+            v = pack_bf16x8(p, q);
         }
         reinterpret_cast<uint4 *>(a.xb)[i] = v;
     }
@@ -1182,17 +1176,10 @@ __device__ __forceinline__ void a_full_store8(uint32_t sAf, int r, int c, int nk
                                               const float4 &p, const float4 &q) {
     constexpr int BK = C::BK;
     uint4 v, lo = make_uint4(0, 0, 0, 0);
-    if (C::SPLIT) {
-        split_bf16x2(p.x, p.y, &v.x, &lo.x);
-        split_bf16x2(p.z, p.w, &v.y, &lo.y);
-        split_bf16x2(q.x, q.y, &v.z, &lo.z);
-        split_bf16x2(q.z, q.w, &v.w, &lo.w);
-    } else {
-        v.x = pack_bf16x2(p.x, p.y);
-        v.y = pack_bf16x2(p.z, p.w);
-        v.z = pack_bf16x2(q.x, q.y);
-        v.w = pack_bf16x2(q.z, q.w);
-    }
+    if (C::SPLIT)
+        split_bf16x8(p, q, &v, &lo);
+    else
+        v = pack_bf16x8(p, q);
     const int kt = c / (BK / 8), ch = c % (BK / 8);
 #pragma unroll
     for (int part = 0; part < C::A_PARTS; part++) {

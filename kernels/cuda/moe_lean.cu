@@ -373,10 +373,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                 for (int j = 0; j < XCH; j++) {
                     const int u = lane / NT + (32 / NT) * j;
                     uint4 hi, lo;
-                    split_bf16x2(xr[j][0].x, xr[j][0].y, &hi.x, &lo.x);
-                    split_bf16x2(xr[j][0].z, xr[j][0].w, &hi.y, &lo.y);
-                    split_bf16x2(xr[j][1].x, xr[j][1].y, &hi.z, &lo.z);
-                    split_bf16x2(xr[j][1].z, xr[j][1].w, &hi.w, &lo.w);
+                    split_bf16x8(xr[j][0], xr[j][1], &hi, &lo);
 #pragma unroll
                     for (int part = 0; part < 2; part++) {
                         const uint4 w = part ? lo : hi;
