@@ -1291,16 +1291,10 @@ static void test_deepseek(bool compare, int max_T) {
 
 /* ---- quantized experts: the cases both formats run ---- */
 
-/* the same file: the prepare kernel launched with PDL (MOESERVE_PREP_PDL) on (1), off (0) or as
- * the variable says (-1); returns the setting before */
-int cuda_moe_prep_pdl(int on);
-
 /* The small shape: every tile shape from tiny to prefill, batch invariance, skipped slots, one
  * busy expert, empty calls. */
 /* moe_experts_q (the model's call) against moe_input_quant then moe_experts: the same bits at T =
- * 1 to 3 (the tiny path's sizes and one past them at K = 8), 12 and 40, in both precisions; and
- * the same two calls with the prepare kernel launched with PDL behind moe_input_quant's kernel
- * (MOESERVE_PREP_PDL=1), which it must wait for: the same bits as launched the ordinary way. */
+ * 1 to 3 (the tiny path's sizes and one past them at K = 8), 12 and 40, in both precisions. */
 static void check_experts_q(const model *m, int payload) {
     static const int Ts[] = {1, 2, 3, 12, 40};
     const int D = m->D, K = m->K;
@@ -1329,14 +1323,6 @@ static void check_experts_q(const model *m, int payload) {
             CHECK(memcmp(a_h, b_h, no * 4) == 0,
                   "%s %s T=%d: moe_experts_q differs from moe_input_quant then moe_experts",
                   m->name, precision_name[p], T);
-            const int old_pdl = cuda_moe_prep_pdl(1);
-            gpu->moe_input_quant(xq, x, T, D, payload);
-            gpu->moe_experts(out, xq, ids, &m->w, T, K, D, m->F);
-            cuda_moe_prep_pdl(old_pdl);
-            gpu->to_host(b_h, out, no * 4);
-            CHECK(memcmp(a_h, b_h, no * 4) == 0,
-                  "%s %s T=%d: the prepare kernel launched with PDL, the same bits", m->name,
-                  precision_name[p], T);
         }
         set_precision(MATMUL_PRECISION_HIGH);
         gpu->dev_free(x);
@@ -1545,6 +1531,8 @@ int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int sp
 /* the same file: the tiny path's sizes on the 4-row tiles with no prepare kernel
  * (MOESERVE_LEAN_TINY) on (1), off (0) or as the variable says (-1); returns the setting before */
 int cuda_moe_lean_tiny(int on);
+/* whether n_pairs pairs at the tiny path's sizes take it (moe_lean_w4_tiny) */
+int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F);
 
 /* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
  * expert on average), against the CPU, and the same bits as 8-row tiles in forms 3 and 4 (their
@@ -1556,6 +1544,7 @@ static void lean_rows4_cases(const model *m) {
     const int E = m->E, D = m->D, F = m->F, K = m->K;
     const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
     const int old4 = cuda_moe_lean_rows4(1), old_stack = cuda_moe_lean_stack(1);
+    const int old_tiny = cuda_moe_lean_tiny(2);
     CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 4, "4-row tiles at %d pairs over %d experts",
           E, E);
     CHECK(cuda_moe_w4_lean_rows(E + 1, E, D, F, 0, 1) == 8, "8-row tiles past one pair an expert");
@@ -1572,6 +1561,15 @@ static void lean_rows4_cases(const model *m) {
     CHECK(cuda_moe_w4_lean_rows(16, 128, 2048, 768, 1, 1) == 4, "the tiny path's 16 pairs in high");
     CHECK(cuda_moe_w4_lean_rows(8, 128, 2048, 768, 1, 1) == 0, "the tiny path's 8 pairs in high");
     CHECK(cuda_moe_w4_lean_rows(16, 128, 2048, 768, 1, 0) == 0, "the tiny path's 16 in medium");
+    /* MOESERVE_LEAN_TINY's rule (2): there with no prepare kernel on small experts alone; 1: on
+     * DeepSeek-V3's too; 0: nowhere */
+    CHECK(cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768), "no prepare kernel at 16 pairs, Qwen3's");
+    CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768), "no prepare kernel at 8 pairs, Qwen3's");
+    CHECK(!cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048), "the prepare kernel, DeepSeek-V3's");
+    cuda_moe_lean_tiny(1);
+    CHECK(cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048), "MOESERVE_LEAN_TINY=1 on DeepSeek-V3's");
+    cuda_moe_lean_tiny(0);
+    CHECK(!cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768), "MOESERVE_LEAN_TINY=0 on Qwen3's");
     cuda_moe_w4_lean(1);
     set_precision(MATMUL_PRECISION_HIGH);
     for (int T = 1; T <= 4 && T * K <= E; T++) {
@@ -1594,7 +1592,7 @@ static void lean_rows4_cases(const model *m) {
             CHECK(memcmp(a, b, no * 4) == 0, "%s T=%d form %d: 4-row tiles the 8-row tiles' bits",
                   m->name, T, form);
             cuda_moe_lean_rows4(1);
-            const int old_tiny = cuda_moe_lean_tiny(1);
+            cuda_moe_lean_tiny(1);
             gpu_moe(m, b, x, ids, T);
             CHECK(memcmp(a, b, no * 4) == 0,
                   "%s T=%d form %d: 4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY), the "
@@ -1605,13 +1603,14 @@ static void lean_rows4_cases(const model *m) {
             run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
             if (T > 1) run_rows_n(m, T, T - 1);
             set_precision(MATMUL_PRECISION_HIGH);
-            cuda_moe_lean_tiny(old_tiny);
+            cuda_moe_lean_tiny(0);
         }
         free(x);
         free(a);
         free(b);
         free(ids);
     }
+    cuda_moe_lean_tiny(old_tiny);
     cuda_moe_lean_stack(old_stack);
     cuda_moe_lean_rows4(old4);
     cuda_moe_w4_lean_form(old_form);

@@ -796,8 +796,7 @@ __device__ __forceinline__ void prep_convert(const moe_prep_args &a, int b, int 
 // its end, so this grid completes after it and GEMM 1, waiting for this grid, sees both, while
 // the other blocks leave their multiprocessors to GEMM 1 as soon as they have converted. (It
 // writes xb before that wait: nothing the prepare kernel or any kernel still running reads; the
-// prepare kernel itself started after every kernel before it had completed, or waited for them
-// before its trigger.)
+// prepare kernel itself was launched the ordinary way, after every kernel before it.)
 __global__ void __launch_bounds__(MOE_PREP_THREADS) moe_convert_kernel(moe_prep_args a) {
     pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for this grid
     prep_convert(a, blockIdx.x, gridDim.x);
@@ -837,10 +836,6 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int *sum) {
 // 382.9 (the same call; high 414.4 to 415.8 against 416.5 to 418.1, with the swapped kernel's tiles
 // in their new order).
 __global__ void __launch_bounds__(MOE_PREP_THREADS, 1) moe_prepare_kernel(moe_prep_args a) {
-    // launched with PDL (prep_pdl_on), it is resident while the kernel before it runs, and waits
-    // for it before anything: every block before the trigger, so that moe_convert_kernel (which
-    // reads x without a wait) starts only once x is complete
-    pdl_wait();
     if (!a.convert_after) pdl_trigger(); // GEMM 1 may take its place on the SMs; it waits for us
     if (blockIdx.x > 0) {
         prep_convert(a, blockIdx.x - 1, gridDim.x - 1);
@@ -2059,18 +2054,6 @@ static moe_prep_layout prep_layout(int E, int64_t n_pairs, int max_tiles, size_t
 // 512 369.8 against 370.9, 1024 423.9 / 422.3 against 425.4 / 423.7.)
 static int g_convert_after = -1;
 
-// MOESERVE_PREP_PDL (0 when unset; 1 on): the prepare kernel launched with PDL, resident while the
-// kernel before it (the experts' input format, or the router's top-k) runs, instead of launched
-// once that has completed; it waits for it at its start either way, so the same work in the same
-// order. Not yet run on a GPU (docs/benchmarks.md, twenty-seventh session).
-static int g_prep_pdl = -1;
-static bool prep_pdl_on() { return cuda_env_count("MOESERVE_PREP_PDL", 0, &g_prep_pdl) == 1; }
-extern "C" int cuda_moe_prep_pdl(int on) { // test hook: on (1), off (0), the variable (-1)
-    const int old = g_prep_pdl;
-    g_prep_pdl = on < 0 ? -1 : on;
-    return old;
-}
-
 // The prepare kernel on l's buffers in ws: x [T, D] into xb (split: and its lo part; x NULL: no
 // copy), the pairs of topk_ids [T, K] (NULL: every pair to expert 0) grouped by expert into tiles
 // of BM rows.
@@ -2107,14 +2090,9 @@ static moe_prep_args prep_launch(unsigned char *ws, const moe_prep_layout &l, bo
                              sizeof(int);
     static size_t smem_set = 0;
     cuda_smem_allow(moe_prepare_kernel, prep_smem, &smem_set);
-    const unsigned prep_blocks = p.convert_after ? 1 : 1 + conv_blocks;
-    if (prep_pdl_on()) {
-        cuda_launch_pdl(moe_prepare_kernel, dim3(prep_blocks), dim3(MOE_PREP_THREADS), prep_smem,
-                        p);
-    } else {
-        moe_prepare_kernel<<<prep_blocks, MOE_PREP_THREADS, prep_smem, cuda_stream()>>>(p);
-        CUDA_CHECK_LAUNCH();
-    }
+    moe_prepare_kernel<<<p.convert_after ? 1 : 1 + conv_blocks, MOE_PREP_THREADS, prep_smem,
+                         cuda_stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
     if (p.convert_after)
         cuda_launch_pdl(moe_convert_kernel, dim3(conv_blocks), dim3(MOE_PREP_THREADS), 0, p);
     return p;

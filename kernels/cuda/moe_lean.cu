@@ -783,12 +783,16 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split
                       lean_rows4_on() && lean_form_now(4, false, lean_big(D, F), true) != 0;
     return four ? 4 : rows;
 }
-// MOESERVE_LEAN_TINY (0 when unset; 1 on): the tiny path's sizes (moe.cu's T K up to 16) in
-// stacked high precision on the lean kernels' 4-row tiles with no prepare kernel (TINY: each
-// block groups topk_ids itself, GEMM 1 converts its rows of x from fp32 a stage ahead, h rows by
-// pair id), wherever the 4-row tiles would take the size were it not tiny; the same sums as the
-// 4-row tiles after the prepare kernel. Not yet run on a GPU (docs/benchmarks.md,
-// twenty-seventh session).
+// MOESERVE_LEAN_TINY (2 when unset: on small experts; 1: on every size; 0: off): the tiny path's
+// sizes (moe.cu's T K up to 16) in stacked high precision on the lean kernels' 4-row tiles with
+// no prepare kernel (TINY: each block groups topk_ids itself, GEMM 1 converts its rows of x from
+// fp32 a stage ahead, h rows by pair id), wherever the 4-row tiles would take the size were it
+// not tiny; the same sums as the 4-row tiles after the prepare kernel. On an H100
+// (docs/benchmarks.md, "One H100 (2026-12-07, twenty-eighth session)"), Qwen3-30B-A3B's experts
+// in a chain in high at T = 1: 19.4 -> 15.5 us (the tiny path's kernels before), at T = 2: 24.5
+// -> 22.2 us (the 4-row tiles after the prepare kernel); its decode steps at batch 1: 3.13 ->
+// 2.99 ms, at batch 2: 3.64 -> 3.47 ms (means of two). DeepSeek-V3's experts (lean_big) keep the
+// prepare kernel: level at T = 1 (79.3 us), slower at T = 2 (137.8 -> 141.9 us).
 static int g_lean_tiny = -1;
 extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_lean_tiny;
@@ -796,8 +800,13 @@ extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the v
     return old;
 }
 bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F) {
-    return cuda_env_count("MOESERVE_LEAN_TINY", 0, &g_lean_tiny) == 1 &&
+    const int mode = cuda_env_count("MOESERVE_LEAN_TINY", 2, &g_lean_tiny);
+    return (mode == 1 || (mode == 2 && !lean_big(D, F))) &&
            moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;
+}
+
+extern "C" int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F) { // test hook
+    return moe_lean_w4_tiny(n_pairs, E, D, F);
 }
 
 // Test hook: the rows moe_lean_w4_rows gives (0: not on the lean kernels)

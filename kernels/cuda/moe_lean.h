@@ -37,8 +37,8 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
 // Whether the tiny path's n_pairs pairs (moe.cu's T K up to 16) take moe_lean_w4_experts_tiny
-// (MOESERVE_LEAN_TINY=1, and where the 4-row tiles would take them were they not tiny; stacked
-// high precision alone).
+// (MOESERVE_LEAN_TINY: on small experts when unset, and where the 4-row tiles would take them
+// were they not tiny; stacked high precision alone).
 bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F);
 
 // Both GEMMs at those sizes with no prepare kernel: each block groups topk_ids [T, K] (n_rows:
