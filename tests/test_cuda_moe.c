@@ -1531,8 +1531,11 @@ int cuda_moe_w4_lean_rows(int64_t n_pairs, int E, int D, int F, int tiny, int sp
 /* the same file: the tiny path's sizes on the 4-row tiles with no prepare kernel
  * (MOESERVE_LEAN_TINY) on (1), off (0) or as the variable says (-1); returns the setting before */
 int cuda_moe_lean_tiny(int on);
-/* whether n_pairs pairs at the tiny path's sizes take it (moe_lean_w4_tiny) */
-int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F);
+/* the same in medium precision (MOESERVE_LEAN_TINY_MEDIUM), as cuda_moe_lean_tiny */
+int cuda_moe_lean_tiny_medium(int on);
+/* whether n_pairs pairs at the tiny path's sizes take it (moe_lean_w4_tiny; split: in high
+ * precision, else in medium) */
+int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split);
 
 /* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
  * expert on average), against the CPU, and the same bits as 8-row tiles in forms 3 and 4 (their
@@ -1544,7 +1547,7 @@ static void lean_rows4_cases(const model *m) {
     const int E = m->E, D = m->D, F = m->F, K = m->K;
     const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
     const int old4 = cuda_moe_lean_rows4(1), old_stack = cuda_moe_lean_stack(1);
-    const int old_tiny = cuda_moe_lean_tiny(2);
+    const int old_tiny = cuda_moe_lean_tiny(2), old_tiny_m = cuda_moe_lean_tiny_medium(0);
     CHECK(cuda_moe_w4_lean_rows(E, E, D, F, 0, 1) == 4, "4-row tiles at %d pairs over %d experts",
           E, E);
     CHECK(cuda_moe_w4_lean_rows(E + 1, E, D, F, 0, 1) == 8, "8-row tiles past one pair an expert");
@@ -1563,13 +1566,20 @@ static void lean_rows4_cases(const model *m) {
     CHECK(cuda_moe_w4_lean_rows(16, 128, 2048, 768, 1, 0) == 0, "the tiny path's 16 in medium");
     /* MOESERVE_LEAN_TINY's rule (2): there with no prepare kernel on small experts alone; 1: on
      * DeepSeek-V3's too; 0: nowhere */
-    CHECK(cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768), "no prepare kernel at 16 pairs, Qwen3's");
-    CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768), "no prepare kernel at 8 pairs, Qwen3's");
-    CHECK(!cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048), "the prepare kernel, DeepSeek-V3's");
+    CHECK(cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768, 1),
+          "no prepare kernel at 16 pairs, Qwen3's");
+    CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 1), "no prepare kernel at 8 pairs, Qwen3's");
+    CHECK(!cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048, 1), "the prepare kernel, DeepSeek-V3's");
+    CHECK(!cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 0), "medium precision: the tiny path");
+    cuda_moe_lean_tiny_medium(1);
+    CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 0), "MOESERVE_LEAN_TINY_MEDIUM=1, Qwen3's");
+    CHECK(!cuda_moe_w4_lean_tiny_on(8, 256, 7168, 2048, 0), "..._MEDIUM=1, DeepSeek-V3's not");
+    cuda_moe_lean_tiny_medium(0);
     cuda_moe_lean_tiny(1);
-    CHECK(cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048), "MOESERVE_LEAN_TINY=1 on DeepSeek-V3's");
+    CHECK(cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048, 1),
+          "MOESERVE_LEAN_TINY=1 on DeepSeek-V3's");
     cuda_moe_lean_tiny(0);
-    CHECK(!cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768), "MOESERVE_LEAN_TINY=0 on Qwen3's");
+    CHECK(!cuda_moe_w4_lean_tiny_on(16, 128, 2048, 768, 1), "MOESERVE_LEAN_TINY=0 on Qwen3's");
     cuda_moe_w4_lean(1);
     set_precision(MATMUL_PRECISION_HIGH);
     for (int T = 1; T <= 4 && T * K <= E; T++) {
@@ -1598,12 +1608,26 @@ static void lean_rows4_cases(const model *m) {
                   "%s T=%d form %d: 4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY), the "
                   "same bits",
                   m->name, T, form);
-            printf("  4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY=1, form %d), T=%d\n",
+            /* medium precision on them, the lo parts zero: the 8-row tiles' bits after the
+             * prepare kernel */
+            set_precision(MATMUL_PRECISION_MEDIUM);
+            cuda_moe_lean_tiny(0);
+            gpu_moe(m, a, x, ids, T);
+            cuda_moe_lean_tiny(1);
+            cuda_moe_lean_tiny_medium(1);
+            gpu_moe(m, b, x, ids, T);
+            CHECK(memcmp(a, b, no * 4) == 0,
+                  "%s T=%d form %d: medium precision with no prepare kernel "
+                  "(MOESERVE_LEAN_TINY_MEDIUM), the 8-row tiles' bits",
+                  m->name, T, form);
+            printf("  4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY=1, _MEDIUM=1, form "
+                   "%d), T=%d\n",
                    form, T);
             run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
             if (T > 1) run_rows_n(m, T, T - 1);
             set_precision(MATMUL_PRECISION_HIGH);
             cuda_moe_lean_tiny(0);
+            cuda_moe_lean_tiny_medium(0);
         }
         free(x);
         free(a);
@@ -1611,6 +1635,7 @@ static void lean_rows4_cases(const model *m) {
         free(ids);
     }
     cuda_moe_lean_tiny(old_tiny);
+    cuda_moe_lean_tiny_medium(old_tiny_m);
     cuda_moe_lean_stack(old_stack);
     cuda_moe_lean_rows4(old4);
     cuda_moe_w4_lean_form(old_form);

@@ -238,7 +238,11 @@ __device__ __forceinline__ void lean_keep(uint32_t (&f)[4][4]) {
         asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3])::"memory");
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool TINY>
+// TINY: 0 after the prepare kernel; 1 no prepare kernel (each block groups topk_ids itself), high
+// precision; 2 the same in medium precision, x's and h's lo parts zero (GEMM 1 stores zeros for
+// x's and writes no h lo, GEMM 2 fills its lo rows with zeros), so that the stacked sums are the
+// hi products' alone, medium precision's, on the 4-row tiles' wgmma of n8
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, int TINY>
 __global__ void
 __launch_bounds__(lean_form<FORM>::threads,
                   lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8>::bound)
@@ -374,6 +378,7 @@ __launch_bounds__(lean_form<FORM>::threads,
                     const int u = lane / NT + (32 / NT) * j;
                     uint4 hi, lo;
                     split_bf16x8(xr[j][0], xr[j][1], &hi, &lo);
+                    if constexpr (TINY == 2) lo = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
                     for (int part = 0; part < 2; part++) {
                         const uint4 w = part ? lo : hi;
@@ -396,7 +401,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                 for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
                     const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
                                                : act + lean_act_off<NT>(u, n) + part * L::part;
-                    cp_async16(dst, p + (src ? part * a.act_lo : 0), src ? 16 : 0);
+                    cp_async16(dst, p + (src ? part * a.act_lo : 0),
+                               src && !(TINY == 2 && part) ? 16 : 0); // TINY 2: h's lo none
                 }
             }
             cp_async_commit();
@@ -649,7 +655,8 @@ __launch_bounds__(lean_form<FORM>::threads,
                         const float v = __fmul_rn(silu(gv), uv);
                         const bf16 hi = __float2bfloat16_rn(v);
                         *dst = hi;
-                        dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
+                        if constexpr (TINY != 2)
+                            dst[a.h_lo] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(hi)));
                     } else {
                         *dst = __float2bfloat16_rn(silu(gv) * uv);
                     }
@@ -799,14 +806,27 @@ extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the v
     g_lean_tiny = on < 0 ? -1 : on;
     return old;
 }
-bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F) {
+// MOESERVE_LEAN_TINY_MEDIUM (0 when unset; 1 on): in medium precision too, where
+// MOESERVE_LEAN_TINY takes the size in high, on the same stacked kernels with x's and h's lo
+// parts zero (moe_lean_kernel's TINY 2): the hi products' sums alone, medium precision's (the 8-row
+// tiles' after the prepare kernel, to the bit) on the wgmma of n8 that 8-row tiles take as well.
+// Not yet run on a GPU (docs/benchmarks.md, twenty-eighth session).
+static int g_lean_tiny_medium = -1;
+extern "C" int cuda_moe_lean_tiny_medium(int on) { // test hook: on (1), off (0), the variable (-1)
+    const int old = g_lean_tiny_medium;
+    g_lean_tiny_medium = on < 0 ? -1 : on;
+    return old;
+}
+bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F, bool split) {
     const int mode = cuda_env_count("MOESERVE_LEAN_TINY", 2, &g_lean_tiny);
+    if (!split && cuda_env_count("MOESERVE_LEAN_TINY_MEDIUM", 0, &g_lean_tiny_medium) != 1)
+        return false;
     return (mode == 1 || (mode == 2 && !lean_big(D, F))) &&
            moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;
 }
 
-extern "C" int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F) { // test hook
-    return moe_lean_w4_tiny(n_pairs, E, D, F);
+extern "C" int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split) {
+    return moe_lean_w4_tiny(n_pairs, E, D, F, split != 0); // test hook
 }
 
 // Test hook: the rows moe_lean_w4_rows gives (0: not on the lean kernels)
@@ -845,7 +865,7 @@ extern "C" int cuda_moe_lean_narrow(int on) { // test hook: on (1), off (0), the
     return old;
 }
 
-template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, bool TINY>
+template <bool GATE_UP, bool SPLIT, int NT, int FORM, bool W8, bool STACK, int TINY>
 static void lean_launch(const CUtensorMap &tq, const CUtensorMap &tsf, lean_args a, int max_tiles) {
     typedef lean_stage<NT, SPLIT, lean_form<FORM>::vw, lean_form<FORM>::dense, W8> L;
     auto kernel = moe_lean_kernel<GATE_UP, SPLIT, NT, FORM, W8, STACK, TINY>;
@@ -909,7 +929,7 @@ extern "C" int cuda_moe_lean_stack(int on) { // test hook: 0, 1, 2 as the variab
 // the switch for NVFP4 (w8 0) or FP8 (1); form 0 and FP8's 32-row tiles never stack
 extern "C" int cuda_moe_lean_stacked(int w8) { return lean_stack_on(w8); }
 
-template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK, bool TINY = false>
+template <bool SPLIT, int NT, int FORM, bool W8, int FORM2, bool STACK, int TINY = 0>
 static void lean_both(lean_args a, int max_tiles, const uint8_t *gate_up_q,
                       const uint8_t *gate_up_sf, const uint8_t *down_q, const uint8_t *down_sf,
                       int E, int D, int F) {
@@ -952,7 +972,7 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
     a.tiles = tiles;
     a.n_tiles = n_tiles;
     a.h = h;
-    a.h_lo = split ? n_pairs * F : 0;
+    a.h_lo = split || topk_ids ? n_pairs * F : 0;
     a.out = out;
     a.ws2 = s2;
     a.topk = K;
@@ -966,9 +986,13 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
             [[maybe_unused]] constexpr bool STACKS = FORM != 0 && !(W8 && NT == 32);
             auto run = [&](auto fm2) {
                 constexpr int FORM2 = decltype(fm2)::value;
-                if constexpr (NT == 4) { // stacked high precision alone (moe_lean_w4_rows)
-                    if (topk_ids)
-                        lean_both<true, NT, FORM, W8, FORM2, true, true>(
+                if constexpr (NT == 4) { // stacked high precision alone (moe_lean_w4_rows), and
+                    // with topk_ids (TINY) medium precision as its hi products
+                    if (topk_ids && split)
+                        lean_both<true, NT, FORM, W8, FORM2, true, 1>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                    else if (topk_ids)
+                        lean_both<true, NT, FORM, W8, FORM2, true, 2>(
                             a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
                     else
                         lean_both<true, NT, FORM, W8, FORM2, true>(
@@ -1040,11 +1064,11 @@ void moe_lean_w4_experts_tiny(float *out, const float *x, const int32_t *topk_id
                               const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
                               const uint8_t *gate_up_sf, const uint8_t *down_q,
                               const uint8_t *down_sf, const float *s2, int E, int D, int F,
-                              bf16 *h) {
+                              bool split, bf16 *h) {
     const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
     const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 3) / 4);
     lean_experts<false>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
-                        gate_up_sf, down_q, down_sf, s2, E, D, F, n_pairs, 4, true, h, x, topk_ids,
+                        gate_up_sf, down_q, down_sf, s2, E, D, F, n_pairs, 4, split, h, x, topk_ids,
                         n_rows);
 }
 

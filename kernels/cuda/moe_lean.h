@@ -37,19 +37,21 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
 // Whether the tiny path's n_pairs pairs (moe.cu's T K up to 16) take moe_lean_w4_experts_tiny
-// (MOESERVE_LEAN_TINY: on small experts when unset, and where the 4-row tiles would take them
-// were they not tiny; stacked high precision alone).
-bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F);
+// (MOESERVE_LEAN_TINY: on small experts when unset, and where the 4-row tiles would take them in
+// high precision were they not tiny; split: high precision, else medium, which
+// MOESERVE_LEAN_TINY_MEDIUM=1 asks for).
+bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F, bool split);
 
 // Both GEMMs at those sizes with no prepare kernel: each block groups topk_ids [T, K] (n_rows:
 // NULL, or the device count of tokens to take) itself, GEMM 1 reads x [T, D] in fp32 and
 // converts it as the prepare kernel does, h [2, T K, F] holds the hidden rows by pair id (the lo
-// parts T K F elements on). The same sums as moe_lean_w4_experts on 4-row tiles.
+// parts T K F elements on). The same sums as moe_lean_w4_experts on 4-row tiles (split: in high
+// precision), or in medium precision (the lo parts zero) on 8-row tiles.
 void moe_lean_w4_experts_tiny(float *out, const float *x, const int32_t *topk_ids,
                               const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
                               const uint8_t *gate_up_sf, const uint8_t *down_q,
                               const uint8_t *down_sf, const float *s2, int E, int D, int F,
-                              __nv_bfloat16 *h);
+                              bool split, __nv_bfloat16 *h);
 
 // The same for FP8 experts (E4M3 codes in fp8_pack_kernel's layout, fp32 scales a 128 x 128
 // block as [E, Kd / 128, rows]), by MOESERVE_FP8_LEAN (the same values, 2 when unset: up to 8
