@@ -1570,7 +1570,7 @@ static void lean_rows4_cases(const model *m) {
           "no prepare kernel at 16 pairs, Qwen3's");
     CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 1), "no prepare kernel at 8 pairs, Qwen3's");
     CHECK(!cuda_moe_w4_lean_tiny_on(16, 256, 7168, 2048, 1), "the prepare kernel, DeepSeek-V3's");
-    CHECK(!cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 0), "medium precision: the tiny path");
+    CHECK(!cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 0), "..._MEDIUM=0: the tiny path");
     cuda_moe_lean_tiny_medium(1);
     CHECK(cuda_moe_w4_lean_tiny_on(8, 128, 2048, 768, 0), "MOESERVE_LEAN_TINY_MEDIUM=1, Qwen3's");
     CHECK(!cuda_moe_w4_lean_tiny_on(8, 256, 7168, 2048, 0), "..._MEDIUM=1, DeepSeek-V3's not");

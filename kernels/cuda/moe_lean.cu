@@ -806,11 +806,14 @@ extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the v
     g_lean_tiny = on < 0 ? -1 : on;
     return old;
 }
-// MOESERVE_LEAN_TINY_MEDIUM (0 when unset; 1 on): in medium precision too, where
+// MOESERVE_LEAN_TINY_MEDIUM (1 when unset; 0 off): in medium precision too, where
 // MOESERVE_LEAN_TINY takes the size in high, on the same stacked kernels with x's and h's lo
-// parts zero (moe_lean_kernel's TINY 2): the hi products' sums alone, medium precision's (the 8-row
-// tiles' after the prepare kernel, to the bit) on the wgmma of n8 that 8-row tiles take as well.
-// Not yet run on a GPU (docs/benchmarks.md, twenty-eighth session).
+// parts zero (moe_lean_kernel's TINY 2): the hi products' sums alone, medium precision's (the
+// 8-row tiles' after the prepare kernel, to the bit) on the wgmma of n8 that 8-row tiles take as
+// well. On an H100 (docs/benchmarks.md, "One H100 (2026-12-07, twenty-eighth session)"),
+// Qwen3-30B-A3B's experts in a chain in medium at T = 1: 17.4 -> 14.9 us, at T = 2: 24.4 -> 21.7
+// us (the tiny path's kernels before); its decode steps in medium at batch 1: 3.004 -> 2.982 ms,
+// at batch 2: 3.583 -> 3.456 ms (means of two).
 static int g_lean_tiny_medium = -1;
 extern "C" int cuda_moe_lean_tiny_medium(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_lean_tiny_medium;
@@ -819,7 +822,7 @@ extern "C" int cuda_moe_lean_tiny_medium(int on) { // test hook: on (1), off (0)
 }
 bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F, bool split) {
     const int mode = cuda_env_count("MOESERVE_LEAN_TINY", 2, &g_lean_tiny);
-    if (!split && cuda_env_count("MOESERVE_LEAN_TINY_MEDIUM", 0, &g_lean_tiny_medium) != 1)
+    if (!split && cuda_env_count("MOESERVE_LEAN_TINY_MEDIUM", 1, &g_lean_tiny_medium) != 1)
         return false;
     return (mode == 1 || (mode == 2 && !lean_big(D, F))) &&
            moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;

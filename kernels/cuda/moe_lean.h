@@ -38,8 +38,8 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
 
 // Whether the tiny path's n_pairs pairs (moe.cu's T K up to 16) take moe_lean_w4_experts_tiny
 // (MOESERVE_LEAN_TINY: on small experts when unset, and where the 4-row tiles would take them in
-// high precision were they not tiny; split: high precision, else medium, which
-// MOESERVE_LEAN_TINY_MEDIUM=1 asks for).
+// high precision were they not tiny; split: high precision, else medium, unless
+// MOESERVE_LEAN_TINY_MEDIUM=0).
 bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F, bool split);
 
 // Both GEMMs at those sizes with no prepare kernel: each block groups topk_ids [T, K] (n_rows:
