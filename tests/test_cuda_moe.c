@@ -1788,12 +1788,76 @@ static int model_fp8(model *m, const char *name, int E, int D, int F, int K) {
 
 /* the same file: the FP8 experts' lean kernels (MOESERVE_FP8_LEAN; 2 when unset) */
 int cuda_moe_w8_lean(int on);
+/* their tiny sizes with no prepare kernel (MOESERVE_FP8_LEAN_TINY: 0, 1, 2 as the variable, -1 it;
+ * returns the setting before), and whether n_pairs pairs take them (split: in high precision) */
+int cuda_moe_fp8_lean_tiny(int on);
+int cuda_moe_w8_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split);
+
+/* FP8's tiny sizes on the 8-row tiles with no prepare kernel (MOESERVE_FP8_LEAN_TINY): the rule,
+ * then at T K = 2 to 16 (up to 2 pairs an expert, and every pair on one expert: two tiles of it)
+ * in both precisions the same bits as the 8-row tiles after the prepare kernel, against the CPU
+ * with a quarter of the slots skipped, and moe_experts_n with a device count of rows. */
+static void lean_tiny8_cases(const model *m) {
+    const int K = m->K, D = m->D;
+    const int old_lean = cuda_moe_w8_lean(1), old_form = cuda_moe_w4_lean_form(-1);
+    const int old_stack = cuda_moe_lean_stack(1), old_tiny = cuda_moe_fp8_lean_tiny(2);
+    CHECK(cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 1), "FP8 no prepare kernel, Qwen3's, high");
+    CHECK(cuda_moe_w8_lean_tiny_on(8, 128, 2048, 768, 0), "FP8 no prepare kernel, Qwen3's, medium");
+    CHECK(!cuda_moe_w8_lean_tiny_on(16, 256, 7168, 2048, 1), "FP8: the prepare kernel, DeepSeek's");
+    cuda_moe_lean_stack(2);
+    CHECK(!cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 1), "FP8 stacked: the prepare kernel");
+    CHECK(cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 0), "FP8 stacked: medium unaffected");
+    cuda_moe_lean_stack(1);
+    cuda_moe_w4_lean_form(2);
+    CHECK(!cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 1), "FP8 in form 2: the prepare kernel");
+    cuda_moe_w4_lean_form(-1);
+    cuda_moe_fp8_lean_tiny(1);
+    CHECK(cuda_moe_w8_lean_tiny_on(16, 256, 7168, 2048, 1), "MOESERVE_FP8_LEAN_TINY=1, DeepSeek's");
+    cuda_moe_fp8_lean_tiny(0);
+    CHECK(!cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 1), "MOESERVE_FP8_LEAN_TINY=0");
+    for (int T = 1; T * K <= 16; T++) {
+        const size_t no = (size_t)T * K * D;
+        float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
+              *b = xmalloc(no * 4);
+        int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+        for (size_t i = 0; i < (size_t)T * D; i++)
+            x[i] = rng_uniform();
+        for (int route = 0; route < 2; route++) {
+            make_routing(ids, T, K, m->E, route ? ROUTE_ONE : ROUTE_RANDOM, 0.0);
+            for (int pi = 0; pi < N_PRECISIONS; pi++) {
+                set_precision((matmul_precision)pi);
+                cuda_moe_fp8_lean_tiny(0);
+                gpu_moe(m, a, x, ids, T);
+                cuda_moe_fp8_lean_tiny(1);
+                gpu_moe(m, b, x, ids, T);
+                CHECK(memcmp(a, b, no * 4) == 0,
+                      "%s %s T=%d%s: 8-row tiles with no prepare kernel (MOESERVE_FP8_LEAN_TINY), "
+                      "the same bits",
+                      m->name, precision_name[pi], T, route ? " (one expert)" : "");
+            }
+        }
+        printf("  8-row tiles with no prepare kernel (MOESERVE_FP8_LEAN_TINY=1), T=%d\n", T);
+        run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
+        if (T > 1) run_rows_n(m, T, T - 1);
+        set_precision(MATMUL_PRECISION_HIGH);
+        cuda_moe_fp8_lean_tiny(0);
+        free(x);
+        free(a);
+        free(b);
+        free(ids);
+    }
+    cuda_moe_fp8_lean_tiny(old_tiny);
+    cuda_moe_lean_stack(old_stack);
+    cuda_moe_w4_lean_form(old_form);
+    cuda_moe_w8_lean(old_lean);
+}
 
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
  * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), 24-row tiles in 5 and 6, on D 512
  * F 256 and on F 384 (a multiple of 128, not of 256); high precision's products in one chain
- * (the default: bit for bit), then stacked in forms 1, 2, 5 and 6 (within the tolerance). */
+ * (the default: bit for bit), then stacked in forms 1, 2, 5 and 6 (within the tolerance); the
+ * tiny sizes with no prepare kernel (lean_tiny8_cases). */
 static void test_fp8_lean(void) {
     static const struct {
         const char *name;
@@ -1804,6 +1868,7 @@ static void test_fp8_lean(void) {
         model m;
         if (model_fp8(&m, shapes[si].name, 8, shapes[si].D, shapes[si].F, 2) == 0) {
             lean_all_cases(&m, cuda_moe_w8_lean, "MOESERVE_FP8_LEAN", forms, 5);
+            lean_tiny8_cases(&m);
             /* high precision's products stacked (MOESERVE_LEAN_STACK=2; not the default) */
             static const int stacked[] = {1, 2, 5, 6}, stacked24[] = {5, 6};
             const int old_stack = cuda_moe_lean_stack(2);

@@ -2409,16 +2409,23 @@ static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, co
                             F, n_pairs, rows, split, h);
 }
 
-// The tiny path's sizes of NVFP4 experts on the lean kernels with no prepare kernel
-// (moe_lean_w4_tiny; split: high precision); h in the workspace, [2, T K, F] by pair id.
+// The tiny path's sizes of NVFP4 or FP8 experts on the lean kernels with no prepare kernel
+// (moe_lean_w4_tiny, moe_lean_w8_tiny; split: high precision); h in the workspace, [2, T K, F] by
+// pair id.
+template <int WF>
 static void moe_run_lean_tiny(float *out, const float *x, const int32_t *topk_ids,
                               const moe_experts *w, int T, int K, int D, int F,
                               const int32_t *n_rows, bool split) {
     const size_t n_pairs = (size_t)T * K;
     bf16 *h = (bf16 *)moe_workspace(align256(2 * n_pairs * F * 2));
-    moe_lean_w4_experts_tiny(out, x, topk_ids, n_rows, T, K, (const uint8_t *)w->gate_up,
-                             (const uint8_t *)w->gate_up_sf, (const uint8_t *)w->down_all,
-                             (const uint8_t *)w->down_sf, w->s2, w->E, D, F, split, h);
+    if constexpr (WF == WF_FP8)
+        moe_lean_w8_experts_tiny(out, x, topk_ids, n_rows, T, K, (const uint8_t *)w->gate_up,
+                                 (const float *)w->gate_up_sf, (const uint8_t *)w->down_all,
+                                 (const float *)w->down_sf, w->E, D, F, split, h);
+    else
+        moe_lean_w4_experts_tiny(out, x, topk_ids, n_rows, T, K, (const uint8_t *)w->gate_up,
+                                 (const uint8_t *)w->gate_up_sf, (const uint8_t *)w->down_all,
+                                 (const uint8_t *)w->down_sf, w->s2, w->E, D, F, split, h);
 }
 
 // Whether high precision's FP8 and NVFP4 experts sum the hi and lo products in one chain
@@ -2441,12 +2448,12 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if constexpr (WF != WF_BF16) { // decode sizes on the lean kernels where they are switched on
         const bool tiny = (int64_t)T * K <= MOE_TINY_PAIRS;
-        if constexpr (WF == WF_NVFP4)
-            if (tiny && (medium || q_one_chain()) && !ops_cuda_deterministic() &&
-                moe_lean_w4_tiny((int64_t)T * K, w->E, D, F, !medium)) {
-                moe_run_lean_tiny(out, x, topk_ids, w, T, K, D, F, n_rows, !medium);
-                return;
-            }
+        if (tiny && (medium || q_one_chain()) && !ops_cuda_deterministic() &&
+            (WF == WF_FP8 ? moe_lean_w8_tiny((int64_t)T * K, w->E, D, F, !medium)
+                          : moe_lean_w4_tiny((int64_t)T * K, w->E, D, F, !medium))) {
+            moe_run_lean_tiny<WF>(out, x, topk_ids, w, T, K, D, F, n_rows, !medium);
+            return;
+        }
         const int rows = ops_cuda_deterministic() ? 0
                          : WF == WF_FP8
                              ? moe_lean_w8_rows((int64_t)T * K, w->E, D, F, tiny, !medium)

@@ -257,7 +257,8 @@ __launch_bounds__(lean_form<FORM>::threads,
     // columns (lean_act_off_stacked), in two sums added at the end
     static_assert(!STACK || SPLIT, "stacked: high precision");
     static_assert(NT != 4 || (STACK && !W8), "4-row tiles: NVFP4 stacked alone");
-    static_assert(!TINY || NT == 4, "TINY: 4-row tiles alone");
+    static_assert(!TINY || NT == 4 || (W8 && NT == 8 && TINY == 1 && !STACK),
+                  "TINY: NVFP4's 4-row tiles, FP8's 8-row tiles in one chain");
     extern __shared__ __align__(1024) unsigned char lean_smem[];
     __shared__ __align__(8) uint64_t bars[2 * S];
     const uint32_t raw0 = (uint32_t)__cvta_generic_to_shared(lean_smem);
@@ -376,14 +377,18 @@ __launch_bounds__(lean_form<FORM>::threads,
 #pragma unroll
                 for (int j = 0; j < XCH; j++) {
                     const int u = lane / NT + (32 / NT) * j;
-                    uint4 hi, lo;
-                    split_bf16x8(xr[j][0], xr[j][1], &hi, &lo);
+                    uint4 hi, lo{};
+                    if constexpr (SPLIT)
+                        split_bf16x8(xr[j][0], xr[j][1], &hi, &lo);
+                    else
+                        hi = pack_bf16x8(xr[j][0], xr[j][1]);
                     if constexpr (TINY == 2) lo = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                    for (int part = 0; part < 2; part++) {
+                    for (int part = 0; part < (SPLIT ? 2 : 1); part++) {
                         const uint4 w = part ? lo : hi;
-                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                                         act + lean_act_off_stacked<NT>(u, n, part)),
+                        const uint32_t dst = STACK ? act + lean_act_off_stacked<NT>(u, n, part)
+                                                   : act + lean_act_off<NT>(u, n) + part * L::part;
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
                                      "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
                                      : "memory");
                     }
@@ -848,6 +853,31 @@ int moe_lean_w8_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split
                           LEAN_BK / 2, max_per);
 }
 
+// MOESERVE_FP8_LEAN_TINY (0 when unset; 2 on small experts; 1 on every size): FP8's experts at
+// the tiny path's sizes (moe.cu's T K up to 16) on the lean kernels' 8-row tiles with no prepare
+// kernel, as MOESERVE_LEAN_TINY runs NVFP4's on 4-row tiles (TINY: each block groups topk_ids
+// itself, GEMM 1 converts its rows of x, h rows by pair id): in both precisions, high in one
+// chain (not with MOESERVE_LEAN_STACK=2), wherever the 8-row tiles in form 1 would take the size
+// were it not tiny; the same sums as they after the prepare kernel. Not yet run on a GPU
+// (docs/benchmarks.md, twenty-eighth session).
+static int g_fp8_tiny = -1;
+extern "C" int cuda_moe_fp8_lean_tiny(int on) { // test hook: 0, 1, 2 as the variable, or it (-1)
+    const int old = g_fp8_tiny;
+    g_fp8_tiny = on < 0 ? -1 : on;
+    return old;
+}
+bool moe_lean_w8_tiny(int64_t n_pairs, int E, int D, int F, bool split) {
+    const int mode = cuda_env_count("MOESERVE_FP8_LEAN_TINY", 0, &g_fp8_tiny);
+    const bool big = lean_big(D, F);
+    if (!(mode == 1 || (mode == 2 && !big)) || (split && lean_stack_on(true))) return false;
+    const int form = lean_form_now(8, true, big, split); // forms 3 and 4 run as 1
+    return (form == 1 || form == 3 || form == 4) &&
+           moe_lean_w8_rows(n_pairs, E, D, F, false, split) == 8;
+}
+extern "C" int cuda_moe_w8_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split) {
+    return moe_lean_w8_tiny(n_pairs, E, D, F, split != 0); // test hook
+}
+
 // Test hook (tests/test_cuda_moe): the kernels' form from now on (0 to 6, 7 by the tile's rows),
 // or back to MOESERVE_NVFP4_LEAN_FORM (-1); returns the setting before.
 extern "C" int cuda_moe_w4_lean_form(int form) {
@@ -1000,15 +1030,27 @@ static void lean_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                     else
                         lean_both<true, NT, FORM, W8, FORM2, true>(
                             a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
-                } else if (!split)
-                    lean_both<false, NT, FORM, W8, FORM2, false>(
-                        a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
-                else if (STACKS && lean_stack_on(W8))
-                    lean_both<true, NT, FORM, W8, FORM2, STACKS>(
-                        a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
-                else
-                    lean_both<true, NT, FORM, W8, FORM2, false>(a, max_tiles, gate_up_q, gate_up_sf,
-                                                                down_q, down_sf, E, D, F);
+                } else {
+                    if constexpr (W8 && NT == 8 && FORM == 1) // FP8's TINY: 8 rows, one chain
+                        if (topk_ids) {
+                            if (split)
+                                lean_both<true, NT, FORM, W8, FORM2, false, 1>(
+                                    a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                            else
+                                lean_both<false, NT, FORM, W8, FORM2, false, 1>(
+                                    a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                            return;
+                        }
+                    if (!split)
+                        lean_both<false, NT, FORM, W8, FORM2, false>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                    else if (STACKS && lean_stack_on(W8))
+                        lean_both<true, NT, FORM, W8, FORM2, STACKS>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                    else
+                        lean_both<true, NT, FORM, W8, FORM2, false>(
+                            a, max_tiles, gate_up_q, gate_up_sf, down_q, down_sf, E, D, F);
+                }
             };
             if constexpr (FORM == 6) {
                 const int f2 = cuda_env_count("MOESERVE_LEAN_FORM2", 0, &g_lean_form2);
@@ -1073,6 +1115,17 @@ void moe_lean_w4_experts_tiny(float *out, const float *x, const int32_t *topk_id
     lean_experts<false>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
                         gate_up_sf, down_q, down_sf, s2, E, D, F, n_pairs, 4, split, h, x, topk_ids,
                         n_rows);
+}
+
+void moe_lean_w8_experts_tiny(float *out, const float *x, const int32_t *topk_ids,
+                              const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
+                              const float *gate_up_s, const uint8_t *down_q, const float *down_s,
+                              int E, int D, int F, bool split, bf16 *h) {
+    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
+    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 7) / 8);
+    lean_experts<true>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
+                       (const uint8_t *)gate_up_s, down_q, (const uint8_t *)down_s, nullptr, E, D,
+                       F, n_pairs, 8, split, h, x, topk_ids, n_rows);
 }
 
 void moe_lean_w8_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_t *pairs,

@@ -67,4 +67,16 @@ void moe_lean_w8_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          const float *down_s, int E, int D, int F, int64_t n_pairs, int rows,
                          bool split, __nv_bfloat16 *h);
 
+// Whether FP8's tiny sizes take moe_lean_w8_experts_tiny (MOESERVE_FP8_LEAN_TINY, off when
+// unset; where the 8-row tiles in form 1 would take them were they not tiny; split: high
+// precision, in one chain).
+bool moe_lean_w8_tiny(int64_t n_pairs, int E, int D, int F, bool split);
+
+// Both GEMMs of FP8 experts at those sizes with no prepare kernel, as moe_lean_w4_experts_tiny:
+// the same sums as moe_lean_w8_experts on 8-row tiles.
+void moe_lean_w8_experts_tiny(float *out, const float *x, const int32_t *topk_ids,
+                              const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
+                              const float *gate_up_s, const uint8_t *down_q, const float *down_s,
+                              int E, int D, int F, bool split, __nv_bfloat16 *h);
+
 #endif
