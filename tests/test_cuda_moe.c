@@ -1651,9 +1651,12 @@ static void lean_rows4_cases(const model *m) {
  * stacked (the default: other sums than the tiles', so the token alone within the tolerance of its
  * rows instead; at one pair an expert or fewer in 4-row tiles, lean_rows4_cases), then in one
  * chain in forms 1 to 6 (bit for bit). */
+static void lean_tiny32_cases(const model *m, bool w8);
 static void test_nvfp4_lean(void) {
     static const int forms[] = {0, 1, 2, 3, 4, 5, 6};
     model m;
+    if (model_nvfp4(&m, "nvfp4-tiny32", 32, 256, 256, 4) == 0) lean_tiny32_cases(&m, false);
+    model_free(&m);
     if (model_nvfp4(&m, "nvfp4-lean", 8, 512, 256, 2) == 0) {
         lean_all_cases(&m, cuda_moe_w4_lean, "MOESERVE_NVFP4_LEAN", forms, 7);
         lean_rows4_cases(&m);
@@ -1852,6 +1855,55 @@ static void lean_tiny8_cases(const model *m) {
     cuda_moe_w8_lean(old_lean);
 }
 
+/* the same file: the most pairs the kernels with no prepare kernel take (MOESERVE_LEAN_TINY_PAIRS,
+ * 16 when unset), or the variable (-1); returns the setting before */
+int cuda_moe_lean_tiny_pairs(int n);
+
+/* The kernels with no prepare kernel past the tiny path's 16 pairs (MOESERVE_LEAN_TINY_PAIRS=32),
+ * on m's experts (E 32, K 4: 20 to 32 pairs at one an expert or fewer; NVFP4's 4-row tiles, FP8's
+ * 8-row tiles with MOESERVE_FP8_LEAN_TINY=1): in both precisions the same bits as the tiles after
+ * the prepare kernel that take those sizes with the switch at 16, against the CPU with a quarter of
+ * the slots skipped, and moe_experts_n with a device count of rows. */
+static void lean_tiny32_cases(const model *m, bool w8) {
+    const int K = m->K, D = m->D;
+    const int old_pairs = cuda_moe_lean_tiny_pairs(16), old_tiny8 = cuda_moe_fp8_lean_tiny(1);
+    const int old_tiny = cuda_moe_lean_tiny(1), old_tiny_m = cuda_moe_lean_tiny_medium(1);
+    for (int T = 5; T <= 8 && T * K <= 32; T++) {
+        const size_t no = (size_t)T * K * D;
+        float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
+              *b = xmalloc(no * 4);
+        int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+        for (size_t i = 0; i < (size_t)T * D; i++)
+            x[i] = rng_uniform();
+        make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
+        for (int pi = 0; pi < N_PRECISIONS; pi++) {
+            set_precision((matmul_precision)pi);
+            cuda_moe_lean_tiny_pairs(16);
+            gpu_moe(m, a, x, ids, T);
+            cuda_moe_lean_tiny_pairs(32);
+            gpu_moe(m, b, x, ids, T);
+            CHECK(memcmp(a, b, no * 4) == 0,
+                  "%s %s T=%d (%d pairs): no prepare kernel (MOESERVE_LEAN_TINY_PAIRS=32), the "
+                  "tiles' bits",
+                  m->name, precision_name[pi], T, T * K);
+        }
+        printf("  %s: no prepare kernel at %d pairs (MOESERVE_LEAN_TINY_PAIRS=32)\n",
+               w8 ? "FP8" : "NVFP4", T * K);
+        run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
+        run_rows_n(m, T, T - 1);
+        set_precision(MATMUL_PRECISION_HIGH);
+        cuda_moe_lean_tiny_pairs(16);
+        free(x);
+        free(a);
+        free(b);
+        free(ids);
+    }
+    cuda_moe_lean_tiny_medium(old_tiny_m);
+    cuda_moe_lean_tiny(old_tiny);
+    cuda_moe_fp8_lean_tiny(old_tiny8);
+    cuda_moe_lean_tiny_pairs(old_pairs);
+}
+
 /* The FP8 experts' lean kernels (moe_lean.cu: a stage a block of 128 k, its sums folded into the
  * totals times the rows' scales as the tiles fold them), switched on, as test_nvfp4_lean checks
  * NVFP4's: in forms 0 to 2, 5 and 6 (3 and 4 run as 1 on FP8), 24-row tiles in 5 and 6, on D 512
@@ -1879,6 +1931,9 @@ static void test_fp8_lean(void) {
         }
         model_free(&m);
     }
+    model m;
+    if (model_fp8(&m, "fp8-tiny32", 32, 256, 256, 4) == 0) lean_tiny32_cases(&m, true);
+    model_free(&m);
 }
 
 /* FP8 experts against the fp32 GEMMs on their dequantized weights, batch invariance included

@@ -2448,7 +2448,8 @@ static void moe_experts_path(float *out, const float *x, const int32_t *topk_ids
     const bool medium = ops_cuda_matmul_precision() == MATMUL_PRECISION_MEDIUM;
     if constexpr (WF != WF_BF16) { // decode sizes on the lean kernels where they are switched on
         const bool tiny = (int64_t)T * K <= MOE_TINY_PAIRS;
-        if (tiny && (medium || q_one_chain()) && !ops_cuda_deterministic() &&
+        if ((int64_t)T * K <= moe_lean_tiny_pairs() && (medium || q_one_chain()) &&
+            !ops_cuda_deterministic() &&
             (WF == WF_FP8 ? moe_lean_w8_tiny((int64_t)T * K, w->E, D, F, !medium)
                           : moe_lean_w4_tiny((int64_t)T * K, w->E, D, F, !medium))) {
             moe_run_lean_tiny<WF>(out, x, topk_ids, w, T, K, D, F, n_rows, !medium);

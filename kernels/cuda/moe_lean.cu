@@ -811,6 +811,21 @@ extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the v
     g_lean_tiny = on < 0 ? -1 : on;
     return old;
 }
+// MOESERVE_LEAN_TINY_PAIRS (16 when unset, moe.cu's tiny path's sizes; at most 32, the pairs
+// tiny_group takes, one a lane): the most pairs a call takes the kernels with no prepare kernel
+// (MOESERVE_LEAN_TINY, _MEDIUM, MOESERVE_FP8_LEAN_TINY) at; from 17 on the same bits as the 4- or
+// 8-row tiles after the prepare kernel that run those sizes otherwise. Past 16 not yet run on a
+// GPU (docs/benchmarks.md, twenty-eighth session).
+static int g_lean_tiny_pairs = -1;
+extern "C" int cuda_moe_lean_tiny_pairs(int n) { // test hook: n pairs, or the variable (-1)
+    const int old = g_lean_tiny_pairs;
+    g_lean_tiny_pairs = n < 0 ? -1 : n;
+    return old;
+}
+int moe_lean_tiny_pairs() {
+    return std::min(LEAN_TINY_MAX_PAIRS,
+                    cuda_env_count("MOESERVE_LEAN_TINY_PAIRS", 16, &g_lean_tiny_pairs));
+}
 // MOESERVE_LEAN_TINY_MEDIUM (1 when unset; 0 off): in medium precision too, where
 // MOESERVE_LEAN_TINY takes the size in high, on the same stacked kernels with x's and h's lo
 // parts zero (moe_lean_kernel's TINY 2): the hi products' sums alone, medium precision's (the

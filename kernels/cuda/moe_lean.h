@@ -36,6 +36,12 @@ void moe_lean_w4_experts(float *out, const __nv_bfloat16 *xb, int64_t xb_lo, con
                          const uint8_t *down_sf, const float *s2, int E, int D, int F,
                          int64_t n_pairs, int rows, bool split, __nv_bfloat16 *h);
 
+// The most pairs a call takes the kernels with no prepare kernel at (MOESERVE_LEAN_TINY_PAIRS:
+// 16 when unset, moe.cu's tiny path's sizes; at most LEAN_TINY_MAX_PAIRS, what their grouping
+// takes: one pair a lane of a warp).
+#define LEAN_TINY_MAX_PAIRS 32
+int moe_lean_tiny_pairs(void);
+
 // Whether the tiny path's n_pairs pairs (moe.cu's T K up to 16) take moe_lean_w4_experts_tiny
 // (MOESERVE_LEAN_TINY: on small experts when unset, and where the 4-row tiles would take them in
 // high precision were they not tiny; split: high precision, else medium, unless
