@@ -1537,12 +1537,33 @@ int cuda_moe_lean_tiny_medium(int on);
  * precision, else in medium) */
 int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split);
 
+/* m's experts on x and ids (T tokens) in both precisions with set(off), then set(on): the same
+ * bits (what: the switch, for the message) */
+static void same_bits_switched(const model *m, const float *x, const int32_t *ids, int T,
+                               int (*set)(int), int off, int on, const char *what) {
+    const size_t no = (size_t)T * m->K * m->D;
+    float *a = xmalloc(no * 4), *b = xmalloc(no * 4);
+    for (int pi = 0; pi < N_PRECISIONS; pi++) {
+        set_precision((matmul_precision)pi);
+        set(off);
+        gpu_moe(m, a, x, ids, T);
+        set(on);
+        gpu_moe(m, b, x, ids, T);
+        CHECK(memcmp(a, b, no * 4) == 0, "%s %s T=%d: %s, the same bits", m->name,
+              precision_name[pi], T, what);
+    }
+    set_precision(MATMUL_PRECISION_HIGH);
+    free(a);
+    free(b);
+}
+
 /* NVFP4's 4-row tiles: taken where the rule says (stacked high precision, at most one pair an
  * expert on average), against the CPU, and the same bits as 8-row tiles in forms 3 and 4 (their
  * hi and lo rows in one n8 instead of n16: each column's sums the same), at T = 1 to 4 of m (whose
  * E holds them). MOESERVE_LEAN_TINY there (each block grouping topk_ids itself, x converted in
- * GEMM 1): the same bits as the 4-row tiles after the prepare kernel, against the CPU with skipped
- * slots, and moe_experts_n with a device count of rows. */
+ * GEMM 1): the same bits as the 4-row tiles after the prepare kernel, in medium precision
+ * (MOESERVE_LEAN_TINY_MEDIUM, the lo parts zero) as the 8-row tiles', against the CPU with skipped
+ * slots, and moe_experts_n with a device count of rows; and the rules of both switches. */
 static void lean_rows4_cases(const model *m) {
     const int E = m->E, D = m->D, F = m->F, K = m->K;
     const int old_lean = cuda_moe_w4_lean(1), old_form = cuda_moe_w4_lean_form(-1);
@@ -1602,24 +1623,13 @@ static void lean_rows4_cases(const model *m) {
             CHECK(memcmp(a, b, no * 4) == 0, "%s T=%d form %d: 4-row tiles the 8-row tiles' bits",
                   m->name, T, form);
             cuda_moe_lean_rows4(1);
-            cuda_moe_lean_tiny(1);
-            gpu_moe(m, b, x, ids, T);
-            CHECK(memcmp(a, b, no * 4) == 0,
-                  "%s T=%d form %d: 4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY), the "
-                  "same bits",
-                  m->name, T, form);
-            /* medium precision on them, the lo parts zero: the 8-row tiles' bits after the
-             * prepare kernel */
-            set_precision(MATMUL_PRECISION_MEDIUM);
-            cuda_moe_lean_tiny(0);
-            gpu_moe(m, a, x, ids, T);
-            cuda_moe_lean_tiny(1);
+            /* with no prepare kernel: high precision the 4-row tiles' bits, medium (the lo parts
+             * zero) the 8-row tiles' */
             cuda_moe_lean_tiny_medium(1);
-            gpu_moe(m, b, x, ids, T);
-            CHECK(memcmp(a, b, no * 4) == 0,
-                  "%s T=%d form %d: medium precision with no prepare kernel "
-                  "(MOESERVE_LEAN_TINY_MEDIUM), the 8-row tiles' bits",
-                  m->name, T, form);
+            same_bits_switched(m, x, ids, T, cuda_moe_lean_tiny, 0, 1,
+                               form == 3 ? "no prepare kernel (MOESERVE_LEAN_TINY), form 3"
+                                         : "no prepare kernel (MOESERVE_LEAN_TINY), form 4");
+            cuda_moe_lean_tiny(1);
             printf("  4-row tiles with no prepare kernel (MOESERVE_LEAN_TINY=1, _MEDIUM=1, form "
                    "%d), T=%d\n",
                    form, T);
@@ -1819,25 +1829,15 @@ static void lean_tiny8_cases(const model *m) {
     cuda_moe_fp8_lean_tiny(0);
     CHECK(!cuda_moe_w8_lean_tiny_on(16, 128, 2048, 768, 1), "MOESERVE_FP8_LEAN_TINY=0");
     for (int T = 1; T * K <= 16; T++) {
-        const size_t no = (size_t)T * K * D;
-        float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
-              *b = xmalloc(no * 4);
+        float *x = xmalloc((size_t)T * D * sizeof(float));
         int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
         for (size_t i = 0; i < (size_t)T * D; i++)
             x[i] = rng_uniform();
         for (int route = 0; route < 2; route++) {
             make_routing(ids, T, K, m->E, route ? ROUTE_ONE : ROUTE_RANDOM, 0.0);
-            for (int pi = 0; pi < N_PRECISIONS; pi++) {
-                set_precision((matmul_precision)pi);
-                cuda_moe_fp8_lean_tiny(0);
-                gpu_moe(m, a, x, ids, T);
-                cuda_moe_fp8_lean_tiny(1);
-                gpu_moe(m, b, x, ids, T);
-                CHECK(memcmp(a, b, no * 4) == 0,
-                      "%s %s T=%d%s: 8-row tiles with no prepare kernel (MOESERVE_FP8_LEAN_TINY), "
-                      "the same bits",
-                      m->name, precision_name[pi], T, route ? " (one expert)" : "");
-            }
+            same_bits_switched(m, x, ids, T, cuda_moe_fp8_lean_tiny, 0, 1,
+                               route ? "no prepare kernel (MOESERVE_FP8_LEAN_TINY), one expert"
+                                     : "no prepare kernel (MOESERVE_FP8_LEAN_TINY)");
         }
         printf("  8-row tiles with no prepare kernel (MOESERVE_FP8_LEAN_TINY=1), T=%d\n", T);
         run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
@@ -1845,8 +1845,6 @@ static void lean_tiny8_cases(const model *m) {
         set_precision(MATMUL_PRECISION_HIGH);
         cuda_moe_fp8_lean_tiny(0);
         free(x);
-        free(a);
-        free(b);
         free(ids);
     }
     cuda_moe_fp8_lean_tiny(old_tiny);
@@ -1869,24 +1867,13 @@ static void lean_tiny32_cases(const model *m, bool w8) {
     const int old_pairs = cuda_moe_lean_tiny_pairs(16), old_tiny8 = cuda_moe_fp8_lean_tiny(1);
     const int old_tiny = cuda_moe_lean_tiny(1), old_tiny_m = cuda_moe_lean_tiny_medium(1);
     for (int T = 5; T <= 8 && T * K <= 32; T++) {
-        const size_t no = (size_t)T * K * D;
-        float *x = xmalloc((size_t)T * D * sizeof(float)), *a = xmalloc(no * 4),
-              *b = xmalloc(no * 4);
+        float *x = xmalloc((size_t)T * D * sizeof(float));
         int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
         for (size_t i = 0; i < (size_t)T * D; i++)
             x[i] = rng_uniform();
         make_routing(ids, T, K, m->E, ROUTE_RANDOM, 0.0);
-        for (int pi = 0; pi < N_PRECISIONS; pi++) {
-            set_precision((matmul_precision)pi);
-            cuda_moe_lean_tiny_pairs(16);
-            gpu_moe(m, a, x, ids, T);
-            cuda_moe_lean_tiny_pairs(32);
-            gpu_moe(m, b, x, ids, T);
-            CHECK(memcmp(a, b, no * 4) == 0,
-                  "%s %s T=%d (%d pairs): no prepare kernel (MOESERVE_LEAN_TINY_PAIRS=32), the "
-                  "tiles' bits",
-                  m->name, precision_name[pi], T, T * K);
-        }
+        same_bits_switched(m, x, ids, T, cuda_moe_lean_tiny_pairs, 16, 32,
+                           "no prepare kernel past 16 pairs (MOESERVE_LEAN_TINY_PAIRS=32)");
         printf("  %s: no prepare kernel at %d pairs (MOESERVE_LEAN_TINY_PAIRS=32)\n",
                w8 ? "FP8" : "NVFP4", T * K);
         run_case(m, T, ROUTE_RANDOM, 0.25, T, true, NULL); /* skipped slots, against the CPU */
@@ -1894,8 +1881,6 @@ static void lean_tiny32_cases(const model *m, bool w8) {
         set_precision(MATMUL_PRECISION_HIGH);
         cuda_moe_lean_tiny_pairs(16);
         free(x);
-        free(a);
-        free(b);
         free(ids);
     }
     cuda_moe_lean_tiny_medium(old_tiny_m);
