@@ -2409,9 +2409,9 @@ static void moe_run_lean(float *out, const float *x, const int32_t *topk_ids, co
                             F, n_pairs, rows, split, h);
 }
 
-// The tiny path's sizes of NVFP4 or FP8 experts on the lean kernels with no prepare kernel
-// (moe_lean_w4_tiny, moe_lean_w8_tiny; split: high precision); h in the workspace, [2, T K, F] by
-// pair id.
+// NVFP4 or FP8 experts at up to moe_lean_tiny_pairs() pairs on the lean kernels with no prepare
+// kernel (moe_lean_w4_tiny, moe_lean_w8_tiny; split: high precision); h in the workspace, [2, T K,
+// F] by pair id.
 template <int WF>
 static void moe_run_lean_tiny(float *out, const float *x, const int32_t *topk_ids,
                               const moe_experts *w, int T, int K, int D, int F,
