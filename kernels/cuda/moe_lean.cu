@@ -806,6 +806,10 @@ int moe_lean_w4_rows(int64_t n_pairs, int E, int D, int F, bool tiny, bool split
 // 2.99 ms, at batch 2: 3.64 -> 3.47 ms (means of two). DeepSeek-V3's experts (lean_big) keep the
 // prepare kernel: level at T = 1 (79.3 us), slower at T = 2 (137.8 -> 141.9 us).
 static int g_lean_tiny = -1;
+// a no-prepare-kernel switch's mode (1 every size, 2 small experts) on experts of D x F
+static bool lean_tiny_mode(int mode, int D, int F) {
+    return mode == 1 || (mode == 2 && !lean_big(D, F));
+}
 extern "C" int cuda_moe_lean_tiny(int on) { // test hook: on (1), off (0), the variable (-1)
     const int old = g_lean_tiny;
     g_lean_tiny = on < 0 ? -1 : on;
@@ -844,8 +848,7 @@ bool moe_lean_w4_tiny(int64_t n_pairs, int E, int D, int F, bool split) {
     const int mode = cuda_env_count("MOESERVE_LEAN_TINY", 2, &g_lean_tiny);
     if (!split && cuda_env_count("MOESERVE_LEAN_TINY_MEDIUM", 1, &g_lean_tiny_medium) != 1)
         return false;
-    return (mode == 1 || (mode == 2 && !lean_big(D, F))) &&
-           moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;
+    return lean_tiny_mode(mode, D, F) && moe_lean_w4_rows(n_pairs, E, D, F, false, true) == 4;
 }
 
 extern "C" int cuda_moe_w4_lean_tiny_on(int64_t n_pairs, int E, int D, int F, int split) {
@@ -883,9 +886,8 @@ extern "C" int cuda_moe_fp8_lean_tiny(int on) { // test hook: 0, 1, 2 as the var
 }
 bool moe_lean_w8_tiny(int64_t n_pairs, int E, int D, int F, bool split) {
     const int mode = cuda_env_count("MOESERVE_FP8_LEAN_TINY", 0, &g_fp8_tiny);
-    const bool big = lean_big(D, F);
-    if (!(mode == 1 || (mode == 2 && !big)) || (split && lean_stack_on(true))) return false;
-    const int form = lean_form_now(8, true, big, split); // forms 3 and 4 run as 1
+    if (!lean_tiny_mode(mode, D, F) || (split && lean_stack_on(true))) return false;
+    const int form = lean_form_now(8, true, lean_big(D, F), split); // forms 3 and 4 run as 1
     return (form == 1 || form == 3 || form == 4) &&
            moe_lean_w8_rows(n_pairs, E, D, F, false, split) == 8;
 }
@@ -1120,13 +1122,20 @@ void moe_lean_w4_experts(float *out, const bf16 *xb, int64_t xb_lo, const int32_
                         down_q, down_sf, s2, E, D, F, n_pairs, rows, split, h);
 }
 
+// the most tiles tiny_group makes of n_pairs pairs over E experts in chunks of R rows: each busy
+// expert's pairs rounded up to R
+static int lean_tiny_max_tiles(int64_t n_pairs, int E, int R) {
+    const int64_t busy = std::min<int64_t>(E, n_pairs);
+    return (int)std::min<int64_t>(n_pairs, (n_pairs + busy * (R - 1)) / R);
+}
+
 void moe_lean_w4_experts_tiny(float *out, const float *x, const int32_t *topk_ids,
                               const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
                               const uint8_t *gate_up_sf, const uint8_t *down_q,
                               const uint8_t *down_sf, const float *s2, int E, int D, int F,
                               bool split, bf16 *h) {
-    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
-    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 3) / 4);
+    const int64_t n_pairs = (int64_t)T * K;
+    const int max_tiles = lean_tiny_max_tiles(n_pairs, E, 4);
     lean_experts<false>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
                         gate_up_sf, down_q, down_sf, s2, E, D, F, n_pairs, 4, split, h, x, topk_ids,
                         n_rows);
@@ -1136,8 +1145,8 @@ void moe_lean_w8_experts_tiny(float *out, const float *x, const int32_t *topk_id
                               const int32_t *n_rows, int T, int K, const uint8_t *gate_up_q,
                               const float *gate_up_s, const uint8_t *down_q, const float *down_s,
                               int E, int D, int F, bool split, bf16 *h) {
-    const int64_t n_pairs = (int64_t)T * K, busy = std::min<int64_t>(E, n_pairs);
-    const int max_tiles = (int)std::min<int64_t>(n_pairs, (n_pairs + busy * 7) / 8);
+    const int64_t n_pairs = (int64_t)T * K;
+    const int max_tiles = lean_tiny_max_tiles(n_pairs, E, 8);
     lean_experts<true>(out, nullptr, 0, nullptr, nullptr, nullptr, max_tiles, K, gate_up_q,
                        (const uint8_t *)gate_up_s, down_q, (const uint8_t *)down_s, nullptr, E, D,
                        F, n_pairs, 8, split, h, x, topk_ids, n_rows);
